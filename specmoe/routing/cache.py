@@ -1,0 +1,150 @@
+"""The logical expert cache of one sequence (one request, or one batch row).
+
+`LogicalCache` holds the per-layer residency sets R_l, their slot assignment, the eviction statistics and
+the copy counters, and runs a `PolicyConfig` on them through the numba kernels of `kernels.py`. The
+harness calls `run_span` (all positions of a layer at once), the engines call `insert_predicted` (part 1)
+and `select` (part 2) as the layers execute, and `replay` drives `run_span` over recorded logits: every
+caller runs the same code. Nothing here depends on timing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernels as K
+from .calibration import Calibration
+from .policy import PolicyConfig, PolicyError
+
+_KIND_CODES = {"exact": K.KIND_EXACT, "cache_prior": K.KIND_CACHE_PRIOR, "psr": K.KIND_PSR,
+               "spec_exec": K.KIND_SPEC_EXEC}
+_NO_TRACE = np.zeros((0, 0), dtype=np.int64)
+
+
+class LogicalCache:
+    """Logical cache of one sequence over `num_layers` MoE layers of `num_experts` experts each."""
+
+    def __init__(self, policy: PolicyConfig, calibration: Calibration, num_layers: int, num_experts: int):
+        if not isinstance(policy, PolicyConfig):
+            raise PolicyError(f"expected a PolicyConfig, got {type(policy).__name__}")
+        policy.check_experts(num_experts)
+        calibration.check(num_layers, num_experts)
+        self.policy = policy
+        self.calibration = calibration
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.params = np.zeros(K.N_PARAMS, dtype=np.int64)
+        self.params[K.P_KIND] = _KIND_CODES[policy.kind]
+        self.params[K.P_CAPACITY] = policy.capacity
+        self.params[K.P_TOP_K] = policy.top_k
+        self.params[K.P_BUDGET] = policy.insert_budget
+        self.params[K.P_WINDOW] = policy.window
+        self.params[K.P_LRU] = int(policy.priority == "lru")
+        self.params[K.P_PROTECT] = policy.protect_top
+        self.params[K.P_RUNNING] = int(policy.delta == "running")
+        self.warm = np.ascontiguousarray(calibration.warm_set(policy.capacity))
+        self.delta = np.ascontiguousarray(calibration.delta)
+        prior = calibration.token_prior
+        self.prior = (np.ascontiguousarray(prior.indptr), np.ascontiguousarray(prior.experts),
+                      np.ascontiguousarray(prior.values))
+        self.istate = np.empty((num_layers, K.N_IROWS, num_experts), dtype=np.int64)
+        self.iscalar = np.empty((num_layers, K.N_ISCALARS), dtype=np.int64)
+        self.fstate = np.empty((num_layers, K.N_FROWS, num_experts), dtype=np.float64)
+        self.fscalar = np.empty((num_layers, K.N_FSCALARS), dtype=np.float64)
+        self.counters = np.zeros((num_layers, K.N_COUNTERS), dtype=np.int64)
+        self.displaced_mass = np.zeros(num_layers)
+        self._inserted = np.empty(max(policy.top_k, policy.window), dtype=np.int64)
+        self._demand = np.empty(policy.top_k, dtype=np.int64)
+        self.reset()
+
+    # -- sequence boundaries ------------------------------------------------------------------------
+    def reset(self, unused_at: np.ndarray = _NO_TRACE) -> None:
+        """Start a new sequence: R_l = warm set in slots 0..C-1, statistics zero. Counters keep
+        accumulating; prefetches of the previous sequence that never executed are counted unused."""
+        K.reset(self.istate, self.iscalar, self.fstate, self.fscalar, self.warm, self.counters, unused_at)
+
+    def finish(self) -> None:
+        """End the sequence (counts its unexecuted prefetches as unused); the cache is reset."""
+        self.reset()
+
+    # -- part 1 and part 2, one token at a time (engines) -------------------------------------------
+    def insert_predicted(self, layer: int, pregate_logits: np.ndarray, token: int) -> np.ndarray:
+        """Part 1 for `layer` and its current token: insert up to n of the pre-gate's candidates.
+        Returns the inserted experts (their copies are prefetches); their slots are `slot_of`."""
+        n = K.part1(self.istate, self.iscalar, self.fstate, self.counters, self.params, *self.prior, layer,
+                    pregate_logits, token, self._inserted, _NO_TRACE)
+        return self._inserted[:n]
+
+    def select(self, layer: int, router_logits: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
+        """Part 2 for `layer`: the executed experts S [K] (best first) and the demand insertions among them
+        (their copies are demand copies). Advances the layer to the next token."""
+        selected = np.empty(self.policy.top_k, dtype=np.int64)
+        d, mass, _ = K.part2(self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.params,
+                             self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, selected,
+                             self._demand, _NO_TRACE)
+        self.displaced_mass[layer] += mass
+        return selected, self._demand[:d].copy()
+
+    # -- all positions of a layer at once (harness, replay) ------------------------------------------
+    def run_span(self, layer: int, router_logits: np.ndarray, pregate_logits: np.ndarray | None,
+                 token_ids: np.ndarray, valid: np.ndarray | None = None, out: dict | None = None,
+                 unused_at: np.ndarray = _NO_TRACE) -> np.ndarray:
+        """Parts 1 and 2 of `layer` for consecutive positions of this sequence.
+
+        router_logits, pregate_logits: [S, E] (pre-gate None for the first MoE layer); token_ids [S];
+        valid [S] marks real (not padded) positions. Returns the executed experts [S, K]. With `out`, also
+        fills out["slots"] [S, K], out["demand"], out["prefetch"], out["replaced"] [S] and
+        out["displaced"] [S]."""
+        z = np.ascontiguousarray(router_logits, dtype=np.float64)
+        span = z.shape[0]
+        if z.ndim != 2 or z.shape[1] != self.num_experts:
+            raise ValueError(f"router logits of layer {layer} must be [positions, {self.num_experts}], got {z.shape}")
+        has_g = pregate_logits is not None
+        g = np.ascontiguousarray(pregate_logits, dtype=np.float64) if has_g else z
+        if g.shape != z.shape:
+            raise ValueError(f"pre-gate logits of layer {layer} must be {z.shape}, got {g.shape}")
+        if valid is None:
+            valid = np.ones(span, dtype=np.bool_)
+        out = {} if out is None else out
+        selected = np.empty((span, self.policy.top_k), dtype=np.int64)
+        out["slots"] = np.empty((span, self.policy.top_k), dtype=np.int64)
+        for name in ("demand", "prefetch", "replaced"):
+            out[name] = np.empty(span, dtype=np.int64)
+        out["displaced"] = np.empty(span)
+        K.run_span(self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.params,
+                   self.policy.bonus, self.delta, *self.prior, layer, z, g, has_g,
+                   np.ascontiguousarray(token_ids, dtype=np.int64), np.ascontiguousarray(valid, dtype=np.bool_),
+                   selected, out["slots"], out["demand"], out["prefetch"], out["displaced"], out["replaced"],
+                   unused_at)
+        self.displaced_mass[layer] += out["displaced"].sum()
+        return selected
+
+    # -- inspection --------------------------------------------------------------------------------
+    def resident(self, layer: int) -> np.ndarray:
+        """The experts assigned to slots 0..C-1 of `layer`."""
+        return self.istate[layer, K.SLOT_EXPERT, : self.policy.capacity].copy()
+
+    def slot_of(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Slots of `experts` in `layer` (-1 for experts not logically resident)."""
+        return self.istate[layer, K.EXPERT_SLOT, np.asarray(experts, dtype=np.int64)]
+
+    def position(self, layer: int) -> int:
+        """Index of the token that `layer` will process next."""
+        return int(self.iscalar[layer, K.POS])
+
+    def totals(self) -> dict:
+        """Counters summed over layers since the last `clear_counters`: (token, layer) steps, copies by
+        class, router slots replaced, displaced router mass."""
+        total = self.counters.sum(axis=0)
+        return {
+            "steps": int(total[K.C_TOKENS]),
+            "demand": int(total[K.C_DEMAND]),
+            "prefetch": int(total[K.C_PREFETCH]),
+            "unused": int(total[K.C_UNUSED]),
+            "replaced": int(total[K.C_REPLACED]),
+            "displaced_mass": float(self.displaced_mass.sum()),
+        }
+
+    def clear_counters(self) -> None:
+        self.counters[:] = 0
+        self.displaced_mass[:] = 0.0
+

@@ -1,0 +1,266 @@
+"""Calibration data of the routing policies: warm set, token prior and mean logit range per layer.
+
+All three are estimated from the router logits of exact routing on held-out text that no evaluation uses,
+saved to one safetensors file with its provenance, and checked against the model that loads them.
+
+- warm ranking [L, E]: experts of each layer by how often the router's own top-K selects them (ties to
+  the lower index); the warm set at capacity C is its first C entries.
+- token prior pi_l(x): for input token x, the fraction of its occurrences in which layer l's top-K holds
+  each expert. Stored sparse (CSR over tokens, per layer) because the dense array [L, V, E] of a large
+  vocabulary does not fit (V=248k, E=256, L=40 is 10 GB); a dense array is accepted and converted.
+  A token never seen in calibration has a zero prior.
+- delta [L]: mean of max z - min z, the scale of the Cache-Prior bonus.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+
+class CalibrationError(ValueError):
+    """A calibration that does not fit the model or policy it is used with, or an unreadable file."""
+
+
+@dataclass(frozen=True)
+class TokenPrior:
+    """Sparse token prior: for layer l and token x, experts[indptr[l, x]:indptr[l, x+1]] with values."""
+
+    indptr: np.ndarray  # int64 [L, V + 1], offsets into experts/values
+    experts: np.ndarray  # int32 [nnz]
+    values: np.ndarray  # float64 [nnz], frequencies in [0, 1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.indptr.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.indptr.shape[1] - 1
+
+    @classmethod
+    def from_dense(cls, dense: np.ndarray) -> "TokenPrior":
+        dense = np.asarray(dense, dtype=np.float64)
+        if dense.ndim != 3:
+            raise CalibrationError(f"a dense token prior has shape [L, V, E], got {dense.shape}")
+        num_layers, vocab, _ = dense.shape
+        layer, token, expert = np.nonzero(dense)  # row-major: sorted by (layer, token)
+        indptr = _csr_indptr(layer * vocab + token, num_layers, vocab)
+        return cls(indptr, expert.astype(np.int32), dense[layer, token, expert])
+
+    def row(self, layer: int, token: int, num_experts: int) -> np.ndarray:
+        out = np.zeros(num_experts)
+        lo, hi = self.indptr[layer, token], self.indptr[layer, token + 1]
+        out[self.experts[lo:hi]] = self.values[lo:hi]
+        return out
+
+    def to_dense(self, num_experts: int) -> np.ndarray:
+        dense = np.zeros((self.num_layers, self.vocab_size, num_experts))
+        for layer in range(self.num_layers):
+            lengths = np.diff(self.indptr[layer])
+            tokens = np.repeat(np.arange(self.vocab_size), lengths)
+            lo, hi = self.indptr[layer, 0], self.indptr[layer, -1]
+            dense[layer, tokens, self.experts[lo:hi]] = self.values[lo:hi]
+        return dense
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Warm ranking [L, E], token prior and delta [L], with the provenance of the data they came from."""
+
+    warm_ranking: np.ndarray
+    token_prior: TokenPrior
+    delta: np.ndarray
+    provenance: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_prior, TokenPrior):
+            object.__setattr__(self, "token_prior", TokenPrior.from_dense(self.token_prior))
+        warm = np.asarray(self.warm_ranking, dtype=np.int64)
+        delta = np.asarray(self.delta, dtype=np.float64)
+        object.__setattr__(self, "warm_ranking", warm)
+        object.__setattr__(self, "delta", delta)
+        if warm.ndim != 2 or delta.shape != (warm.shape[0],) or self.token_prior.num_layers != warm.shape[0]:
+            raise CalibrationError(
+                f"inconsistent calibration shapes: warm ranking {warm.shape}, delta {delta.shape}, "
+                f"token prior over {self.token_prior.num_layers} layers"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return self.warm_ranking.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.provenance.get("num_experts", self.warm_ranking.shape[1]))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.token_prior.vocab_size
+
+    def warm_set(self, capacity: int) -> np.ndarray:
+        """The C most frequently selected experts per layer, ascending: int64 [L, C]."""
+        if capacity > self.warm_ranking.shape[1]:
+            raise CalibrationError(
+                f"the calibration ranks {self.warm_ranking.shape[1]} experts per layer, fewer than C={capacity}"
+            )
+        return np.sort(self.warm_ranking[:, :capacity], axis=1)
+
+    def check(self, num_layers: int, num_experts: int, vocab_size: int | None = None,
+              fingerprint: str | None = None) -> None:
+        """Raise CalibrationError unless this calibration was made for a model of this geometry (and
+        routers, where both sides carry a fingerprint)."""
+        problems = []
+        if self.num_layers != num_layers:
+            problems.append(f"{self.num_layers} MoE layers, the model has {num_layers}")
+        if self.num_experts != num_experts:
+            problems.append(f"{self.num_experts} experts per layer, the model has {num_experts}")
+        if vocab_size is not None and self.vocab_size != vocab_size:
+            problems.append(f"vocabulary {self.vocab_size}, the model has {vocab_size}")
+        mine = self.provenance.get("fingerprint")
+        if fingerprint is not None and mine is not None and mine != fingerprint:
+            problems.append(f"router fingerprint {mine[:12]}, the model's is {fingerprint[:12]}")
+        if problems:
+            source = self.provenance.get("model", "an unnamed model")
+            raise CalibrationError(
+                f"calibration from {source} does not fit this model: " + "; ".join(problems)
+                + ". Calibrate on this model with `specmoe calibrate`."
+            )
+
+    # -- files ------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically to `path` (safetensors, provenance as JSON metadata)."""
+        from safetensors.numpy import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "warm_ranking": self.warm_ranking,
+            "delta": self.delta,
+            "prior_indptr": self.token_prior.indptr,
+            "prior_experts": self.token_prior.experts,
+            "prior_values": self.token_prior.values,
+        }
+        meta = {"format": "specmoe-calibration", "version": str(FORMAT_VERSION),
+                "provenance": json.dumps(self.provenance, sort_keys=True)}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Calibration":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise CalibrationError(f"no calibration file at {path}")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+                arrays = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises several types for a corrupt header
+            raise CalibrationError(f"{path} is not a readable safetensors file: {exc}") from exc
+        if meta.get("format") != "specmoe-calibration":
+            raise CalibrationError(f"{path} is not a specmoe calibration file")
+        prior = TokenPrior(arrays["prior_indptr"], arrays["prior_experts"], arrays["prior_values"])
+        provenance = json.loads(meta.get("provenance", "{}"))
+        provenance["file"] = str(path)
+        return cls(arrays["warm_ranking"], prior, arrays["delta"], provenance)
+
+
+def _csr_indptr(rows: np.ndarray, num_layers: int, vocab_size: int) -> np.ndarray:
+    """Offsets [L, V + 1] of sorted row ids (layer * V + token) into one global CSR array."""
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=num_layers * vocab_size))])
+    return np.stack([offsets[l * vocab_size:(l + 1) * vocab_size + 1] for l in range(num_layers)]).astype(np.int64)
+
+
+def router_fingerprint(router_weights: Iterable[np.ndarray]) -> str:
+    """A hash that identifies a model's routing: sha256 over its routers' weights in float32."""
+    digest = hashlib.sha256()
+    for weight in router_weights:
+        array = np.ascontiguousarray(np.asarray(weight, dtype=np.float32))
+        digest.update(str(array.shape).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """Top-k indices along the last axis, ties to the lower index (stable sort of -z)."""
+    return np.argsort(-logits, axis=-1, kind="stable")[..., :k]
+
+
+class CalibrationBuilder:
+    """Accumulates router logits of exact routing over held-out sequences; `finish` gives a Calibration."""
+
+    def __init__(self, num_layers: int, num_experts: int, vocab_size: int, top_k: int):
+        self.num_layers, self.num_experts, self.vocab_size, self.top_k = num_layers, num_experts, vocab_size, top_k
+        self.selection_counts = np.zeros((num_layers, num_experts), dtype=np.int64)
+        self.range_sum = np.zeros(num_layers)
+        self.tokens = 0
+        self.token_counts = np.zeros(vocab_size, dtype=np.int64)
+        self._keys: list[np.ndarray] = []  # (layer * V + token) * E + expert, with counts
+        self._counts: list[np.ndarray] = []
+        self._pending = 0
+
+    def add(self, router_logits: np.ndarray, token_ids: np.ndarray) -> None:
+        """Add one sequence: router logits [T, L, E] and the input token of each position [T]."""
+        z = np.asarray(router_logits, dtype=np.float64)
+        x = np.asarray(token_ids, dtype=np.int64)
+        if z.ndim != 3 or z.shape[1:] != (self.num_layers, self.num_experts) or x.shape != (z.shape[0],):
+            raise CalibrationError(
+                f"expected router logits [T, {self.num_layers}, {self.num_experts}] and token ids [T], "
+                f"got {z.shape} and {x.shape}"
+            )
+        if x.size and (x.min() < 0 or x.max() >= self.vocab_size):
+            raise CalibrationError(f"token ids outside the vocabulary of {self.vocab_size}")
+        top = _top_k(z, self.top_k)  # [T, L, K]
+        layers = np.arange(self.num_layers)[None, :, None]
+        np.add.at(self.selection_counts, (np.broadcast_to(layers, top.shape), top), 1)
+        self.range_sum += (z.max(axis=2) - z.min(axis=2)).sum(axis=0)
+        self.tokens += z.shape[0]
+        np.add.at(self.token_counts, x, 1)
+        keys = ((layers * self.vocab_size + x[:, None, None]) * self.num_experts + top).ravel()
+        self._keys.append(keys)
+        self._counts.append(np.ones_like(keys))
+        self._pending += keys.size
+        if self._pending > 20_000_000:
+            self._compact()
+
+    def _compact(self) -> None:
+        keys = np.concatenate(self._keys)
+        counts = np.concatenate(self._counts)
+        unique, inverse = np.unique(keys, return_inverse=True)
+        self._keys, self._counts = [unique], [np.bincount(inverse, weights=counts).astype(np.int64)]
+        self._pending = unique.size
+
+    def finish(self, provenance: dict | None = None) -> Calibration:
+        if self.tokens == 0:
+            raise CalibrationError("no calibration text: add at least one sequence")
+        if self._keys:
+            self._compact()
+        keys = self._keys[0] if self._keys else np.zeros(0, dtype=np.int64)
+        counts = self._counts[0] if self._counts else np.zeros(0, dtype=np.int64)
+        expert = keys % self.num_experts
+        row = keys // self.num_experts  # layer * V + token, sorted
+        token = row % self.vocab_size
+        values = counts / self.token_counts[token]
+        indptr = _csr_indptr(row, self.num_layers, self.vocab_size)
+        ranking = np.argsort(-self.selection_counts, axis=1, kind="stable")
+        info = {
+            "num_layers": self.num_layers, "num_experts": self.num_experts, "top_k": self.top_k,
+            "vocab_size": self.vocab_size, "tokens": int(self.tokens),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        info.update(provenance or {})
+        return Calibration(ranking, TokenPrior(indptr, expert.astype(np.int32), values),
+                           self.range_sum / self.tokens, info)

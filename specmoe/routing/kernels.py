@@ -1,0 +1,321 @@
+"""Numba kernels of the logical cache: Algorithm 1 of the paper, parts 1 and 2, for one layer and token.
+
+This is the only implementation of the routing policies: `LogicalCache` (harness and engines) and `replay`
+call these functions. State lives in a few plain arrays (see `new_state`) so that one call crosses the
+Python/numba boundary cheaply; the row indices below name their contents. Token indices t count the
+positions of the current sequence; "-1" means never.
+
+Conventions (DESIGN.md, "Routing semantics"): statistics in float64; EMA decays 0.5 and 0.98 over the
+router's own top-K; A priority = s_fast + s_slow + pi_l(x_t); lru priority = 1 + last token index of
+execution or insertion (warm experts 0). The priority is a snapshot taken once per (token, layer) before
+any insertion. Eviction picks the lowest priority, ties to the lowest expert index. The biased top-K
+breaks ties by the higher raw logit, then the lower index; plain rankings by the lower index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# istate: int64 [L, N_IROWS, E]
+SLOT_EXPERT = 0  # [:C] the expert each slot is assigned to
+EXPERT_SLOT = 1  # slot of each expert, -1 if not logically resident
+LAST_USE = 2  # token of the last execution or insertion, -1 never
+PROTECTED = 3  # token at which the expert joined the protected set B
+SELECTED = 4  # token at which the expert was in the executed set S
+PREFETCHED = 5  # token of a prefetch insertion whose expert has not executed since, -1 otherwise
+PREDICTED = 6  # [:M] the pre-gate ranking of the token PRED_TOKEN, M = max(K, w)
+N_IROWS = 7
+
+# iscalar: int64 [L, N_ISCALARS]
+POS = 0  # index of the current token: tokens completed by part 2 in this layer
+SNAP_TOKEN = 1  # token whose priority snapshot is in fstate[:, PRIORITY]
+PRED_TOKEN = 2  # token whose pre-gate ranking is in istate[:, PREDICTED]
+N_ISCALARS = 3
+
+# fstate: float64 [L, N_FROWS, E]
+S_FAST = 0
+S_SLOW = 1
+PRIORITY = 2
+N_FROWS = 3
+
+# fscalar: float64 [L, N_FSCALARS]
+RANGE_SUM = 0  # running logit range of this sequence (delta = "running")
+RANGE_COUNT = 1
+N_FSCALARS = 2
+
+# counters: int64 [L, N_COUNTERS], accumulated over sequences until cleared
+C_TOKENS = 0  # (token, layer) steps
+C_DEMAND = 1  # demand copies
+C_PREFETCH = 2  # prefetch copies (insertions by part 1)
+C_UNUSED = 3  # prefetches evicted, or left at the end of the sequence, without executing
+C_REPLACED = 4  # router top-K slots not executed
+N_COUNTERS = 5
+
+# params: int64 [N_PARAMS]
+P_KIND = 0  # KIND_* below
+P_CAPACITY = 1
+P_TOP_K = 2
+P_BUDGET = 3
+P_WINDOW = 4
+P_LRU = 5  # 1 for lru priority, 0 for A
+P_PROTECT = 6
+P_RUNNING = 7  # 1 for a running delta
+N_PARAMS = 8
+
+KIND_EXACT, KIND_CACHE_PRIOR, KIND_PSR, KIND_SPEC_EXEC = 0, 1, 2, 3
+FAST_DECAY, SLOW_DECAY = 0.5, 0.98
+
+
+@njit(cache=True, inline="always")
+def _ahead(sa, za, a, sb, zb, b):
+    """True if candidate a ranks before b: higher score, then higher raw logit, then lower index."""
+    if sa != sb:
+        return sa > sb
+    if za != zb:
+        return za > zb
+    return a < b
+
+
+@njit(cache=True)
+def _rank(score, raw, k, out):
+    """Write the k best experts by (score, raw, -index) into out[:k], best first (one insertion pass)."""
+    n = 0
+    for e in range(score.shape[0]):
+        s = score[e]
+        r = raw[e]
+        if n == k and not _ahead(s, r, e, score[out[k - 1]], raw[out[k - 1]], out[k - 1]):
+            continue
+        i = n if n < k else k - 1
+        while i > 0 and _ahead(s, r, e, score[out[i - 1]], raw[out[i - 1]], out[i - 1]):
+            out[i] = out[i - 1]
+            i -= 1
+        out[i] = e
+        if n < k:
+            n += 1
+
+
+@njit(cache=True)
+def _snapshot(ist, isc, fst, params, pind, pexp, pval, layer, token):
+    """Take the priority snapshot of this (token, layer) step unless part 1 already took it."""
+    t = isc[layer, POS]
+    if isc[layer, SNAP_TOKEN] == t:
+        return
+    isc[layer, SNAP_TOKEN] = t
+    prio = fst[layer, PRIORITY]
+    if params[P_LRU] == 1:
+        for e in range(prio.shape[0]):
+            prio[e] = 1.0 + ist[layer, LAST_USE, e]
+        return
+    for e in range(prio.shape[0]):
+        prio[e] = fst[layer, S_FAST, e] + fst[layer, S_SLOW, e]
+    if token >= 0 and token < pind.shape[1] - 1:
+        for i in range(pind[layer, token], pind[layer, token + 1]):
+            prio[pexp[i]] += pval[i]
+
+
+@njit(cache=True)
+def _victim(ist, fst, params, layer, t, spare_protected):
+    """Resident expert to evict: lowest priority outside S (and outside B if spare_protected), ties to
+    the lowest index; -1 if every resident expert is excluded."""
+    best = -1
+    best_p = np.inf
+    for s in range(params[P_CAPACITY]):
+        e = ist[layer, SLOT_EXPERT, s]
+        if ist[layer, SELECTED, e] == t or (spare_protected and ist[layer, PROTECTED, e] == t):
+            continue
+        p = fst[layer, PRIORITY, e]
+        if p < best_p or (p == best_p and e < best):
+            best = e
+            best_p = p
+    return best
+
+
+@njit(cache=True)
+def _insert(ist, cnt, layer, expert, victim, t, prefetch, unused_at):
+    """Give `expert` the slot of `victim`; a victim that was prefetched and never executed is unused."""
+    t0 = ist[layer, PREFETCHED, victim]
+    if t0 >= 0:
+        cnt[layer, C_UNUSED] += 1
+        if unused_at.shape[0] > t0:
+            unused_at[t0, layer] += 1
+    slot = ist[layer, EXPERT_SLOT, victim]
+    ist[layer, EXPERT_SLOT, victim] = -1
+    ist[layer, PREFETCHED, victim] = -1
+    ist[layer, SLOT_EXPERT, slot] = expert
+    ist[layer, EXPERT_SLOT, expert] = slot
+    ist[layer, LAST_USE, expert] = t
+    ist[layer, PREFETCHED, expert] = t if prefetch else -1
+
+
+@njit(cache=True)
+def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, inserted, unused_at):
+    """Algorithm 1, part 1: insertion for `layer` from its pre-gate logits g [E] (the router of `layer`
+    applied to the previous layer's MoE input) for the layer's current token. Inserted experts go to
+    inserted[:n]; returns n. Touches only this layer's state."""
+    t = isc[layer, POS]
+    _snapshot(ist, isc, fst, params, pind, pexp, pval, layer, token)
+    k = params[P_TOP_K]
+    w = params[P_WINDOW]
+    m = max(k, w)
+    _rank(g, g, m, ist[layer, PREDICTED])
+    isc[layer, PRED_TOKEN] = t
+    budget = params[P_BUDGET]
+    new = 0
+    for r in range(min(w, g.shape[0])):
+        e = ist[layer, PREDICTED, r]
+        if ist[layer, EXPERT_SLOT, e] >= 0:
+            ist[layer, PROTECTED, e] = t
+        elif new < budget:
+            victim = _victim(ist, fst, params, layer, t, True)
+            if victim < 0:
+                continue
+            _insert(ist, cnt, layer, e, victim, t, True, unused_at)
+            ist[layer, PROTECTED, e] = t
+            inserted[new] = e
+            new += 1
+    cnt[layer, C_PREFETCH] += new
+    return new
+
+
+@njit(cache=True)
+def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token,
+          selected, demand, unused_at):
+    """Algorithm 1, part 2: selection for `layer` from router logits z [E]; selected[:K] gets the
+    executed set S (best first), demand[:d] the demand insertions (index order). Updates the statistics
+    with the router's own top-K and advances the layer to the next token. Returns (d, displaced router
+    mass, router top-K slots replaced)."""
+    t = isc[layer, POS]
+    _snapshot(ist, isc, fst, params, pind, pexp, pval, layer, token)
+    num_experts = z.shape[0]
+    k = params[P_TOP_K]
+    kind = params[P_KIND]
+    zmax = -np.inf
+    zmin = np.inf
+    for e in range(num_experts):
+        zmax = max(zmax, z[e])
+        zmin = min(zmin, z[e])
+    fsc[layer, RANGE_SUM] += zmax - zmin
+    fsc[layer, RANGE_COUNT] += 1.0
+
+    own = np.empty(k, dtype=np.int64)
+    _rank(z, z, k, own)
+    if kind == KIND_EXACT:
+        selected[:k] = own
+    elif kind == KIND_SPEC_EXEC:
+        if isc[layer, PRED_TOKEN] == t:
+            selected[:k] = ist[layer, PREDICTED, :k]
+        else:
+            selected[:k] = own
+    else:
+        if params[P_RUNNING] == 1:
+            scale = bonus * fsc[layer, RANGE_SUM] / fsc[layer, RANGE_COUNT]
+        else:
+            scale = bonus * delta[layer]
+        biased = z.copy()
+        for e in range(num_experts):
+            if ist[layer, EXPERT_SLOT, e] >= 0:
+                biased[e] += scale
+        for j in range(params[P_PROTECT]):
+            e = own[j]
+            if ist[layer, EXPERT_SLOT, e] < 0:
+                biased[e] += scale
+        _rank(biased, z, k, selected)
+    for j in range(k):
+        ist[layer, SELECTED, selected[j]] = t
+
+    # demand insertions, in expert index order
+    order = np.sort(selected[:k])
+    d = 0
+    for j in range(k):
+        e = order[j]
+        if ist[layer, EXPERT_SLOT, e] >= 0:
+            continue
+        victim = _victim(ist, fst, params, layer, t, True)
+        if victim < 0:
+            victim = _victim(ist, fst, params, layer, t, False)
+        _insert(ist, cnt, layer, e, victim, t, False, unused_at)
+        demand[d] = e
+        d += 1
+    for j in range(k):
+        e = selected[j]
+        ist[layer, PREFETCHED, e] = -1
+        ist[layer, LAST_USE, e] = t
+
+    # statistics of the router's own top-K; what the policy displaced from it
+    sf = fst[layer, S_FAST]
+    ss = fst[layer, S_SLOW]
+    for e in range(num_experts):
+        sf[e] *= FAST_DECAY
+        ss[e] *= SLOW_DECAY
+    norm = 0.0
+    for e in range(num_experts):
+        norm += np.exp(z[e] - zmax)
+    displaced = 0.0
+    replaced = 0
+    for j in range(k):
+        e = own[j]
+        sf[e] += 1.0 - FAST_DECAY
+        ss[e] += 1.0 - SLOW_DECAY
+        if ist[layer, SELECTED, e] != t:
+            displaced += np.exp(z[e] - zmax) / norm
+            replaced += 1
+    cnt[layer, C_TOKENS] += 1
+    cnt[layer, C_DEMAND] += d
+    cnt[layer, C_REPLACED] += replaced
+    isc[layer, POS] = t + 1
+    return d, displaced, replaced
+
+
+@njit(cache=True)
+def reset(ist, isc, fst, fsc, warm, cnt, unused_at):
+    """Start a sequence: prefetches still unexecuted count as unused, then R_l = warm[l] (ascending) in
+    slots 0..C-1, statistics zero."""
+    num_layers = ist.shape[0]
+    for layer in range(num_layers):
+        for e in range(ist.shape[2]):
+            t0 = ist[layer, PREFETCHED, e]
+            if t0 >= 0:
+                cnt[layer, C_UNUSED] += 1
+                if unused_at.shape[0] > t0:
+                    unused_at[t0, layer] += 1
+    ist[:] = -1
+    isc[:] = -1
+    isc[:, POS] = 0
+    fst[:] = 0.0
+    fsc[:] = 0.0
+    for layer in range(num_layers):
+        for s in range(warm.shape[1]):
+            e = warm[layer, s]
+            ist[layer, SLOT_EXPERT, s] = e
+            ist[layer, EXPERT_SLOT, e] = s
+
+
+@njit(cache=True)
+def run_span(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, g, has_g, tokens,
+             valid, selected, slots, demand, prefetch, displaced, replaced, unused_at):
+    """Parts 1 and 2 of `layer` for consecutive tokens: z, g [S, E], tokens [S], valid [S]. Invalid
+    (padded) positions get the router's own top-K and leave the state untouched. Writes per position:
+    selected/slots [S, K], demand/prefetch copies, displaced mass, replaced router slots."""
+    k = params[P_TOP_K]
+    scratch = np.empty(max(k, params[P_WINDOW]), dtype=np.int64)
+    for i in range(z.shape[0]):
+        if not valid[i]:
+            _rank(z[i], z[i], k, selected[i])
+            slots[i, :] = -1
+            demand[i] = 0
+            prefetch[i] = 0
+            displaced[i] = 0.0
+            replaced[i] = 0
+            continue
+        n = 0
+        if has_g:
+            n = part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g[i], tokens[i], scratch, unused_at)
+        d, mass, rep = part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z[i],
+                             tokens[i], selected[i], scratch, unused_at)
+        for j in range(k):
+            slots[i, j] = ist[layer, EXPERT_SLOT, selected[i, j]]
+        demand[i] = d
+        prefetch[i] = n
+        displaced[i] = mass
+        replaced[i] = rep

@@ -1,0 +1,97 @@
+"""Replay of a routing policy over recorded router and pre-gate logits (no model, no torch).
+
+`replay` runs `LogicalCache.run_span` layer by layer over a recorded sequence (or several, reset at each
+boundary): the same code the harness and the engines run, so its decisions are theirs on the same logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cache import LogicalCache
+from .calibration import Calibration
+from .policy import PolicyConfig
+
+
+@dataclass
+class RoutingTrace:
+    """Per (token, layer) decisions of a policy. Copies of a prefetch that never executed are counted in
+    `unused_prefetches` at the step that inserted it."""
+
+    policy: PolicyConfig
+    selected: np.ndarray  # int64 [T, L, K], executed experts, best first
+    slots: np.ndarray  # int64 [T, L, K], slot of each executed expert
+    demand_copies: np.ndarray  # int64 [T, L]
+    prefetch_copies: np.ndarray  # int64 [T, L]
+    unused_prefetches: np.ndarray  # int64 [T, L]
+    displaced_mass: np.ndarray  # float64 [T, L], router softmax mass of its own top-K not executed
+    replaced: np.ndarray  # int64 [T, L], router top-K slots not executed
+
+    @property
+    def copies(self) -> np.ndarray:
+        return self.demand_copies + self.prefetch_copies
+
+    def summary(self) -> dict:
+        """Per-token means (sums over layers, averaged over tokens)."""
+        tokens = max(self.selected.shape[0], 1)
+        return {
+            "copies": float(self.copies.sum() / tokens),
+            "demand": float(self.demand_copies.sum() / tokens),
+            "prefetch": float(self.prefetch_copies.sum() / tokens),
+            "unused": float(self.unused_prefetches.sum() / tokens),
+            "replaced": float(self.replaced.sum() / tokens),
+            "displaced_mass": float(self.displaced_mass.sum() / tokens),
+        }
+
+
+def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.ndarray | None,
+           token_ids: np.ndarray | None, calibration: Calibration,
+           sequence_starts: np.ndarray | None = None) -> RoutingTrace:
+    """Run `policy` over router logits [T, L, E] and pre-gate logits [T, L, E] (row l = router of layer l
+    on layer l-1's MoE input; row 0 is ignored; None for policies without a pre-gate), with the input
+    token of each position [T] (None: the token prior is not used). `sequence_starts` lists the positions
+    where a new sequence begins (default: one sequence); the cache is reset at each."""
+    z = np.asarray(router_logits)
+    if z.ndim != 3:
+        raise ValueError(f"router logits must be [T, L, E], got shape {z.shape}")
+    num_tokens, num_layers, num_experts = z.shape
+    if pregate_logits is not None and np.shape(pregate_logits) != z.shape:
+        raise ValueError(f"pre-gate logits must have the router logits' shape {z.shape}, got {np.shape(pregate_logits)}")
+    if pregate_logits is None and policy.insert_budget > 0:
+        raise ValueError(f"policy {policy.name} inserts pre-gate predictions: pass pregate_logits")
+    if not np.isfinite(z).all():
+        raise ValueError("router logits contain NaN or infinity")
+    tokens = np.full(num_tokens, -1, dtype=np.int64) if token_ids is None else np.asarray(token_ids, dtype=np.int64)
+    if tokens.shape != (num_tokens,):
+        raise ValueError(f"token ids must be [T={num_tokens}], got {tokens.shape}")
+    starts = np.array([0] if sequence_starts is None else sequence_starts, dtype=np.int64)
+    if starts.size == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= max(num_tokens, 1):
+        raise ValueError("sequence_starts must begin at 0 and increase strictly within [0, T)")
+    bounds = np.append(starts, num_tokens)
+
+    cache = LogicalCache(policy, calibration, num_layers, num_experts)
+    k = policy.top_k
+    selected = np.empty((num_tokens, num_layers, k), dtype=np.int64)
+    slots = np.empty_like(selected)
+    demand = np.empty((num_tokens, num_layers), dtype=np.int64)
+    prefetch = np.empty_like(demand)
+    replaced = np.empty_like(demand)
+    displaced = np.empty((num_tokens, num_layers))
+    unused = np.zeros_like(demand)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        unused_seq = unused[lo:hi]
+        cache.reset()
+        for layer in range(num_layers):
+            g = pregate_logits[lo:hi, layer] if pregate_logits is not None and layer > 0 else None
+            out: dict = {}
+            selected[lo:hi, layer] = cache.run_span(layer, z[lo:hi, layer], g, tokens[lo:hi], out=out,
+                                                    unused_at=unused_seq)
+            slots[lo:hi, layer] = out["slots"]
+            demand[lo:hi, layer] = out["demand"]
+            prefetch[lo:hi, layer] = out["prefetch"]
+            replaced[lo:hi, layer] = out["replaced"]
+            displaced[lo:hi, layer] = out["displaced"]
+        cache.reset(unused_at=unused_seq)
+    return RoutingTrace(policy, selected, slots, demand, prefetch, unused, displaced, replaced)
