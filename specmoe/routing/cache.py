@@ -127,6 +127,10 @@ class LogicalCache:
         """Slots of `experts` in `layer` (-1 for experts not logically resident)."""
         return self.istate[layer, K.EXPERT_SLOT, np.asarray(experts, dtype=np.int64)]
 
+    def statistics(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The fast and slow moving averages (decay 0.5 and 0.98) of the router's own top-K in `layer`."""
+        return self.fstate[layer, K.S_FAST].copy(), self.fstate[layer, K.S_SLOW].copy()
+
     def position(self, layer: int) -> int:
         """Index of the token that `layer` will process next."""
         return int(self.iscalar[layer, K.POS])

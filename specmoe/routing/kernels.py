@@ -248,9 +248,6 @@ def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
     for e in range(num_experts):
         sf[e] *= FAST_DECAY
         ss[e] *= SLOW_DECAY
-    norm = 0.0
-    for e in range(num_experts):
-        norm += np.exp(z[e] - zmax)
     displaced = 0.0
     replaced = 0
     for j in range(k):
@@ -258,8 +255,13 @@ def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
         sf[e] += 1.0 - FAST_DECAY
         ss[e] += 1.0 - SLOW_DECAY
         if ist[layer, SELECTED, e] != t:
-            displaced += np.exp(z[e] - zmax) / norm
+            displaced += np.exp(z[e] - zmax)
             replaced += 1
+    if replaced:  # the softmax normaliser only when something was displaced
+        norm = 0.0
+        for e in range(num_experts):
+            norm += np.exp(z[e] - zmax)
+        displaced /= norm
     cnt[layer, C_TOKENS] += 1
     cnt[layer, C_DEMAND] += d
     cnt[layer, C_REPLACED] += replaced
