@@ -368,3 +368,15 @@ def test_calibration_from_another_model_is_refused():
                       {"fingerprint": "a" * 64})
     with pytest.raises(CalibrationError, match="router fingerprint"):
         cal.check(2, E, 4, fingerprint="b" * 64)
+
+
+def test_policies_without_insertion_ignore_the_pregate():
+    rng = np.random.default_rng(5)
+    z = rng.normal(size=(60, 2, E))
+    g = rng.normal(size=z.shape)
+    for name in ("exact_lru", "cache_prior"):
+        policy = preset(name, 3, 2)
+        with_g = replay(policy, z, g, np.full(60, TOKEN), calibration())
+        without = replay(policy, z, None, np.full(60, TOKEN), calibration())
+        assert (with_g.selected == without.selected).all()
+        assert (with_g.demand_copies == without.demand_copies).all()

@@ -46,7 +46,7 @@ class LogicalCache:
         prior = calibration.token_prior
         self.prior = (np.ascontiguousarray(prior.indptr), np.ascontiguousarray(prior.experts),
                       np.ascontiguousarray(prior.values))
-        self.istate = np.empty((num_layers, K.N_IROWS, num_experts), dtype=np.int64)
+        self.istate = np.full((num_layers, K.N_IROWS, num_experts), -1, dtype=np.int64)  # reset reads PREFETCHED
         self.iscalar = np.empty((num_layers, K.N_ISCALARS), dtype=np.int64)
         self.fstate = np.empty((num_layers, K.N_FROWS, num_experts), dtype=np.float64)
         self.fscalar = np.empty((num_layers, K.N_FSCALARS), dtype=np.float64)

@@ -161,6 +161,8 @@ def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, inserte
     _rank(g, g, m, ist[layer, PREDICTED])
     isc[layer, PRED_TOKEN] = t
     budget = params[P_BUDGET]
+    if budget == 0:  # a policy without insertion has no part 1: B stays empty
+        return 0
     new = 0
     for r in range(min(w, g.shape[0])):
         e = ist[layer, PREDICTED, r]

@@ -1,0 +1,86 @@
+"""The `specmoe` command. With no subcommand it runs the main job (`specmoe demo`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .routing import PRESETS, PolicyConfig, PolicyError, preset
+
+
+def parse_policy(name: str, capacity: int, top_k: int, overrides: list[str] | None = None) -> PolicyConfig:
+    """A preset (see `specmoe.routing.PRESETS`) with `field=value` overrides, e.g. ["bonus=0.25"]."""
+    fields = PolicyConfig.__dataclass_fields__
+    changes = {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields or key in ("capacity", "top_k"):
+            raise PolicyError(f"bad policy override {item!r}: expected FIELD=VALUE with FIELD one of "
+                              + ", ".join(f for f in fields if f not in ("capacity", "top_k")))
+        kind = fields[key].type
+        try:
+            changes[key] = float(value) if kind == "float" else int(value) if kind == "int" else value
+        except ValueError:
+            raise PolicyError(f"bad policy override {item!r}: {key} takes a {kind}") from None
+    return preset(name, capacity, top_k, **changes)
+
+
+def _add_policy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default="psr", help=f"preset: {', '.join(PRESETS)} (default psr)")
+    parser.add_argument("--capacity", "-C", type=int, required=True, help="expert slots per layer")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a policy field, e.g. --set bonus=0.25 --set window=4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .experiments import calibrate, demo
+
+    parser = argparse.ArgumentParser(prog="specmoe", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    demo.add_parser(sub)
+    calibrate.add_parser(sub)
+
+    replay_parser = sub.add_parser("replay", help="run a policy over a recorded routing trace (no model)")
+    replay_parser.add_argument("--trace", required=True, help="trace file written by `specmoe trace`")
+    replay_parser.add_argument("--calibration", required=True, help="calibration file of the traced model")
+    _add_policy_args(replay_parser)
+    replay_parser.set_defaults(func=_run_replay)
+
+    try:
+        from . import traces
+    except ImportError:  # the trace format lands with the trained model family
+        traces = None
+    if traces is not None and hasattr(traces, "add_trace_parser"):
+        traces.add_trace_parser(sub)
+    return parser
+
+
+def _run_replay(args) -> int:
+    from .routing import Calibration, replay
+    from .traces import Trace
+
+    calibration = Calibration.load(args.calibration)
+    trace = Trace.load(args.trace)
+    policy = parse_policy(args.policy, args.capacity, trace.top_k, args.set)
+    result = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
+                    sequence_starts=trace.sequence_starts)
+    print(f"{policy.name} on {trace.router_logits.shape[0]} tokens")
+    for key, value in result.summary().items():
+        print(f"  {key:>15} per token: {value:.3f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["demo", *(argv or [])])
+    try:
+        return args.func(args) or 0
+    except (PolicyError, ValueError, FileNotFoundError) as exc:
+        print(f"specmoe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

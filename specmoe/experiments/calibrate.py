@@ -1,0 +1,84 @@
+"""`specmoe calibrate`: warm set, token prior and logit range of a model, from held-out text.
+
+The text must be held out from every evaluation; the file records where it came from. Sources:
+- `--text FILE...`: plain text, tokenized with the checkpoint's tokenizer (or `--tokenizer DIR`);
+- `--tokens FILE.npy`: a 1-D array of token ids;
+- `--selfgen N`: N windows sampled from the model itself under exact routing (seeded), for models without text.
+The token stream is cut into non-overlapping windows of `--length` tokens (at most `--windows` of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+
+def token_windows(stream: np.ndarray, length: int, limit: int | None = None) -> list[np.ndarray]:
+    """Non-overlapping windows of `length` tokens from a 1-D token stream (the tail shorter than 2 dropped)."""
+    if length < 2:
+        raise ValueError(f"window length must be at least 2, got {length}")
+    stream = np.asarray(stream, dtype=np.int64).reshape(-1)
+    windows = [stream[i:i + length] for i in range(0, len(stream), length) if len(stream[i:i + length]) >= 2]
+    return windows[:limit] if limit else windows
+
+
+def text_tokens(files: list[str], tokenizer_dir: str) -> np.ndarray:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"no tokenizer in {tokenizer_dir}: pass --tokenizer DIR or use --tokens/--selfgen ({exc})") from None
+    ids: list[int] = []
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"no text file {path}")
+        ids.extend(tokenizer(path.read_text(errors="replace"))["input_ids"])
+    return np.asarray(ids, dtype=np.int64)
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("calibrate", help="calibrate the routing policies of a model on held-out text",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="checkpoint directory or named config")
+    parser.add_argument("--seed", type=int, default=0, help="weights of a named config, and selfgen sampling")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", nargs="+", metavar="FILE", help="held-out plain-text files")
+    source.add_argument("--tokens", metavar="FILE.npy", help="held-out token ids (1-D .npy)")
+    source.add_argument("--selfgen", type=int, metavar="N", help="N windows sampled from the model itself")
+    parser.add_argument("--tokenizer", help="tokenizer directory for --text (default: the checkpoint's)")
+    parser.add_argument("--length", type=int, default=256, help="tokens per window (default 256)")
+    parser.add_argument("--windows", type=int, default=None, help="use at most this many windows")
+    parser.add_argument("--describe", default=None, help="what the text is (recorded in the file)")
+    parser.add_argument("--out", required=True, help="output file (.safetensors)")
+    parser.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from specmoe.harness import collect_calibration, sample_selfgen
+    from specmoe.models import load_model
+
+    model, adapter = load_model(args.model, seed=args.seed)
+    if args.selfgen:
+        windows = sample_selfgen(model, args.selfgen, args.length, seed=args.seed + 1).windows
+        what = f"{args.selfgen} windows of {args.length} tokens sampled from the model, seed {args.seed + 1}"
+    elif args.tokens:
+        path = Path(args.tokens)
+        if not path.is_file():
+            raise FileNotFoundError(f"no token file {path}")
+        windows = token_windows(np.load(path), args.length, args.windows)
+        what = f"token ids from {path.resolve()}"
+    else:
+        windows = token_windows(text_tokens(args.text, args.tokenizer or args.model), args.length, args.windows)
+        what = "text files " + ", ".join(str(Path(f).resolve()) for f in args.text)
+    if not windows:
+        raise ValueError("the held-out text gave no window of at least 2 tokens")
+    calibration = collect_calibration(model, adapter, windows, {"text": args.describe or what})
+    path = calibration.save(args.out)
+    info = calibration.provenance
+    print(f"calibration of {info['model']} on {info['tokens']} tokens ({len(windows)} windows) -> {path}")
+    print(f"mean logit range per layer: {np.round(calibration.delta, 3).tolist()}")
+    return 0

@@ -1,0 +1,59 @@
+"""Calibration from a model: router logits of exact routing on held-out text, fed to CalibrationBuilder."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from specmoe.models import MoEAdapter
+from specmoe.routing import Calibration, CalibrationBuilder
+
+from .patch import exact_routing
+
+
+@torch.no_grad()
+def router_logits_of(model: nn.Module, adapter: MoEAdapter, windows, *, batch_size: int = 8):
+    """Yield (selection scores [T, L, E] float64, token ids [T]) of each window under exact routing
+    (`exact_routing`; for softmax routers the selection scores are the router logits). The model's own
+    routing context is restored when the generator ends: consume it fully."""
+    device = next(model.parameters()).device
+    windows = [torch.as_tensor(w, dtype=torch.long).reshape(-1) for w in windows]
+    with exact_routing(model, adapter, record=True) as context:
+        for lo in range(0, len(windows), batch_size):
+            batch = windows[lo:lo + batch_size]
+            length = max(len(w) for w in batch)
+            ids = torch.zeros((len(batch), length), dtype=torch.long)
+            mask = torch.zeros((len(batch), length), dtype=torch.long)
+            for row, w in enumerate(batch):
+                ids[row, :len(w)] = w
+                mask[row, :len(w)] = 1
+            model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+            for row in range(len(batch)):
+                z, _, tokens, _ = context.recorded(row)
+                yield z.astype(np.float64), tokens
+
+
+def collect_calibration(model: nn.Module, adapter: MoEAdapter, windows, provenance: dict | str, *,
+                        batch_size: int = 8) -> Calibration:
+    """Calibrate on held-out `windows` (token id sequences that no evaluation uses) under exact routing.
+
+    provenance: a dict with at least "text" (what the windows are: corpus, split, how they were cut), or
+    that description as a string. The model source ("model", default `model.specmoe_source`), the router
+    fingerprint (checked by `Calibration.check` when the calibration is used) and the window count are added."""
+    info = {"text": provenance} if isinstance(provenance, str) else dict(provenance)
+    if not info.get("text"):
+        raise ValueError("the calibration provenance must describe the text it was computed on ('text')")
+    fingerprint = adapter.fingerprint(model)
+    if info.get("fingerprint", fingerprint) != fingerprint:
+        raise ValueError("the provenance names a router fingerprint that is not this model's")
+    info["fingerprint"] = fingerprint
+    info.setdefault("model", getattr(model, "specmoe_source", None) or getattr(model, "name_or_path", "unknown"))
+    info["model_type"] = adapter.model_type
+    builder = CalibrationBuilder(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size, adapter.top_k)
+    count = 0
+    for z, tokens in router_logits_of(model, adapter, windows, batch_size=batch_size):
+        builder.add(z, tokens)
+        count += 1
+    info["windows"] = count
+    return builder.finish(info)

@@ -1,0 +1,100 @@
+"""What the rest of specmoe needs to know about one MoE architecture, in one object: the adapter.
+
+An adapter is made from a transformers config (`adapter_for`) and answers, for a model of that config:
+the routing geometry (L MoE layers, E experts, top-K, vocabulary), where the MoE blocks, routers and expert
+weights are, how the router's logits and the policy's selection scores are computed, how execution weights
+follow from the logits and a selection, and how to swap the routers for ones that ask a routing context
+(`specmoe.harness`) for the selection. Architectures subclass `MoEAdapter` and fill in the abstract parts:
+OLMoE (softmax router, no shared experts) in `olmoe.py`; DeepSeek-V3 (sigmoid router with bias, shared
+experts) and Qwen3.5-MoE follow the same shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from specmoe.routing import router_fingerprint
+
+
+class ModelSourceError(ValueError):
+    """A model source that cannot be loaded: missing directory, no weights, no MoE layers, unknown name."""
+
+
+@dataclass(frozen=True)
+class MoEAdapter:
+    """Routing geometry and access paths of one MoE model (one instance per config).
+
+    moe_layer_ids: the decoder layer index of each MoE layer, in order; the MoE layer index l used by the
+    routing code is the position in this tuple. norm_topk_prob: whether the model's own router renormalises
+    the top-K weights to sum to one.
+    """
+
+    model_type: str
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layer_ids: tuple[int, ...]
+
+    # -- where things are (architecture-specific) ---------------------------------------------------
+    def base_model(self, model: nn.Module) -> nn.Module:
+        """The decoder stack (the module that takes input_ids and attention_mask), e.g. model.model."""
+        return model.model
+
+    def moe_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The MoE block of each MoE layer, in MoE layer order."""
+        layers = self.base_model(model).layers
+        return [layers[i].mlp for i in self.moe_layer_ids]
+
+    def routers(self, model: nn.Module) -> list[nn.Module]:
+        """The router module of each MoE layer."""
+        return [block.gate for block in self.moe_blocks(model)]
+
+    def router_weights(self, model: nn.Module) -> list[np.ndarray]:
+        """Router weight matrices [E, H] as float32 numpy arrays (input of `router_fingerprint`)."""
+        return [router.weight.detach().to("cpu", torch.float32).numpy() for router in self.routers(model)]
+
+    def fingerprint(self, model: nn.Module) -> str:
+        """The router fingerprint of `model` (what a calibration file is checked against)."""
+        return router_fingerprint(self.router_weights(model))
+
+    def experts(self, model: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked expert weights of MoE layer `layer`: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+        experts = self.moe_blocks(model)[layer].experts
+        return experts.gate_up_proj, experts.down_proj
+
+    def shared_experts(self, model: nn.Module, layer: int) -> nn.Module | None:
+        """The always-executed shared expert(s) of a layer (None where the architecture has none)."""
+        return None
+
+    # -- routing arithmetic -------------------------------------------------------------------------
+    def router_logits(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, E] of `router` for MoE inputs `hidden` [N, H], computed as the router itself does
+        (used for the pre-gate: router l on layer l-1's MoE input)."""
+        raise NotImplementedError
+
+    def selection_scores(self, router_logits: torch.Tensor, layer: int) -> torch.Tensor:
+        """What the routing policy ranks (and adds the bonus to): the logits for softmax routers; for
+        sigmoid routers with a bias (DeepSeek-V3) sigmoid(z) + bias."""
+        return router_logits
+
+    def execution_weights(self, router_logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """Weights [N, K] of the executed experts `selected` [N, K]: the unmodified router probabilities
+        gathered at the selection, renormalised only where the model's own router renormalises."""
+        raise NotImplementedError
+
+    # -- harness hook --------------------------------------------------------------------------------
+    def patch_routers(self, model: nn.Module, context) -> None:
+        """Swap each router for the subclass that asks `context.route` for its selection."""
+        raise NotImplementedError
+
+    def unpatch_routers(self, model: nn.Module) -> None:
+        """Undo `patch_routers` (the original router class, no context)."""
+        raise NotImplementedError

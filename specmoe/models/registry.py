@@ -1,0 +1,118 @@
+"""Which adapter serves which architecture, the named configs, and `load_model`.
+
+A model source is either a local checkpoint directory (config.json + *.safetensors, as written by
+save_pretrained; nothing is downloaded) or the name of a config with seeded random weights (NAMED_CONFIGS).
+The config's model_type picks the adapter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from .adapter import ModelSourceError, MoEAdapter
+from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, build_random_olmoe
+
+
+class Architecture(NamedTuple):
+    """How specmoe builds one architecture: its adapter from a config, its transformers classes, and the
+    builder of a model with seeded random weights (config, seed, dtype, device) -> model."""
+
+    adapter: Callable
+    model_class: type
+    config_class: type
+    build_random: Callable
+
+
+def _olmoe() -> Architecture:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return Architecture(OlmoeAdapter.from_config, OlmoeForCausalLM, OlmoeConfig, build_random_olmoe)
+
+
+# model_type -> Architecture
+ARCHITECTURES: dict[str, Architecture] = {"olmoe": _olmoe()}
+
+# name -> (model_type, config keyword arguments)
+NAMED_CONFIGS: dict[str, tuple[str, dict]] = {name: ("olmoe", kwargs) for name, kwargs in OLMOE_CONFIGS.items()}
+
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def named_config(name: str):
+    """The transformers config of a named model (see NAMED_CONFIGS)."""
+    if name not in NAMED_CONFIGS:
+        raise ModelSourceError(f"unknown named config {name!r}; known: {', '.join(NAMED_CONFIGS)}")
+    model_type, kwargs = NAMED_CONFIGS[name]
+    config_class = ARCHITECTURES[model_type].config_class
+    return config_class(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in kwargs.items()})
+
+
+def adapter_for(config) -> MoEAdapter:
+    """The adapter of a model with this transformers config; a clear error for unsupported or dense ones."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        if not any(getattr(config, key, 0) for key in _EXPERT_COUNT_KEYS):
+            raise ModelSourceError(f"config of model type {model_type!r} has no MoE layers: specmoe routes "
+                                   "Mixture-of-Experts models only")
+        raise ModelSourceError(f"no specmoe adapter for model type {model_type!r}; supported: "
+                               f"{', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[model_type].adapter(config)
+
+
+def _as_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"unknown torch dtype {dtype!r}")
+        return value
+    return dtype
+
+
+def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
+               experts_implementation: str | None = "eager") -> tuple[nn.Module, MoEAdapter]:
+    """Load (model in eval mode, adapter) from a checkpoint directory or a named config.
+
+    seed: the random weights of a named config (ignored for a directory). experts_implementation: pinned
+    on the model ("eager" by default; None keeps transformers' choice), because generate() may switch
+    kernels between prefill and decode and paired comparisons must run the same arithmetic. The source is
+    kept as `model.specmoe_source` (calibration provenance). A name in NAMED_CONFIGS is a named config even
+    if a directory of that name exists (write ./name to load the directory)."""
+    dtype = _as_dtype(dtype)
+    source = str(source)
+    if source in NAMED_CONFIGS:
+        config = named_config(source)
+        adapter = adapter_for(config)
+        model = ARCHITECTURES[config.model_type].build_random(config, seed, dtype, device)
+        label = f"{source} (random weights, seed {seed})"
+    else:
+        config = _checkpoint_config(Path(source))
+        adapter = adapter_for(config)
+        model_class = ARCHITECTURES[config.model_type].model_class
+        model = model_class.from_pretrained(source, dtype=dtype, local_files_only=True).to(device)
+        label = str(Path(source).resolve())
+    if experts_implementation is not None:
+        model.set_experts_implementation(experts_implementation)
+    model.eval()
+    model.specmoe_source = label
+    return model, adapter
+
+
+def _checkpoint_config(path: Path):
+    """Check that `path` is a loadable checkpoint directory and read its config."""
+    from transformers import AutoConfig
+
+    if not path.exists():
+        raise ModelSourceError(f"{str(path)!r} is not a checkpoint directory (no such path) nor a named config "
+                               f"({', '.join(NAMED_CONFIGS)})")
+    if not path.is_dir():
+        raise ModelSourceError(f"{path} is not a directory: a checkpoint is a directory with config.json and "
+                               "*.safetensors weights")
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"checkpoint directory {path} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ModelSourceError(f"checkpoint directory {path} has a config.json but no weights (*.safetensors)")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
