@@ -1,0 +1,70 @@
+"""The `specmoe` command: the main job, calibrate, and clear errors for bad input."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from specmoe.cli import main, parse_policy
+from specmoe.routing import Calibration, PolicyError
+
+
+def run_demo(tmp_path, name):
+    out = tmp_path / name
+    code = main(["demo", "--model", "olmoe-micro", "--windows", "2", "--length", "24", "--capacities", "16,8",
+                 "--out", str(out)])
+    assert code == 0
+    return pd.read_csv(out / "results.csv"), json.loads((out / "results.json").read_text())
+
+
+def test_demo_table_is_complete_deterministic_and_consistent(tmp_path, capsys):
+    table, info = run_demo(tmp_path, "a")
+    again, _ = run_demo(tmp_path, "b")
+    pd.testing.assert_frame_equal(table, again)
+    assert len(table) == 8 and set(table["C"]) == {16, 8}
+    assert "psr(C=16" in capsys.readouterr().out
+    kinds = table["policy"].str.extract(r"^(\w+)\(")[0]
+    exact = table[kinds == "exact"]
+    assert (exact["excess_nll"] == 0).all() and (exact["replaced"] == 0).all() and (exact["prefetch"] == 0).all()
+    assert (table[kinds == "cache_prior"]["prefetch"] == 0).all()
+    assert (table[kinds == "psr"]["prefetch"] > 0).all()
+    assert np.allclose(table["copies"], table["demand"] + table["prefetch"])
+    # the routing bonus reduces copies below exact routing's at each capacity
+    for _, rows in table.groupby("C"):
+        copies = dict(zip(rows["policy"].str.extract(r"^(\w+)\(")[0], rows["copies"]))
+        assert copies["cache_prior"] < copies["exact"]
+    assert info["info"]["experts"] == 64 and info["info"]["scored_tokens"] > 0
+
+
+def test_calibrate_command_writes_a_calibration_of_the_model(tmp_path):
+    out = tmp_path / "cal.safetensors"
+    assert main(["calibrate", "--model", "olmoe-micro", "--selfgen", "2", "--length", "16", "--out", str(out)]) == 0
+    cal = Calibration.load(out)
+    assert cal.warm_ranking.shape == (16, 64) and cal.provenance["tokens"] == 32
+    assert "sampled from the model" in cal.provenance["text"]
+    tokens = tmp_path / "ids.npy"
+    np.save(tokens, np.arange(100) % 128)
+    assert main(["calibrate", "--model", "olmoe-micro", "--tokens", str(tokens), "--length", "20",
+                 "--out", str(tmp_path / "cal2.safetensors")]) == 0
+    assert Calibration.load(tmp_path / "cal2.safetensors").provenance["tokens"] == 100
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--model", "no/such/dir"], "no such path"),
+    (["demo", "--model", "olmoe-micro", "--capacities", "65"], "capacity 65"),
+    (["calibrate", "--model", "olmoe-micro", "--tokens", "missing.npy", "--out", "x.safetensors"], "no token file"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_policy_overrides():
+    policy = parse_policy("psr", 16, 8, ["bonus=0.25", "window=4"])
+    assert (policy.bonus, policy.window, policy.insert_budget) == (0.25, 4, 1)
+    with pytest.raises(PolicyError, match="bad policy override 'lambda=0.2'"):
+        parse_policy("psr", 16, 8, ["lambda=0.2"])
+    with pytest.raises(PolicyError, match="window takes a int"):
+        parse_policy("psr", 16, 8, ["window=wide"])
