@@ -23,15 +23,6 @@ def _tokens(vocab, n, seed):
     return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models here are tiny: one intra-op thread is as fast, and immune to a busy second core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def micro():
     """The micro model and a calibration made on held-out random token windows."""

@@ -10,15 +10,6 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from specmoe.models import NAMED_CONFIGS, ModelSourceError, OlmoeAdapter, adapter_for, load_model, named_config
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models here are tiny: one intra-op thread is as fast, and immune to a busy second core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def micro():
     return load_model("olmoe-micro", seed=0)

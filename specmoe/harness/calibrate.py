@@ -9,6 +9,7 @@ from torch import nn
 from specmoe.models import MoEAdapter
 from specmoe.routing import Calibration, CalibrationBuilder
 
+from .diagnostics import right_padded
 from .patch import exact_routing
 
 
@@ -22,12 +23,7 @@ def router_logits_of(model: nn.Module, adapter: MoEAdapter, windows, *, batch_si
     with exact_routing(model, adapter, record=True) as context:
         for lo in range(0, len(windows), batch_size):
             batch = windows[lo:lo + batch_size]
-            length = max(len(w) for w in batch)
-            ids = torch.zeros((len(batch), length), dtype=torch.long)
-            mask = torch.zeros((len(batch), length), dtype=torch.long)
-            for row, w in enumerate(batch):
-                ids[row, :len(w)] = w
-                mask[row, :len(w)] = 1
+            ids, mask = right_padded(batch)
             model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
             for row in range(len(batch)):
                 z, _, tokens, _ = context.recorded(row)

@@ -60,17 +60,23 @@ def token_nll(model: nn.Module, ctx: RoutingContext | None, windows, *, batch_si
     return _token_nll(model, windows, starts, batch_size)
 
 
+def right_padded(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token windows as one right-padded batch: (input ids [B, S], attention mask [B, S])."""
+    length = max(len(w) for w in windows)
+    ids = torch.zeros((len(windows), length), dtype=torch.long)
+    mask = torch.zeros((len(windows), length), dtype=torch.long)
+    for row, w in enumerate(windows):
+        ids[row, :len(w)] = w
+        mask[row, :len(w)] = 1
+    return ids, mask
+
+
 def _token_nll(model, windows, starts, batch_size) -> list[np.ndarray]:
     device = next(model.parameters()).device
     result: list[np.ndarray] = []
     for lo in range(0, len(windows), batch_size):
         batch = windows[lo:lo + batch_size]
-        length = max(len(w) for w in batch)
-        ids = torch.zeros((len(batch), length), dtype=torch.long)
-        mask = torch.zeros((len(batch), length), dtype=torch.long)
-        for row, w in enumerate(batch):
-            ids[row, :len(w)] = w
-            mask[row, :len(w)] = 1
+        ids, mask = right_padded(batch)
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
         for row, w in enumerate(batch):
             first = max(1, starts[lo + row])
