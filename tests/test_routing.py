@@ -380,3 +380,21 @@ def test_policies_without_insertion_ignore_the_pregate():
         without = replay(policy, z, None, np.full(60, TOKEN), calibration())
         assert (with_g.selected == without.selected).all()
         assert (with_g.demand_copies == without.demand_copies).all()
+
+
+def test_per_call_budget_limits_insertions_but_keeps_protection():
+    cache = cache_for(insert_budget=2)
+    assert cache.insert_predicted(1, logits(3, 4), TOKEN, budget=1).tolist() == [3]
+    cache = cache_for(insert_budget=2, window=1)
+    assert cache.insert_predicted(1, logits(1, 3), TOKEN, budget=0).tolist() == []
+    cache.select(1, logits(4, 5), TOKEN)  # 1 was visited, so protected: 2 and 0 are evicted
+    assert cache.resident(1).tolist() == [5, 1, 4]
+
+
+def test_bonus_mask_replaces_logical_residency_for_the_bonus():
+    z = np.array([0.0, 0.5, 0.45, -3.0, 1.0, 0.9])
+    cache = cache_for(kind="cache_prior", bonus=0.6, priority="lru")
+    mask = np.zeros(E, dtype=bool)
+    mask[[3, 5]] = True  # say only 3 and 5 have arrived physically
+    selected, demand = cache.select(0, z, TOKEN, bonus_mask=mask)
+    assert selected.tolist() == [5, 4] and demand.tolist() == [4, 5]

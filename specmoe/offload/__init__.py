@@ -1,1 +1,10 @@
-"""specmoe.offload"""
+"""Expert offloading: the expert store in pinned host memory, slot buffers on the device, the ordered copy
+stream with its prefetch queue, and copy accounting."""
+
+from .checkpoint import CheckpointReader
+from .copies import CopyStats, CopyStream, SlotBuffers
+from .memory import OffloadError, device_available_bytes, host_available_bytes
+from .store import ExpertGeometry, ExpertStore
+
+__all__ = ["CheckpointReader", "CopyStats", "CopyStream", "ExpertGeometry", "ExpertStore", "OffloadError",
+           "SlotBuffers", "device_available_bytes", "host_available_bytes"]

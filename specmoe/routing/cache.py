@@ -67,20 +67,27 @@ class LogicalCache:
         self.reset()
 
     # -- part 1 and part 2, one token at a time (engines) -------------------------------------------
-    def insert_predicted(self, layer: int, pregate_logits: np.ndarray, token: int) -> np.ndarray:
-        """Part 1 for `layer` and its current token: insert up to n of the pre-gate's candidates.
-        Returns the inserted experts (their copies are prefetches); their slots are `slot_of`."""
+    def insert_predicted(self, layer: int, pregate_logits: np.ndarray, token: int,
+                         budget: int | None = None) -> np.ndarray:
+        """Part 1 for `layer` and its current token: insert up to n (or `budget`, if smaller) of the
+        pre-gate's candidates. Returns the inserted experts (their copies are prefetches); their slots are
+        `slot_of`. A budget below n makes the cache depend on it: only the engine's physical-cache mode,
+        which is timing-dependent on purpose, passes one."""
+        limit = self.policy.insert_budget if budget is None else budget
         n = K.part1(self.istate, self.iscalar, self.fstate, self.counters, self.params, *self.prior, layer,
-                    pregate_logits, token, self._inserted, _NO_TRACE)
+                    pregate_logits, token, limit, self._inserted, _NO_TRACE)
         return self._inserted[:n]
 
-    def select(self, layer: int, router_logits: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
+    def select(self, layer: int, router_logits: np.ndarray, token: int,
+               bonus_mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Part 2 for `layer`: the executed experts S [K] (best first) and the demand insertions among them
-        (their copies are demand copies). Advances the layer to the next token."""
+        (their copies are demand copies). Advances the layer to the next token. `bonus_mask` (bool [E]) gives
+        the bonus to the experts it marks instead of the logically resident ones (physical-cache mode)."""
         selected = np.empty(self.policy.top_k, dtype=np.int64)
+        mask = K._NO_MASK if bonus_mask is None else bonus_mask
         d, mass, _ = K.part2(self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.params,
-                             self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, selected,
-                             self._demand, _NO_TRACE)
+                             self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, mask,
+                             selected, self._demand, _NO_TRACE)
         self.displaced_mass[layer] += mass
         return selected, self._demand[:d].copy()
 

@@ -64,6 +64,7 @@ P_RUNNING = 7  # 1 for a running delta
 N_PARAMS = 8
 
 KIND_EXACT, KIND_CACHE_PRIOR, KIND_PSR, KIND_SPEC_EXEC = 0, 1, 2, 3
+_NO_MASK = np.zeros(0, dtype=np.bool_)  # part 2's bonus mask when the bonus follows logical residency
 FAST_DECAY, SLOW_DECAY = 0.5, 0.98
 
 
@@ -149,10 +150,10 @@ def _insert(ist, cnt, layer, expert, victim, t, prefetch, unused_at):
 
 
 @njit(cache=True)
-def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, inserted, unused_at):
+def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, budget, inserted, unused_at):
     """Algorithm 1, part 1: insertion for `layer` from its pre-gate logits g [E] (the router of `layer`
-    applied to the previous layer's MoE input) for the layer's current token. Inserted experts go to
-    inserted[:n]; returns n. Touches only this layer's state."""
+    applied to the previous layer's MoE input) for the layer's current token, at most `budget` (<= n) new
+    experts. Inserted experts go to inserted[:count]; returns count. Touches only this layer's state."""
     t = isc[layer, POS]
     _snapshot(ist, isc, fst, params, pind, pexp, pval, layer, token)
     k = params[P_TOP_K]
@@ -160,9 +161,9 @@ def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, inserte
     m = max(k, w)
     _rank(g, g, m, ist[layer, PREDICTED])
     isc[layer, PRED_TOKEN] = t
-    budget = params[P_BUDGET]
-    if budget == 0:  # a policy without insertion has no part 1: B stays empty
+    if params[P_BUDGET] == 0:  # a policy without insertion has no part 1: B stays empty
         return 0
+    budget = min(budget, params[P_BUDGET])
     new = 0
     for r in range(min(w, g.shape[0])):
         e = ist[layer, PREDICTED, r]
@@ -181,12 +182,13 @@ def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, inserte
 
 
 @njit(cache=True)
-def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token,
+def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token, bonus_mask,
           selected, demand, unused_at):
     """Algorithm 1, part 2: selection for `layer` from router logits z [E]; selected[:K] gets the
-    executed set S (best first), demand[:d] the demand insertions (index order). Updates the statistics
-    with the router's own top-K and advances the layer to the next token. Returns (d, displaced router
-    mass, router top-K slots replaced)."""
+    executed set S (best first), demand[:d] the demand insertions (index order). The bonus goes to the
+    logically resident experts, or, if bonus_mask has E entries, to those it marks (the engine's
+    timing-dependent physical-cache mode). Updates the statistics with the router's own top-K and advances
+    the layer to the next token. Returns (d, displaced router mass, router top-K slots replaced)."""
     t = isc[layer, POS]
     _snapshot(ist, isc, fst, params, pind, pexp, pval, layer, token)
     num_experts = z.shape[0]
@@ -215,12 +217,13 @@ def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
         else:
             scale = bonus * delta[layer]
         biased = z.copy()
+        physical = bonus_mask.shape[0] == num_experts
         for e in range(num_experts):
-            if ist[layer, EXPERT_SLOT, e] >= 0:
+            if (bonus_mask[e] if physical else ist[layer, EXPERT_SLOT, e] >= 0):
                 biased[e] += scale
         for j in range(params[P_PROTECT]):
             e = own[j]
-            if ist[layer, EXPERT_SLOT, e] < 0:
+            if not (bonus_mask[e] if physical else ist[layer, EXPERT_SLOT, e] >= 0):
                 biased[e] += scale
         _rank(biased, z, k, selected)
     for j in range(k):
@@ -314,9 +317,10 @@ def run_span(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, la
             continue
         n = 0
         if has_g:
-            n = part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g[i], tokens[i], scratch, unused_at)
+            n = part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g[i], tokens[i], params[P_BUDGET],
+                      scratch, unused_at)
         d, mass, rep = part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z[i],
-                             tokens[i], selected[i], scratch, unused_at)
+                             tokens[i], _NO_MASK, selected[i], scratch, unused_at)
         for j in range(k):
             slots[i, j] = ist[layer, EXPERT_SLOT, selected[i, j]]
         demand[i] = d

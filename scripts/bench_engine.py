@@ -1,0 +1,393 @@
+"""Benchmark of the AR offloading engine (issue 3) on one CUDA GPU.
+
+Full-size OLMoE-1B-7B config, bf16, seeded random weights drawn on the device; teacher-forced windows of
+random tokens (random weights route without temporal locality, so copy counts are those of a worst case,
+not of a trained model). Configurations run in one process, rounds interleaved (A B C ... A B C ...):
+- all experts resident (C = E = 64), exact routing: this engine vs transformers' own generate on the same
+  weights (eager and batched_mm experts), and vs the memory-bandwidth floor (bytes read per token / measured
+  device bandwidth);
+- C = 32 and C = 16: exact LRU, exact + A priority + prefetch (exact_prefetch), Cache-Prior lambda 0.2, PSR
+  lambda 0.3 (C=32) / 0.25 (C=16) n=1, speculative execution.
+Reported per configuration: mean and p99 ms/token, copies per token by class, engine efficiency =
+max(all-resident ms, transferred copies x measured copy ms) / ms, ratios with 95% intervals (paired t-test on
+log latency over rounds), and from separate passes (not in the rounds) the host gap per layer with
+instrumentation and the compute-only time with copies skipped (trace-following the round-1 routing).
+
+    PYTHONPATH=. python3 scripts/bench_engine.py --out runs/bench_engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specmoe.engines.ar import EngineConfig, build_engine
+from specmoe.engines.helpers import (calibration_from_engine, random_olmoe_on_device, uniform_calibration,
+                                     weight_bytes_per_token)
+from specmoe.engines.results import Trace
+from specmoe.offload import ExpertStore
+from specmoe.routing import preset
+
+PSR_LAMBDA = {32: 0.3, 16: 0.25}
+
+
+def policies(capacity: int, top_k: int) -> dict:
+    return {
+        "exact_lru": preset("exact_lru", capacity, top_k),
+        "exact_prefetch": preset("exact_prefetch", capacity, top_k),
+        "cache_prior": preset("cache_prior", capacity, top_k, bonus=0.2),
+        "psr": preset("psr", capacity, top_k, bonus=PSR_LAMBDA[capacity], insert_budget=1),
+        "spec_exec": preset("spec_exec", capacity, top_k),
+    }
+
+
+def ratio_ci(a: list[float], b: list[float]) -> dict:
+    """Ratio mean(a)/mean(b) from a paired t-test on log latency over rounds: point and 95% interval."""
+    d = np.log(np.asarray(a)) - np.log(np.asarray(b))
+    n = len(d)
+    point = float(np.exp(d.mean()))
+    if n < 2:
+        return {"ratio": point, "lo": math.nan, "hi": math.nan, "p": math.nan}
+    try:
+        from scipy import stats
+
+        tcrit = float(stats.t.ppf(0.975, n - 1))
+        sd = d.std(ddof=1)
+        p = float(2 * stats.t.sf(abs(d.mean()) / (sd / math.sqrt(n)), n - 1)) if sd > 0 else 0.0
+    except ImportError:
+        tcrit, sd, p = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776}.get(n, 2.0), d.std(ddof=1), math.nan
+    half = tcrit * sd / math.sqrt(n)
+    return {"ratio": point, "lo": float(np.exp(d.mean() - half)), "hi": float(np.exp(d.mean() + half)), "p": p}
+
+
+class _Timer:
+    """Elapsed seconds of a region: CUDA events on a CUDA device, the host clock on the CPU."""
+
+    def __init__(self, device: str, stream=None):
+        self.cuda = device == "cuda"
+        self.stream = stream
+
+    def __enter__(self):
+        if self.cuda:
+            self.s, self.e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.s.record(self.stream or torch.cuda.current_stream())
+        else:
+            self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.e.record(self.stream or torch.cuda.current_stream())
+            self.e.synchronize()
+            self.seconds = self.s.elapsed_time(self.e) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t
+        return False
+
+
+def measure_bandwidth(device: str, nbytes: int = 2 * 1024**3, reps: int = 10) -> float:
+    """Device memory bandwidth, bytes read + written per second, of a large device-to-device copy."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(reps):
+        with _Timer(device) as t:
+            b.copy_(a)
+        times.append(t.seconds)
+    del a, b
+    return 2 * nbytes / float(np.median(times))
+
+
+def measure_copy_ms(store: ExpertStore, device: str, n: int = 64) -> dict:
+    """Host-to-device copy of one expert row from the pinned store: per copy in a stream of n back-to-back
+    copies, and alone (median of 20)."""
+    dst = torch.empty((n, store.width), dtype=store.dtype, device=device)
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    ctx = (lambda: torch.cuda.stream(stream)) if stream is not None else contextlib.nullcontext
+    srcs = [store.expert(i % store.num_layers, i % store.num_experts) for i in range(n)]
+    streams, alone = [], []
+    for rep in range(4):
+        with ctx(), _Timer(device, stream) as t:
+            for i in range(n):
+                dst[i].copy_(srcs[i], non_blocking=True)
+        if rep:
+            streams.append(t.seconds * 1e3 / n)
+    for i in range(20):
+        with ctx(), _Timer(device, stream) as t:
+            dst[i % n].copy_(srcs[(i * 7) % n], non_blocking=True)
+        alone.append(t.seconds * 1e3)
+    # host time of one non-blocking copy_ call: link idle, and with 4 copies already queued (backpressure)
+    idle, backlog = [], []
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for i in range(10):
+        sync()
+        with ctx():
+            t = time.perf_counter()
+            dst[0].copy_(srcs[i], non_blocking=True)
+            idle.append((time.perf_counter() - t) * 1e6)
+            for j in range(1, 5):
+                dst[j].copy_(srcs[i + j], non_blocking=True)
+            t = time.perf_counter()
+            dst[5].copy_(srcs[i + 5], non_blocking=True)
+            backlog.append((time.perf_counter() - t) * 1e6)
+    sync()
+    del dst
+    per = float(np.median(streams))
+    return {"stream_ms": per, "alone_ms": float(np.median(alone)),
+            "stream_GBps": store.expert_bytes / per / 1e6, "expert_MB": store.expert_bytes / 1e6,
+            "host_issue_us_idle": float(np.median(idle)), "host_issue_us_after_4_queued": float(np.median(backlog))}
+
+
+def time_hf_generate(model, prompt: np.ndarray, new: int, impl: str) -> float:
+    """transformers' generate, greedy: ms per decoded token = (t(new) - t(1)) / (new - 1)."""
+    model.set_experts_implementation(impl)
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(prompt, device=device)[None]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run(n):
+        sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        sync()
+        return time.perf_counter() - t
+
+    run(4)
+    run(4)
+    return (run(new) - run(1)) / (new - 1) * 1e3
+
+
+def run_windows(engine, windows, trace=None) -> dict:
+    ms, results = [], []
+    for i, w in enumerate(windows):
+        r = engine.teacher_forced(w, trace=None if trace is None else trace[i])
+        ms.append(r.ms[r.timed])
+        results.append(r)
+    summaries = [r.summary() for r in results]
+    n = sum(s["tokens"] for s in summaries)
+    copies = {k: sum(s["copies_per_token"][k] * s["tokens"] for s in summaries) / n
+              for k in summaries[0]["copies_per_token"]}
+    out = {"ms_tokens": np.concatenate(ms), "copies_per_token": copies, "results": results,
+           "host_us_per_layer": float(np.mean([s["host_us_per_layer"] for s in summaries]))}
+    for key in ("gpu_gap_us_per_layer", "gap_without_wait_us_per_layer", "exposed_wait_ms_per_token"):
+        if key in summaries[0]:
+            out[key] = float(np.mean([s[key] for s in summaries]))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per teacher-forced window")
+    ap.add_argument("--calib-windows", type=int, default=4)
+    ap.add_argument("--hf-tokens", type=int, default=32)
+    ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument("--capacities", type=int, nargs="+", default=[32, 16])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="olmoe-1b-7b", help="named config of specmoe.models")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script's logic")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "python": platform.python_version(),
+                          "torch": torch.__version__, "cuda": torch.version.cuda,
+                          "transformers": __import__("transformers").__version__},
+              "args": vars(args), "errors": []}
+    try:
+        import triton
+
+        report["machine"]["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    def save():
+        (out_dir / "bench_engine.json").write_text(json.dumps(report, indent=1, default=float))
+
+    t0 = time.time()
+    dtype = getattr(torch, args.dtype)
+    model, adapter = random_olmoe_on_device(args.model, args.seed, dtype, args.device)
+    store = ExpertStore.from_model(model, adapter)
+    report["setup_s"] = {"model_and_store": time.time() - t0}
+    report["bandwidth_Bps"] = measure_bandwidth(args.device, 2 * 1024**3 if args.device == "cuda" else 64 * 1024**2)
+    report["copy"] = measure_copy_ms(store, args.device)
+    print("bandwidth GB/s", report["bandwidth_Bps"] / 1e9, "copy", report["copy"], flush=True)
+    save()
+
+    seq = -(-(args.tokens + 8) // 64) * 64  # static KV cache length: a multiple of 64
+    L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
+    cfg = EngineConfig(max_seq_len=seq, tune=True)
+    engines = {E: build_engine(model, preset("exact_lru", E, K), uniform_calibration(L, E, V), cfg, store=store)}
+    rng = np.random.default_rng(100)
+    calib = calibration_from_engine(engines[E], [rng.integers(0, V, args.tokens) for _ in range(args.calib_windows)],
+                                    {"model": f"{args.model} random (device draws) seed {args.seed}",
+                                     "text": "uniform random tokens, seed 100"})
+    engines[E].configure(calibration=calib)
+    for c in args.capacities:
+        engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, store=store)
+    report["engine_notes"] = {str(c): e.notes for c, e in engines.items()}
+    report["setup_s"]["engines"] = time.time() - t0
+    print("engines ready", report["engine_notes"], flush=True)
+    save()
+
+    rng = np.random.default_rng(200)
+    windows = [rng.integers(0, V, args.tokens) for _ in range(args.windows)]
+    configs = [("all_resident", E, preset("exact_lru", E, K))]
+    for c in args.capacities:
+        PSR_LAMBDA.setdefault(c, 0.25)
+        configs += [(f"C{c}_{name}", c, pol) for name, pol in policies(c, K).items()]
+    hf_impls = ["eager", "batched_mm"]
+    rounds: dict[str, list] = {name: [] for name, _, _ in configs}
+    rounds.update({f"hf_{impl}": [] for impl in hf_impls})
+    details: dict[str, dict] = {}
+    for name, c, pol in configs:  # warm-up (first calls, compilation): not timed
+        try:
+            engines[c].configure(policy=pol)
+            engines[c].teacher_forced(windows[0][: args.warmup_tokens])
+        except Exception as exc:
+            report["errors"].append(f"{name} warm-up: {exc!r}\n{traceback.format_exc()[-1500:]}")
+    for r in range(args.rounds):
+        for name, c, pol in configs:
+            try:
+                engine = engines[c]
+                engine.configure(policy=pol, instrument=False, skip_copies=False)
+                res = run_windows(engine, windows)
+                rounds[name].append(float(res["ms_tokens"].mean()))
+                d = details.setdefault(name, {"ms_tokens": [], "policy": pol.name, "capacity": c})
+                d["ms_tokens"].append(res["ms_tokens"])
+                d.setdefault("copies_per_token_rounds", []).append(res["copies_per_token"])
+                d.setdefault("host_us_per_layer_rounds", []).append(res["host_us_per_layer"])
+                if r == 0:
+                    d["trace"] = [Trace.of(x) for x in res["results"]]
+            except Exception as exc:
+                report["errors"].append(f"{name} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
+        for impl in hf_impls:
+            try:
+                rounds[f"hf_{impl}"].append(time_hf_generate(model, windows[0][:16], args.hf_tokens, impl))
+            except Exception as exc:
+                report["errors"].append(f"hf {impl} round {r}: {exc!r}")
+        print(f"round {r}:", {k: (round(v[-1], 3) if v else None) for k, v in rounds.items()}, flush=True)
+        report["rounds_ms"] = rounds
+        save()
+
+    # separate passes, not part of the rounds: instrumented (host gap) and copies skipped (compute only)
+    for name, c, pol in configs:
+        if name not in details:
+            continue
+        engine = engines[c]
+        try:
+            engine.configure(policy=pol, instrument=True, skip_copies=False)
+            inst = run_windows(engine, windows[:1])
+            details[name]["instrumented"] = {k: inst[k] for k in ("gpu_gap_us_per_layer",
+                                             "gap_without_wait_us_per_layer", "exposed_wait_ms_per_token",
+                                             "host_us_per_layer") if k in inst}
+            details[name]["instrumented"]["ms_mean"] = float(inst["ms_tokens"].mean())
+            engine.configure(instrument=False, skip_copies=True)
+            skip = run_windows(engine, windows, trace=details[name]["trace"])
+            details[name]["copies_skipped_ms"] = float(skip["ms_tokens"].mean())
+        except Exception as exc:
+            report["errors"].append(f"{name} extra passes: {exc!r}\n{traceback.format_exc()[-1500:]}")
+        finally:
+            engine.configure(instrument=False, skip_copies=False)
+
+    # summary
+    copy_ms = report["copy"]["stream_ms"]
+    resident_ms = float(np.mean(rounds["all_resident"])) if rounds["all_resident"] else math.nan
+    floor_bytes = weight_bytes_per_token(engines[E])
+    report["bandwidth_floor_ms"] = floor_bytes / report["bandwidth_Bps"] * 1e3
+    report["bytes_per_token"] = floor_bytes
+    table = {}
+    for name, c, pol in configs:
+        if name not in details or not rounds[name]:
+            continue
+        d = details[name]
+        ms_all = np.concatenate(d["ms_tokens"])
+        copies = d["copies_per_token_rounds"][0]
+        logical = ("demand", "prefetch", "prefetch_unused")  # timing-independent; in time / late / dropped are not
+        same = all(all(x[k] == copies[k] for k in logical) for x in d["copies_per_token_rounds"])
+        ms = float(np.mean(rounds[name]))
+        link = copies["issued"] * copy_ms
+        row = {"policy": d["policy"], "C": c, "ms_mean": ms, "ms_p50": float(np.percentile(ms_all, 50)),
+               "ms_p99": float(np.percentile(ms_all, 99)), "rounds_ms": rounds[name],
+               "copies_per_token": copies, "logical_copies_identical_across_rounds": same,
+               "copies_per_token_rounds": d["copies_per_token_rounds"],
+               "link_floor_ms": link, "efficiency": max(resident_ms, link) / ms,
+               "host_us_per_layer": float(np.mean(d["host_us_per_layer_rounds"])),
+               "instrumented": d.get("instrumented"), "copies_skipped_ms": d.get("copies_skipped_ms")}
+        table[name] = row
+    ratios = {}
+    for impl in hf_impls:
+        if rounds[f"hf_{impl}"] and rounds["all_resident"]:
+            ratios[f"hf_{impl} / engine all-resident"] = ratio_ci(rounds[f"hf_{impl}"], rounds["all_resident"])
+    for c in args.capacities:
+        for base in ("exact_lru", "exact_prefetch", "cache_prior", "spec_exec"):
+            a, b = rounds.get(f"C{c}_{base}"), rounds.get(f"C{c}_psr")
+            if a and b and len(a) == len(b):
+                ratios[f"C{c}: {base} / psr"] = ratio_ci(a, b)
+    report["table"] = table
+    report["ratios"] = ratios
+    report["hf_ms"] = {impl: float(np.mean(rounds[f"hf_{impl}"])) for impl in hf_impls if rounds[f"hf_{impl}"]}
+    report["total_s"] = time.time() - t0
+    save()
+    md = markdown(report)
+    (out_dir / "bench_engine.md").write_text(md)
+    print(md, flush=True)
+    return 0 if not report["errors"] else 1
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# AR engine benchmark ({report['date']})", "",
+             f"{m['gpu']}; torch {m['torch']} (CUDA {m['cuda']}), transformers {m['transformers']}, "
+             f"triton {m.get('triton', '-')}, Python {m['python']}. Command: `{report['command']}`.", "",
+             f"Device bandwidth (D2D copy, read+write): {report['bandwidth_Bps'] / 1e9:.0f} GB/s. Expert copy "
+             f"({report['copy']['expert_MB']:.1f} MB, pinned host to device): {report['copy']['stream_ms']:.3f} ms "
+             f"each in a stream ({report['copy']['stream_GBps']:.1f} GB/s), {report['copy']['alone_ms']:.3f} ms alone. "
+             f"Bytes read per token with all experts resident: {report['bytes_per_token'] / 1e9:.2f} GB -> "
+             f"bandwidth floor {report['bandwidth_floor_ms']:.3f} ms/token.", "",
+             "Random weights route without temporal locality: copy counts are far above a trained model's.", "",
+             "| config | policy | mean ms | p50 | p99 | copies/token (demand / pf in time / late / unused / "
+             "transferred) | link floor ms | efficiency | host µs/layer | GPU gap µs/layer, of it copy wait "
+             "(instr.) | compute-only ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in report["table"].items():
+        cp = row["copies_per_token"]
+        inst = row.get("instrumented") or {}
+        gap = inst.get("gpu_gap_us_per_layer")
+        if gap is not None:
+            gap = f"{gap:.1f}, {gap - inst['gap_without_wait_us_per_layer']:.1f}"
+        skip = row.get("copies_skipped_ms")
+        lines.append(
+            f"| {name} | {row['policy']} | {row['ms_mean']:.2f} | {row['ms_p50']:.2f} | {row['ms_p99']:.2f} | "
+            f"{cp['demand']:.1f} / {cp['prefetch_in_time']:.1f} / {cp['prefetch_late']:.1f} / "
+            f"{cp['prefetch_unused']:.1f} / {cp['issued']:.1f} | {row['link_floor_ms']:.2f} | "
+            f"{row['efficiency']:.2f} | {row['host_us_per_layer']:.1f} | "
+            f"{'-' if gap is None else gap} | {'-' if skip is None else f'{skip:.2f}'} |")
+    lines += ["", "| ratio | point | 95% interval | p |", "|---|---|---|---|"]
+    for name, r in report["ratios"].items():
+        lines.append(f"| {name} | {r['ratio']:.3f} | {r['lo']:.3f}-{r['hi']:.3f} | {r['p']:.3g} |")
+    if report.get("hf_ms"):
+        lines += ["", "transformers generate ms/token: " + ", ".join(f"{k} {v:.2f}" for k, v in report["hf_ms"].items())]
+    if report["errors"]:
+        lines += ["", "Errors:"] + [f"- {e.splitlines()[0]}" for e in report["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Set-up helpers for engine tests and benchmarks: calibration from the engine's own exact decoding, and a
+seeded random model drawn directly on the device."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specmoe.routing import Calibration, CalibrationBuilder, TokenPrior
+
+
+def uniform_calibration(num_layers: int, num_experts: int, vocab_size: int) -> Calibration:
+    """A placeholder calibration (warm ranking by index, no token prior, delta 1): enough for exact routing
+    with every expert resident, which is how `calibration_from_engine` records the real one."""
+    indptr = np.zeros((num_layers, vocab_size + 1), dtype=np.int64)
+    prior = TokenPrior(indptr, np.zeros(0, np.int32), np.zeros(0))
+    ranking = np.tile(np.arange(num_experts), (num_layers, 1))
+    return Calibration(ranking, prior, np.ones(num_layers), {"model": "uniform placeholder",
+                                                             "num_experts": num_experts})
+
+
+def calibration_from_engine(engine, windows, provenance: dict | None = None) -> Calibration:
+    """Calibrate from the router logits of exact routing: decode each window (teacher-forced) with the
+    engine under its current policy, which must be exact with every expert resident (C = E)."""
+    policy = engine.policy
+    if policy.kind != "exact" or policy.capacity != engine.num_experts:
+        raise ValueError("calibrate with exact routing and every expert resident (C = E)")
+    c = engine.decoder.cfg
+    builder = CalibrationBuilder(c.num_layers, c.num_experts, c.vocab_size, c.top_k)
+    for window in windows:
+        result = engine.teacher_forced(np.asarray(window))
+        builder.add(result.router_logits.astype(np.float64), result.input_tokens)
+    return builder.finish(provenance or {})
+
+
+def random_olmoe_on_device(name: str, seed: int, dtype: torch.dtype, device):
+    """(model, adapter) of a named config of `specmoe.models` with seeded random weights drawn on `device`
+    (a CUDA generator: seconds for OLMoE-1B-7B, where `load_model`'s CPU draws take about a minute), using
+    `specmoe.models.olmoe`'s standard deviations. The weights are not `load_model(name)`'s bit for bit."""
+    from transformers import OlmoeForCausalLM
+
+    from specmoe.models import adapter_for, named_config
+    from specmoe.models import olmoe as olmoe_mod
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+
+    config = named_config(name)
+    with no_init_weights(), torch.device(device):
+        model = OlmoeForCausalLM._from_config(config, dtype=dtype)
+    std_of = getattr(olmoe_mod, "_weight_std", None)
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    with torch.no_grad():
+        for name_, param in model.named_parameters():
+            std = std_of(name_, tuple(param.shape)) if std_of else (None if "norm" in name_ else 0.02)
+            if std is None:
+                param.fill_(1.0)
+                continue
+            values = torch.randn(tuple(param.shape), generator=gen, device=device, dtype=torch.float32)
+            param.copy_(values.mul_(std).to(torch.bfloat16))
+            del values
+    model.eval()
+    try:
+        model.set_experts_implementation("eager")
+    except Exception:  # transformers versions without the switch
+        pass
+    return model, adapter_for(config)
+
+
+def weight_bytes_per_token(engine, experts_per_layer: int | None = None) -> int:
+    """Bytes a decode step must read with every executed expert resident: the decoder's weights and KV
+    cache plus K expert rows per layer (the memory-bandwidth floor's numerator)."""
+    k = experts_per_layer or engine.top_k
+    return engine.decoder.bytes_per_token(0) + engine.num_layers * k * engine.store.expert_bytes

@@ -1,0 +1,178 @@
+"""Slot-indexed MoE for one token: the executed experts' weights are read from a slot buffer at slot ids.
+
+The slot buffer of a layer is [C, W], one row per slot, each row one expert laid out as
+[gate (I x H) | up (I x H) | down (H x I)] (the expert store's row layout, see `specmoe.offload.store`).
+The routing of a layer arrives in a small int32 device tensor `route` [2K]: K slot ids, then the K execution
+weights as float32 bit patterns. `slot_moe` computes
+
+    out = residual + sum_j w_j * down_j(silu(gate_j x) * up_j x)
+
+with the rounding points of transformers' bf16 OLMoE experts (each projection's output and the weighted
+expert output rounded to the model dtype; the sum over experts in float32).
+
+Why our own kernel rather than vLLM's fused_moe: at batch 1 the slot ids are written by the host-side
+routing step between the two CUDA graphs of a layer, so the kernel must take them from a device tensor
+inside a captured graph with a static launch shape, and index a per-layer slot buffer whose rows are whole
+experts. fused_moe takes expert ids, sorts and pads tokens per expert on every call (moe_align_block_size)
+for many-token batches, and expects gate_up and down in two stacked tensors. Two Triton launches suffice:
+(1) gate/up projections and the activation, grid (K, I / BLOCK_N); (2) the down projections of all K
+experts, weighted and summed, plus the residual, grid (H / BLOCK_H). Each selected expert's weights are
+read exactly once. The torch fallback (index_select + bmm) serves the CPU and any device without Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton is optional: CPU machines and CI run the torch path
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+# Default launch parameters, per kernel; `tune_moe` may pick others on the device.
+MOE_DEFAULTS = dict(block_n=16, block_k=256, block_h=16, block_k2=256, warps1=4, warps2=4)
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def split_route(route: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot ids (int64) and execution weights (float32) held in a route row [2K] int32."""
+    return route[:top_k].long(), route[top_k:].view(torch.float32)
+
+
+def slot_moe_torch(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Tensor, route: torch.Tensor,
+                   act: torch.Tensor, out: torch.Tensor, hidden: int, inter: int) -> None:
+    """Reference implementation: out = residual + MoE(x) over the slots in `route` (see module doc)."""
+    top_k = route.numel() // 2
+    slots, weights = split_route(route, top_k)
+    rows = slot_buf.index_select(0, slots)  # [K, W]
+    gate_up = rows[:, : 2 * inter * hidden].view(top_k, 2 * inter, hidden)
+    down = rows[:, 2 * inter * hidden:].view(top_k, hidden, inter)
+    h = torch.bmm(gate_up, x.view(1, hidden, 1).expand(top_k, hidden, 1)).view(top_k, 2 * inter)
+    gate, up = h.split(inter, dim=-1)
+    act.copy_(F.silu(gate) * up)
+    y = torch.bmm(down, act.unsqueeze(-1)).view(top_k, hidden)
+    y = (y * weights.to(y.dtype)[:, None]).float().sum(0)
+    out.copy_(residual.float() + y)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_act_kernel(x_ptr, buf_ptr, route_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr,
+                            W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """act[j, n] = silu(gate_j[n] . x) * (up_j[n] . x) for the rows n of this program, expert j."""
+        j = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        dt = act_ptr.dtype.element_ty
+        slot = tl.load(route_ptr + j).to(tl.int64)
+        base = buf_ptr + slot * W
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < I
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < H
+            xv = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            m2 = rmask[:, None] & cmask[None, :]
+            wg = tl.load(base + rows[:, None] * H + cols[None, :], mask=m2, other=0.0)
+            wu = tl.load(base + (rows[:, None] + I) * H + cols[None, :], mask=m2, other=0.0)
+            acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+            acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+        tl.store(act_ptr + j * I + rows, a.to(dt), mask=rmask)
+
+    @triton.jit
+    def _down_combine_kernel(act_ptr, buf_ptr, route_ptr, res_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
+                             W: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[rows] = residual[rows] + sum_j w_j * (down_j[rows] . act_j) for this program's rows."""
+        pid = tl.program_id(0)
+        dt = out_ptr.dtype.element_ty
+        rows = pid * BLOCK_H + tl.arange(0, BLOCK_H)
+        rmask = rows < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # unrolled: the K slot loads and weight streams are independent
+            slot = tl.load(route_ptr + j).to(tl.int64)
+            w = tl.load(route_ptr + TOP_K + j).to(tl.float32, bitcast=True).to(dt).to(tl.float32)
+            base = buf_ptr + slot * W + 2 * I * H
+            acc_j = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                cmask = cols < I
+                a = tl.load(act_ptr + j * I + cols, mask=cmask, other=0.0).to(tl.float32)
+                wd = tl.load(base + rows[:, None] * I + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                             other=0.0)
+                acc_j += tl.sum(wd.to(tl.float32) * a[None, :], axis=1)
+            acc += (acc_j.to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        res = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, (res + acc).to(dt), mask=rmask)
+
+
+def slot_moe_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Tensor, route: torch.Tensor,
+                    act: torch.Tensor, out: torch.Tensor, hidden: int, inter: int, params: dict | None = None) -> None:
+    """Triton implementation of `slot_moe_torch` (same arguments; `out` may alias `residual`)."""
+    p = {**MOE_DEFAULTS, **(params or {})}
+    top_k = route.numel() // 2
+    width = slot_buf.shape[-1]
+    grid1 = (top_k, triton.cdiv(inter, p["block_n"]))
+    _gate_up_act_kernel[grid1](x, slot_buf, route, act, H=hidden, I=inter, W=width,
+                               BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], num_warps=p["warps1"])
+    grid2 = (triton.cdiv(hidden, p["block_h"]),)
+    _down_combine_kernel[grid2](act, slot_buf, route, residual, out, H=hidden, I=inter, W=width, TOP_K=top_k,
+                                BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], num_warps=p["warps2"])
+
+
+def slot_moe(x, residual, slot_buf, route, act, out, hidden, inter, backend: str = "torch", params=None) -> None:
+    """out = residual + MoE(x) over the slots and weights in `route`; backend "triton" or "torch"."""
+    if backend == "triton":
+        slot_moe_triton(x, residual, slot_buf, route, act, out, hidden, inter, params)
+    else:
+        slot_moe_torch(x, residual, slot_buf, route, act, out, hidden, inter)
+
+
+MOE_CANDIDATES = (  # smaller row blocks = more programs in flight, which a batch-1 GEMV needs to fill the chip
+    dict(block_n=16, block_k=256, block_h=16, block_k2=256, warps1=4, warps2=4),
+    dict(block_n=8, block_k=512, block_h=8, block_k2=512, warps1=4, warps2=4),
+    dict(block_n=8, block_k=1024, block_h=4, block_k2=1024, warps1=4, warps2=4),
+    dict(block_n=4, block_k=1024, block_h=4, block_k2=1024, warps1=4, warps2=4),
+    dict(block_n=16, block_k=256, block_h=8, block_k2=512, warps1=4, warps2=4),
+    dict(block_n=4, block_k=512, block_h=2, block_k2=1024, warps1=2, warps2=2),
+    dict(block_n=2, block_k=2048, block_h=2, block_k2=1024, warps1=4, warps2=2),
+    dict(block_n=4, block_k=1024, block_h=8, block_k2=512, warps1=4, warps2=4),
+)
+
+
+def tune_moe(slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Pick the fastest of MOE_CANDIDATES on this device for one layer's slot buffer (CUDA only).
+
+    Returns (params, {candidate index: median ms}). Candidates that fail to compile are skipped."""
+    from triton.testing import do_bench
+
+    device = slot_buf.device
+    num_slots = slot_buf.shape[0]
+    x = torch.randn(hidden, device=device, dtype=dtype)
+    res = torch.randn(hidden, device=device, dtype=dtype)
+    out = torch.empty_like(res)
+    act = torch.empty(top_k, inter, device=device, dtype=dtype)
+    route = torch.zeros(2 * top_k, dtype=torch.int32, device=device)
+    route[:top_k] = torch.randperm(num_slots, device=device)[:top_k].int()
+    route[top_k:].view(torch.float32)[:] = 1.0 / top_k
+    times = {}
+    for i, cand in enumerate(MOE_CANDIDATES):
+        try:
+            fn = lambda: slot_moe_triton(x, res, slot_buf, route, act, out, hidden, inter, cand)  # noqa: E731
+            fn()
+            times[i] = float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
+        except Exception:  # a candidate the compiler rejects on this device is simply not used
+            continue
+    if not times:
+        raise RuntimeError("no Triton MoE configuration compiled on this device")
+    best = min(times, key=times.get)
+    return dict(MOE_CANDIDATES[best]), times

@@ -1,0 +1,51 @@
+"""Lazy reads of tensors from a local safetensors checkpoint (one file or a sharded index), one at a time,
+so that building the expert store never holds a second copy of the model's weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .memory import OffloadError
+
+
+class CheckpointReader:
+    """Tensor names -> shard files of a checkpoint directory; `get` reads one tensor."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise OffloadError(f"{self.path} is not a checkpoint directory")
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not files:
+                raise OffloadError(f"checkpoint directory {self.path} has no *.safetensors weights")
+            weight_map = {}
+        self._handles = {name: safe_open(str(self.path / name), framework="pt") for name in files}
+        if not weight_map:
+            for name, handle in self._handles.items():
+                for key in handle.keys():
+                    weight_map[key] = name
+        self.weight_map = weight_map
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def keys(self):
+        return self.weight_map.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.weight_map:
+            raise OffloadError(f"checkpoint {self.path} has no tensor {key!r}")
+        return self._handles[self.weight_map[key]].get_tensor(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.weight_map[key]].get_slice(key).get_shape())
