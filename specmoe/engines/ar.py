@@ -369,13 +369,9 @@ class ArEngine:
 
     def _part1(self, layer: int, pregate: np.ndarray, token: int, physical: bool) -> None:
         g = pregate.astype(np.float64)
-        if physical:
-            room = self.config.max_in_flight - self.copies.in_flight()
-            if room <= 0:
-                return
-            inserted = self.cache.insert_predicted(layer, g, token, budget=room)
-        else:
-            inserted = self.cache.insert_predicted(layer, g, token)
+        # physical-cache mode: insert only what can be copied at once, so that routing sees issued copies
+        budget = max(self.config.max_in_flight - self.copies.in_flight(), 0) if physical else None
+        inserted = self.cache.insert_predicted(layer, g, token, budget=budget)
         if inserted.size:
             self.copies.assign(layer, self.cache.slot_of(layer, inserted), inserted, prefetch=True,
                                issue_now=physical)
