@@ -181,7 +181,9 @@ def run_windows(engine, windows, trace=None) -> dict:
     copies = {k: sum(s["copies_per_token"][k] * s["tokens"] for s in summaries) / n
               for k in summaries[0]["copies_per_token"]}
     out = {"ms_tokens": np.concatenate(ms), "copies_per_token": copies, "results": results,
-           "host_us_per_layer": float(np.mean([s["host_us_per_layer"] for s in summaries]))}
+           "host_us_per_layer": float(np.mean([s["host_us_per_layer"] for s in summaries])),
+           "host_us_per_layer_parts": {k: float(np.mean([s["host_us_per_layer_parts"][k] for s in summaries]))
+                                       for k in summaries[0]["host_us_per_layer_parts"]}}
     for key in ("gpu_gap_us_per_layer", "gap_without_wait_us_per_layer", "exposed_wait_ms_per_token"):
         if key in summaries[0]:
             out[key] = float(np.mean([s[key] for s in summaries]))
@@ -274,6 +276,7 @@ def main(argv=None) -> int:
                 d["ms_tokens"].append(res["ms_tokens"])
                 d.setdefault("copies_per_token_rounds", []).append(res["copies_per_token"])
                 d.setdefault("host_us_per_layer_rounds", []).append(res["host_us_per_layer"])
+                d.setdefault("host_parts_rounds", []).append(res["host_us_per_layer_parts"])
                 if r == 0:
                     d["trace"] = [Trace.of(x) for x in res["results"]]
             except Exception as exc:
@@ -330,6 +333,8 @@ def main(argv=None) -> int:
                "copies_per_token_rounds": d["copies_per_token_rounds"],
                "link_floor_ms": link, "efficiency": max(resident_ms, link) / ms,
                "host_us_per_layer": float(np.mean(d["host_us_per_layer_rounds"])),
+               "host_us_per_layer_parts": {k: float(np.mean([x[k] for x in d["host_parts_rounds"]]))
+                                           for k in d["host_parts_rounds"][0]},
                "instrumented": d.get("instrumented"), "copies_skipped_ms": d.get("copies_skipped_ms")}
         table[name] = row
     ratios = {}
@@ -364,7 +369,7 @@ def markdown(report: dict) -> str:
              f"bandwidth floor {report['bandwidth_floor_ms']:.3f} ms/token.", "",
              "Random weights route without temporal locality: copy counts are far above a trained model's.", "",
              "| config | policy | mean ms | p50 | p99 | copies/token (demand / pf in time / late / unused / "
-             "transferred) | link floor ms | efficiency | host µs/layer | GPU gap µs/layer, of it copy wait "
+             "transferred) | link floor ms | efficiency | host µs/layer (routing / copy issue / copy checks) | GPU gap µs/layer, of it copy wait "
              "(instr.) | compute-only ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in report["table"].items():
         cp = row["copies_per_token"]
@@ -377,7 +382,8 @@ def markdown(report: dict) -> str:
             f"| {name} | {row['policy']} | {row['ms_mean']:.2f} | {row['ms_p50']:.2f} | {row['ms_p99']:.2f} | "
             f"{cp['demand']:.1f} / {cp['prefetch_in_time']:.1f} / {cp['prefetch_late']:.1f} / "
             f"{cp['prefetch_unused']:.1f} / {cp['issued']:.1f} | {row['link_floor_ms']:.2f} | "
-            f"{row['efficiency']:.2f} | {row['host_us_per_layer']:.1f} | "
+            f"{row['efficiency']:.2f} | {row['host_us_per_layer']:.1f} ("
+            + " / ".join(f"{v:.1f}" for v in row["host_us_per_layer_parts"].values()) + ") | "
             f"{'-' if gap is None else gap} | {'-' if skip is None else f'{skip:.2f}'} |")
     lines += ["", "| ratio | point | 95% interval | p |", "|---|---|---|---|"]
     for name, r in report["ratios"].items():

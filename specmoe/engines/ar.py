@@ -320,6 +320,7 @@ class ArEngine:
         stats_before = copies.stats.as_array()
         wait_before = copies.wait_s
         host_ns = 0
+        parts = np.zeros(3)  # routing, demand-copy issue, copy checks and waits set up
         dec.set_input(token, t)
         start = time.perf_counter()
         self._attention(0)
@@ -333,20 +334,24 @@ class ArEngine:
             z = row[:num_experts] if trace is None else trace.router_logits[t, l]
             rec["z"][t, l] = z
             selected, demand = cache.select(l, z.astype(np.float64), token)
-            if demand.size:
-                copies.assign(l, cache.slot_of(l, demand), demand, prefetch=False)
             slots = cache.slot_of(l, selected)
             dec.route_np[l, :top_k] = slots
             execution_weights(z, selected, renorm, rec["w"])
             dec.weights_np[l] = rec["w"]
             rec["sel"][t, l] = selected
+            t1 = time.perf_counter_ns()
+            if demand.size:
+                copies.assign(l, cache.slot_of(l, demand), demand, prefetch=False)
+            t2 = time.perf_counter_ns()
             waits = copies.need(l, slots)
             if inst is not None:
                 inst[t][l][1].record(self.compute)
             copies.wait(l, waits, self.compute if self.cuda else None)
             if inst is not None:
                 inst[t][l][2].record(self.compute)
-            host_ns += time.perf_counter_ns() - t0
+            t3 = time.perf_counter_ns()
+            parts += (t1 - t0, t2 - t1, t3 - t2)
+            host_ns += t3 - t0
             self._moe(l)
             if l + 1 < num_layers:
                 self._attention(l + 1)
@@ -363,6 +368,7 @@ class ArEngine:
             self.ev_head.synchronize()
         rec["ms"][t] = (time.perf_counter() - start) * 1e3
         rec["host_us"][t] = host_ns / 1e3
+        rec["host_parts_us"][t] = parts / 1e3
         rec["copies"][t] = copies.stats.as_array() - stats_before
         rec["wait_ms"][t] = (copies.wait_s - wait_before) * 1e3
         rec["out"][t] = int(dec.next_token_np[0])
@@ -402,6 +408,7 @@ class ArEngine:
                "g": np.zeros((num_steps, c.num_layers, c.num_experts), np.float32),
                "sel": np.zeros((num_steps, c.num_layers, c.top_k), np.int64),
                "w": np.zeros(c.top_k), "ms": np.zeros(num_steps), "host_us": np.zeros(num_steps),
+               "host_parts_us": np.zeros((num_steps, 3)),
                "copies": np.zeros((num_steps, len(COPY_FIELDS)), np.int64), "wait_ms": np.zeros(num_steps),
                "out": np.zeros(num_steps, np.int64)}
         instrument = self.config.instrument and self.cuda
@@ -433,7 +440,7 @@ class ArEngine:
                               rec["ms"][:n], rec["host_us"][:n], rec["copies"][:n],
                               None if self.cuda else rec["wait_ms"][:n],  # GPU waits: instrumented runs only
                               logits=None if logits is None else logits[:n],
-                              unused_at_end=int(self.copies.fresh.sum()))
+                              unused_at_end=int(self.copies.fresh.sum()), host_parts_us=rec["host_parts_us"][:n])
         if instrument:
             torch.cuda.synchronize()
             ev = rec["events"]

@@ -11,6 +11,7 @@ import numpy as np
 from specmoe.offload import CopyStats
 
 COPY_FIELDS = CopyStats.FIELDS
+HOST_PARTS = ("routing", "copy_issue", "copy_checks")  # routing + slots + weights; demand copies; need + wait
 
 
 @dataclass
@@ -40,6 +41,7 @@ class DecodeResult:
     logits: np.ndarray | None = None
     generated: list[int] = field(default_factory=list)
     unused_at_end: int = 0  # prefetches never executed when the run ended (counted unused at the next reset)
+    host_parts_us: np.ndarray | None = None  # [T, 3]: host_us split into HOST_PARTS
     info: dict = field(default_factory=dict)
 
     @property
@@ -66,6 +68,9 @@ class DecodeResult:
         per_token["transferred"] = per_token["issued"]
         out["copies_per_token"] = per_token
         out["host_us_per_layer"] = float(self.host_us[self.timed].mean() / self.num_layers)
+        if self.host_parts_us is not None:
+            parts = self.host_parts_us[self.timed].mean(axis=0) / self.num_layers
+            out["host_us_per_layer_parts"] = dict(zip(HOST_PARTS, parts.tolist()))
         if self.wait_ms is not None:
             out["exposed_wait_ms_per_token"] = float(self.wait_ms[self.timed].mean())
         if self.gap_us is not None:
