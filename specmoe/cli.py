@@ -61,6 +61,7 @@ def _run_replay(args) -> int:
 
     calibration = Calibration.load(args.calibration)
     trace = Trace.load(args.trace)
+    calibration.check(trace.num_layers, trace.num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
     policy = parse_policy(args.policy, args.capacity, trace.top_k, args.set)
     result = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
                     sequence_starts=trace.sequence_starts)
@@ -71,13 +72,16 @@ def _run_replay(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line per result, not a bar per checkpoint load
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["demo", *(argv or [])])
     try:
         return args.func(args) or 0
-    except (PolicyError, ValueError, FileNotFoundError) as exc:
+    except (PolicyError, ValueError, FileNotFoundError) as exc:  # CalibrationError, TraceError, ... are ValueErrors
         print(f"specmoe {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -68,3 +68,25 @@ def test_policy_overrides():
         parse_policy("psr", 16, 8, ["lambda=0.2"])
     with pytest.raises(PolicyError, match="window takes a int"):
         parse_policy("psr", 16, 8, ["window=wide"])
+
+
+def test_trace_calibrate_replay_on_the_shipped_model(tmp_path, capsys):
+    from specmoe.traces import family_path
+
+    text = tmp_path / "held_out.txt"
+    text.write_text("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 8)
+    trace = tmp_path / "trace.safetensors"
+    cal = tmp_path / "cal.safetensors"
+    target = str(family_path("target"))
+    assert main(["trace", "--model", target, "--text", str(text), "--out", str(trace)]) == 0
+    assert main(["calibrate", "--model", target, "--text", str(text), "--length", "64", "--out", str(cal)]) == 0
+    capsys.readouterr()
+    assert main(["replay", "--trace", str(trace), "--calibration", str(cal), "--policy", "psr", "-C", "16",
+                 "--set", "bonus=0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "psr(C=16, lambda=0.25, n=1, A)" in out and "copies per token" in out
+    other = tmp_path / "other.safetensors"
+    assert main(["calibrate", "--model", "olmoe-micro", "--selfgen", "2", "--length", "16", "--out", str(other)]) == 0
+    capsys.readouterr()
+    assert main(["replay", "--trace", str(trace), "--calibration", str(other), "-C", "16"]) == 2
+    assert "does not fit this model" in capsys.readouterr().err

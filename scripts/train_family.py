@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Reproducible, seeded training of the small model family (MoE target, AR drafter, DFlash drafter).
+
+  prepare   build the corpus here (split by file, tokenizer, uint16 token streams) into --corpus
+  train     train + save + measure the family from a built corpus (the H200 run: --preset h200)
+  pack      flatten a trained family directory into at most 8 files below 16 MiB (for the device's $OUT)
+  install   unpack such files into a family directory (default: specmoe/assets/family)
+  evaluate  re-measure a family directory (any device) and, with --replay, routing-policy replays
+
+The shipped family was made by (see specmoe/assets/family/metrics.json, "reproduce"):
+  python scripts/train_family.py prepare --corpus .corpus --tokenizer specmoe/assets/family/target
+  python scripts/train_family.py train --corpus .corpus --out runs/family --preset h200 \
+      --target-steps N --drafter-steps M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ASSETS = Path(__file__).resolve().parents[1] / "specmoe" / "assets" / "family"
+BIG = 1 << 20  # files above 1 MiB travel on their own, the rest in one tar
+
+
+def cmd_prepare(args) -> None:
+    from specmoe.training.corpus import build_corpus
+
+    split = None
+    if args.split:
+        split = json.loads(Path(args.split).read_text())
+    roots = dict(item.split("=", 1) for item in args.root) if args.root else None
+    result = build_corpus(args.corpus, tokenizer_dir=args.tokenizer, split=split,
+                          roots={k: Path(v) for k, v in roots.items()} if roots else None)
+    print(json.dumps(result["tokens"], indent=1))
+
+
+def cmd_train(args) -> None:
+    from specmoe.training.family import run_family
+
+    log_file = open(Path(args.out) / "train.log", "a") if Path(args.out).is_dir() else None
+
+    def log(msg):
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        if log_file:
+            log_file.write(line + "\n")
+            log_file.flush()
+
+    metrics = run_family(args.corpus, args.out, args.preset, args.target_steps, args.drafter_steps, args.device,
+                         log, args.time_limit)
+    print(json.dumps({k: metrics[k] for k in ("training", "slice", "wall_seconds")}, indent=1, default=str))
+
+
+def cmd_pack(args) -> None:
+    src, dst = Path(args.family), Path(args.out)
+    dst.mkdir(parents=True, exist_ok=True)
+    small = []
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        rel = path.relative_to(src).as_posix()
+        if path.stat().st_size > BIG:
+            (dst / rel.replace("/", "__")).write_bytes(path.read_bytes())
+        else:
+            small.append((path, rel))
+    with tarfile.open(dst / "family_small.tar", "w") as tar:
+        for path, rel in small:
+            tar.add(str(path), arcname=rel)
+    print("\n".join(f"{p.name} {p.stat().st_size}" for p in sorted(dst.iterdir())))
+
+
+def cmd_install(args) -> None:
+    src, dst = Path(args.packed), Path(args.family)
+    dst.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(src / "family_small.tar") as tar:
+        tar.extractall(dst, filter="data")
+    for path in src.iterdir():
+        if "__" in path.name:
+            target = dst / path.name.replace("__", "/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    print(f"installed into {dst}")
+
+
+def cmd_evaluate(args) -> None:
+    import torch
+
+    from specmoe.training.corpus import load_corpus
+    from specmoe.training.family import EVAL_SETTINGS, evaluate_family, load_family
+    from specmoe.training.replay_metrics import replay_metrics
+
+    family = Path(args.family)
+    streams = load_corpus(args.corpus)
+    metrics_path = family / "metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    dtype = getattr(torch, args.dtype)
+    target, ar, dflash = load_family(family, args.device, dtype)
+    if args.slice:  # recompute the fixed slice here (float32) and record its tokens next to the training run's values
+        from specmoe.training.family import fixed_slice, slice_metrics
+
+        recomputed = slice_metrics(target, ar, dflash, streams["evaluation"])
+        recorded = metrics.setdefault("slice", recomputed)
+        if recorded["slice"]["starts"] != recomputed["slice"]["starts"]:
+            raise SystemExit("the corpus's evaluation stream does not give the recorded slice")
+        recorded["slice"]["token_ids"] = fixed_slice(streams["evaluation"]).tolist()
+        metrics[f"slice_{args.device}_{args.dtype}"] = {k: v for k, v in recomputed.items() if k != "slice"}
+        print(json.dumps(metrics[f"slice_{args.device}_{args.dtype}"], indent=1))
+    if args.locality:
+        from specmoe.training.family import EVAL_SETTINGS, measure_locality
+
+        st = EVAL_SETTINGS[args.preset]
+        metrics[f"locality_{args.device}_{args.dtype}"] = measure_locality(
+            target, streams["evaluation"], st["locality_sequences"], st["locality_length"], 16)
+    if args.replay:
+        metrics["replay"] = replay_metrics(target, streams, family_name=str(family))
+        print(json.dumps(metrics["replay"], indent=1))
+    if args.full:
+        metrics[f"evaluation_{args.device}"] = evaluate_family(target, ar, dflash, streams, EVAL_SETTINGS[args.preset])
+    if args.write:
+        metrics_path.write_text(json.dumps(metrics, indent=1))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--corpus", default=".corpus")
+    p.add_argument("--tokenizer", default=None, help="reuse the tokenizer in this directory instead of training one")
+    p.add_argument("--split", default=None, help="rebuild from a recorded split.json (checks every file's hash)")
+    p.add_argument("--root", action="append", help="NAME=PATH: where source NAME lives on this machine")
+    p.set_defaults(func=cmd_prepare)
+    p = sub.add_parser("train")
+    p.add_argument("--corpus", default=".corpus")
+    p.add_argument("--out", default="runs/family")
+    p.add_argument("--preset", default="h200")
+    p.add_argument("--target-steps", type=int, default=None)
+    p.add_argument("--drafter-steps", type=int, default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--time-limit", type=float, default=None, help="skip measurements after this many seconds")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("pack")
+    p.add_argument("--family", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_pack)
+    p = sub.add_parser("install")
+    p.add_argument("--packed", required=True)
+    p.add_argument("--family", default=str(ASSETS))
+    p.set_defaults(func=cmd_install)
+    p = sub.add_parser("evaluate")
+    p.add_argument("--family", default=str(ASSETS))
+    p.add_argument("--corpus", default=".corpus")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--preset", default="h200")
+    p.add_argument("--replay", action="store_true")
+    p.add_argument("--locality", action="store_true", help="routing locality of the target at --dtype")
+    p.add_argument("--slice", action="store_true", help="recompute the fixed held-out slice and record its tokens")
+    p.add_argument("--full", action="store_true")
+    p.add_argument("--write", action="store_true", help="write the results into the family's metrics.json")
+    p.set_defaults(func=cmd_evaluate)
+    args = parser.parse_args(argv)
+    if getattr(args, "out", None) and args.command == "train":
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

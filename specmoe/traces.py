@@ -1,0 +1,297 @@
+"""Routing traces: router and pre-gate logits per token, recorded from a model under exact routing.
+
+A trace lets the AR engine follow realistic routing with random-weight full-size models, and lets
+`specmoe.routing.replay` run any policy over recorded logits without a model.
+
+File format (one safetensors file, version 1):
+- tensors: ``router_logits`` float32 [T, L, E], z[t, l] of the model's own router; ``pregate_logits``
+  float32 [T, L, E], g[t, l] = router of layer l applied to the MoE input of layer l-1 (row l = 0 is zero
+  and ignored); ``token_ids`` int64 [T], the input token at each position; ``sequence_starts`` int64 [S],
+  the position where each recorded sequence begins (first 0, strictly increasing).
+- metadata (strings): ``format`` = "specmoe-trace", ``version`` = "1", ``geometry`` = JSON
+  {"num_layers": L, "num_experts": E, "top_k": K, "vocab_size": V}, ``model`` (the source it was recorded
+  from), ``fingerprint`` (`specmoe.routing.router_fingerprint` of the routers), ``info`` (JSON: dtype,
+  device, transformers version, creation time, ...).
+Positions are concatenated over sequences; a policy's cache is reset at every sequence start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .routing import router_fingerprint
+
+FORMAT, VERSION = "specmoe-trace", "1"
+
+
+class TraceError(ValueError):
+    """A trace that does not fit the model or geometry it is used with, or an unreadable trace file."""
+
+
+@dataclass
+class Trace:
+    """Recorded routing of exact decoding over one or more sequences (see the module docstring)."""
+
+    router_logits: np.ndarray
+    pregate_logits: np.ndarray
+    token_ids: np.ndarray
+    sequence_starts: np.ndarray
+    top_k: int
+    vocab_size: int
+    model: str = ""
+    fingerprint: str = ""
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.router_logits = np.ascontiguousarray(self.router_logits, dtype=np.float32)
+        self.pregate_logits = np.ascontiguousarray(self.pregate_logits, dtype=np.float32)
+        self.token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int64)
+        self.sequence_starts = np.ascontiguousarray(self.sequence_starts, dtype=np.int64)
+        z = self.router_logits
+        if z.ndim != 3:
+            raise TraceError(f"router logits must be [T, L, E], got shape {z.shape}")
+        if self.pregate_logits.shape != z.shape:
+            raise TraceError(f"pre-gate logits {self.pregate_logits.shape} differ from router logits {z.shape}")
+        if self.token_ids.shape != (z.shape[0],):
+            raise TraceError(f"token ids must be [T={z.shape[0]}], got {self.token_ids.shape}")
+        s = self.sequence_starts
+        if s.ndim != 1 or s.size == 0 or s[0] != 0 or np.any(np.diff(s) <= 0) or s[-1] >= max(z.shape[0], 1):
+            raise TraceError("sequence_starts must begin at 0 and increase strictly within [0, T)")
+        if not 1 <= self.top_k <= z.shape[2]:
+            raise TraceError(f"top_k {self.top_k} outside [1, E={z.shape[2]}]")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.router_logits.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.router_logits.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.router_logits.shape[2]
+
+    @property
+    def geometry(self) -> dict:
+        return {"num_layers": self.num_layers, "num_experts": self.num_experts, "top_k": self.top_k,
+                "vocab_size": self.vocab_size}
+
+    def sequences(self):
+        """(start, end) of each recorded sequence."""
+        bounds = list(self.sequence_starts) + [self.num_tokens]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def check(self, num_layers: int | None = None, num_experts: int | None = None, top_k: int | None = None,
+              vocab_size: int | None = None, fingerprint: str | None = None) -> None:
+        """Raise TraceError unless the trace has this geometry (and routers, where both carry a fingerprint)."""
+        expected = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k, "vocab_size": vocab_size}
+        problems = [f"{name} {self.geometry[name]} (expected {want})" for name, want in expected.items()
+                    if want is not None and self.geometry[name] != want]
+        if fingerprint and self.fingerprint and fingerprint != self.fingerprint:
+            problems.append(f"router fingerprint {self.fingerprint[:12]} (expected {fingerprint[:12]})")
+        if problems:
+            raise TraceError(f"trace recorded from {self.model or 'an unnamed model'} does not fit: "
+                             + "; ".join(problems) + ". Record a trace of this model with `specmoe trace`.")
+
+    # -- files ------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically to `path` in the format of the module docstring."""
+        from safetensors.numpy import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"router_logits": self.router_logits, "pregate_logits": self.pregate_logits,
+                   "token_ids": self.token_ids, "sequence_starts": self.sequence_starts}
+        meta = {"format": FORMAT, "version": VERSION, "geometry": json.dumps(self.geometry, sort_keys=True),
+                "model": self.model, "fingerprint": self.fingerprint, "info": json.dumps(self.info, sort_keys=True)}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, num_layers: int | None = None, num_experts: int | None = None,
+             top_k: int | None = None, vocab_size: int | None = None, fingerprint: str | None = None) -> "Trace":
+        """Read a trace; with any of the geometry arguments, refuse (TraceError) one of another geometry."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise TraceError(f"no trace file at {path}")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+                arrays = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises several types for a corrupt header
+            raise TraceError(f"{path} is not a readable safetensors file: {exc}") from exc
+        if meta.get("format") != FORMAT:
+            raise TraceError(f"{path} is not a specmoe trace (format {meta.get('format')!r})")
+        if meta.get("version") != VERSION:
+            raise TraceError(f"{path} has trace format version {meta.get('version')}, this code reads {VERSION}")
+        missing = {"router_logits", "pregate_logits", "token_ids", "sequence_starts"} - set(arrays)
+        if missing:
+            raise TraceError(f"{path} lacks the tensors {sorted(missing)}")
+        geometry = json.loads(meta["geometry"])
+        trace = cls(arrays["router_logits"], arrays["pregate_logits"], arrays["token_ids"], arrays["sequence_starts"],
+                    top_k=int(geometry["top_k"]), vocab_size=int(geometry["vocab_size"]), model=meta.get("model", ""),
+                    fingerprint=meta.get("fingerprint", ""), info=json.loads(meta.get("info", "{}")))
+        if (geometry["num_layers"], geometry["num_experts"]) != (trace.num_layers, trace.num_experts):
+            raise TraceError(f"{path}: metadata geometry {geometry} disagrees with the tensors' shape "
+                             f"{trace.router_logits.shape}")
+        trace.check(num_layers, num_experts, top_k, vocab_size, fingerprint)
+        return trace
+
+
+# -- recording ----------------------------------------------------------------------------------------
+
+def moe_routers(model) -> list:
+    """The router module of every MoE layer, in depth order: decoder layers whose ``mlp`` has a ``gate``
+    with a [E, H] ``weight`` and ``experts`` (OLMoE, Qwen-MoE and Mixtral-style blocks of transformers 5)."""
+    base = getattr(model, "model", model)
+    routers = []
+    for layer in getattr(base, "layers", []):
+        mlp = getattr(layer, "mlp", None)
+        gate = getattr(mlp, "gate", None)
+        if gate is not None and hasattr(mlp, "experts") and getattr(gate, "weight", None) is not None \
+                and gate.weight.ndim == 2:
+            routers.append(gate)
+    if not routers:
+        raise TraceError(f"{type(model).__name__} has no MoE layers with a linear router (mlp.gate)")
+    return routers
+
+
+def model_fingerprint(model) -> str:
+    """`router_fingerprint` over the model's router weights."""
+    return router_fingerprint(g.weight.detach().float().cpu().numpy() for g in moe_routers(model))
+
+
+def model_top_k(model) -> int:
+    config = model.config
+    for name in ("num_experts_per_tok", "moe_top_k", "top_k"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise TraceError(f"cannot find the top-K of {type(model).__name__} in its config")
+
+
+def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) -> Trace:
+    """Run `model` over each sequence (1-D LongTensors, no padding) under its own routing and record the
+    router logits, the pre-gate logits, the token ids and the sequence boundaries. Sequences of equal
+    length are batched `batch_size` at a time."""
+    import torch
+    import torch.nn.functional as F
+
+    routers = moe_routers(model)
+    captured_in: dict[int, "torch.Tensor"] = {}
+    captured_out: dict[int, "torch.Tensor"] = {}
+
+    def hooks(index):
+        def pre(_module, args):
+            captured_in[index] = args[0].reshape(-1, args[0].shape[-1])
+
+        def post(_module, _args, output):
+            logits = output[0] if isinstance(output, tuple) else output
+            captured_out[index] = logits.reshape(-1, logits.shape[-1])
+        return pre, post
+
+    handles = []
+    for i, gate in enumerate(routers):
+        pre, post = hooks(i)
+        handles.append(gate.register_forward_pre_hook(pre))
+        handles.append(gate.register_forward_hook(post))
+    device = next(model.parameters()).device
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    if not seqs or any(s.numel() == 0 for s in seqs):
+        raise TraceError("record_trace needs at least one non-empty sequence")
+    parts_z, parts_g = [None] * len(seqs), [None] * len(seqs)
+    try:
+        with torch.no_grad():
+            i = 0
+            while i < len(seqs):
+                j = i + 1
+                while j < len(seqs) and j - i < batch_size and seqs[j].numel() == seqs[i].numel():
+                    j += 1
+                batch = torch.stack(seqs[i:j]).to(device)
+                model(input_ids=batch)
+                num_experts = captured_out[0].shape[-1]
+                z = torch.stack([captured_out[l] for l in range(len(routers))], dim=1).float()
+                g = torch.zeros_like(z)
+                for l in range(1, len(routers)):
+                    g[:, l] = F.linear(captured_in[l - 1], routers[l].weight).float()
+                z = z.view(j - i, -1, len(routers), num_experts).cpu().numpy()
+                g = g.view(j - i, -1, len(routers), num_experts).cpu().numpy()
+                for b in range(j - i):
+                    parts_z[i + b], parts_g[i + b] = z[b], g[b]
+                i = j
+    finally:
+        for h in handles:
+            h.remove()
+    lengths = [s.numel() for s in seqs]
+    import transformers
+
+    info = {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(device),
+            "transformers": transformers.__version__, "torch": torch.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "sequences": len(seqs)}
+    return Trace(np.concatenate(parts_z), np.concatenate(parts_g), torch.cat(seqs).numpy(),
+                 np.concatenate([[0], np.cumsum(lengths)[:-1]]), top_k=model_top_k(model),
+                 vocab_size=int(model.config.vocab_size), model=model_source,
+                 fingerprint=model_fingerprint(model), info=info)
+
+
+# -- command line ---------------------------------------------------------------------------------------
+
+def add_trace_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``trace`` to an argparse subparsers object (for specmoe.cli)."""
+    p = subparsers.add_parser("trace", help="record router and pre-gate logits of exact routing over a text",
+                              description="Record a routing trace (see specmoe.traces for the file format).")
+    p.add_argument("--model", default="family",
+                   help="a local checkpoint directory, or 'family' for the shipped small OLMoE target")
+    p.add_argument("--text", required=True, help="a UTF-8 text file; tokenized with the model's tokenizer")
+    p.add_argument("--out", required=True, help="output trace file (.safetensors)")
+    p.add_argument("--window", type=int, default=1024, help="tokens per recorded sequence (the last may be shorter)")
+    p.add_argument("--max-tokens", type=int, default=65536, help="record at most this many tokens")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=main_trace)
+    return p
+
+
+def main_trace(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = family_path("target") if args.model == "family" else Path(args.model)
+    if not Path(source).is_dir():
+        raise SystemExit(f"specmoe trace: no checkpoint directory at {source}")
+    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    try:  # the harness's loader: same model class and pinned experts kernels as every other measurement
+        from .models import load_model
+
+        model, _ = load_model(str(source), dtype=getattr(torch, args.dtype), device=args.device)
+    except ImportError:
+        model = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True,
+                                                     dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    text = Path(args.text).read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: args.max_tokens]
+    if not ids:
+        raise SystemExit(f"specmoe trace: {args.text} holds no tokens")
+    sequences = [torch.tensor(ids[i:i + args.window]) for i in range(0, len(ids), args.window)]
+    trace = record_trace(model, sequences, model_source=str(args.model))
+    trace.info["text"] = str(args.text)
+    trace.save(args.out)
+    print(f"wrote {args.out}: {trace.num_tokens} tokens in {len(sequences)} sequences, "
+          f"L={trace.num_layers} E={trace.num_experts} K={trace.top_k}")
+    return 0
+
+
+def family_path(name: str = "target") -> Path:
+    """Directory of a shipped checkpoint of the small family: 'target', 'ar_drafter' or 'dflash_drafter'."""
+    return Path(__file__).resolve().parent / "assets" / "family" / name

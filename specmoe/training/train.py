@@ -1,0 +1,280 @@
+"""Training of the family: the OLMoE target from scratch, then both drafters against the frozen target.
+
+- target: next-token cross-entropy plus OLMoE's load-balancing loss (transformers' `aux_loss` with
+  ``output_router_logits=True``, weighted by ``router_aux_loss_coef``);
+- AR drafter (OLMo): (1 - w) * cross-entropy on the text + w * KL(target || drafter) on the target's
+  teacher-forced next-token distribution;
+- DFlash drafter: `anchors_per_sequence` random anchors per training window; each block (anchor + mask
+  tokens) is drafted from the target's features at the positions before its anchor (many blocks in one pass
+  through `block_attention_mask`); the same mixed loss at every block position j >= 1, weighted by
+  exp(-(j - 1) / decay), since later positions only count once the earlier ones were accepted.
+
+Weights are kept in the model's dtype (bf16 on the GPU: the experts' grouped_mm kernels run in bf16) with
+fp32 master copies in AdamW; the learning rate warms up linearly and decays by a cosine to `min_lr_ratio`.
+Batches come from a seeded sampler, anchors from a seeded generator, so a run is a function of the corpus,
+the config and the seed (up to the nondeterminism CUDA kernels keep).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..drafters.dflash_model import (block_attention_mask, block_input_ids, block_position_ids,
+                                     extract_context_feature)
+from .configs import FamilyConfig, StageConfig
+from .corpus import BatchSampler
+
+
+def set_determinism(seed: int) -> None:
+    """Seed everything and ask for deterministic kernels (warn where CUDA has none)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def lr_at(step: int, total: int, stage: StageConfig) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to lr * min_lr_ratio at `total`."""
+    if step < stage.warmup:
+        return stage.lr * (step + 1) / stage.warmup
+    progress = min(1.0, (step - stage.warmup) / max(1, total - stage.warmup))
+    return stage.lr * (stage.min_lr_ratio + (1 - stage.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class MasterAdamW:
+    """AdamW over fp32 master copies of a model's (bf16 or fp32) parameters; decay on matrices only."""
+
+    def __init__(self, model: torch.nn.Module, stage: StageConfig):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        decay = [m for m in self.masters if m.ndim >= 2]
+        no_decay = [m for m in self.masters if m.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": stage.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=stage.lr, betas=stage.betas, eps=1e-8, foreach=True)
+        self.grad_clip = stage.grad_clip
+
+    def step(self, lr: float) -> torch.Tensor:
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = torch.zeros_like(m) if p.grad is None else p.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(self.masters, self.grad_clip)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.data.copy_(m.data)
+                m.grad = None
+            p.grad = None
+        return norm
+
+
+class _Clock:
+    """Chooses a stage's step count from a timing probe when none is given."""
+
+    def __init__(self, stage: StageConfig, device: torch.device):
+        self.stage, self.device = stage, device
+        self.total = stage.steps
+        self.start = time.perf_counter()
+        self.mark = None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def before_step(self, step: int) -> None:
+        if self.total is not None:
+            return
+        first = min(10, self.stage.probe_steps - 1)
+        if step == first:
+            self._sync()
+            self.mark = time.perf_counter()
+        elif step == self.stage.probe_steps:
+            self._sync()
+            per_step = (time.perf_counter() - self.mark) / (step - first)
+            left = self.stage.time_budget_s - (time.perf_counter() - self.start)
+            self.total = int(min(self.stage.max_steps, max(step, step + left // per_step)))
+
+    @property
+    def horizon(self) -> int:
+        return self.total if self.total is not None else self.stage.max_steps
+
+    def elapsed(self) -> float:
+        self._sync()
+        return time.perf_counter() - self.start
+
+
+def _mean_rows(acc: torch.Tensor, count: int, names: tuple[str, ...]) -> dict:
+    values = (acc / max(count, 1)).tolist()
+    return dict(zip(names, values))
+
+
+def choose_experts_implementation(model, batch: torch.Tensor, preferred: tuple[str, ...]) -> str:
+    """The first of `preferred` under which one forward and backward of `batch` runs (grads discarded)."""
+    for name in preferred:
+        try:
+            model.set_experts_implementation(name)
+            out = model(input_ids=batch, output_router_logits=True)
+            (out.logits.float().mean() + out.aux_loss).backward()
+            model.zero_grad(set_to_none=True)
+            return name
+        except Exception as exc:  # an unsupported kernel on this device / version
+            print(f"experts implementation {name!r} failed here: {type(exc).__name__}: {exc}"[:400], flush=True)
+            model.zero_grad(set_to_none=True)
+    raise RuntimeError(f"none of the experts implementations {preferred} runs on this machine")
+
+
+@torch.no_grad()
+def heldout_loss(model, rows: torch.Tensor | None) -> float | None:
+    """Mean next-token cross-entropy on fixed held-out windows (monitoring only; no decision uses it)."""
+    if rows is None:
+        return None
+    was_training = model.training
+    model.eval()
+    logits = model(input_ids=rows[:, :-1]).logits.float()
+    model.train(was_training)
+    return F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
+
+
+def monitor_rows(stream: np.ndarray | None, fc: FamilyConfig, device) -> torch.Tensor | None:
+    """`eval_windows` windows of seq_len + 1 tokens spread over the evaluation stream."""
+    if stream is None:
+        return None
+    length = fc.seq_len + 1
+    starts = np.linspace(0, stream.size - length, fc.eval_windows).astype(np.int64)
+    return torch.from_numpy(np.stack([stream[s:s + length] for s in starts]).astype(np.int64)).to(device)
+
+
+def train_target(model, stream: np.ndarray, fc: FamilyConfig, device: torch.device,
+                 log: Callable[[str], None] = print, heldout: np.ndarray | None = None) -> dict:
+    """Train the OLMoE target on the train stream; returns steps, seconds, tokens and the curve rows
+    (with the held-out loss on `heldout` every `eval_every` steps, when given)."""
+    stage = fc.target
+    sampler = BatchSampler(stream, fc.batch_size, fc.seq_len, seed=fc.seed)
+    preferred = ("grouped_mm", "eager") if device.type == "cuda" else ("eager",)
+    probe = torch.from_numpy(stream[: 2 * (fc.seq_len + 1)].astype(np.int64)).view(2, -1)[:, :-1].to(device)
+    impl = choose_experts_implementation(model, probe, preferred)
+    monitor = monitor_rows(heldout, fc, device)
+    model.train()
+    opt = MasterAdamW(model, stage)
+    clock = _Clock(stage, device)
+    names = ("loss", "ce", "aux_loss", "grad_norm")
+    rows, acc, count, step = [], torch.zeros(len(names), device=device), 0, 0
+    aux_coef = model.config.router_aux_loss_coef
+    while clock.total is None or step < clock.total:
+        clock.before_step(step)
+        batch = torch.from_numpy(sampler.next()).to(device)
+        out = model(input_ids=batch[:, :-1], output_router_logits=True)
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss = ce + aux_coef * out.aux_loss
+        loss.backward()
+        lr = lr_at(step, clock.horizon, stage)
+        norm = opt.step(lr)
+        acc += torch.stack([loss.detach(), ce.detach(), out.aux_loss.detach().float(), norm.detach().float()])
+        count += 1
+        step += 1
+        if step % stage.log_every == 0 or step == clock.total:
+            row = {"model": "target", "step": step, "tokens": step * fc.batch_size * fc.seq_len, "lr": lr,
+                   **_mean_rows(acc, count, names), "seconds": round(clock.elapsed(), 2)}
+            if step % fc.eval_every == 0 or step == clock.total:
+                row["heldout_ce"] = heldout_loss(model, monitor)
+            rows.append(row)
+            log(f"target step {step}/{clock.total} loss {row['loss']:.4f} ce {row['ce']:.4f} "
+                f"aux {row['aux_loss']:.4f} lr {lr:.2e} {row['seconds']:.0f}s")
+            acc.zero_()
+            count = 0
+    return {"steps": step, "seconds": clock.elapsed(), "tokens": step * fc.batch_size * fc.seq_len,
+            "epochs": step * fc.batch_size / max(1, sampler.starts.size), "experts_implementation": impl,
+            "rows": rows}
+
+
+def _mixed_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_logp: torch.Tensor,
+                w: float) -> torch.Tensor:
+    """Per-position (1 - w) * CE(labels) + w * KL(teacher || student), shapes [..., V] -> [...]."""
+    logp = F.log_softmax(student_logits.float(), dim=-1)
+    ce = -logp.gather(-1, labels[..., None])[..., 0]
+    kl = (teacher_logp.exp() * (teacher_logp - logp)).sum(-1)
+    return (1 - w) * ce + w * kl
+
+
+def sample_anchors(rng: np.random.Generator, batch: int, count: int, seq_len: int, block: int) -> np.ndarray:
+    """`count` distinct sorted anchors per row in [1, seq_len - block + 1]: every block position lies
+    inside the window of seq_len + 1 tokens, and every anchor has at least one context position."""
+    high = seq_len - block + 1
+    return np.sort(np.stack([rng.choice(np.arange(1, high + 1), size=count, replace=False) for _ in range(batch)]),
+                   axis=1)
+
+
+def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, device: torch.device,
+                   log: Callable[[str], None] = print, heldout: np.ndarray | None = None) -> dict:
+    """Train the AR and DFlash drafters on the same batches, each against the frozen target (the AR
+    drafter's held-out loss on `heldout` is logged every `eval_every` steps, when given)."""
+    stage = fc.drafters
+    sampler = BatchSampler(stream, fc.batch_size, fc.seq_len, seed=fc.seed + 1)
+    rng = np.random.Generator(np.random.PCG64([fc.seed, 2]))
+    target.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    ar.train()
+    dflash.train()
+    opt_ar, opt_df = MasterAdamW(ar, stage), MasterAdamW(dflash, stage)
+    block, n_anchor, w = fc.block_size, fc.anchors_per_sequence, fc.distill_weight
+    pos_weight = torch.exp(-torch.arange(block - 1, device=device, dtype=torch.float32) / fc.block_loss_decay)
+    clock = _Clock(stage, device)
+    monitor = monitor_rows(heldout, fc, device)
+    names = ("ar_loss", "dflash_loss", "dflash_acc1", "dflash_acc_mean")
+    rows, acc, count, step = [], torch.zeros(len(names), device=device), 0, 0
+    while clock.total is None or step < clock.total:
+        clock.before_step(step)
+        batch = torch.from_numpy(sampler.next()).to(device)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        with torch.no_grad():
+            out = target(input_ids=inputs, output_hidden_states=True)
+            teacher = F.log_softmax(out.logits.float(), dim=-1)  # [B, S, V]: position p predicts p + 1
+            features = extract_context_feature(out.hidden_states, dflash.target_layer_ids)
+        ar_loss = _mixed_loss(ar(input_ids=inputs).logits, labels, teacher, w).mean()
+
+        anchors = torch.from_numpy(sample_anchors(rng, batch.shape[0], n_anchor, fc.seq_len, block)).to(device)
+        noise = embed(block_input_ids(batch, anchors, block, dflash.mask_token_id))
+        hidden = dflash(block_position_ids(anchors, fc.seq_len, block), noise, features,
+                        attention_mask=block_attention_mask(anchors, fc.seq_len, block))
+        hidden = hidden.view(batch.shape[0], n_anchor, block, -1)[:, :, 1:]
+        logits = head(hidden)  # [B, N, block-1, V]
+        offsets = torch.arange(1, block, device=device)
+        positions = anchors[:, :, None] + offsets  # token positions the block drafts
+        df_labels = batch.gather(1, positions.flatten(1)).view_as(positions)
+        df_teacher = teacher[torch.arange(batch.shape[0], device=device)[:, None, None], positions - 1]
+        per_pos = _mixed_loss(logits, df_labels, df_teacher, w)  # [B, N, block-1]
+        df_loss = (per_pos * pos_weight).sum(-1).mean() / pos_weight.sum()
+        (ar_loss + df_loss).backward()
+        lr = lr_at(step, clock.horizon, stage)
+        opt_ar.step(lr)
+        opt_df.step(lr)
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == df_labels).float()
+            acc += torch.stack([ar_loss.detach(), df_loss.detach(), hit[..., 0].mean(), hit.mean()])
+        count += 1
+        step += 1
+        if step % stage.log_every == 0 or step == clock.total:
+            row = {"model": "drafters", "step": step, "tokens": step * fc.batch_size * fc.seq_len, "lr": lr,
+                   **_mean_rows(acc, count, names), "seconds": round(clock.elapsed(), 2)}
+            if step % fc.eval_every == 0 or step == clock.total:
+                row["heldout_ce"] = heldout_loss(ar, monitor)
+            rows.append(row)
+            log(f"drafters step {step}/{clock.total} ar {row['ar_loss']:.4f} dflash {row['dflash_loss']:.4f} "
+                f"acc1 {row['dflash_acc1']:.3f} lr {lr:.2e} {row['seconds']:.0f}s")
+            acc.zero_()
+            count = 0
+    return {"steps": step, "seconds": clock.elapsed(), "tokens": step * fc.batch_size * fc.seq_len,
+            "epochs": step * fc.batch_size / max(1, sampler.starts.size), "rows": rows}
