@@ -7,7 +7,10 @@ not of a trained model). Configurations run in one process, rounds interleaved (
   weights (eager and batched_mm experts), and vs the memory-bandwidth floor (bytes read per token / measured
   device bandwidth);
 - C = 32 and C = 16: exact LRU, exact + A priority + prefetch (exact_prefetch), Cache-Prior lambda 0.2, PSR
-  lambda 0.3 (C=32) / 0.25 (C=16) n=1, speculative execution.
+  lambda 0.3 (C=32) / 0.25 (C=16) n=1, speculative execution;
+- with --trace (a `specmoe trace` of a trained model with the same L, E, K) and --trace-calibration, the same
+  policies again following the trace's router and pre-gate logits and tokens (realistic copy patterns on the
+  full-size random weights).
 Reported per configuration: mean and p99 ms/token, copies per token by class, engine efficiency =
 max(all-resident ms, transferred copies x measured copy ms) / ms, ratios with 95% intervals (paired t-test on
 log latency over rounds), and from separate passes (not in the rounds) the host gap per layer with
@@ -170,6 +173,29 @@ def time_hf_generate(model, prompt: np.ndarray, new: int, impl: str) -> float:
     return (run(new) - run(1)) / (new - 1) * 1e3
 
 
+def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[int, int, int], count: int,
+                       length: int) -> dict:
+    """The first `count` sequences of a recorded trace, cut to `length` tokens, as engine Traces (router and
+    pre-gate logits and input tokens), with the traced model's calibration."""
+    from specmoe.routing import Calibration
+    from specmoe.traces import Trace as RecordedTrace
+
+    if not calibration_path:
+        raise ValueError("--trace needs --trace-calibration (the calibration of the traced model)")
+    num_layers, num_experts, top_k = geometry
+    rec = RecordedTrace.load(path, num_layers=num_layers, num_experts=num_experts, top_k=top_k)
+    calibration = Calibration.load(calibration_path)
+    calibration.check(num_layers, num_experts)
+    bounds = list(rec.sequence_starts) + [len(rec.token_ids)]
+    spans = [(lo, min(hi, lo + length)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi - lo >= length][:count]
+    if len(spans) < count:
+        raise ValueError(f"the trace has {len(spans)} sequences of at least {length} tokens; {count} needed")
+    traces = [Trace(rec.router_logits[lo:hi].astype(np.float32), rec.pregate_logits[lo:hi].astype(np.float32),
+                    rec.token_ids[lo:hi]) for lo, hi in spans]
+    return {"calibration": calibration, "traces": traces, "windows": [t.tokens for t in traces],
+            "info": {"model": rec.model, "sequences": len(spans), "tokens_per_window": length}}
+
+
 def run_windows(engine, windows, trace=None) -> dict:
     ms, results = [], []
     for i, w in enumerate(windows):
@@ -204,6 +230,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="olmoe-1b-7b", help="named config of specmoe.models")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script's logic")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--trace", help="routing trace of a trained model with the same L, E, K (`specmoe trace`): "
+                    "adds trace-following rows (router and pre-gate logits and tokens from the trace)")
+    ap.add_argument("--trace-calibration", help="calibration file of the traced model (needed with --trace)")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -255,22 +284,33 @@ def main(argv=None) -> int:
     for c in args.capacities:
         PSR_LAMBDA.setdefault(c, 0.25)
         configs += [(f"C{c}_{name}", c, pol) for name, pol in policies(c, K).items()]
+    # per configuration: the calibration, the windows and the trace each window follows (None: own router)
+    setting = {name: (calib, windows, None) for name, _, _ in configs}
+    if args.trace:
+        traced = load_trace_windows(args.trace, args.trace_calibration, (L, E, K), args.windows, args.tokens)
+        report["trace"] = {"file": args.trace, "calibration": args.trace_calibration, **traced["info"]}
+        for c in args.capacities:
+            for name, pol in policies(c, K).items():
+                configs.append((f"trace_C{c}_{name}", c, pol))
+                setting[f"trace_C{c}_{name}"] = (traced["calibration"], traced["windows"], traced["traces"])
     hf_impls = ["eager", "batched_mm"]
     rounds: dict[str, list] = {name: [] for name, _, _ in configs}
     rounds.update({f"hf_{impl}": [] for impl in hf_impls})
     details: dict[str, dict] = {}
     for name, c, pol in configs:  # warm-up (first calls, compilation): not timed
         try:
-            engines[c].configure(policy=pol)
-            engines[c].teacher_forced(windows[0][: args.warmup_tokens])
+            cal, wins, tr = setting[name]
+            engines[c].configure(policy=pol, calibration=cal)
+            engines[c].teacher_forced(wins[0][: args.warmup_tokens], trace=None if tr is None else tr[0])
         except Exception as exc:
             report["errors"].append(f"{name} warm-up: {exc!r}\n{traceback.format_exc()[-1500:]}")
     for r in range(args.rounds):
         for name, c, pol in configs:
             try:
                 engine = engines[c]
-                engine.configure(policy=pol, instrument=False, skip_copies=False)
-                res = run_windows(engine, windows)
+                cal, wins, tr = setting[name]
+                engine.configure(policy=pol, calibration=cal, instrument=False, skip_copies=False)
+                res = run_windows(engine, wins, trace=tr)
                 rounds[name].append(float(res["ms_tokens"].mean()))
                 d = details.setdefault(name, {"ms_tokens": [], "policy": pol.name, "capacity": c})
                 d["ms_tokens"].append(res["ms_tokens"])
@@ -296,14 +336,15 @@ def main(argv=None) -> int:
             continue
         engine = engines[c]
         try:
-            engine.configure(policy=pol, instrument=True, skip_copies=False)
-            inst = run_windows(engine, windows[:1])
+            cal, wins, tr = setting[name]
+            engine.configure(policy=pol, calibration=cal, instrument=True, skip_copies=False)
+            inst = run_windows(engine, wins[:1], trace=None if tr is None else tr[:1])
             details[name]["instrumented"] = {k: inst[k] for k in ("gpu_gap_us_per_layer",
                                              "gap_without_wait_us_per_layer", "exposed_wait_ms_per_token",
                                              "host_us_per_layer") if k in inst}
             details[name]["instrumented"]["ms_mean"] = float(inst["ms_tokens"].mean())
             engine.configure(instrument=False, skip_copies=True)
-            skip = run_windows(engine, windows, trace=details[name]["trace"])
+            skip = run_windows(engine, wins, trace=details[name]["trace"])
             details[name]["copies_skipped_ms"] = float(skip["ms_tokens"].mean())
         except Exception as exc:
             report["errors"].append(f"{name} extra passes: {exc!r}\n{traceback.format_exc()[-1500:]}")
@@ -341,11 +382,12 @@ def main(argv=None) -> int:
     for impl in hf_impls:
         if rounds[f"hf_{impl}"] and rounds["all_resident"]:
             ratios[f"hf_{impl} / engine all-resident"] = ratio_ci(rounds[f"hf_{impl}"], rounds["all_resident"])
-    for c in args.capacities:
-        for base in ("exact_lru", "exact_prefetch", "cache_prior", "spec_exec"):
-            a, b = rounds.get(f"C{c}_{base}"), rounds.get(f"C{c}_psr")
-            if a and b and len(a) == len(b):
-                ratios[f"C{c}: {base} / psr"] = ratio_ci(a, b)
+    for prefix in ("", "trace_"):
+        for c in args.capacities:
+            for base in ("exact_lru", "exact_prefetch", "cache_prior", "spec_exec"):
+                a, b = rounds.get(f"{prefix}C{c}_{base}"), rounds.get(f"{prefix}C{c}_psr")
+                if a and b and len(a) == len(b):
+                    ratios[f"{prefix}C{c}: {base} / psr"] = ratio_ci(a, b)
     report["table"] = table
     report["ratios"] = ratios
     report["hf_ms"] = {impl: float(np.mean(rounds[f"hf_{impl}"])) for impl in hf_impls if rounds[f"hf_{impl}"]}
@@ -367,7 +409,9 @@ def markdown(report: dict) -> str:
              f"each in a stream ({report['copy']['stream_GBps']:.1f} GB/s), {report['copy']['alone_ms']:.3f} ms alone. "
              f"Bytes read per token with all experts resident: {report['bytes_per_token'] / 1e9:.2f} GB -> "
              f"bandwidth floor {report['bandwidth_floor_ms']:.3f} ms/token.", "",
-             "Random weights route without temporal locality: copy counts are far above a trained model's.", "",
+             "Random weights route without temporal locality: copy counts are far above a trained model's. "
+             "Rows trace_* follow the router and pre-gate logits (and tokens) of a recorded trace "
+             + (f"of {report['trace']['model']}" if report.get("trace") else "") + ".", "",
              "| config | policy | mean ms | p50 | p99 | copies/token (demand / pf in time / late / unused / "
              "transferred) | link floor ms | efficiency | host µs/layer (routing / copy issue / copy checks) | GPU gap µs/layer, of it copy wait "
              "(instr.) | compute-only ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
