@@ -1,0 +1,44 @@
+"""Make the routing trace and calibration that `scripts/bench_engine.py --trace` follows.
+
+From the shipped family target: a calibration on the first 128 windows of 512 tokens of the corpus's
+calibration split, and a trace of 4 sequences of 128 tokens of the evaluation split (sequence i starts at
+token 4096 i). The corpus comes from `python3 scripts/train_family.py prepare --corpus .corpus ...`.
+
+    python3 scripts/make_bench_trace.py --corpus .corpus --out .device-carry
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from specmoe.experiments.calibrate import token_windows
+from specmoe.harness import collect_calibration
+from specmoe.models import load_model
+from specmoe.traces import family_path, record_trace
+from specmoe.training.corpus import load_corpus
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", default=".corpus")
+    parser.add_argument("--out", default=".device-carry")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = load_corpus(args.corpus)
+    model, adapter = load_model(str(family_path("target")))
+    windows = token_windows(parts["calibration"], 512, 128)
+    calibration = collect_calibration(model, adapter, windows, {
+        "text": "family corpus, calibration split, first 128 windows of 512 tokens"})
+    calibration.save(out / "calib.safetensors")
+    evaluation = parts["evaluation"]
+    sequences = [torch.as_tensor(evaluation[i * 4096:i * 4096 + 128]) for i in range(4)]
+    record_trace(model, sequences, model_source=str(family_path("target"))).save(out / "trace.safetensors")
+    print(f"wrote {out / 'calib.safetensors'} and {out / 'trace.safetensors'}")
+
+
+if __name__ == "__main__":
+    main()
