@@ -111,7 +111,7 @@ def cmd_evaluate(args) -> None:
         metrics[f"slice_{args.device}_{args.dtype}"] = {k: v for k, v in recomputed.items() if k != "slice"}
         print(json.dumps(metrics[f"slice_{args.device}_{args.dtype}"], indent=1))
     if args.locality:
-        from specmoe.training.family import EVAL_SETTINGS, measure_locality
+        from specmoe.training.family import measure_locality
 
         st = EVAL_SETTINGS[args.preset]
         metrics[f"locality_{args.device}_{args.dtype}"] = measure_locality(

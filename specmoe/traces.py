@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import read_safetensors, write_safetensors
 from .routing import router_fingerprint
 
 FORMAT, VERSION = "specmoe-trace", "1"
@@ -104,34 +105,17 @@ class Trace:
     # -- files ------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically to `path` in the format of the module docstring."""
-        from safetensors.numpy import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"router_logits": self.router_logits, "pregate_logits": self.pregate_logits,
                    "token_ids": self.token_ids, "sequence_starts": self.sequence_starts}
         meta = {"format": FORMAT, "version": VERSION, "geometry": json.dumps(self.geometry, sort_keys=True),
                 "model": self.model, "fingerprint": self.fingerprint, "info": json.dumps(self.info, sort_keys=True)}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-        return path
+        return write_safetensors(path, tensors, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, num_layers: int | None = None, num_experts: int | None = None,
              top_k: int | None = None, vocab_size: int | None = None, fingerprint: str | None = None) -> "Trace":
         """Read a trace; with any of the geometry arguments, refuse (TraceError) one of another geometry."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise TraceError(f"no trace file at {path}")
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                meta = f.metadata() or {}
-                arrays = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as exc:  # safetensors raises several types for a corrupt header
-            raise TraceError(f"{path} is not a readable safetensors file: {exc}") from exc
+        meta, arrays = read_safetensors(path, TraceError, "trace")
         if meta.get("format") != FORMAT:
             raise TraceError(f"{path} is not a specmoe trace (format {meta.get('format')!r})")
         if meta.get("version") != VERSION:

@@ -24,6 +24,8 @@ from typing import Iterable
 
 import numpy as np
 
+from specmoe.files import read_safetensors, write_safetensors
+
 FORMAT_VERSION = 1
 
 
@@ -139,10 +141,6 @@ class Calibration:
     # -- files ------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically to `path` (safetensors, provenance as JSON metadata)."""
-        from safetensors.numpy import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {
             "warm_ranking": self.warm_ranking,
             "delta": self.delta,
@@ -152,24 +150,11 @@ class Calibration:
         }
         meta = {"format": "specmoe-calibration", "version": str(FORMAT_VERSION),
                 "provenance": json.dumps(self.provenance, sort_keys=True)}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-        return path
+        return write_safetensors(path, tensors, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise CalibrationError(f"no calibration file at {path}")
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                meta = f.metadata() or {}
-                arrays = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as exc:  # safetensors raises several types for a corrupt header
-            raise CalibrationError(f"{path} is not a readable safetensors file: {exc}") from exc
+        meta, arrays = read_safetensors(path, CalibrationError, "calibration")
         if meta.get("format") != "specmoe-calibration":
             raise CalibrationError(f"{path} is not a specmoe calibration file")
         prior = TokenPrior(arrays["prior_indptr"], arrays["prior_experts"], arrays["prior_values"])

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import platform
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +25,7 @@ import torch
 from ..drafters.dflash_model import DFlashDraftModel
 from .configs import FAMILY_PRESETS, FamilyConfig, ar_drafter_config, dflash_drafter_config, target_config
 from .corpus import load_corpus, windows
-from .evaluate import (acceptance_tau, ar_accept_runs, dflash_accept_lengths, dflash_block_nll, greedy_continuation,
+from .evaluate import (ar_accept_runs, dflash_accept_lengths, dflash_block_nll, greedy_continuation,
                        perplexity, routing_locality, speculative_loop, tau_from_runs)
 from .tokenizer import EOS, MASK, PAD
 
