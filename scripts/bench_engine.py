@@ -274,6 +274,7 @@ def main(argv=None) -> int:
     for c in args.capacities:
         engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, store=store)
     report["engine_notes"] = {str(c): e.notes for c, e in engines.items()}
+    report["copy_issue_path"] = engines[E].copies.issue_path if engines[E].copies.cuda else "cpu"
     report["setup_s"]["engines"] = time.time() - t0
     print("engines ready", report["engine_notes"], flush=True)
     save()
@@ -408,7 +409,8 @@ def markdown(report: dict) -> str:
              f"({report['copy']['expert_MB']:.1f} MB, pinned host to device): {report['copy']['stream_ms']:.3f} ms "
              f"each in a stream ({report['copy']['stream_GBps']:.1f} GB/s), {report['copy']['alone_ms']:.3f} ms alone. "
              f"Bytes read per token with all experts resident: {report['bytes_per_token'] / 1e9:.2f} GB -> "
-             f"bandwidth floor {report['bandwidth_floor_ms']:.3f} ms/token.", "",
+             f"bandwidth floor {report['bandwidth_floor_ms']:.3f} ms/token. Engine copies issued through: "
+             f"{report.get('copy_issue_path')}.", "",
              "Random weights route without temporal locality: copy counts are far above a trained model's. "
              "Rows trace_* follow the router and pre-gate logits (and tokens) of a recorded trace "
              + (f"of {report['trace']['model']}" if report.get("trace") else "") + ".", "",

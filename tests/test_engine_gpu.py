@@ -141,3 +141,17 @@ def test_gpu_copies_skipped_follows_the_trace(psr_engine, tokens):
     np.testing.assert_array_equal(skipped.selected, base.selected)
     assert skipped.copy_totals()["issued"] == 0
     print(f"ms/token with copies {base.summary()['ms_mean']:.2f}, copies skipped {skipped.summary()['ms_mean']:.2f}")
+
+
+def test_gpu_slots_hold_the_bytes_of_their_experts(psr_engine, tokens):
+    psr_engine.teacher_forced(tokens[:16])
+    copies = psr_engine.copies
+    copies.synchronize()
+    print("copy issue path:", copies.issue_path)
+    checked = 0
+    for layer in range(copies.content.shape[0]):
+        for slot, expert in enumerate(copies.content[layer].tolist()):
+            if expert >= 0:
+                assert torch.equal(copies.slots.data[layer, slot].cpu(), copies.store.layers[layer][expert])
+                checked += 1
+    assert checked >= 16 * 16
