@@ -79,14 +79,13 @@ class SlotBuffers:
 
 
 class _RuntimeCopies:
-    """The copy stream's per-copy CUDA calls made directly through the CUDA runtime (cuda-python): each expert
-    copy and its event record, the completion query of a slot's event, and the compute stream's waits.
+    """Issues each expert copy and its event record as two CUDA runtime calls (cuda-python) on the copy stream.
 
     torch's `copy_(non_blocking=True)` from pinned memory also does per-copy bookkeeping for its caching host
     allocator (measured on the H200: 10-21 µs of host time per call); the expert store's pinned rows live as
-    long as the engine, so that bookkeeping is not needed, and these calls sit on the per-layer host step.
-    The events are torch's own (created here by one record each), so torch code sees the same events. Used
-    where cuda-python is installed; `create` returns None otherwise (the torch path is used)."""
+    long as the engine, so that bookkeeping is not needed. The events are torch's own (created here by one
+    record each), so torch's `query` and `wait_event` see these copies. Used where cuda-python is installed;
+    `create` returns None otherwise (the torch path is used)."""
 
     def __init__(self, runtime, stream, events, dst, src):
         self.rt = runtime
@@ -96,7 +95,6 @@ class _RuntimeCopies:
         self.dst = [[t.data_ptr() for t in row] for row in dst]
         self.src = [[t.data_ptr() for t in row] for row in src]
         self.nbytes = dst[0][0].numel() * dst[0][0].element_size()
-        self._compute_handle, self._compute = None, None
 
     @classmethod
     def create(cls, stream, events, dst, src) -> "_RuntimeCopies | None":
@@ -118,25 +116,6 @@ class _RuntimeCopies:
         (err,) = self.rt.cudaEventRecord(self.events[layer][slot], self.stream)
         if err != self.rt.cudaError_t.cudaSuccess:
             raise RuntimeError(f"cudaEventRecord failed: {err}")
-
-    def done(self, layer: int, slot: int) -> bool:
-        """Whether the latest copy into the slot has completed."""
-        (err,) = self.rt.cudaEventQuery(self.events[layer][slot])
-        if err == self.rt.cudaError_t.cudaSuccess:
-            return True
-        if err == self.rt.cudaError_t.cudaErrorNotReady:
-            return False
-        raise RuntimeError(f"cudaEventQuery failed: {err}")
-
-    def wait(self, layer: int, slots: list[int], compute_stream) -> None:
-        """Make `compute_stream` wait for the latest copies into `slots`."""
-        handle = compute_stream.cuda_stream
-        if handle != self._compute_handle:
-            self._compute_handle, self._compute = handle, self.rt.cudaStream_t(handle)
-        for slot in slots:
-            (err,) = self.rt.cudaStreamWaitEvent(self._compute, self.events[layer][slot], 0)
-            if err != self.rt.cudaError_t.cudaSuccess:
-                raise RuntimeError(f"cudaStreamWaitEvent failed: {err}")
 
 
 class CopyStream:
@@ -220,7 +199,7 @@ class CopyStream:
         if not self.busy[layer, slot]:
             return True
         if self.cuda:
-            done = self.runtime.done(layer, slot) if self.runtime else self.events[layer][slot].query()
+            done = self.events[layer][slot].query()
         else:
             now = time.perf_counter()
             done = self.done_at[layer, slot] <= now
@@ -317,11 +296,8 @@ class CopyStream:
         if not slots:
             return
         if self.cuda:
-            if self.runtime:
-                self.runtime.wait(layer, slots, compute_stream)
-            else:
-                for slot in slots:
-                    compute_stream.wait_event(self.events[layer][slot])
+            for slot in slots:
+                compute_stream.wait_event(self.events[layer][slot])
             return
         until = max(self.done_at[layer, slot] for slot in slots)
         start = time.perf_counter()
