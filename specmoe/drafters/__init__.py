@@ -1,1 +1,1 @@
-"""specmoe.drafters"""
+"""Drafters for speculative decoding: the DFlash-format block-diffusion drafter model (`dflash_model`)."""

@@ -1,1 +1,1 @@
-"""specmoe.experiments"""
+"""Experiment commands: the main job (`demo`) and `calibrate`."""
