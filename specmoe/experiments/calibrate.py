@@ -19,8 +19,13 @@ def token_windows(stream: np.ndarray, length: int, limit: int | None = None) -> 
     """Non-overlapping windows of `length` tokens from a 1-D token stream (the tail shorter than 2 dropped)."""
     if length < 2:
         raise ValueError(f"window length must be at least 2, got {length}")
+    from specmoe.training.corpus import windows as full_windows
+
     stream = np.asarray(stream, dtype=np.int64).reshape(-1)
-    windows = [stream[i:i + length] for i in range(0, len(stream), length) if len(stream[i:i + length]) >= 2]
+    windows = list(full_windows(stream, length))
+    tail = stream[len(windows) * length:]
+    if len(tail) >= 2:
+        windows.append(tail)
     return windows[:limit] if limit else windows
 
 

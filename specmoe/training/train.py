@@ -119,6 +119,19 @@ def _mean_rows(acc: torch.Tensor, count: int, names: tuple[str, ...]) -> dict:
     return dict(zip(names, values))
 
 
+def _record(rows: list, name: str, step: int, lr: float, acc: torch.Tensor, count: int, names: tuple[str, ...],
+            clock, fc, heldout) -> dict:
+    """Append one curve row: the mean of the accumulated step values, and every `eval_every` steps (and at the
+    end) the held-out loss from `heldout()`; the accumulator is cleared."""
+    row = {"model": name, "step": step, "tokens": step * fc.batch_size * fc.seq_len, "lr": lr,
+           **_mean_rows(acc, count, names), "seconds": round(clock.elapsed(), 2)}
+    if step % fc.eval_every == 0 or step == clock.total:
+        row["heldout_ce"] = heldout()
+    rows.append(row)
+    acc.zero_()
+    return row
+
+
 def choose_experts_implementation(model, batch: torch.Tensor, preferred: tuple[str, ...]) -> str:
     """The first of `preferred` under which one forward and backward of `batch` runs (grads discarded)."""
     for name in preferred:
@@ -184,14 +197,9 @@ def train_target(model, stream: np.ndarray, fc: FamilyConfig, device: torch.devi
         count += 1
         step += 1
         if step % stage.log_every == 0 or step == clock.total:
-            row = {"model": "target", "step": step, "tokens": step * fc.batch_size * fc.seq_len, "lr": lr,
-                   **_mean_rows(acc, count, names), "seconds": round(clock.elapsed(), 2)}
-            if step % fc.eval_every == 0 or step == clock.total:
-                row["heldout_ce"] = heldout_loss(model, monitor)
-            rows.append(row)
+            row = _record(rows, "target", step, lr, acc, count, names, clock, fc, lambda: heldout_loss(model, monitor))
             log(f"target step {step}/{clock.total} loss {row['loss']:.4f} ce {row['ce']:.4f} "
                 f"aux {row['aux_loss']:.4f} lr {lr:.2e} {row['seconds']:.0f}s")
-            acc.zero_()
             count = 0
     return {"steps": step, "seconds": clock.elapsed(), "tokens": step * fc.batch_size * fc.seq_len,
             "epochs": step * fc.batch_size / max(1, sampler.starts.size), "experts_implementation": impl,
@@ -267,14 +275,9 @@ def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, dev
         count += 1
         step += 1
         if step % stage.log_every == 0 or step == clock.total:
-            row = {"model": "drafters", "step": step, "tokens": step * fc.batch_size * fc.seq_len, "lr": lr,
-                   **_mean_rows(acc, count, names), "seconds": round(clock.elapsed(), 2)}
-            if step % fc.eval_every == 0 or step == clock.total:
-                row["heldout_ce"] = heldout_loss(ar, monitor)
-            rows.append(row)
+            row = _record(rows, "drafters", step, lr, acc, count, names, clock, fc, lambda: heldout_loss(ar, monitor))
             log(f"drafters step {step}/{clock.total} ar {row['ar_loss']:.4f} dflash {row['dflash_loss']:.4f} "
                 f"acc1 {row['dflash_acc1']:.3f} lr {lr:.2e} {row['seconds']:.0f}s")
-            acc.zero_()
             count = 0
     return {"steps": step, "seconds": clock.elapsed(), "tokens": step * fc.batch_size * fc.seq_len,
             "epochs": step * fc.batch_size / max(1, sampler.starts.size), "rows": rows}
