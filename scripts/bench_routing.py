@@ -1,8 +1,10 @@
 """Host time of one PSR (token, layer) step: part 2 of a layer plus part 1 of the next.
 
-Two ways of calling the same kernels are timed in one process, rounds interleaved:
-- engine: `LogicalCache.select` + `LogicalCache.insert_predicted`, one Python->numba call each, as the
-  AR engine calls them between its two CUDA graphs of a layer;
+Three ways of calling the same kernels are timed in one process, rounds interleaved:
+- engine: `LogicalCache.route` (part 2, slots, execution weights, records) + `LogicalCache.insert_predicted`,
+  one Python->numba call each, as the AR engine calls them around its two CUDA graphs of a layer;
+- unfused: the same outputs from `select` + `slot_of` + execution weights + numpy copies (the engine's
+  calls before `route`), for comparison;
 - span: `LogicalCache.run_span` over a whole window per layer (harness and replay), kernel cost alone.
 
 Run pinned to one core, e.g. `taskset -c 0 python3 scripts/bench_routing.py`.
@@ -23,6 +25,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 from specmoe.routing import Calibration, LogicalCache, preset  # noqa: E402
+from specmoe.routing.kernels import execution_weights  # noqa: E402
 
 
 def make_case(num_experts: int, top_k: int, capacity: int, tokens: int, layers: int, vocab: int, seed: int = 0):
@@ -40,17 +43,36 @@ def make_case(num_experts: int, top_k: int, capacity: int, tokens: int, layers: 
     return policy, cal, z, g, token_ids
 
 
-def time_engine(policy, cal, z, g, tokens) -> float:
-    """Seconds per (token, layer) step through select + insert_predicted."""
+def time_engine(policy, cal, z, g, tokens, fused: bool = True) -> float:
+    """Seconds per (token, layer) step as the AR engine makes it: part 2 with everything the engine needs
+    from it (slots, execution weights, the record of z and S, the demand slots) and part 1 of the next layer.
+    fused: one `LogicalCache.route` call (the engine's way); else `select` + `slot_of` + execution weights +
+    numpy copies (the engine's way before `route` existed), for the same-run comparison."""
     num_tokens, num_layers, num_experts = z.shape
     cache = LogicalCache(policy, cal, num_layers, num_experts)
-    rows_z = [[np.ascontiguousarray(z[t, l]) for l in range(num_layers)] for t in range(num_tokens)]
+    rows_z = [[np.ascontiguousarray(z[t, l], dtype=np.float32) for l in range(num_layers)] for t in range(num_tokens)]
     rows_g = [[np.ascontiguousarray(g[t, l]) for l in range(num_layers)] for t in range(num_tokens)]
+    k = policy.top_k
+    z_rec, sel_rec = np.empty((num_layers, num_experts), np.float32), np.empty((num_layers, k), np.int64)
+    route = np.empty((num_layers, 2 * k), np.int32)  # slot ids, then the weights' float32 bit patterns
+    slots, weights = [route[l, :k] for l in range(num_layers)], [route[l].view(np.float32)[k:] for l in range(num_layers)]
+    w64 = np.empty(k)
     start = time.perf_counter()
     for t in range(num_tokens):
         x = int(tokens[t])
         for layer in range(num_layers):
-            cache.select(layer, rows_z[t][layer], x)
+            zl = rows_z[t][layer]
+            if fused:
+                cache.route(layer, zl, x, True, z_rec[layer], sel_rec[layer], slots[layer], weights[layer])
+            else:
+                z_rec[layer] = zl
+                selected, demand = cache.select(layer, zl.astype(np.float64), x)
+                slots[layer][:] = cache.slot_of(layer, selected)
+                execution_weights(zl, selected, True, w64)
+                weights[layer][:] = w64
+                sel_rec[layer] = selected
+                if demand.size:
+                    cache.slot_of(layer, demand)
             if layer + 1 < num_layers:
                 cache.insert_predicted(layer + 1, rows_g[t][layer + 1], x)
     return (time.perf_counter() - start) / (num_tokens * num_layers)
@@ -79,13 +101,17 @@ def main() -> None:
     for name, (num_experts, top_k, capacity, layers) in cases.items():
         policy, cal, z, g, tokens = make_case(num_experts, top_k, capacity, args.tokens, layers, vocab=1000)
         time_engine(policy, cal, z[:20], g[:20], tokens[:20])  # compile and warm up
+        time_engine(policy, cal, z[:20], g[:20], tokens[:20], fused=False)
         time_span(policy, cal, z[:20], g[:20], tokens[:20])
-        engine, span = [], []
+        engine, unfused, span = [], [], []
         for _ in range(args.rounds):  # interleaved rounds
             engine.append(time_engine(policy, cal, z, g, tokens))
+            unfused.append(time_engine(policy, cal, z, g, tokens, fused=False))
             span.append(time_span(policy, cal, z, g, tokens))
         results[name] = {
             "engine_us_mean": 1e6 * float(np.mean(engine)), "engine_us_min": 1e6 * float(np.min(engine)),
+            "unfused_us_mean": 1e6 * float(np.mean(unfused)), "unfused_us_min": 1e6 * float(np.min(unfused)),
+            "unfused_over_engine": float(np.mean(np.array(unfused) / np.array(engine))),
             "span_us_mean": 1e6 * float(np.mean(span)), "span_us_min": 1e6 * float(np.min(span)),
             "engine_over_span": float(np.mean(np.array(engine) / np.array(span))),
             "steps_per_round": args.tokens * layers, "rounds": args.rounds,

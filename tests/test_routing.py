@@ -398,3 +398,34 @@ def test_bonus_mask_replaces_logical_residency_for_the_bonus():
     mask[[3, 5]] = True  # say only 3 and 5 have arrived physically
     selected, demand = cache.select(0, z, TOKEN, bonus_mask=mask)
     assert selected.tolist() == [5, 4] and demand.tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_engine_route_equals_select_slot_of_and_softmax(renormalise):
+    """`route` (the engines' one-call part 2) gives the decisions of `select`, the slots of `slot_of` and
+    the softmax of the router logits at S, on twin caches fed the same float32 logits."""
+    rng = np.random.default_rng(5)
+    num_experts, capacity, k = 16, 6, 4
+    cal = Calibration(np.tile(rng.permutation(num_experts), (2, 1)), rng.random((2, 10, num_experts)),
+                      np.ones(2), {})
+    policy = preset("psr", capacity, k, insert_budget=1, bonus=0.5)
+    twins = [LogicalCache(policy, cal, 2, num_experts) for _ in range(2)]
+    record, selected = np.empty(num_experts, np.float32), np.empty(k, np.int64)
+    slots, weights = np.empty(k, np.int32), np.empty(k, np.float32)
+    for t in range(40):
+        for layer in range(2):
+            z = rng.normal(size=num_experts).astype(np.float32)
+            g = rng.normal(size=num_experts)
+            for cache in twins:
+                cache.insert_predicted(layer, g, t % 10)
+            want, demand = twins[0].select(layer, z.astype(np.float64), t % 10)
+            d = twins[1].route(layer, z, t % 10, renormalise, record, selected, slots, weights)
+            assert selected.tolist() == want.tolist()
+            assert twins[1].demand[:d].tolist() == demand.tolist()
+            assert twins[1].demand_slots[:d].tolist() == twins[0].slot_of(layer, demand).tolist()
+            assert slots.tolist() == twins[0].slot_of(layer, want).tolist()
+            assert np.array_equal(record, z)
+            p = np.exp(z.astype(np.float64) - z.max())
+            p = p[want] / (p[want].sum() if renormalise else p.sum())
+            np.testing.assert_allclose(weights, p.astype(np.float32), rtol=1e-6)
+    assert twins[0].totals() == twins[1].totals()

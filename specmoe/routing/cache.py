@@ -54,6 +54,9 @@ class LogicalCache:
         self.displaced_mass = np.zeros(num_layers)
         self._inserted = np.empty(max(policy.top_k, policy.window), dtype=np.int64)
         self._demand = np.empty(policy.top_k, dtype=np.int64)
+        self.demand = np.empty(policy.top_k, dtype=np.int64)  # `route`'s outputs
+        self.demand_slots = np.empty(policy.top_k, dtype=np.int64)
+        self._z64 = np.empty(num_experts)
         self.reset()
 
     # -- sequence boundaries ------------------------------------------------------------------------
@@ -90,6 +93,18 @@ class LogicalCache:
                              selected, self._demand, _NO_TRACE)
         self.displaced_mass[layer] += mass
         return selected, self._demand[:d].copy()
+
+    def route(self, layer: int, router_logits: np.ndarray, token: int, renormalise: bool, logits_out: np.ndarray,
+              selected: np.ndarray, slots: np.ndarray, weights: np.ndarray) -> int:
+        """`select` for the engines, in one numba call that writes into the caller's buffers: logits_out [E]
+        (float32, a copy of router_logits for the record), selected [K] (int64), slots [K] (int32 or int64),
+        weights [K] (float32 or float64: the execution weights, softmax of router_logits at S, renormalised
+        over S if `renormalise`). Returns d: the demand insertions are `demand[:d]`, their slots
+        `demand_slots[:d]` (both overwritten by the next call)."""
+        return K.route(self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.params,
+                       self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, renormalise,
+                       self._z64, logits_out, selected, slots, weights, self.demand, self.demand_slots,
+                       self.displaced_mass, _NO_TRACE)
 
     # -- all positions of a layer at once (harness, replay) ------------------------------------------
     def run_span(self, layer: int, router_logits: np.ndarray, pregate_logits: np.ndarray | None,

@@ -275,6 +275,48 @@ def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
 
 
 @njit(cache=True)
+def execution_weights(z, selected, renormalise, out):
+    """out[j] = softmax(z)[selected[j]] in float64 (renormalised over the selection if the model's router
+    renormalises): the unmodified router probabilities of the executed experts."""
+    zmax = -np.inf
+    for e in range(z.shape[0]):
+        zmax = max(zmax, np.float64(z[e]))
+    total = 0.0
+    for e in range(z.shape[0]):
+        total += np.exp(np.float64(z[e]) - zmax)
+    s = 0.0
+    for j in range(selected.shape[0]):
+        w = np.exp(np.float64(z[selected[j]]) - zmax) / total
+        out[j] = w
+        s += w
+    if renormalise:
+        for j in range(selected.shape[0]):
+            out[j] = out[j] / s
+
+
+@njit(cache=True)
+def route(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token, renormalise, zbuf,
+          z_out, selected, slots, weights, demand, demand_slots, displaced_mass, unused_at):
+    """Part 2 of one layer and everything an engine needs from it, in one call (each Python->numba
+    crossing costs about a microsecond, and this runs on the critical path of every layer): z (float32 as
+    the router wrote it) is recorded in z_out and widened into zbuf for `part2`; selected[:K] gets S,
+    slots[:K] their slots, weights[:K] their execution weights, demand[:d] / demand_slots[:d] the demand
+    insertions and their slots; the displaced router mass is added to displaced_mass[layer]. Returns d."""
+    for e in range(z.shape[0]):
+        z_out[e] = z[e]
+        zbuf[e] = z[e]
+    d, displaced, _ = part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, zbuf, token,
+                            _NO_MASK, selected, demand, unused_at)
+    displaced_mass[layer] += displaced
+    for j in range(selected.shape[0]):
+        slots[j] = ist[layer, EXPERT_SLOT, selected[j]]
+    for j in range(d):
+        demand_slots[j] = ist[layer, EXPERT_SLOT, demand[j]]
+    execution_weights(zbuf, selected, renormalise, weights)
+    return d
+
+
+@njit(cache=True)
 def reset(ist, isc, fst, fsc, warm, cnt, unused_at):
     """Start a sequence: prefetches still unexecuted count as unused, then R_l = warm[l] (ascending) in
     slots 0..C-1, statistics zero."""
