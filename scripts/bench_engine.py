@@ -153,6 +153,34 @@ def measure_copy_ms(store: ExpertStore, device: str, n: int = 64) -> dict:
             "host_issue_us_idle": float(np.median(idle)), "host_issue_us_after_4_queued": float(np.median(backlog))}
 
 
+def measure_issue_us(copies, counts=(1, 5), reps: int = 50) -> dict:
+    """Host time to issue n expert copies plus one event record through the engine's copy stream, one
+    `cudaMemcpyAsync` per copy against one `cudaMemcpyBatchAsync` (median over reps, link idle, the two
+    ways interleaved). Empty where the copy stream does not issue through the CUDA runtime."""
+    runtime = getattr(copies, "runtime", None)
+    if runtime is None:
+        return {}
+    ways = [False, True] if runtime.batched else [False]
+    batched, out = runtime.batched, {}
+    for n in counts:
+        items = [(0, s, (7 * s + 3) % copies.store.num_experts) for s in range(n)]
+        times = {way: [] for way in ways}
+        for _ in range(reps):
+            for way in ways:
+                copies.stream.synchronize()
+                runtime.batched = way
+                t = time.perf_counter()
+                runtime.copy_many(items)
+                runtime.record(0)
+                times[way].append((time.perf_counter() - t) * 1e6)
+        for way in ways:
+            out[f"{n} copies, {'one batch call' if way else 'one call each'}"] = float(np.median(times[way]))
+    runtime.batched = batched
+    copies.stream.synchronize()
+    copies.content[0, : max(counts)] = -1  # those slots no longer hold what the copy stream thinks
+    return out
+
+
 def time_hf_generate(model, prompt: np.ndarray, new: int, impl: str) -> float:
     """transformers' generate, greedy: ms per decoded token = (t(new) - t(1)) / (new - 1)."""
     model.set_experts_implementation(impl)
@@ -275,6 +303,10 @@ def main(argv=None) -> int:
         engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, store=store)
     report["engine_notes"] = {str(c): e.notes for c, e in engines.items()}
     report["copy_issue_path"] = engines[E].copies.issue_path if engines[E].copies.cuda else "cpu"
+    if engines[E].copies.cuda:
+        report["issue_us"] = measure_issue_us(engines[min(args.capacities)].copies)
+        engines[min(args.capacities)].reset()  # re-copies the slots the measurement overwrote
+        print("host µs to issue copies:", report["issue_us"], flush=True)
     report["setup_s"]["engines"] = time.time() - t0
     print("engines ready", report["engine_notes"], flush=True)
     save()
@@ -410,7 +442,8 @@ def markdown(report: dict) -> str:
              f"each in a stream ({report['copy']['stream_GBps']:.1f} GB/s), {report['copy']['alone_ms']:.3f} ms alone. "
              f"Bytes read per token with all experts resident: {report['bytes_per_token'] / 1e9:.2f} GB -> "
              f"bandwidth floor {report['bandwidth_floor_ms']:.3f} ms/token. Engine copies issued through: "
-             f"{report.get('copy_issue_path')}.", "",
+             f"{report.get('copy_issue_path')}." + (" Host µs to issue copies + one event record: " + ", ".join(
+                 f"{k} {v:.1f}" for k, v in report["issue_us"].items()) + "." if report.get("issue_us") else ""), "",
              "Random weights route without temporal locality: copy counts are far above a trained model's. "
              "Rows trace_* follow the router and pre-gate logits (and tokens) of a recorded trace "
              + (f"of {report['trace']['model']}" if report.get("trace") else "") + ".", "",

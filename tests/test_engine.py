@@ -17,7 +17,7 @@ from specmoe.engines.helpers import calibration_from_engine, uniform_calibration
 from specmoe.engines.results import Trace
 from specmoe.models import load_model
 from specmoe.models.olmoe_decode import OlmoeDecoder
-from specmoe.offload import ExpertGeometry, ExpertStore, OffloadError
+from specmoe.offload import CopyStream, ExpertGeometry, ExpertStore, OffloadError
 from specmoe.routing import PolicyError, preset, replay
 
 SEQ = 64
@@ -121,6 +121,19 @@ def test_logical_cache_is_independent_of_copy_timing(make_engine, tokens):
         np.testing.assert_array_equal(run.logits, base.logits)
         assert run.wait_ms.sum() > 0  # the delays were real: layers waited for copies
     assert base.copy_totals()["prefetch"] > 0
+
+
+def test_copy_batch_event_ring_reuse_keeps_outputs(make_engine, tokens, monkeypatch):
+    """Copy batches share a ring of events; with a ring of 2 most questions about a batch are answered for
+    a later one (conservative), and routing, tokens and logits stay those of the default ring."""
+    engine = make_engine("psr", 16, copy_delay=(0.0, 0.0005))
+    base = engine.teacher_forced(tokens[:10], return_logits=True)
+    monkeypatch.setattr(CopyStream, "RING", 2)
+    small = make_engine("psr", 16, copy_delay=(0.0, 0.0005))
+    run = small.teacher_forced(tokens[:10], return_logits=True)
+    assert small.copies.last_batch > 2 * CopyStream.RING
+    np.testing.assert_array_equal(run.selected, base.selected)
+    np.testing.assert_array_equal(run.logits, base.logits)
 
 
 def test_simulated_link_catches_a_missing_wait(make_engine, tokens):

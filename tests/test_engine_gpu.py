@@ -155,3 +155,17 @@ def test_gpu_slots_hold_the_bytes_of_their_experts(psr_engine, tokens):
                 assert torch.equal(copies.slots.data[layer, slot].cpu(), copies.store.layers[layer][expert])
                 checked += 1
     assert checked >= 16 * 16
+
+
+def test_gpu_exact_routing_with_few_slots_matches_all_resident(full, exact_engine, tokens):
+    """Exact LRU at C=16 (several demand copies per layer, issued as one batch) computes on the bytes it
+    copied: selections and logits equal the all-resident engine's, bitwise."""
+    model, adapter, store = full
+    small = build_engine(model, preset("exact_lru", 16, adapter.top_k), exact_engine.calibration,
+                         EngineConfig(max_seq_len=SEQ), store=store)
+    print("copy issue path:", small.copies.issue_path)
+    base = exact_engine.teacher_forced(tokens, return_logits=True)
+    run = small.teacher_forced(tokens, return_logits=True)
+    np.testing.assert_array_equal(run.selected, base.selected)
+    np.testing.assert_array_equal(run.logits, base.logits)
+    assert run.copy_totals(False)["demand"] > 2 * len(tokens) * adapter.num_moe_layers

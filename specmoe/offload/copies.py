@@ -79,22 +79,30 @@ class SlotBuffers:
 
 
 class _RuntimeCopies:
-    """Issues each expert copy and its event record as two CUDA runtime calls (cuda-python) on the copy stream.
+    """Issues expert copies and event records as CUDA runtime calls (cuda-python) on the copy stream.
 
     torch's `copy_(non_blocking=True)` from pinned memory also does per-copy bookkeeping for its caching host
     allocator (measured on the H200: 10-21 µs of host time per call); the expert store's pinned rows live as
-    long as the engine, so that bookkeeping is not needed. The events are torch's own (created here by one
-    record each), so torch's `query` and `wait_event` see these copies. Used where cuda-python is installed;
-    `create` returns None otherwise (the torch path is used)."""
+    long as the engine, so that bookkeeping is not needed. A batch of several copies goes out in one
+    `cudaMemcpyBatchAsync` call (CUDA 12.8+) where the runtime has it and a probe copy through it lands
+    (`batched`; else one `cudaMemcpyAsync` each, and `note` says why). The events are torch's own (created
+    by one record each in `create`), so torch's `query` and `wait_event` see these copies. Used where
+    cuda-python is installed; `create` returns None otherwise (the torch path is used)."""
 
     def __init__(self, runtime, stream, events, dst, src):
         self.rt = runtime
+        self.ok = runtime.cudaError_t.cudaSuccess
         self.kind = runtime.cudaMemcpyKind.cudaMemcpyHostToDevice
         self.stream = runtime.cudaStream_t(stream.cuda_stream)
-        self.events = [[runtime.cudaEvent_t(e.cuda_event) for e in row] for row in events]
+        self.events = [runtime.cudaEvent_t(e.cuda_event) for e in events]
         self.dst = [[t.data_ptr() for t in row] for row in dst]
         self.src = [[t.data_ptr() for t in row] for row in src]
         self.nbytes = dst[0][0].numel() * dst[0][0].element_size()
+        self.batched, self.note = False, "cudaMemcpyBatchAsync not in this cuda-python"
+        if hasattr(runtime, "cudaMemcpyBatchAsync"):
+            self.attrs = [runtime.cudaMemcpyAttributes()]
+            self.attrs[0].srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            self.batched, self.note = True, ""
 
     @classmethod
     def create(cls, stream, events, dst, src) -> "_RuntimeCopies | None":
@@ -102,24 +110,66 @@ class _RuntimeCopies:
             from cuda.bindings import runtime
         except ImportError:
             return None
-        for row in events:  # torch creates an event's handle at its first record
-            for event in row:
-                event.record(stream)
+        for event in events:  # torch creates an event's handle at its first record
+            event.record(stream)
         stream.synchronize()
-        return cls(runtime, stream, events, dst, src)
+        copies = cls(runtime, stream, events, dst, src)
+        copies._probe_batch(stream, dst, src)
+        return copies
 
-    def copy(self, layer: int, slot: int, expert: int) -> None:
-        (err,) = self.rt.cudaMemcpyAsync(self.dst[layer][slot], self.src[layer][expert], self.nbytes, self.kind,
-                                         self.stream)
-        if err != self.rt.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaMemcpyAsync of expert {expert} into slot {slot} of layer {layer} failed: {err}")
-        (err,) = self.rt.cudaEventRecord(self.events[layer][slot], self.stream)
-        if err != self.rt.cudaError_t.cudaSuccess:
+    def _probe_batch(self, stream, dst, src) -> None:
+        """One batch of two copies into the first slots of layer 0 (the warm set overwrites them later):
+        keep the batched path only if the call succeeds and the bytes land."""
+        if not self.batched or len(dst[0]) < 2:
+            self.batched = False
+            return
+        experts = [len(src[0]) - 1, 0]
+        try:
+            self.copy_many([(0, 0, experts[0]), (0, 1, experts[1])])
+            stream.synchronize()
+            landed = all(torch.equal(dst[0][s], src[0][e].to(dst[0][s].device)) for s, e in enumerate(experts))
+        except (RuntimeError, TypeError, ValueError) as exc:
+            self.batched, self.note = False, f"cudaMemcpyBatchAsync failed ({exc})"
+            return
+        if not landed:
+            self.batched, self.note = False, "cudaMemcpyBatchAsync returned success but the bytes did not land"
+
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        """Issue the copies [(layer, slot, expert)] in order on the copy stream."""
+        if self.batched and len(copies) > 1:
+            n = len(copies)
+            err = self.rt.cudaMemcpyBatchAsync([self.dst[l][s] for l, s, _ in copies],
+                                               [self.src[l][e] for l, _, e in copies], [self.nbytes] * n, n,
+                                               self.attrs, [0], 1, self.stream)[0]
+            if err != self.ok:
+                raise RuntimeError(f"cudaMemcpyBatchAsync of {n} experts failed: {err}")
+            return
+        for layer, slot, expert in copies:
+            (err,) = self.rt.cudaMemcpyAsync(self.dst[layer][slot], self.src[layer][expert], self.nbytes,
+                                             self.kind, self.stream)
+            if err != self.ok:
+                raise RuntimeError(f"cudaMemcpyAsync of expert {expert} into slot {slot} of layer {layer} "
+                                   f"failed: {err}")
+
+    def record(self, index: int) -> None:
+        (err,) = self.rt.cudaEventRecord(self.events[index], self.stream)
+        if err != self.ok:
             raise RuntimeError(f"cudaEventRecord failed: {err}")
 
 
 class CopyStream:
-    """One ordered copy stream from an ExpertStore into SlotBuffers, with the prefetch queue and accounting."""
+    """One ordered copy stream from an ExpertStore into SlotBuffers, with the prefetch queue and accounting.
+
+    Copies are issued in batches (the demand copies of a layer; the late prefetches a layer needs; each
+    pumped prefetch alone), numbered 1, 2, ... in issue order, and one event is recorded after each batch.
+    The stream is ordered, so batch b complete implies every batch before it complete: the stream keeps a
+    watermark `done_batch` below which nothing is queried again, a layer waits on the one event of the
+    latest batch among its slots, and in-time / late is exact per copy because a batch holds only copies
+    needed at the same moment. Events live in a ring of RING batches: when batch b + RING reuses the event
+    of batch b, questions about b are answered for the later batch, which is only conservative (b complete
+    when b + RING is; waiting for b waits for b + RING), so correctness never depends on the ring's size."""
+
+    RING = 1024
 
     def __init__(self, store: ExpertStore, slots: SlotBuffers, max_in_flight: int = 2, skip: bool = False,
                  delay: tuple[float, float] | None = None, seed: int = 0):
@@ -134,59 +184,66 @@ class CopyStream:
         self.content = np.full((num_layers, capacity), -1, dtype=np.int64)  # bytes there once issued copies land
         self.gen = np.zeros((num_layers, capacity), dtype=np.int64)
         self.queued = np.zeros((num_layers, capacity), dtype=np.bool_)
-        self.busy = np.zeros((num_layers, capacity), dtype=np.bool_)  # latest issued copy may be incomplete
+        self.batch = np.zeros((num_layers, capacity), dtype=np.int64)  # batch of the slot's latest copy
         self.fresh = np.zeros((num_layers, capacity), dtype=np.bool_)  # prefetched, not executed since
-        self.pending = np.zeros(num_layers, dtype=np.bool_)  # False: no slot of the layer is fresh or busy
+        self.pending = np.zeros(num_layers, dtype=np.bool_)  # False: no slot of the layer is fresh or in flight
+        self.last_batch = 0  # batches issued so far
+        self.done_batch = 0  # every batch up to this one has completed
         self.queue: deque = deque()
-        self.inflight: deque = deque()
+        self.inflight: deque = deque()  # batches of the prefetch copies issued and not known complete
         self.stats = CopyStats()
         self.wait_s = 0.0  # CPU: time spent waiting for simulated copies
         self._dst = [[slots.data[l, s] for s in range(capacity)] for l in range(num_layers)]
         self._src = [[store.layers[l][e] for e in range(store.num_experts)] for l in range(num_layers)]
         if self.cuda:
             self.stream = torch.cuda.Stream(device=slots.data.device)
-            self.events = [[torch.cuda.Event() for _ in range(capacity)] for _ in range(num_layers)]
+            self.events = [torch.cuda.Event() for _ in range(self.RING)]
             self.runtime = _RuntimeCopies.create(self.stream, self.events, self._dst, self._src)
-            self.issue_path = "cuda-python" if self.runtime else "torch"
+            self.issue_path = "torch" if self.runtime is None else \
+                "cuda-python, batched" if self.runtime.batched else f"cuda-python ({self.runtime.note})"
         else:
-            self.done_at = np.zeros((num_layers, capacity))
+            self.done_at = np.zeros(self.RING)  # CPU: completion time of each batch of the ring
             self.landing: deque = deque()
             self._last_done = 0.0
 
     # -- the link ------------------------------------------------------------------------------------
-    def _issue(self, items: list[tuple[int, int]]) -> None:
+    def _issue(self, items: list[tuple[int, int]]) -> int:
+        """Issue the copies of `items` [(layer, slot)] as one batch; returns its number (0 if none)."""
         if not items:
-            return
+            return 0
         for layer, slot in items:
             self.queued[layer, slot] = False
         if self.skip:
             for layer, slot in items:
                 self.content[layer, slot] = self.owner[layer, slot]
             self.stats.skipped += len(items)
-            return
+            return 0
+        self.last_batch = batch = self.last_batch + 1
+        ring = batch % self.RING
         if self.cuda and self.runtime is not None and self.delay is None:
-            for layer, slot in items:
-                self.runtime.copy(layer, slot, int(self.owner[layer, slot]))
+            self.runtime.copy_many([(layer, slot, int(self.owner[layer, slot])) for layer, slot in items])
+            self.runtime.record(ring)
         elif self.cuda:
             with torch.cuda.stream(self.stream):
                 for layer, slot in items:
                     if self.delay is not None:
                         torch.cuda._sleep(int(self.rng.uniform(*self.delay) * CYCLES_PER_SECOND))
                     self._dst[layer][slot].copy_(self._src[layer][self.owner[layer, slot]], non_blocking=True)
-                    self.events[layer][slot].record(self.stream)
+                self.events[ring].record(self.stream)
         else:
             now = time.perf_counter()
             for layer, slot in items:
                 done = max(now, self._last_done) + (self.rng.uniform(*self.delay) if self.delay else 0.0)
                 self._last_done = done
-                self.done_at[layer, slot] = done
                 self.landing.append((done, layer, slot, int(self.owner[layer, slot])))
+            self.done_at[ring] = self._last_done
             self._land(now if self.delay else np.inf)
         for layer, slot in items:
             self.content[layer, slot] = self.owner[layer, slot]
-            self.busy[layer, slot] = True
+            self.batch[layer, slot] = batch
             self.pending[layer] = True
         self.stats.issued += len(items)
+        return batch
 
     def _land(self, until: float) -> None:
         """CPU: write the bytes of simulated copies that have completed by `until`, in issue order."""
@@ -194,20 +251,24 @@ class CopyStream:
             _, layer, slot, expert = self.landing.popleft()
             self._dst[layer][slot].copy_(self._src[layer][expert])
 
-    def slot_done(self, layer: int, slot: int) -> bool:
-        """Whether the latest copy into the slot has completed (so the slot holds its assigned expert)."""
-        if not self.busy[layer, slot]:
+    def batch_done(self, batch: int) -> bool:
+        """Whether copy batch `batch` (and so every earlier one) has completed."""
+        if batch <= self.done_batch:
             return True
         if self.cuda:
-            done = self.events[layer][slot].query()
+            done = self.events[batch % self.RING].query()
         else:
             now = time.perf_counter()
-            done = self.done_at[layer, slot] <= now
+            done = self.done_at[batch % self.RING] <= now
             if done:
                 self._land(now)
         if done:
-            self.busy[layer, slot] = False
+            self.done_batch = batch
         return done
+
+    def slot_done(self, layer: int, slot: int) -> bool:
+        """Whether the latest copy into the slot has completed (so the slot holds its assigned expert)."""
+        return self.batch_done(int(self.batch[layer, slot]))
 
     def synchronize(self) -> None:
         """Wait for every issued copy."""
@@ -215,14 +276,14 @@ class CopyStream:
             self.stream.synchronize()
         else:
             self._land(np.inf)
-        self.busy[:] = False
+        self.done_batch = self.last_batch
         self.pending[:] = self.fresh.any(axis=1)
 
     # -- what the engine calls -----------------------------------------------------------------------
     def assign(self, layer: int, slots: np.ndarray, experts: np.ndarray, prefetch: bool,
                issue_now: bool = False) -> None:
-        """Logical insertions of `experts` into `slots` of `layer`: demand copies are issued at once,
-        prefetches queued (or issued at once with issue_now, the physical-cache mode)."""
+        """Logical insertions of `experts` into `slots` of `layer`: demand copies are issued at once (one
+        batch), prefetches queued (or issued at once with issue_now, the physical-cache mode)."""
         issue = []
         for slot, expert in zip(slots.tolist(), experts.tolist()):
             if self.fresh[layer, slot]:  # the slot's previous expert was prefetched and never executed
@@ -232,22 +293,23 @@ class CopyStream:
             self.owner[layer, slot] = expert
             self.queued[layer, slot] = False
             self.fresh[layer, slot] = prefetch
-            self.pending[layer] |= prefetch
             if prefetch and not issue_now:
                 self.queued[layer, slot] = True
                 self.queue.append((layer, slot, self.gen[layer, slot]))
             else:
                 issue.append((layer, slot))
         if prefetch:
+            self.pending[layer] = True
             self.stats.prefetch += len(experts)
-            self.inflight.extend(issue)
+            for item in issue:
+                self.inflight.append(self._issue([item]))
         else:
             self.stats.demand += len(experts)
-        self._issue(issue)
+            self._issue(issue)
 
     def in_flight(self) -> int:
         """Prefetch copies issued and not yet complete (retiring the completed ones, oldest first)."""
-        while self.inflight and self.slot_done(*self.inflight[0]):
+        while self.inflight and self.batch_done(self.inflight[0]):
             self.inflight.popleft()
         return len(self.inflight)
 
@@ -255,23 +317,18 @@ class CopyStream:
         """Layer boundary: issue queued prefetches, oldest first, while fewer than max_in_flight are in flight;
         drop those whose slot was reassigned since they were queued."""
         room = self.max_in_flight - self.in_flight()
-        issue = []
-        while self.queue and len(issue) < room:
+        while self.queue and room > 0:
             layer, slot, gen = self.queue.popleft()
             if gen == self.gen[layer, slot] and self.queued[layer, slot]:
-                issue.append((layer, slot))
-        self.inflight.extend(issue)
-        self._issue(issue)
+                self.inflight.append(self._issue([(layer, slot)]))
+                room -= 1
 
-    def need(self, layer: int, slots: np.ndarray) -> list[int]:
+    def need(self, layer: int, slots: np.ndarray) -> int:
         """The layer is about to execute `slots`: classify first uses of prefetched slots (in time / late),
-        issue the ones still queued, and return the slots whose copies are not complete yet."""
+        issue the ones still queued, and return the copy batch the layer must wait for (0: none)."""
         if not self.pending[layer]:  # the common case with few copies: nothing of this layer in flight
-            return []
+            return 0
         fresh = self.fresh[layer, slots]
-        if not fresh.any() and not self.busy[layer, slots].any():
-            self.pending[layer] = self.fresh[layer].any() or self._any_busy(layer)
-            return []
         if fresh.any():
             late_issue = []
             for slot in slots[fresh].tolist():
@@ -283,29 +340,28 @@ class CopyStream:
                     self.stats.prefetch_in_time += 1
                 else:
                     self.stats.prefetch_late += 1
-            self.inflight.extend(late_issue)
-            self._issue(late_issue)
-        return [slot for slot in slots.tolist() if not self.slot_done(layer, slot)]
+            batch = self._issue(late_issue)
+            if batch:
+                self.inflight.extend([batch] * len(late_issue))
+        latest = int(self.batch[layer, slots].max())
+        if self.batch_done(latest):
+            self.pending[layer] = self.fresh[layer].any() or self.batch[layer].max() > self.done_batch
+            return 0
+        return latest
 
-    def _any_busy(self, layer: int) -> bool:
-        """Whether a copy into the layer may still be in flight (retiring the completed ones)."""
-        return any(not self.slot_done(layer, int(slot)) for slot in np.flatnonzero(self.busy[layer]))
-
-    def wait(self, layer: int, slots: list[int], compute_stream=None) -> None:
-        """Make the computation of `layer` wait for the copies into `slots` (from `need`)."""
-        if not slots:
+    def wait(self, layer: int, batch: int, compute_stream=None) -> None:
+        """Make the computation of `layer` wait for copy batch `batch` (from `need`) and all before it."""
+        if not batch:
             return
         if self.cuda:
-            for slot in slots:
-                compute_stream.wait_event(self.events[layer][slot])
+            compute_stream.wait_event(self.events[batch % self.RING])
             return
-        until = max(self.done_at[layer, slot] for slot in slots)
+        until = self.done_at[batch % self.RING]
         start = time.perf_counter()
         if until > start:
             time.sleep(until - start)
         self._land(until)
-        for slot in slots:
-            self.busy[layer, slot] = False
+        self.done_batch = max(self.done_batch, batch)
         self.wait_s += time.perf_counter() - start
 
     def reset_to(self, warm: np.ndarray) -> int:
