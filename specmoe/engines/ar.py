@@ -1,7 +1,7 @@
 """The autoregressive offloading engine: batch-1 decoding with a logical expert cache (PSR and baselines).
 
 One token (DESIGN.md, "Data flow of one AR token"): graph A_0 (embedding, attention, router, pre-gate) ->
-for each MoE layer l: the host waits for A_l's logits, runs part 2 of layer l (`LogicalCache.select`),
+for each MoE layer l: the host waits for A_l's logits, runs part 2 of layer l (`LogicalCache.route`),
 issues demand copies, writes the route row (slot ids + execution weights), makes the compute stream wait on
 the events of the executed slots only, launches graph B_l (MoE over the slot buffer) and graph A_{l+1}, and
 then, while those run, part 1 of layer l+1 (`LogicalCache.insert_predicted` on the pre-gate) and the
@@ -26,9 +26,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from numba import njit
 
-from specmoe.kernels import triton_available, tune_moe
+from specmoe.kernels import load_flash_attn, load_fused_experts, triton_available, tune_moe
 from specmoe.offload import CopyStream, ExpertStore, SlotBuffers
 from specmoe.routing import Calibration, LogicalCache, PolicyConfig, PolicyError
 
@@ -36,13 +35,20 @@ from .results import COPY_FIELDS, DecodeResult, Trace
 
 CACHE_MODES = ("logical", "physical")
 BACKENDS = ("auto", "triton", "torch")
+ATTENTIONS = ("sdpa", "flash_attn")
+MOE_KERNELS = ("slot", "vllm")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings. max_in_flight: prefetch copies in flight at once; copy_delay: (lo, hi) seconds of
     random delay before each copy (tests of timing independence); instrument: GPU events that time the host
-    gap and the copy waits of every layer (costs a few µs per layer: keep it off for latency numbers)."""
+    gap and the copy waits of every layer (costs a few µs per layer: keep it off for latency numbers).
+    backend: our Triton kernels (RMSNorm, attention prologue, slot MoE) or their torch versions ("auto":
+    Triton on CUDA where installed). attention: "sdpa" (torch) or "flash_attn" (flash-attn's
+    flash_attn_with_kvcache); moe: "slot" (our slot-indexed kernel, per `backend`) or "vllm" (vLLM's
+    fused_experts). The optional packages must be installed (else ImportError at build) and are checked
+    against the torch path at build; one that disagrees is not used (see `ArEngine.notes`)."""
 
     max_seq_len: int = 1024
     max_in_flight: int = 2
@@ -50,6 +56,8 @@ class EngineConfig:
     skip_copies: bool = False
     cuda_graphs: bool = True
     backend: str = "auto"
+    attention: str = "sdpa"
+    moe: str = "slot"
     tune: bool = False
     copy_delay: tuple[float, float] | None = None
     delay_seed: int = 0
@@ -61,6 +69,10 @@ class EngineConfig:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.moe not in MOE_KERNELS:
+            raise ValueError(f"moe must be one of {MOE_KERNELS}, got {self.moe!r}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
         if self.max_seq_len < 1:
@@ -69,24 +81,10 @@ class EngineConfig:
             raise ValueError(f"copy_delay must be (lo, hi) with 0 <= lo <= hi, got {self.copy_delay}")
 
 
-@njit(cache=True)
-def execution_weights(z, selected, renormalise, out):
-    """out[j] = softmax(z)[selected[j]] in float64 (renormalised over the selection if the model's router
-    renormalises): the unmodified router probabilities of the executed experts."""
-    zmax = -np.inf
-    for e in range(z.shape[0]):
-        zmax = max(zmax, np.float64(z[e]))
-    total = 0.0
-    for e in range(z.shape[0]):
-        total += np.exp(np.float64(z[e]) - zmax)
-    s = 0.0
-    for j in range(selected.shape[0]):
-        w = np.exp(np.float64(z[selected[j]]) - zmax) / total
-        out[j] = w
-        s += w
-    if renormalise:
-        for j in range(selected.shape[0]):
-            out[j] = out[j] / s
+def _relative_error(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """|out - ref| / |ref| (L2, float32): how the engine compares a kernel with its torch reference."""
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
 class ArEngine:
@@ -106,6 +104,12 @@ class ArEngine:
             raise ValueError(f"config.max_seq_len={config.max_seq_len} but the decoder's KV cache has "
                              f"{decoder.max_seq_len} positions")
         self.decoder, self.store, self.config = decoder, store, config
+        # per-layer views of the decoder's pinned host buffers: the routing step reads and writes these
+        e, k = c.num_experts, c.top_k
+        self._router_rows = [decoder.logits_np[l, :e] for l in range(c.num_layers)]
+        self._pregate_rows = [decoder.logits_np[l, e:] for l in range(c.num_layers)]  # g of layer l + 1
+        self._route_slots = [decoder.route_np[l, :k] for l in range(c.num_layers)]
+        self._route_weights = [decoder.weights_np[l] for l in range(c.num_layers)]
         self.num_layers, self.num_experts, self.top_k = c.num_layers, c.num_experts, c.top_k
         self._check_policy(policy)
         self.policy = policy
@@ -118,6 +122,10 @@ class ArEngine:
             backend = "triton" if self.cuda and triton_available() else "torch"
         self.notes: list[str] = []
         decoder.backend = backend
+        # a missing optional package is an ImportError here, before any buffer is allocated
+        flash_attn = load_flash_attn() if config.attention == "flash_attn" else None
+        fused_experts = load_fused_experts() if config.moe == "vllm" else None
+        decoder.flash_attn = decoder.fused_experts = None  # set once checked
         self.slots = SlotBuffers(c.num_layers, policy.capacity, store.width, store.dtype, self.device,
                                  config.device_memory_limit)
         self.copies = CopyStream(store, self.slots, config.max_in_flight, config.skip_copies, config.copy_delay,
@@ -129,8 +137,9 @@ class ArEngine:
             self.ev_head = torch.cuda.Event()
         with torch.no_grad():
             self._load_warm()
-            if self.cuda:
-                with torch.cuda.stream(self.compute):
+            with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
+                self._use_optional_kernels(flash_attn, fused_experts)
+                if self.cuda:
                     self._prepare_cuda()
 
     # -- configuration -------------------------------------------------------------------------------
@@ -143,7 +152,8 @@ class ArEngine:
                   **changes) -> None:
         """Switch policy (same capacity: the slot buffers stay) and/or EngineConfig fields that do not change
         the buffers (max_in_flight, cache_mode, skip_copies, copy_delay, delay_seed, instrument)."""
-        fixed = {"max_seq_len", "cuda_graphs", "backend", "tune", "device_memory_limit"} & set(changes)
+        fixed = {"max_seq_len", "cuda_graphs", "backend", "attention", "moe", "tune",
+                 "device_memory_limit"} & set(changes)
         if fixed:
             raise ValueError(f"{', '.join(sorted(fixed))} cannot change after the engine is built")
         if policy is not None or calibration is not None:
@@ -174,7 +184,7 @@ class ArEngine:
         dec.set_input(0, 0)
         if dec.backend == "triton":
             try:
-                if self.config.tune:
+                if self.config.tune and dec.fused_experts is None:  # vLLM's kernel runs the MoE otherwise
                     dec.moe_params, times = tune_moe(self.slots.layer(0), c.top_k, c.hidden, c.inter, dec.dtype)
                     self.notes.append(f"MoE kernel tuned: {dec.moe_params} (candidate ms: {times})")
                 self._check_triton()
@@ -246,13 +256,13 @@ class ArEngine:
             fn(x, res, self.slots.layer(0), route, torch.empty_like(dec.act), out, c.hidden, c.inter)
             outs.append((out.float() - res.float()))
         torch.cuda.synchronize()
-        err = float((outs[0] - outs[1]).norm() / outs[0].norm().clamp_min(1e-12))
+        err = _relative_error(outs[0], outs[1])
         if not err < 2e-2:
             raise RuntimeError(f"slot MoE kernel differs from the torch path: relative error {err:.3g}")
         w = dec.input_ln[0]
         a = knr.rmsnorm_torch(x, w, c.eps)
         b = knr.rmsnorm_triton(x, w, c.eps, torch.empty_like(x))
-        err = float((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-12))
+        err = _relative_error(a, b)
         if not err < 2e-2:
             raise RuntimeError(f"RMSNorm kernel differs from the torch path: relative error {err:.3g}")
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -265,10 +275,70 @@ class ArEngine:
             vc = torch.zeros_like(kc)
             fn(qkv, dec.q_norm[0], dec.k_norm[0], dec.cos, dec.sin, pos, q, kc, vc, c.eps, c.clip_qkv)
             outs.append(torch.cat([q.flatten(), kc.flatten(), vc.flatten()]).float())
-        err = float((outs[0] - outs[1]).norm() / outs[0].norm().clamp_min(1e-12))
+        err = _relative_error(outs[0], outs[1])
         if not err < 2e-2:
             raise RuntimeError(f"attention prologue kernel differs from the torch path: relative error {err:.3g}")
         self.notes.append(f"Triton kernels checked against torch on {torch.cuda.get_device_name(self.device)}")
+
+    def _use_optional_kernels(self, flash_attn, fused_experts) -> None:
+        """Check the optional kernels the config selects against the torch path on this device and hand those
+        that agree to the decoder. Like the Triton kernels, one that fails or disagrees must not cost the run:
+        the default path stays, and `notes` says why."""
+        where = torch.cuda.get_device_name(self.device) if self.cuda else "the CPU"
+        for fn, check, attr, name, default in (
+                (flash_attn, self._check_flash_attn, "flash_attn", "flash-attn's flash_attn_with_kvcache", "SDPA"),
+                (fused_experts, self._check_fused_experts, "fused_experts", "vLLM's fused_experts",
+                 "the slot MoE kernel")):
+            if fn is None:
+                continue
+            try:
+                check(fn)
+            except Exception as exc:  # an assertion, a CUDA error, a wrong result: all mean "do not use it"
+                if self.cuda:
+                    torch.cuda.synchronize()
+                self.notes.append(f"{name} unusable ({type(exc).__name__}: {exc}); {default} used")
+                continue
+            setattr(self.decoder, attr, fn)
+            self.notes.append(f"{name} checked against torch on {where}; used")
+
+    def _check_flash_attn(self, flash_attn) -> None:
+        """flash_attn_with_kvcache against SDPA: random query and caches of the decoder's shapes, the first
+        two thirds of the positions attended."""
+        from specmoe.kernels import decode_attention, decode_attention_flash
+
+        dec, c = self.decoder, self.decoder.cfg
+        g = torch.Generator(device=self.device).manual_seed(1)
+        q = torch.randn(c.num_heads, c.head_dim, device=self.device, generator=g).to(dec.dtype)
+        k_cache, v_cache = (torch.randn(c.num_kv_heads, dec.max_seq_len, c.head_dim, device=self.device,
+                                        generator=g).to(dec.dtype) for _ in range(2))
+        attended = 2 * dec.max_seq_len // 3 + 1
+        mask = torch.full_like(dec.mask, torch.finfo(dec.dtype).min)
+        mask[:attended] = 0.0
+        seqlens = torch.full((1,), attended, dtype=torch.int32, device=self.device)
+        ref = decode_attention(q, k_cache, v_cache, mask, dec.scale)
+        out = decode_attention_flash(q, k_cache, v_cache, seqlens, dec.scale, flash_attn)
+        err = _relative_error(ref, out)
+        if not err < 2e-2:
+            raise RuntimeError(f"flash_attn_with_kvcache differs from SDPA: relative error {err:.3g}")
+
+    def _check_fused_experts(self, fused_experts) -> None:
+        """vLLM's fused_experts against the torch slot MoE: random input, K random slots of layer 0."""
+        from specmoe.kernels import slot_moe_torch, slot_moe_vllm
+
+        dec, c = self.decoder, self.decoder.cfg
+        g = torch.Generator(device=self.device).manual_seed(2)
+        x = torch.randn(c.hidden, device=self.device, generator=g).to(dec.dtype)
+        res = torch.zeros(c.hidden, device=self.device, dtype=dec.dtype)  # compare the MoE output alone
+        route = torch.zeros(2 * c.top_k, dtype=torch.int32, device=self.device)
+        route[: c.top_k] = torch.randperm(self.policy.capacity, device=self.device, generator=g)[: c.top_k]
+        route[c.top_k:].view(torch.float32)[:] = torch.softmax(torch.randn(c.top_k, device=self.device,
+                                                                           generator=g), 0)
+        ref, out = torch.empty_like(res), torch.empty_like(res)
+        slot_moe_torch(x, res, self.slots.layer(0), route, torch.empty_like(dec.act), ref, c.hidden, c.inter)
+        slot_moe_vllm(x, res, self.slots.layer(0), route, out, c.hidden, c.inter, fused_experts)
+        err = _relative_error(ref, out)
+        if not err < 2e-2:
+            raise RuntimeError(f"fused_experts differs from the torch slot MoE: relative error {err:.3g}")
 
     def _warm_up(self) -> None:
         """Two eager tokens (compiles kernels, creates cuBLAS handles) on the compute stream."""
@@ -312,52 +382,45 @@ class ArEngine:
     # -- one token -----------------------------------------------------------------------------------
     def _step(self, t: int, token: int, rec: dict, trace: Trace | None) -> None:
         dec, cache, copies = self.decoder, self.cache, self.copies
-        num_layers, num_experts, top_k = self.num_layers, self.num_experts, self.top_k
+        num_layers = self.num_layers
         renorm = dec.cfg.norm_topk_prob
         physical = self.config.cache_mode == "physical"
         inserts = self.policy.insert_budget > 0
         inst = rec.get("events")
         stats_before = copies.stats.as_array()
         wait_before = copies.wait_s
-        host_ns = 0
-        parts = np.zeros(3)  # routing, demand-copy issue, copy checks and waits set up
+        ns_route = ns_issue = ns_check = 0  # host ns: routing, demand-copy issue, copy checks and waits set up
         dec.set_input(token, t)
         start = time.perf_counter()
         self._attention(0)
         if inst is not None:
             inst[t][0][0].record(self.compute)
+        z_rec, sel_rec = rec["z"][t], rec["sel"][t]
         for l in range(num_layers):
             if self.cuda:
                 self.ev_attn[l].synchronize()
             t0 = time.perf_counter_ns()
-            row = dec.logits_np[l]
-            z = row[:num_experts] if trace is None else trace.router_logits[t, l]
-            rec["z"][t, l] = z
-            selected, demand = cache.select(l, z.astype(np.float64), token)
-            slots = cache.slot_of(l, selected)
-            dec.route_np[l, :top_k] = slots
-            execution_weights(z, selected, renorm, rec["w"])
-            dec.weights_np[l] = rec["w"]
-            rec["sel"][t, l] = selected
+            z = self._router_rows[l] if trace is None else trace.router_logits[t, l]
+            slots = self._route_slots[l]
+            d = cache.route(l, z, token, renorm, z_rec[l], sel_rec[l], slots, self._route_weights[l])
             t1 = time.perf_counter_ns()
-            if demand.size:
-                copies.assign(l, cache.slot_of(l, demand), demand, prefetch=False)
+            if d:
+                copies.assign(l, cache.demand_slots[:d], cache.demand[:d], prefetch=False)
             t2 = time.perf_counter_ns()
-            waits = copies.need(l, slots)
+            wait_for = copies.need(l, slots)
             if inst is not None:
                 inst[t][l][1].record(self.compute)
-            copies.wait(l, waits, self.compute if self.cuda else None)
+            copies.wait(l, wait_for, self.compute if self.cuda else None)
             if inst is not None:
                 inst[t][l][2].record(self.compute)
             t3 = time.perf_counter_ns()
-            parts += (t1 - t0, t2 - t1, t3 - t2)
-            host_ns += t3 - t0
             self._moe(l)
+            ns_route, ns_issue, ns_check = ns_route + t1 - t0, ns_issue + t2 - t1, ns_check + t3 - t2
             if l + 1 < num_layers:
                 self._attention(l + 1)
                 if inst is not None:
                     inst[t][l + 1][0].record(self.compute)
-                g = row[num_experts:] if trace is None else trace.pregate_logits[t, l + 1]
+                g = self._pregate_rows[l] if trace is None else trace.pregate_logits[t, l + 1]
                 rec["g"][t, l + 1] = g
                 if inserts:
                     self._part1(l + 1, g, token, physical)
@@ -367,8 +430,8 @@ class ArEngine:
         if self.cuda:
             self.ev_head.synchronize()
         rec["ms"][t] = (time.perf_counter() - start) * 1e3
-        rec["host_us"][t] = host_ns / 1e3
-        rec["host_parts_us"][t] = parts / 1e3
+        rec["host_us"][t] = (ns_route + ns_issue + ns_check) / 1e3
+        rec["host_parts_us"][t] = (ns_route / 1e3, ns_issue / 1e3, ns_check / 1e3)
         rec["copies"][t] = copies.stats.as_array() - stats_before
         rec["wait_ms"][t] = (copies.wait_s - wait_before) * 1e3
         rec["out"][t] = int(dec.next_token_np[0])
@@ -407,7 +470,7 @@ class ArEngine:
         rec = {"z": np.zeros((num_steps, c.num_layers, c.num_experts), np.float32),
                "g": np.zeros((num_steps, c.num_layers, c.num_experts), np.float32),
                "sel": np.zeros((num_steps, c.num_layers, c.top_k), np.int64),
-               "w": np.zeros(c.top_k), "ms": np.zeros(num_steps), "host_us": np.zeros(num_steps),
+               "ms": np.zeros(num_steps), "host_us": np.zeros(num_steps),
                "host_parts_us": np.zeros((num_steps, 3)),
                "copies": np.zeros((num_steps, len(COPY_FIELDS)), np.int64), "wait_ms": np.zeros(num_steps),
                "out": np.zeros(num_steps, np.int64)}
@@ -453,6 +516,8 @@ class ArEngine:
             result.gap_us, result.wait_us = gap, wait
             result.wait_ms = None
         result.info = {"policy": self.policy.name, "warm_copies": warm, "backend": self.decoder.backend,
+                       "attention": "sdpa" if self.decoder.flash_attn is None else "flash_attn",
+                       "moe": "slot" if self.decoder.fused_experts is None else "vllm",
                        "cuda_graphs": self.graphs is not None, "cache_mode": self.config.cache_mode,
                        "max_in_flight": self.config.max_in_flight, "skip_copies": self.config.skip_copies,
                        "trace": trace is not None, "notes": list(self.notes)}

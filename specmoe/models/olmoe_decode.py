@@ -1,12 +1,14 @@
 """Engine-side OLMoE for batch-1 decoding (gpt-fast style): everything but the routed experts, over a static
 KV cache, as three step functions that the AR engine runs eagerly (CPU) or captures as CUDA graphs:
 
-- `attention_router(l)`: (layer 0: token embedding) RMSNorm, QKV, QK-norm + rotary + KV write, attention,
+- `attention_router(l)`: (layer 0: token embedding) RMSNorm, QKV, QK-norm + rotary + KV write, attention
+  (SDPA over the masked cache, or flash-attn's `flash_attn_with_kvcache` when the engine sets `flash_attn`),
   output projection + residual, post-attention RMSNorm (the MoE input), then the router of layer l and the
   pre-gate (router of layer l+1) on that MoE input in one [2E, H] product; the logits land in
   `logits_host[l]` = [z_l | g_{l+1}] (float32, pinned).
 - `moe(l, slot_buf)`: copies the route row (slot ids + execution weights, written by the host) to the device
-  and runs the slot-indexed MoE, adding the result to the residual stream.
+  and runs the slot-indexed MoE (ours, or vLLM's `fused_experts` when the engine sets `fused_experts`),
+  adding the result to the residual stream.
 - `head()`: final RMSNorm, LM head, greedy token into `next_token_host`.
 
 The weights are transformers' (taken from an OlmoeForCausalLM, or read from a checkpoint without the
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels import decode_attention, slot_moe
+from specmoe.kernels import decode_attention, decode_attention_flash, slot_moe, slot_moe_vllm
 from specmoe.kernels import norm_rope
 
 
@@ -76,6 +78,8 @@ class OlmoeDecoder:
         self.cfg, self.device, self.dtype, self.backend = cfg, torch.device(device), dtype, backend
         self.max_seq_len = max_seq_len
         self.moe_params: dict | None = None
+        self.flash_attn = None  # flash_attn_with_kvcache, set by the engine for attention="flash_attn"
+        self.fused_experts = None  # vLLM's fused_experts, set by the engine for moe="vllm"
         self.d2h_in_graph = True
         c = cfg
         w = lambda name: get(name).to(device=self.device, dtype=dtype)  # noqa: E731 (no copy if already so)
@@ -138,6 +142,7 @@ class OlmoeDecoder:
         self.k_cache = torch.zeros(c.num_layers, c.num_kv_heads, s, c.head_dim, dtype=dt, device=dev)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.mask = torch.full((s,), torch.finfo(dt).min, dtype=dt, device=dev)
+        self.cache_seqlens = torch.zeros(1, dtype=torch.int32, device=dev)  # flash-attn: positions written
         self.logits_dev = torch.zeros(c.num_layers, 2 * c.num_experts, dtype=torch.float32, device=dev)
         self.logits_host = torch.zeros(c.num_layers, 2 * c.num_experts, dtype=torch.float32, pin_memory=pin)
         self.route_dev = torch.zeros(c.num_layers, 2 * c.top_k, dtype=torch.int32, device=dev)
@@ -160,7 +165,8 @@ class OlmoeDecoder:
 
     # -- host side -----------------------------------------------------------------------------------
     def reset(self) -> None:
-        """A new sequence: no position is attended (the caches' contents are masked, not cleared)."""
+        """A new sequence: no position is attended (the caches' contents are masked, not cleared; flash-attn
+        attends positions 0..pos, set from the position at every step)."""
         self.mask.fill_(torch.finfo(self.dtype).min)
 
     def set_input(self, token: int, pos: int) -> None:
@@ -187,13 +193,20 @@ class OlmoeDecoder:
         if layer == 0:
             self.tokpos.copy_(self.tokpos_host, non_blocking=True)
             self.h.copy_(self.embed.index_select(0, self.tokpos[:1]).view(-1))
-            self.mask.index_fill_(0, self.tokpos[1:], 0.0)
+            if self.flash_attn is None:
+                self.mask.index_fill_(0, self.tokpos[1:], 0.0)
+            else:
+                self.cache_seqlens.copy_(self.tokpos[1:] + 1)
         x = self._rmsnorm(self.h, self.input_ln[layer], self.xn)
         qkv = F.linear(x, self.wqkv[layer])
         prologue = norm_rope.qkv_prologue_triton if self.backend == "triton" else norm_rope.qkv_prologue_torch
         prologue(qkv, self.q_norm[layer], self.k_norm[layer], self.cos, self.sin, self.tokpos[1:], self.q,
                  self.k_cache[layer], self.v_cache[layer], c.eps, c.clip_qkv)
-        att = decode_attention(self.q, self.k_cache[layer], self.v_cache[layer], self.mask, self.scale)
+        if self.flash_attn is None:
+            att = decode_attention(self.q, self.k_cache[layer], self.v_cache[layer], self.mask, self.scale)
+        else:
+            att = decode_attention_flash(self.q, self.k_cache[layer], self.v_cache[layer], self.cache_seqlens,
+                                         self.scale, self.flash_attn)
         self.h.add_(F.linear(att, self.wo[layer]))
         m = self._rmsnorm(self.h, self.post_ln[layer], self.moe_in)
         self.logits_dev[layer].copy_(F.linear(m, self.router_pair[layer]))
@@ -203,6 +216,10 @@ class OlmoeDecoder:
     def moe(self, layer: int, slot_buf: torch.Tensor) -> None:
         c = self.cfg
         self.route_dev[layer].copy_(self.route_host[layer], non_blocking=True)
+        if self.fused_experts is not None:
+            slot_moe_vllm(self.moe_in, self.h, slot_buf, self.route_dev[layer], self.h, c.hidden, c.inter,
+                          self.fused_experts)
+            return
         slot_moe(self.moe_in, self.h, slot_buf, self.route_dev[layer], self.act, self.h, c.hidden, c.inter,
                  "triton" if self.backend == "triton" else "torch", self.moe_params)
 
@@ -220,5 +237,6 @@ class OlmoeDecoder:
         item = self.h.element_size()
         per_layer = sum(t.numel() for t in (self.wqkv[0], self.wo[0], self.router_pair[0], self.input_ln[0],
                                             self.post_ln[0], self.q_norm[0], self.k_norm[0])) * item
-        kv = 2 * c.num_kv_heads * self.max_seq_len * c.head_dim * item  # SDPA reads the whole masked cache
+        attended = self.max_seq_len if self.flash_attn is None else pos + 1  # SDPA reads the whole masked cache
+        kv = 2 * c.num_kv_heads * attended * c.head_dim * item
         return c.num_layers * (per_layer + kv) + (self.lm_head.numel() + c.hidden * 2) * item
