@@ -158,19 +158,20 @@ def measure_issue_us(copies, counts=(1, 5), reps: int = 50) -> dict:
     `cudaMemcpyAsync` per copy against one `cudaMemcpyBatchAsync` (median over reps, link idle, the two
     ways interleaved). Empty where the copy stream does not issue through the CUDA runtime."""
     runtime = getattr(copies, "runtime", None)
-    if runtime is None:
+    if runtime is None or not hasattr(runtime, "copy_many"):  # torch path, or a version without batches
         return {}
     ways = [False, True] if runtime.batched else [False]
     batched, out = runtime.batched, {}
     for n in counts:
-        items = [(0, s, (7 * s + 3) % copies.store.num_experts) for s in range(n)]
+        slots = list(range(n))
+        experts = [(7 * s + 3) % copies.store.num_experts for s in slots]
         times = {way: [] for way in ways}
         for _ in range(reps):
             for way in ways:
                 copies.stream.synchronize()
                 runtime.batched = way
                 t = time.perf_counter()
-                runtime.copy_many(items)
+                runtime.copy_many(0, slots, experts)
                 runtime.record(0)
                 times[way].append((time.perf_counter() - t) * 1e6)
         for way in ways:
@@ -261,6 +262,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", help="routing trace of a trained model with the same L, E, K (`specmoe trace`): "
                     "adds trace-following rows (router and pre-gate logits and tokens from the trace)")
     ap.add_argument("--trace-calibration", help="calibration file of the traced model (needed with --trace)")
+    ap.add_argument("--configs", nargs="+", help="run only these configurations (names as in the table; "
+                    "all_resident is always run, efficiencies need it)")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--unbatched-copies", action="store_true",
+                    help="issue one cudaMemcpyAsync per copy even where cudaMemcpyBatchAsync works (A/B runs)")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -302,6 +308,11 @@ def main(argv=None) -> int:
     for c in args.capacities:
         engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, store=store)
     report["engine_notes"] = {str(c): e.notes for c, e in engines.items()}
+    if args.unbatched_copies:
+        for engine in engines.values():
+            if getattr(engine.copies, "runtime", None) is not None:
+                engine.copies.runtime.batched = False
+                engine.copies.issue_path = "cuda-python, one call per copy (--unbatched-copies)"
     report["copy_issue_path"] = engines[E].copies.issue_path if engines[E].copies.cuda else "cpu"
     if engines[E].copies.cuda:
         report["issue_us"] = measure_issue_us(engines[min(args.capacities)].copies)
@@ -326,7 +337,12 @@ def main(argv=None) -> int:
             for name, pol in policies(c, K).items():
                 configs.append((f"trace_C{c}_{name}", c, pol))
                 setting[f"trace_C{c}_{name}"] = (traced["calibration"], traced["windows"], traced["traces"])
-    hf_impls = ["eager", "batched_mm"]
+    if args.configs:
+        unknown = set(args.configs) - {name for name, _, _ in configs}
+        if unknown:
+            raise SystemExit(f"unknown configurations {sorted(unknown)}; known: {[n for n, _, _ in configs]}")
+        configs = [x for x in configs if x[0] == "all_resident" or x[0] in args.configs]
+    hf_impls = [] if args.no_hf else ["eager", "batched_mm"]
     rounds: dict[str, list] = {name: [] for name, _, _ in configs}
     rounds.update({f"hf_{impl}": [] for impl in hf_impls})
     details: dict[str, dict] = {}

@@ -8,9 +8,9 @@ into its slot:
   boundaries with at most `max_in_flight` prefetches in flight; a queued prefetch whose slot was reassigned
   before it was issued is dropped; a queued prefetch that its layer executes is issued when the layer needs
   it (and counts as late).
-All copies go through one ordered stream, so a later copy into a slot completes after an earlier one, and
-each slot records the event of its latest copy. The compute stream waits only on the events of the slots it
-executes (`need` + `wait`).
+All copies go through one ordered stream, so a later copy into a slot completes after an earlier one; copies
+go out in numbered batches with one event each, and the compute stream waits only for the latest batch among
+the slots it executes (`need` + `wait`).
 
 Accounting: demand; prefetch in time (complete when its layer first executes it), late (queued or still in
 flight then), unused (evicted, or left at the end of the sequence, without executing; `dropped` counts those
@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
 from .memory import check_fits, device_available_bytes
 from .store import ExpertStore
@@ -125,7 +126,7 @@ class _RuntimeCopies:
             return
         experts = [len(src[0]) - 1, 0]
         try:
-            self.copy_many([(0, 0, experts[0]), (0, 1, experts[1])])
+            self.copy_many(0, [0, 1], experts)
             stream.synchronize()
             landed = all(torch.equal(dst[0][s], src[0][e].to(dst[0][s].device)) for s, e in enumerate(experts))
         except (RuntimeError, TypeError, ValueError) as exc:
@@ -134,19 +135,18 @@ class _RuntimeCopies:
         if not landed:
             self.batched, self.note = False, "cudaMemcpyBatchAsync returned success but the bytes did not land"
 
-    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
-        """Issue the copies [(layer, slot, expert)] in order on the copy stream."""
-        if self.batched and len(copies) > 1:
-            n = len(copies)
-            err = self.rt.cudaMemcpyBatchAsync([self.dst[l][s] for l, s, _ in copies],
-                                               [self.src[l][e] for l, _, e in copies], [self.nbytes] * n, n,
-                                               self.attrs, [0], 1, self.stream)[0]
+    def copy_many(self, layer: int, slots: list[int], experts: list[int]) -> None:
+        """Copy `experts` of `layer` into `slots`, on the copy stream."""
+        dst, src = self.dst[layer], self.src[layer]
+        if self.batched and len(slots) > 1:
+            n = len(slots)
+            err = self.rt.cudaMemcpyBatchAsync([dst[s] for s in slots], [src[e] for e in experts], [self.nbytes] * n,
+                                               n, self.attrs, [0], 1, self.stream)[0]
             if err != self.ok:
                 raise RuntimeError(f"cudaMemcpyBatchAsync of {n} experts failed: {err}")
             return
-        for layer, slot, expert in copies:
-            (err,) = self.rt.cudaMemcpyAsync(self.dst[layer][slot], self.src[layer][expert], self.nbytes,
-                                             self.kind, self.stream)
+        for slot, expert in zip(slots, experts):
+            (err,) = self.rt.cudaMemcpyAsync(dst[slot], src[expert], self.nbytes, self.kind, self.stream)
             if err != self.ok:
                 raise RuntimeError(f"cudaMemcpyAsync of expert {expert} into slot {slot} of layer {layer} "
                                    f"failed: {err}")
@@ -155,6 +155,66 @@ class _RuntimeCopies:
         (err,) = self.rt.cudaEventRecord(self.events[index], self.stream)
         if err != self.ok:
             raise RuntimeError(f"cudaEventRecord failed: {err}")
+
+
+# The per-slot bookkeeping runs on the host's critical path between a layer's two CUDA graphs, a few slots at
+# a time: numba kernels over the state arrays [L, C] cost one call each instead of a numpy call per slot.
+@njit(cache=True)
+def _assign(owner, gen, queued, fresh, layer, slots, experts, prefetch, queue_them):
+    """Logical insertions of experts into slots of one layer; returns (unused, dropped): previous experts
+    that were prefetched and never executed, and those of them never transferred."""
+    unused = dropped = 0
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        if fresh[layer, s]:
+            unused += 1
+            if queued[layer, s]:
+                dropped += 1
+        gen[layer, s] += 1
+        owner[layer, s] = experts[j]
+        queued[layer, s] = queue_them
+        fresh[layer, s] = prefetch
+    return unused, dropped
+
+
+@njit(cache=True)
+def _mark_issued(owner, content, batch, queued, layer, slots, number):
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        queued[layer, s] = False
+        content[layer, s] = owner[layer, s]
+        batch[layer, s] = number
+
+
+@njit(cache=True)
+def _first_uses(fresh, queued, batch, layer, slots, done_batch, late, unknown):
+    """The executed slots' first uses of prefetches (fresh cleared): still queued -> late[:n_late]; copy
+    batch known complete -> in time; else -> unknown[:n_unknown] (the caller asks the events). Returns
+    (in_time, n_late, n_unknown, the latest copy batch among the slots)."""
+    in_time = n_late = n_unknown = latest = 0
+    for j in range(slots.shape[0]):
+        s = slots[j]
+        if fresh[layer, s]:
+            fresh[layer, s] = False
+            if queued[layer, s]:
+                late[n_late] = s
+                n_late += 1
+            elif batch[layer, s] <= done_batch:
+                in_time += 1
+            else:
+                unknown[n_unknown] = s
+                n_unknown += 1
+        latest = max(latest, batch[layer, s])
+    return in_time, n_late, n_unknown, latest
+
+
+@njit(cache=True)
+def _layer_pending(fresh, batch, layer, done_batch):
+    """Whether a slot of the layer holds an unexecuted prefetch or a copy not known complete."""
+    for s in range(fresh.shape[1]):
+        if fresh[layer, s] or batch[layer, s] > done_batch:
+            return True
+    return False
 
 
 class CopyStream:
@@ -191,6 +251,8 @@ class CopyStream:
         self.done_batch = 0  # every batch up to this one has completed
         self.queue: deque = deque()
         self.inflight: deque = deque()  # batches of the prefetch copies issued and not known complete
+        self._late = np.empty(capacity, dtype=np.int64)  # `need`'s scratch
+        self._unknown = np.empty(capacity, dtype=np.int64)
         self.stats = CopyStats()
         self.wait_s = 0.0  # CPU: time spent waiting for simulated copies
         self._dst = [[slots.data[l, s] for s in range(capacity)] for l in range(num_layers)]
@@ -207,43 +269,41 @@ class CopyStream:
             self._last_done = 0.0
 
     # -- the link ------------------------------------------------------------------------------------
-    def _issue(self, items: list[tuple[int, int]]) -> int:
-        """Issue the copies of `items` [(layer, slot)] as one batch; returns its number (0 if none)."""
-        if not items:
+    def _issue(self, layer: int, slots: np.ndarray) -> int:
+        """Issue the copies into `slots` (int array) of `layer` as one batch; returns its number (0: none)."""
+        n = len(slots)
+        if n == 0:
             return 0
-        for layer, slot in items:
-            self.queued[layer, slot] = False
-        if self.skip:
-            for layer, slot in items:
-                self.content[layer, slot] = self.owner[layer, slot]
-            self.stats.skipped += len(items)
+        if self.skip:  # the slot "holds" its expert at once; nothing goes over the link
+            self.queued[layer, slots] = False
+            self.content[layer, slots] = self.owner[layer, slots]
+            self.stats.skipped += n
             return 0
-        self.last_batch = batch = self.last_batch + 1
-        ring = batch % self.RING
+        self.last_batch = number = self.last_batch + 1
+        ring = number % self.RING
+        experts = self.owner[layer, slots].tolist()
         if self.cuda and self.runtime is not None and self.delay is None:
-            self.runtime.copy_many([(layer, slot, int(self.owner[layer, slot])) for layer, slot in items])
+            self.runtime.copy_many(layer, slots.tolist(), experts)
             self.runtime.record(ring)
         elif self.cuda:
             with torch.cuda.stream(self.stream):
-                for layer, slot in items:
+                for slot, expert in zip(slots.tolist(), experts):
                     if self.delay is not None:
                         torch.cuda._sleep(int(self.rng.uniform(*self.delay) * CYCLES_PER_SECOND))
-                    self._dst[layer][slot].copy_(self._src[layer][self.owner[layer, slot]], non_blocking=True)
+                    self._dst[layer][slot].copy_(self._src[layer][expert], non_blocking=True)
                 self.events[ring].record(self.stream)
         else:
             now = time.perf_counter()
-            for layer, slot in items:
+            for slot, expert in zip(slots.tolist(), experts):
                 done = max(now, self._last_done) + (self.rng.uniform(*self.delay) if self.delay else 0.0)
                 self._last_done = done
-                self.landing.append((done, layer, slot, int(self.owner[layer, slot])))
+                self.landing.append((done, layer, slot, expert))
             self.done_at[ring] = self._last_done
             self._land(now if self.delay else np.inf)
-        for layer, slot in items:
-            self.content[layer, slot] = self.owner[layer, slot]
-            self.batch[layer, slot] = batch
-            self.pending[layer] = True
-        self.stats.issued += len(items)
-        return batch
+        _mark_issued(self.owner, self.content, self.batch, self.queued, layer, slots, number)
+        self.pending[layer] = True
+        self.stats.issued += n
+        return number
 
     def _land(self, until: float) -> None:
         """CPU: write the bytes of simulated copies that have completed by `until`, in issue order."""
@@ -284,28 +344,23 @@ class CopyStream:
                issue_now: bool = False) -> None:
         """Logical insertions of `experts` into `slots` of `layer`: demand copies are issued at once (one
         batch), prefetches queued (or issued at once with issue_now, the physical-cache mode)."""
-        issue = []
-        for slot, expert in zip(slots.tolist(), experts.tolist()):
-            if self.fresh[layer, slot]:  # the slot's previous expert was prefetched and never executed
-                self.stats.prefetch_unused += 1
-                self.stats.dropped += int(self.queued[layer, slot])
-            self.gen[layer, slot] += 1
-            self.owner[layer, slot] = expert
-            self.queued[layer, slot] = False
-            self.fresh[layer, slot] = prefetch
-            if prefetch and not issue_now:
-                self.queued[layer, slot] = True
-                self.queue.append((layer, slot, self.gen[layer, slot]))
-            else:
-                issue.append((layer, slot))
-        if prefetch:
-            self.pending[layer] = True
-            self.stats.prefetch += len(experts)
-            for item in issue:
-                self.inflight.append(self._issue([item]))
-        else:
+        queue_them = prefetch and not issue_now
+        unused, dropped = _assign(self.owner, self.gen, self.queued, self.fresh, layer, slots, experts, prefetch,
+                                  queue_them)
+        if unused:
+            self.stats.prefetch_unused += unused
+            self.stats.dropped += dropped
+        if not prefetch:
             self.stats.demand += len(experts)
-            self._issue(issue)
+            self._issue(layer, slots)
+            return
+        self.pending[layer] = True
+        self.stats.prefetch += len(experts)
+        for slot in slots.tolist():
+            if queue_them:
+                self.queue.append((layer, slot, int(self.gen[layer, slot])))
+            else:
+                self.inflight.append(self._issue(layer, np.array([slot])))
 
     def in_flight(self) -> int:
         """Prefetch copies issued and not yet complete (retiring the completed ones, oldest first)."""
@@ -316,11 +371,13 @@ class CopyStream:
     def pump(self) -> None:
         """Layer boundary: issue queued prefetches, oldest first, while fewer than max_in_flight are in flight;
         drop those whose slot was reassigned since they were queued."""
+        if not self.queue:
+            return
         room = self.max_in_flight - self.in_flight()
         while self.queue and room > 0:
             layer, slot, gen = self.queue.popleft()
             if gen == self.gen[layer, slot] and self.queued[layer, slot]:
-                self.inflight.append(self._issue([(layer, slot)]))
+                self.inflight.append(self._issue(layer, np.array([slot])))
                 room -= 1
 
     def need(self, layer: int, slots: np.ndarray) -> int:
@@ -328,26 +385,24 @@ class CopyStream:
         issue the ones still queued, and return the copy batch the layer must wait for (0: none)."""
         if not self.pending[layer]:  # the common case with few copies: nothing of this layer in flight
             return 0
-        fresh = self.fresh[layer, slots]
-        if fresh.any():
-            late_issue = []
-            for slot in slots[fresh].tolist():
-                self.fresh[layer, slot] = False
-                if self.queued[layer, slot]:
-                    self.stats.prefetch_late += 1
-                    late_issue.append((layer, slot))
-                elif self.slot_done(layer, slot):
-                    self.stats.prefetch_in_time += 1
-                else:
-                    self.stats.prefetch_late += 1
-            batch = self._issue(late_issue)
-            if batch:
-                self.inflight.extend([batch] * len(late_issue))
-        latest = int(self.batch[layer, slots].max())
-        if self.batch_done(latest):
-            self.pending[layer] = self.fresh[layer].any() or self.batch[layer].max() > self.done_batch
-            return 0
-        return latest
+        in_time, n_late, n_unknown, latest = _first_uses(self.fresh, self.queued, self.batch, layer, slots,
+                                                         self.done_batch, self._late, self._unknown)
+        late = n_late
+        for slot in self._unknown[:n_unknown].tolist():
+            if self.slot_done(layer, slot):
+                in_time += 1
+            else:
+                late += 1
+        if in_time or late:
+            self.stats.prefetch_in_time += in_time
+            self.stats.prefetch_late += late
+        if n_late:
+            latest = self._issue(layer, self._late[:n_late]) or latest
+            self.inflight.extend([latest] * n_late)
+        if latest and not self.batch_done(latest):
+            return latest
+        self.pending[layer] = _layer_pending(self.fresh, self.batch, layer, self.done_batch)
+        return 0
 
     def wait(self, layer: int, batch: int, compute_stream=None) -> None:
         """Make the computation of `layer` wait for copy batch `batch` (from `need`) and all before it."""
@@ -376,12 +431,14 @@ class CopyStream:
         self.fresh[:] = False
         self.synchronize()
         self.owner[:] = warm
-        missing = np.argwhere(self.content != warm)
         skip, self.skip = self.skip, False
-        before = self.stats.issued
-        self._issue([(int(l), int(s)) for l, s in missing])
+        before, copies = self.stats.issued, 0
+        for layer in range(warm.shape[0]):
+            missing = np.flatnonzero(self.content[layer] != warm[layer])
+            self._issue(layer, missing)
+            copies += len(missing)
         self.stats.issued = before
         self.skip = skip
-        self.stats.warm += len(missing)
+        self.stats.warm += copies
         self.synchronize()
-        return len(missing)
+        return copies
