@@ -311,9 +311,8 @@ def main(argv=None) -> int:
     if args.unbatched_copies:
         for engine in engines.values():
             if getattr(engine.copies, "runtime", None) is not None:
-                engine.copies.runtime.batched = False
-                engine.copies.issue_path = "cuda-python, one call per copy (--unbatched-copies)"
-    report["copy_issue_path"] = engines[E].copies.issue_path if engines[E].copies.cuda else "cpu"
+                engine.copies.runtime.batched, engine.copies.runtime.note = False, "--unbatched-copies"
+    report["copy_issue_path"] = engines[E].copies.issue_path
     if engines[E].copies.cuda:
         report["issue_us"] = measure_issue_us(engines[min(args.capacities)].copies)
         engines[min(args.capacities)].reset()  # re-copies the slots the measurement overwrote

@@ -437,10 +437,10 @@ class ArEngine:
         rec["out"][t] = int(dec.next_token_np[0])
 
     def _part1(self, layer: int, pregate: np.ndarray, token: int, physical: bool) -> None:
-        g = pregate.astype(np.float64)
         # physical-cache mode: insert only what can be copied at once, so that routing sees issued copies
         budget = max(self.config.max_in_flight - self.copies.in_flight(), 0) if physical else None
-        inserted = self.cache.insert_predicted(layer, g, token, budget=budget)
+        # float32 as recorded: part 1 only ranks g, and float32 -> float64 keeps every order and tie
+        inserted = self.cache.insert_predicted(layer, pregate, token, budget=budget)
         if inserted.size:
             self.copies.assign(layer, self.cache.slot_of(layer, inserted), inserted, prefetch=True,
                                issue_now=physical)

@@ -35,37 +35,15 @@ def calibration_from_engine(engine, windows, provenance: dict | None = None) -> 
 
 def random_olmoe_on_device(name: str, seed: int, dtype: torch.dtype, device):
     """(model, adapter) of a named config of `specmoe.models` with seeded random weights drawn on `device`
-    (a CUDA generator: seconds for OLMoE-1B-7B, where `load_model`'s CPU draws take about a minute), using
-    `specmoe.models.olmoe`'s standard deviations. The weights are not `load_model(name)`'s bit for bit."""
-    from transformers import OlmoeForCausalLM
-
+    by one generator (`init_random_weights` with a generator: seconds for OLMoE-1B-7B on a GPU, where
+    `load_model`'s CPU draws take about a minute). The weights are not `load_model(name)`'s bit for bit."""
     from specmoe.models import adapter_for, named_config
-    from specmoe.models import olmoe as olmoe_mod
-
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers
-        from transformers.modeling_utils import no_init_weights
+    from specmoe.models.olmoe import build_random_olmoe
 
     config = named_config(name)
-    with no_init_weights(), torch.device(device):
-        model = OlmoeForCausalLM._from_config(config, dtype=dtype)
-    std_of = getattr(olmoe_mod, "_weight_std", None)
-    gen = torch.Generator(device=device).manual_seed(int(seed))
-    with torch.no_grad():
-        for name_, param in model.named_parameters():
-            std = std_of(name_, tuple(param.shape)) if std_of else (None if "norm" in name_ else 0.02)
-            if std is None:
-                param.fill_(1.0)
-                continue
-            values = torch.randn(tuple(param.shape), generator=gen, device=device, dtype=torch.float32)
-            param.copy_(values.mul_(std).to(torch.bfloat16))
-            del values
+    model = build_random_olmoe(config, seed, dtype, device, torch.Generator(device=device).manual_seed(int(seed)))
     model.eval()
-    try:
-        model.set_experts_implementation("eager")
-    except Exception:  # transformers versions without the switch
-        pass
+    model.set_experts_implementation("eager")
     return model, adapter_for(config)
 
 

@@ -261,12 +261,20 @@ class CopyStream:
             self.stream = torch.cuda.Stream(device=slots.data.device)
             self.events = [torch.cuda.Event() for _ in range(self.RING)]
             self.runtime = _RuntimeCopies.create(self.stream, self.events, self._dst, self._src)
-            self.issue_path = "torch" if self.runtime is None else \
-                "cuda-python, batched" if self.runtime.batched else f"cuda-python ({self.runtime.note})"
         else:
             self.done_at = np.zeros(self.RING)  # CPU: completion time of each batch of the ring
             self.landing: deque = deque()
             self._last_done = 0.0
+
+    @property
+    def issue_path(self) -> str:
+        """How copies go out: "cpu" (synchronous or simulated), "torch" (`copy_`), or the CUDA runtime
+        through cuda-python, batched or one call per copy (with the reason)."""
+        if not self.cuda:
+            return "cpu"
+        if self.runtime is None:
+            return "torch"
+        return "cuda-python, batched" if self.runtime.batched else f"cuda-python ({self.runtime.note})"
 
     # -- the link ------------------------------------------------------------------------------------
     def _issue(self, layer: int, slots: np.ndarray) -> int:
