@@ -10,15 +10,18 @@ token 4096 i). The corpus comes from `python3 scripts/train_family.py prepare --
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-from specmoe.experiments.calibrate import token_windows
-from specmoe.harness import collect_calibration
-from specmoe.models import load_model
-from specmoe.traces import family_path, record_trace
-from specmoe.training.corpus import load_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from specmoe.experiments.calibrate import token_windows  # noqa: E402
+from specmoe.harness import collect_calibration  # noqa: E402
+from specmoe.models import load_model  # noqa: E402
+from specmoe.traces import family_path, record_trace  # noqa: E402
+from specmoe.training.corpus import load_corpus  # noqa: E402
 
 
 def main() -> None:

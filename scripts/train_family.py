@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specmoe.training.configs import FAMILY_PRESETS  # noqa: E402
+
 ASSETS = Path(__file__).resolve().parents[1] / "specmoe" / "assets" / "family"
 BIG = 1 << 20  # files above 1 MiB travel on their own, the rest in one tar
 
@@ -35,26 +37,24 @@ def cmd_prepare(args) -> None:
     split = None
     if args.split:
         split = json.loads(Path(args.split).read_text())
-    roots = dict(item.split("=", 1) for item in args.root) if args.root else None
-    result = build_corpus(args.corpus, tokenizer_dir=args.tokenizer, split=split,
-                          roots={k: Path(v) for k, v in roots.items()} if roots else None)
+    roots = {name: Path(path) for name, path in (item.split("=", 1) for item in args.root)} if args.root else None
+    result = build_corpus(args.corpus, tokenizer_dir=args.tokenizer, split=split, roots=roots)
     print(json.dumps(result["tokens"], indent=1))
 
 
 def cmd_train(args) -> None:
     from specmoe.training.family import run_family
 
-    log_file = open(Path(args.out) / "train.log", "a") if Path(args.out).is_dir() else None
-
-    def log(msg):
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        if log_file:
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with open(Path(args.out) / "train.log", "a") as log_file:
+        def log(msg):
+            line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+            print(line, flush=True)
             log_file.write(line + "\n")
             log_file.flush()
 
-    metrics = run_family(args.corpus, args.out, args.preset, args.target_steps, args.drafter_steps, args.device,
-                         log, args.time_limit)
+        metrics = run_family(args.corpus, args.out, args.preset, args.target_steps, args.drafter_steps,
+                             args.device, log, args.time_limit)
     print(json.dumps({k: metrics[k] for k in ("training", "slice", "wall_seconds")}, indent=1, default=str))
 
 
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("train")
     p.add_argument("--corpus", default=".corpus")
     p.add_argument("--out", default="runs/family")
-    p.add_argument("--preset", default="h200")
+    p.add_argument("--preset", default="h200", choices=sorted(FAMILY_PRESETS))
     p.add_argument("--target-steps", type=int, default=None)
     p.add_argument("--drafter-steps", type=int, default=None)
     p.add_argument("--device", default="cuda")
@@ -155,8 +155,8 @@ def main(argv=None) -> None:
     p.add_argument("--family", default=str(ASSETS))
     p.add_argument("--corpus", default=".corpus")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--preset", default="h200")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--preset", default="h200", choices=sorted(FAMILY_PRESETS))
     p.add_argument("--replay", action="store_true")
     p.add_argument("--locality", action="store_true", help="routing locality of the target at --dtype")
     p.add_argument("--slice", action="store_true", help="recompute the fixed held-out slice and record its tokens")
@@ -164,8 +164,9 @@ def main(argv=None) -> None:
     p.add_argument("--write", action="store_true", help="write the results into the family's metrics.json")
     p.set_defaults(func=cmd_evaluate)
     args = parser.parse_args(argv)
-    if getattr(args, "out", None) and args.command == "train":
-        Path(args.out).mkdir(parents=True, exist_ok=True)
+    bad_roots = [item for item in args.root or () if "=" not in item] if args.command == "prepare" else []
+    if bad_roots:
+        parser.error(f"--root takes NAME=PATH, got {bad_roots[0]!r}")
     args.func(args)
 
 

@@ -136,8 +136,8 @@ class DFlashDecoderLayer(nn.Module):
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
-    """The drafter. `forward` maps block embeddings and context features to hidden states [B, Q, H];
-    `draft_logits` applies the target's LM head to them."""
+    """The drafter. `forward` maps block embeddings and context features to hidden states [B, Q, H]; the
+    target's LM head turns them into draft logits."""
 
     config_class = Qwen3Config
     _no_split_modules = ["DFlashDecoderLayer"]
@@ -158,7 +158,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def forward(self, position_ids: torch.LongTensor, noise_embedding: torch.Tensor,
                 target_hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values=None, use_cache: bool = False) -> torch.Tensor:
+                past_key_values=None) -> torch.Tensor:
         """position_ids [B, C+Q]: positions of the C context features then of the Q block tokens;
         noise_embedding [B, Q, H]: target embeddings of the block; target_hidden [B, C, n*H]: context
         features; attention_mask: optional boolean [B or 1, 1, Q, keys] (True = attend), None = every block
@@ -167,13 +167,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         context = self.hidden_norm(self.fc(target_hidden))
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         hidden = noise_embedding
-        cache = past_key_values if use_cache or past_key_values is not None else None
         for layer in self.layers:
-            hidden = layer(hidden, context, cos, sin, attention_mask, cache)
+            hidden = layer(hidden, context, cos, sin, attention_mask, past_key_values)
         return self.norm(hidden)
-
-    def draft_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        return lm_head(hidden)
 
 
 def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:

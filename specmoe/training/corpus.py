@@ -152,12 +152,12 @@ def build_corpus(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | 
     for part in PARTS:
         texts = train_texts if part == "train" else read_part(split, part, roots)
         stream = tokenize_part(tokenizer, texts, eos_id)
+        digest = hashlib.sha256(stream.tobytes()).hexdigest()
         recorded = split.get("tokens", {}).get(part, {}).get("sha256")
-        if recorded and recorded != hashlib.sha256(stream.tobytes()).hexdigest():
+        if recorded and recorded != digest:
             raise CorpusError(f"the {part} token stream differs from the recorded one (another tokenizer?)")
         np.save(out / f"{part}.npy", stream)
-        summary[part] = {"files": len(texts), "tokens": int(stream.size),
-                         "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}
+        summary[part] = {"files": len(texts), "tokens": int(stream.size), "sha256": digest}
     split = dict(split, tokens=summary)
     (out / "split.json").write_text(json.dumps(split, indent=1, sort_keys=True))
     return split
@@ -187,6 +187,19 @@ def windows(stream: np.ndarray, length: int, stride: int | None = None) -> np.nd
         np.zeros((0, length), dtype=np.int64)
 
 
+def spaced_windows(stream: np.ndarray, length: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """`count` windows of `length` tokens at evenly spaced offsets (the first at 0, the last at the end of
+    the stream): (starts [count], rows [count, length] int64)."""
+    starts = np.linspace(0, stream.size - length, count).astype(np.int64)
+    return starts, np.stack([stream[s:s + length] for s in starts]).astype(np.int64)
+
+
+def spread_windows(stream: np.ndarray, length: int, count: int) -> np.ndarray:
+    """`count` of the non-overlapping windows of `windows`, evenly spread over the stream (all if fewer)."""
+    rows = windows(stream, length)
+    return rows[np.linspace(0, rows.shape[0] - 1, min(count, rows.shape[0])).astype(np.int64)]
+
+
 class BatchSampler:
     """Seeded training batches [B, S+1]: each epoch visits every window start (stride S) once, in a
     permutation drawn from numpy's PCG64 with seed (seed, epoch); a window is S+1 tokens (inputs and the
@@ -212,7 +225,3 @@ class BatchSampler:
             self._pos += 1
             rows.append(self.stream[start:start + self.seq_len + 1])
         return np.stack(rows).astype(np.int64)
-
-    @property
-    def tokens_per_epoch(self) -> int:
-        return int(self.starts.size * self.seq_len)

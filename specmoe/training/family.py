@@ -24,7 +24,7 @@ import torch
 
 from ..drafters.dflash_model import DFlashDraftModel
 from .configs import FAMILY_PRESETS, FamilyConfig, ar_drafter_config, dflash_drafter_config, target_config
-from .corpus import load_corpus, windows
+from .corpus import load_corpus, spaced_windows, spread_windows, windows
 from .evaluate import (ar_accept_runs, dflash_accept_lengths, dflash_block_nll, greedy_continuation,
                        perplexity, routing_locality, speculative_loop, tau_from_runs)
 from .tokenizer import EOS, MASK, PAD
@@ -74,21 +74,18 @@ def load_family(directory: str | Path, device="cpu", dtype=torch.float32):
 
 def fixed_slice(stream: np.ndarray) -> torch.Tensor:
     """SLICE['windows'] windows of SLICE['length'] tokens at evenly spaced offsets of a stream."""
-    n, length = SLICE["windows"], SLICE["length"]
-    starts = np.linspace(0, stream.size - length, n).astype(np.int64)
-    return torch.from_numpy(np.stack([stream[s:s + length] for s in starts]).astype(np.int64))
+    return torch.from_numpy(spaced_windows(stream, SLICE["length"], SLICE["windows"])[1])
 
 
 @torch.no_grad()
 def slice_metrics(target, ar, dflash, stream: np.ndarray) -> dict:
     """Perplexities on the fixed slice: what `tests/test_assets.py` recomputes from the checkpoints."""
-    rows = fixed_slice(stream)
-    device = next(target.parameters()).device
-    return {"slice": dict(SLICE, starts=np.linspace(0, stream.size - SLICE["length"], SLICE["windows"])
-                          .astype(np.int64).tolist(), token_ids=rows.tolist()),
-            "target_ppl": perplexity(target, rows.to(device))["ppl"],
-            "ar_drafter_ppl": perplexity(ar, rows.to(device))["ppl"],
-            "dflash_ppl_mean_nll": dflash_block_nll(target, dflash, rows.to(device), anchors_per_window=4)["ppl_mean_nll"]}
+    starts, rows = spaced_windows(stream, SLICE["length"], SLICE["windows"])
+    on_device = torch.from_numpy(rows).to(next(target.parameters()).device)
+    return {"slice": dict(SLICE, starts=starts.tolist(), token_ids=rows.tolist()),
+            "target_ppl": perplexity(target, on_device)["ppl"],
+            "ar_drafter_ppl": perplexity(ar, on_device)["ppl"],
+            "dflash_ppl_mean_nll": dflash_block_nll(target, dflash, on_device, anchors_per_window=4)["ppl_mean_nll"]}
 
 
 def measure_tau(target, ar, dflash, stream: np.ndarray, prompts: int, prompt_len: int, new_tokens: int,
@@ -96,8 +93,8 @@ def measure_tau(target, ar, dflash, stream: np.ndarray, prompts: int, prompt_len
                 log=print) -> dict:
     """tau of both drafters at each k over the target's greedy continuations of held-out prompts."""
     device = next(target.parameters()).device
-    starts = np.linspace(0, stream.size - prompt_len - 1, prompts).astype(np.int64)
-    prompt_rows = torch.from_numpy(np.stack([stream[s:s + prompt_len] for s in starts]).astype(np.int64))
+    # spaced as windows of prompt_len + 1 tokens: every prompt has its next token in the stream
+    prompt_rows = torch.from_numpy(np.ascontiguousarray(spaced_windows(stream, prompt_len + 1, prompts)[1][:, :-1]))
     seqs = torch.cat([greedy_continuation(target, rows.to(device), new_tokens).cpu()
                       for rows in prompt_rows.split(batch_size)])
     k_max = max(ks)
@@ -144,9 +141,8 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
 def measure_locality(target, stream: np.ndarray, sequences: int, length: int, batch_size: int) -> dict:
     from ..traces import record_trace
 
-    rows = windows(stream, length)
-    pick = np.linspace(0, rows.shape[0] - 1, min(sequences, rows.shape[0])).astype(np.int64)
-    trace = record_trace(target, [torch.from_numpy(rows[i]) for i in pick], batch_size=batch_size)
+    rows = spread_windows(stream, length, sequences)
+    trace = record_trace(target, [torch.from_numpy(row) for row in rows], batch_size=batch_size)
     return routing_locality(trace)
 
 

@@ -12,15 +12,13 @@ import torch
 
 from ..routing import CalibrationBuilder, preset, replay
 from ..traces import record_trace
-from .corpus import windows
+from .corpus import spread_windows
 
 POLICIES = ("exact_lru", "exact_a", "cache_prior", "psr", "spec_exec")
 
 
 def _rows(stream: np.ndarray, sequences: int, length: int) -> list[torch.Tensor]:
-    rows = windows(stream, length)
-    pick = np.linspace(0, rows.shape[0] - 1, min(sequences, rows.shape[0])).astype(np.int64)
-    return [torch.from_numpy(rows[i]) for i in pick]
+    return [torch.from_numpy(row) for row in spread_windows(stream, length, sequences)]
 
 
 def calibrate(model, stream: np.ndarray, sequences: int, length: int, batch_size: int, name: str = ""):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..drafters.dflash_model import (block_attention_mask, block_input_ids, block_position_ids,
                                      extract_context_feature)
 from .configs import FamilyConfig, StageConfig
-from .corpus import BatchSampler
+from .corpus import BatchSampler, spaced_windows
 
 
 def set_determinism(seed: int) -> None:
@@ -114,22 +114,37 @@ class _Clock:
         return time.perf_counter() - self.start
 
 
-def _mean_rows(acc: torch.Tensor, count: int, names: tuple[str, ...]) -> dict:
-    values = (acc / max(count, 1)).tolist()
-    return dict(zip(names, values))
+class _Curve:
+    """The curve of a training loop: step values accumulate, and every `log_every` steps (and at the last)
+    their mean becomes a row, with the held-out loss from `heldout()` every `eval_every` steps (and at the
+    end)."""
 
+    def __init__(self, model: str, names: tuple[str, ...], fc: FamilyConfig, stage: StageConfig, clock: _Clock,
+                 heldout: Callable[[], float | None], device: torch.device):
+        self.model, self.names, self.fc, self.stage, self.clock, self.heldout = model, names, fc, stage, clock, heldout
+        self.acc, self.count, self.rows = torch.zeros(len(names), device=device), 0, []
 
-def _record(rows: list, name: str, step: int, lr: float, acc: torch.Tensor, count: int, names: tuple[str, ...],
-            clock, fc, heldout) -> dict:
-    """Append one curve row: the mean of the accumulated step values, and every `eval_every` steps (and at the
-    end) the held-out loss from `heldout()`; the accumulator is cleared."""
-    row = {"model": name, "step": step, "tokens": step * fc.batch_size * fc.seq_len, "lr": lr,
-           **_mean_rows(acc, count, names), "seconds": round(clock.elapsed(), 2)}
-    if step % fc.eval_every == 0 or step == clock.total:
-        row["heldout_ce"] = heldout()
-    rows.append(row)
-    acc.zero_()
-    return row
+    def add(self, step: int, lr: float, values: torch.Tensor) -> dict | None:
+        """Accumulate the values of step `step` (counted from 1); returns the row if one is due."""
+        self.acc += values
+        self.count += 1
+        if step % self.stage.log_every and step != self.clock.total:
+            return None
+        fc = self.fc
+        row = {"model": self.model, "step": step, "tokens": step * fc.batch_size * fc.seq_len, "lr": lr,
+               **dict(zip(self.names, (self.acc / self.count).tolist())), "seconds": round(self.clock.elapsed(), 2)}
+        if step % fc.eval_every == 0 or step == self.clock.total:
+            row["heldout_ce"] = self.heldout()
+        self.rows.append(row)
+        self.acc.zero_()
+        self.count = 0
+        return row
+
+    def result(self, step: int, sampler: BatchSampler, **extra) -> dict:
+        """What a training stage returns: steps, seconds, tokens, epochs, `extra`, the curve rows."""
+        fc = self.fc
+        return {"steps": step, "seconds": self.clock.elapsed(), "tokens": step * fc.batch_size * fc.seq_len,
+                "epochs": step * fc.batch_size / max(1, sampler.starts.size), **extra, "rows": self.rows}
 
 
 def choose_experts_implementation(model, batch: torch.Tensor, preferred: tuple[str, ...]) -> str:
@@ -163,9 +178,7 @@ def monitor_rows(stream: np.ndarray | None, fc: FamilyConfig, device) -> torch.T
     """`eval_windows` windows of seq_len + 1 tokens spread over the evaluation stream."""
     if stream is None:
         return None
-    length = fc.seq_len + 1
-    starts = np.linspace(0, stream.size - length, fc.eval_windows).astype(np.int64)
-    return torch.from_numpy(np.stack([stream[s:s + length] for s in starts]).astype(np.int64)).to(device)
+    return torch.from_numpy(spaced_windows(stream, fc.seq_len + 1, fc.eval_windows)[1]).to(device)
 
 
 def train_target(model, stream: np.ndarray, fc: FamilyConfig, device: torch.device,
@@ -181,8 +194,9 @@ def train_target(model, stream: np.ndarray, fc: FamilyConfig, device: torch.devi
     model.train()
     opt = MasterAdamW(model, stage)
     clock = _Clock(stage, device)
-    names = ("loss", "ce", "aux_loss", "grad_norm")
-    rows, acc, count, step = [], torch.zeros(len(names), device=device), 0, 0
+    curve = _Curve("target", ("loss", "ce", "aux_loss", "grad_norm"), fc, stage, clock,
+                   lambda: heldout_loss(model, monitor), device)
+    step = 0
     aux_coef = model.config.router_aux_loss_coef
     while clock.total is None or step < clock.total:
         clock.before_step(step)
@@ -193,17 +207,13 @@ def train_target(model, stream: np.ndarray, fc: FamilyConfig, device: torch.devi
         loss.backward()
         lr = lr_at(step, clock.horizon, stage)
         norm = opt.step(lr)
-        acc += torch.stack([loss.detach(), ce.detach(), out.aux_loss.detach().float(), norm.detach().float()])
-        count += 1
         step += 1
-        if step % stage.log_every == 0 or step == clock.total:
-            row = _record(rows, "target", step, lr, acc, count, names, clock, fc, lambda: heldout_loss(model, monitor))
+        row = curve.add(step, lr, torch.stack([loss.detach(), ce.detach(), out.aux_loss.detach().float(),
+                                               norm.detach().float()]))
+        if row:
             log(f"target step {step}/{clock.total} loss {row['loss']:.4f} ce {row['ce']:.4f} "
                 f"aux {row['aux_loss']:.4f} lr {lr:.2e} {row['seconds']:.0f}s")
-            count = 0
-    return {"steps": step, "seconds": clock.elapsed(), "tokens": step * fc.batch_size * fc.seq_len,
-            "epochs": step * fc.batch_size / max(1, sampler.starts.size), "experts_implementation": impl,
-            "rows": rows}
+    return curve.result(step, sampler, experts_implementation=impl)
 
 
 def _mixed_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_logp: torch.Tensor,
@@ -241,8 +251,11 @@ def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, dev
     pos_weight = torch.exp(-torch.arange(block - 1, device=device, dtype=torch.float32) / fc.block_loss_decay)
     clock = _Clock(stage, device)
     monitor = monitor_rows(heldout, fc, device)
-    names = ("ar_loss", "dflash_loss", "dflash_acc1", "dflash_acc_mean")
-    rows, acc, count, step = [], torch.zeros(len(names), device=device), 0, 0
+    curve = _Curve("drafters", ("ar_loss", "dflash_loss", "dflash_acc1", "dflash_acc_mean"), fc, stage, clock,
+                   lambda: heldout_loss(ar, monitor), device)
+    offsets = torch.arange(1, block, device=device)
+    rows_of_batch = torch.arange(fc.batch_size, device=device)[:, None, None]
+    step = 0
     while clock.total is None or step < clock.total:
         clock.before_step(step)
         batch = torch.from_numpy(sampler.next()).to(device)
@@ -259,10 +272,9 @@ def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, dev
                         attention_mask=block_attention_mask(anchors, fc.seq_len, block))
         hidden = hidden.view(batch.shape[0], n_anchor, block, -1)[:, :, 1:]
         logits = head(hidden)  # [B, N, block-1, V]
-        offsets = torch.arange(1, block, device=device)
         positions = anchors[:, :, None] + offsets  # token positions the block drafts
         df_labels = batch.gather(1, positions.flatten(1)).view_as(positions)
-        df_teacher = teacher[torch.arange(batch.shape[0], device=device)[:, None, None], positions - 1]
+        df_teacher = teacher[rows_of_batch, positions - 1]
         per_pos = _mixed_loss(logits, df_labels, df_teacher, w)  # [B, N, block-1]
         df_loss = (per_pos * pos_weight).sum(-1).mean() / pos_weight.sum()
         (ar_loss + df_loss).backward()
@@ -271,13 +283,10 @@ def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, dev
         opt_df.step(lr)
         with torch.no_grad():
             hit = (logits.argmax(-1) == df_labels).float()
-            acc += torch.stack([ar_loss.detach(), df_loss.detach(), hit[..., 0].mean(), hit.mean()])
-        count += 1
+            values = torch.stack([ar_loss.detach(), df_loss.detach(), hit[..., 0].mean(), hit.mean()])
         step += 1
-        if step % stage.log_every == 0 or step == clock.total:
-            row = _record(rows, "drafters", step, lr, acc, count, names, clock, fc, lambda: heldout_loss(ar, monitor))
+        row = curve.add(step, lr, values)
+        if row:
             log(f"drafters step {step}/{clock.total} ar {row['ar_loss']:.4f} dflash {row['dflash_loss']:.4f} "
                 f"acc1 {row['dflash_acc1']:.3f} lr {lr:.2e} {row['seconds']:.0f}s")
-            count = 0
-    return {"steps": step, "seconds": clock.elapsed(), "tokens": step * fc.batch_size * fc.seq_len,
-            "epochs": step * fc.batch_size / max(1, sampler.starts.size), "rows": rows}
+    return curve.result(step, sampler)
