@@ -132,7 +132,7 @@ class RoutingContext:
                 batch, span, num_experts)
         selected = np.empty((batch, span, self.policy.top_k), dtype=np.int64)
         for row, cache in enumerate(self.caches):
-            pregate = g[row] if (g is not None and self.uses_pregate) else None
+            pregate = None if g is None else g[row]
             selected[row] = cache.run_span(layer, z[row], pregate, fwd.tokens[row], fwd.valid[row])
         if fwd.record is not None:
             if not fwd.record:  # float32 holds float32/bfloat16/float16 scores exactly

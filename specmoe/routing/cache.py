@@ -53,8 +53,7 @@ class LogicalCache:
         self.counters = np.zeros((num_layers, K.N_COUNTERS), dtype=np.int64)
         self.displaced_mass = np.zeros(num_layers)
         self._inserted = np.empty(max(policy.top_k, policy.window), dtype=np.int64)
-        self._demand = np.empty(policy.top_k, dtype=np.int64)
-        self.demand = np.empty(policy.top_k, dtype=np.int64)  # `route`'s outputs
+        self.demand = np.empty(policy.top_k, dtype=np.int64)  # demand insertions of `select` and `route`
         self.demand_slots = np.empty(policy.top_k, dtype=np.int64)
         self._z64 = np.empty(num_experts)
         self.reset()
@@ -90,9 +89,9 @@ class LogicalCache:
         mask = K._NO_MASK if bonus_mask is None else bonus_mask
         d, mass, _ = K.part2(self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.params,
                              self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, mask,
-                             selected, self._demand, _NO_TRACE)
+                             selected, self.demand, _NO_TRACE)
         self.displaced_mass[layer] += mass
-        return selected, self._demand[:d].copy()
+        return selected, self.demand[:d].copy()
 
     def route(self, layer: int, router_logits: np.ndarray, token: int, renormalise: bool, logits_out: np.ndarray,
               selected: np.ndarray, slots: np.ndarray, weights: np.ndarray) -> int:
@@ -120,10 +119,10 @@ class LogicalCache:
         span = z.shape[0]
         if z.ndim != 2 or z.shape[1] != self.num_experts:
             raise ValueError(f"router logits of layer {layer} must be [positions, {self.num_experts}], got {z.shape}")
-        has_g = pregate_logits is not None
+        if pregate_logits is not None and np.shape(pregate_logits) != z.shape:
+            raise ValueError(f"pre-gate logits of layer {layer} must be {z.shape}, got {np.shape(pregate_logits)}")
+        has_g = pregate_logits is not None and self.policy.insert_budget > 0  # else there is no part 1
         g = np.ascontiguousarray(pregate_logits, dtype=np.float64) if has_g else z
-        if g.shape != z.shape:
-            raise ValueError(f"pre-gate logits of layer {layer} must be {z.shape}, got {g.shape}")
         if valid is None:
             valid = np.ones(span, dtype=np.bool_)
         out = {} if out is None else out

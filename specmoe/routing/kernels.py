@@ -154,6 +154,8 @@ def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, budget,
     """Algorithm 1, part 1: insertion for `layer` from its pre-gate logits g [E] (the router of `layer`
     applied to the previous layer's MoE input) for the layer's current token, at most `budget` (<= n) new
     experts. Inserted experts go to inserted[:count]; returns count. Touches only this layer's state."""
+    if params[P_BUDGET] == 0:  # a policy without insertion has no part 1: B stays empty (spec_exec has n >= 1)
+        return 0
     t = isc[layer, POS]
     _snapshot(ist, isc, fst, params, pind, pexp, pval, layer, token)
     k = params[P_TOP_K]
@@ -161,8 +163,6 @@ def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, budget,
     m = max(k, w)
     _rank(g, g, m, ist[layer, PREDICTED])
     isc[layer, PRED_TOKEN] = t
-    if params[P_BUDGET] == 0:  # a policy without insertion has no part 1: B stays empty
-        return 0
     budget = min(budget, params[P_BUDGET])
     new = 0
     for r in range(min(w, g.shape[0])):
