@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import traces
 from .routing import PRESETS, PolicyConfig, PolicyError, preset
 
 
@@ -46,12 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(replay_parser)
     replay_parser.set_defaults(func=_run_replay)
 
-    try:
-        from . import traces
-    except ImportError:  # the trace format lands with the trained model family
-        traces = None
-    if traces is not None and hasattr(traces, "add_trace_parser"):
-        traces.add_trace_parser(sub)
+    traces.add_trace_parser(sub)
     return parser
 
 

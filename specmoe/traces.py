@@ -123,7 +123,11 @@ class Trace:
         missing = {"router_logits", "pregate_logits", "token_ids", "sequence_starts"} - set(arrays)
         if missing:
             raise TraceError(f"{path} lacks the tensors {sorted(missing)}")
-        geometry = json.loads(meta["geometry"])
+        try:
+            geometry = json.loads(meta["geometry"])
+            geometry = {key: int(geometry[key]) for key in ("num_layers", "num_experts", "top_k", "vocab_size")}
+        except (KeyError, ValueError, TypeError) as exc:
+            raise TraceError(f"{path} has no valid geometry metadata ({type(exc).__name__}: {exc})") from exc
         trace = cls(arrays["router_logits"], arrays["pregate_logits"], arrays["token_ids"], arrays["sequence_starts"],
                     top_k=int(geometry["top_k"]), vocab_size=int(geometry["vocab_size"]), model=meta.get("model", ""),
                     fingerprint=meta.get("fingerprint", ""), info=json.loads(meta.get("info", "{}")))
@@ -250,23 +254,26 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
 
 def main_trace(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from .models import load_model
+
+    if args.window < 1 or args.max_tokens < 1:
+        raise ValueError(f"--window and --max-tokens must be positive, got {args.window} and {args.max_tokens}")
     source = family_path("target") if args.model == "family" else Path(args.model)
     if not Path(source).is_dir():
-        raise SystemExit(f"specmoe trace: no checkpoint directory at {source}")
+        raise FileNotFoundError(f"no checkpoint directory at {source}")
+    if not Path(args.text).is_file():
+        raise FileNotFoundError(f"no text file {args.text}")
+    # the harness's loader: same model class and pinned experts kernels as every other measurement
+    model, _ = load_model(str(source), dtype=getattr(torch, args.dtype), device=args.device)
     tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-    try:  # the harness's loader: same model class and pinned experts kernels as every other measurement
-        from .models import load_model
-
-        model, _ = load_model(str(source), dtype=getattr(torch, args.dtype), device=args.device)
-    except ImportError:
-        model = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True,
-                                                     dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    if len(tokenizer) == 0:
+        raise ValueError(f"checkpoint directory {source} has no tokenizer files")
     text = Path(args.text).read_text(encoding="utf-8")
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: args.max_tokens]
     if not ids:
-        raise SystemExit(f"specmoe trace: {args.text} holds no tokens")
+        raise ValueError(f"{args.text} holds no tokens")
     sequences = [torch.tensor(ids[i:i + args.window]) for i in range(0, len(ids), args.window)]
     trace = record_trace(model, sequences, model_source=str(args.model))
     trace.info["text"] = str(args.text)

@@ -61,6 +61,38 @@ def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1
 
 
+@pytest.fixture(scope="module")
+def truncated_checkpoint(tmp_path_factory):
+    from specmoe.models import load_model
+
+    path = tmp_path_factory.mktemp("truncated") / "ckpt"
+    load_model("olmoe-micro")[0].save_pretrained(path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    return path
+
+
+def test_more_bad_input_is_one_line_and_exit_status_2(tmp_path, truncated_checkpoint, capsys):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.array([0, 5, 100000, 7]))
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    cases = [
+        (["calibrate", "--model", "olmoe-micro", "--selfgen", "0", "--out", "x.safetensors"], "n_windows >= 1"),
+        (["calibrate", "--model", "olmoe-micro", "--tokens", str(ids), "--length", "4", "--out", "x.safetensors"],
+         "token id 100000 is outside the model's vocabulary"),
+        (["demo", "--model", str(truncated_checkpoint)], "cannot load the weights of checkpoint directory"),
+        (["trace", "--model", "family", "--text", str(text), "--out", "x.safetensors", "--window", "0"],
+         "--window and --max-tokens must be positive"),
+        (["trace", "--model", "family", "--text", str(tmp_path / "none.txt"), "--out", "x.safetensors"],
+         "no text file"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, (argv, err)
+
+
 def test_policy_overrides():
     policy = parse_policy("psr", 16, 8, ["bonus=0.25", "window=4"])
     assert (policy.bonus, policy.window, policy.insert_budget) == (0.25, 4, 1)

@@ -255,6 +255,15 @@ def test_checkpoint_missing_expert_weights_is_a_clear_error(tiny, tmp_path):
         ExpertStore.from_checkpoint(tmp_path / "ckpt", _geometry(adapter, model), dtype=torch.float32)
 
 
+def test_truncated_weights_file_is_a_clear_error(tiny, tmp_path):
+    model, adapter = tiny
+    model.save_pretrained(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(OffloadError, match=r"cannot read the weights file .*model\.safetensors"):
+        ExpertStore.from_checkpoint(tmp_path / "ckpt", _geometry(adapter, model), dtype=torch.float32)
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 def test_capacity_above_the_number_of_experts_is_rejected(make_engine):
     with pytest.raises(PolicyError, match="C > E"):

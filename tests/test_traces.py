@@ -127,3 +127,14 @@ def test_the_trace_command_writes_a_loadable_trace(model, tmp_path):
     trace = Trace.load(tmp_path / "out.safetensors", num_layers=L, num_experts=E, top_k=K)
     assert trace.num_tokens == 132 and trace.sequence_starts.tolist() == [0, 40, 80, 120]
     assert trace.model == str(ckpt) and trace.info["text"] == str(tmp_path / "text.txt")
+
+
+def test_trace_without_geometry_metadata_is_a_clear_error(tmp_path, trace):
+    from specmoe.files import read_safetensors, write_safetensors
+
+    path = trace.save(tmp_path / "t.safetensors")
+    meta, arrays = read_safetensors(path, TraceError, "trace")
+    del meta["geometry"]
+    write_safetensors(tmp_path / "bad.safetensors", arrays, meta)
+    with pytest.raises(TraceError, match="no valid geometry metadata"):
+        Trace.load(tmp_path / "bad.safetensors")

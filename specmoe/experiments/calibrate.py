@@ -67,7 +67,7 @@ def main(args) -> int:
     from specmoe.models import load_model
 
     model, adapter = load_model(args.model, seed=args.seed)
-    if args.selfgen:
+    if args.selfgen is not None:
         windows = sample_selfgen(model, args.selfgen, args.length, seed=args.seed + 1).windows
         what = f"{args.selfgen} windows of {args.length} tokens sampled from the model, seed {args.seed + 1}"
     elif args.tokens:

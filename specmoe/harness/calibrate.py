@@ -20,6 +20,10 @@ def router_logits_of(model: nn.Module, adapter: MoEAdapter, windows, *, batch_si
     routing context is restored when the generator ends: consume it fully."""
     device = next(model.parameters()).device
     windows = [torch.as_tensor(w, dtype=torch.long).reshape(-1) for w in windows]
+    for w in windows:
+        if w.numel() and not 0 <= int(w.min()) <= int(w.max()) < adapter.vocab_size:
+            bad = int(w.min()) if int(w.min()) < 0 else int(w.max())
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0 .. {adapter.vocab_size - 1})")
     with exact_routing(model, adapter, record=True) as context:
         for lo in range(0, len(windows), batch_size):
             batch = windows[lo:lo + batch_size]

@@ -92,7 +92,11 @@ def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
         config = _checkpoint_config(Path(source))
         adapter = adapter_for(config)
         model_class = ARCHITECTURES[config.model_type].model_class
-        model = model_class.from_pretrained(source, dtype=dtype, local_files_only=True).to(device)
+        try:
+            model = model_class.from_pretrained(source, dtype=dtype, local_files_only=True).to(device)
+        except Exception as exc:  # a truncated or corrupt weights file: safetensors' and transformers' errors
+            raise ModelSourceError(f"cannot load the weights of checkpoint directory {source}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
         label = str(Path(source).resolve())
     if experts_implementation is not None:
         model.set_experts_implementation(experts_implementation)

@@ -22,14 +22,22 @@ class CheckpointReader:
             raise OffloadError(f"{self.path} is not a checkpoint directory")
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise OffloadError(f"{index} is not a safetensors index with a weight_map ({exc})") from exc
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:
                 raise OffloadError(f"checkpoint directory {self.path} has no *.safetensors weights")
             weight_map = {}
-        self._handles = {name: safe_open(str(self.path / name), framework="pt") for name in files}
+        self._handles = {}
+        for name in files:
+            try:
+                self._handles[name] = safe_open(str(self.path / name), framework="pt")
+            except Exception as exc:  # missing shard, truncated or corrupt file: safetensors' own error types
+                raise OffloadError(f"cannot read the weights file {self.path / name}: {exc}") from exc
         if not weight_map:
             for name, handle in self._handles.items():
                 for key in handle.keys():
