@@ -201,7 +201,7 @@ def test_generate_stops_at_a_stop_token_and_repeats_exactly(make_engine, tokens)
 
 # -- expert store and checkpoints ------------------------------------------------------------------------
 def _geometry(adapter, model):
-    return ExpertGeometry.of(adapter, model.config)
+    return ExpertGeometry.of(adapter)
 
 
 def test_store_rows_hold_whole_experts(tiny, store):

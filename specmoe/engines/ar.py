@@ -569,7 +569,7 @@ def build_engine_from_checkpoint(path, policy: PolicyConfig, calibration: Calibr
     from specmoe.offload import ExpertGeometry
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    geometry = ExpertGeometry.of(adapter_for(hf_config), hf_config)
+    geometry = ExpertGeometry.of(adapter_for(hf_config))
     store = ExpertStore.from_checkpoint(path, geometry, dtype=dtype, host_memory_limit=host_memory_limit)
     decoder = OlmoeDecoder.from_checkpoint(path, config.max_seq_len, device, dtype)
     return ArEngine(decoder, store, policy, calibration, config)

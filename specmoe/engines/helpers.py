@@ -6,17 +6,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specmoe.routing import Calibration, CalibrationBuilder, TokenPrior
+from specmoe.routing import Calibration, CalibrationBuilder
 
 
 def uniform_calibration(num_layers: int, num_experts: int, vocab_size: int) -> Calibration:
     """A placeholder calibration (warm ranking by index, no token prior, delta 1): enough for exact routing
     with every expert resident, which is how `calibration_from_engine` records the real one."""
-    indptr = np.zeros((num_layers, vocab_size + 1), dtype=np.int64)
-    prior = TokenPrior(indptr, np.zeros(0, np.int32), np.zeros(0))
-    ranking = np.tile(np.arange(num_experts), (num_layers, 1))
-    return Calibration(ranking, prior, np.ones(num_layers), {"model": "uniform placeholder",
-                                                             "num_experts": num_experts})
+    return Calibration.uniform(num_layers, num_experts, vocab_size, 1.0, "uniform placeholder")
 
 
 def calibration_from_engine(engine, windows, provenance: dict | None = None) -> Calibration:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specmoe.models import MoEAdapter, adapter_for
-from specmoe.routing import Calibration, LogicalCache, PolicyConfig, PolicyError, TokenPrior
+from specmoe.routing import Calibration, LogicalCache, PolicyConfig, PolicyError
 
 
 @dataclass
@@ -220,8 +220,9 @@ def patch_model(model: nn.Module, adapter: MoEAdapter, policy: PolicyConfig, cal
     if policy.top_k != adapter.top_k:
         raise PolicyError(f"policy top_k K={policy.top_k} but the model routes each token to K={adapter.top_k} experts")
     policy.check_experts(adapter.num_experts)
+    fingerprinted = calibration.provenance.get("fingerprint") is not None  # else there is nothing to compare
     calibration.check(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size,
-                      fingerprint=adapter.fingerprint(model))
+                      fingerprint=adapter.fingerprint(model) if fingerprinted else None)
     unpatch(model)
     context = RoutingContext(adapter, policy, calibration, adapter.routers(model), record=record)
     _attach(model, context)
@@ -270,10 +271,8 @@ def exact_policy(adapter: MoEAdapter) -> PolicyConfig:
 def neutral_calibration(adapter: MoEAdapter) -> Calibration:
     """A calibration without data (warm set by index, no token prior, delta 0) for policies whose
     selection does not depend on one: the exact policy."""
-    layers, experts, vocab = adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size
-    prior = TokenPrior(np.zeros((layers, vocab + 1), dtype=np.int64), np.zeros(0, dtype=np.int32), np.zeros(0))
-    return Calibration(np.tile(np.arange(experts), (layers, 1)), prior, np.zeros(layers),
-                       {"model": "none (no calibration data)", "num_experts": experts})
+    return Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size, 0.0,
+                               "none (no calibration data)")
 
 
 @contextlib.contextmanager

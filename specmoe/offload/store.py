@@ -33,12 +33,10 @@ class ExpertGeometry:
         return 3 * self.inter * self.hidden
 
     @classmethod
-    def of(cls, adapter, config=None) -> "ExpertGeometry":
-        """From a `specmoe.models` adapter; sizes the adapter does not name come from the model config."""
-        hidden = getattr(adapter, "hidden_size", None) or config.hidden_size
-        inter = getattr(adapter, "moe_intermediate_size", None) or config.intermediate_size
-        layer_ids = getattr(adapter, "moe_layer_ids", None) or range(adapter.num_moe_layers)
-        return cls(adapter.num_moe_layers, adapter.num_experts, hidden, inter, tuple(layer_ids))
+    def of(cls, adapter) -> "ExpertGeometry":
+        """From a `specmoe.models` adapter."""
+        return cls(adapter.num_moe_layers, adapter.num_experts, adapter.hidden_size, adapter.moe_intermediate_size,
+                   tuple(adapter.moe_layer_ids))
 
 
 class ExpertStore:
@@ -83,8 +81,9 @@ class ExpertStore:
 
     # -- construction --------------------------------------------------------------------------------
     @staticmethod
-    def _allocate(geometry: ExpertGeometry, dtype: torch.dtype, pin: bool | None,
-                  host_memory_limit: int | None) -> tuple[int, bool]:
+    def _check_memory(geometry: ExpertGeometry, dtype: torch.dtype, pin: bool | None,
+                      host_memory_limit: int | None) -> bool:
+        """Fail clearly if the store does not fit in host memory; returns whether to pin it."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         needed = geometry.num_layers * geometry.num_experts * geometry.width * itemsize
         available = host_available_bytes() if host_memory_limit is None else int(host_memory_limit)
@@ -92,7 +91,7 @@ class ExpertStore:
                    f"{geometry.width * itemsize / 1e6:.1f} MB)", needed, available, "host memory",
                    "Free host memory or use a machine with more; the store must hold every expert.",
                    headroom=min(GiB, needed // 8 + 64 * 1024**2))
-        return needed, torch.cuda.is_available() if pin is None else bool(pin)
+        return torch.cuda.is_available() if pin is None else bool(pin)
 
     @classmethod
     def from_model(cls, model, adapter=None, *, dtype: torch.dtype | None = None, pin: bool | None = None,
@@ -101,15 +100,17 @@ class ExpertStore:
 
         release=True frees each layer's expert parameters on the model after copying it (the model can then
         no longer run its own MoE); otherwise the model is left as it was."""
-        adapter = adapter or _adapter_of(model)
-        geometry = ExpertGeometry.of(adapter, model.config)
-        first_gate_up, _ = _experts(adapter, model, 0)
-        dtype = dtype or first_gate_up.dtype
-        _, pin = cls._allocate(geometry, dtype, pin, host_memory_limit)
+        if adapter is None:
+            from specmoe.models import adapter_for  # transformers is imported only where a model is given
+
+            adapter = adapter_for(model.config)
+        geometry = ExpertGeometry.of(adapter)
+        dtype = dtype or adapter.experts(model, 0)[0].dtype
+        pin = cls._check_memory(geometry, dtype, pin, host_memory_limit)
         g = geometry
         layers = []
         for layer in range(g.num_layers):
-            gate_up, down = _experts(adapter, model, layer)
+            gate_up, down = adapter.experts(model, layer)
             if tuple(gate_up.shape) != (g.num_experts, 2 * g.inter, g.hidden) or \
                     tuple(down.shape) != (g.num_experts, g.hidden, g.inter):
                 raise OffloadError(f"MoE layer {layer} has expert weights {tuple(gate_up.shape)} / "
@@ -138,7 +139,7 @@ class ExpertStore:
         save_pretrained writes it) and the fused layout (`{prefix}.gate_up_proj` [E, 2I, H],
         `{prefix}.down_proj` [E, H, I]). A missing tensor is an OffloadError naming it."""
         reader = CheckpointReader(path)
-        _, pin = cls._allocate(geometry, dtype, pin, host_memory_limit)
+        pin = cls._check_memory(geometry, dtype, pin, host_memory_limit)
         g = geometry
         gu = 2 * g.inter * g.hidden
         layers = []
@@ -174,16 +175,3 @@ def _read(reader: CheckpointReader, key: str, shape: tuple, path, layer: int, ex
     if tuple(tensor.shape) != shape:
         raise OffloadError(f"checkpoint {path}: {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
     return tensor
-
-
-def _experts(adapter, model, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked expert weights of MoE layer `layer`: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
-    experts = adapter.moe_blocks(model)[layer].experts
-    return experts.gate_up_proj, experts.down_proj
-
-
-def _adapter_of(model):
-    """The specmoe.models adapter of a transformers model."""
-    from specmoe.models import adapter_for
-
-    return adapter_for(model.config)
