@@ -39,6 +39,7 @@ from specmoe.engines.ar import EngineConfig, build_engine
 from specmoe.engines.helpers import (calibration_from_engine, random_olmoe_on_device, uniform_calibration,
                                      weight_bytes_per_token)
 from specmoe.engines.results import Trace
+from specmoe.files import write_text_atomic
 from specmoe.offload import ExpertStore
 from specmoe.routing import preset
 
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
         pass
 
     def save():
-        (out_dir / "bench_engine.json").write_text(json.dumps(report, indent=1, default=float))
+        write_text_atomic(out_dir / "bench_engine.json", json.dumps(report, indent=1, default=float))
 
     t0 = time.time()
     dtype = getattr(torch, args.dtype)
@@ -442,7 +443,7 @@ def main(argv=None) -> int:
     report["total_s"] = time.time() - t0
     save()
     md = markdown(report)
-    (out_dir / "bench_engine.md").write_text(md)
+    write_text_atomic(out_dir / "bench_engine.md", md)
     print(md, flush=True)
     return 0 if not report["errors"] else 1
 

@@ -9,16 +9,27 @@ from pathlib import Path
 import numpy as np
 
 
+def _write_atomic(path: str | os.PathLike, write) -> Path:
+    """Call write(temporary path), then rename the temporary file to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write a text file (results tables, JSON) through a temporary file and a rename."""
+    return _write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> Path:
     """Write `tensors` with `metadata` to `path` through a temporary file and a rename."""
     from safetensors.numpy import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-    return path
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    return _write_atomic(path, lambda tmp: save_file(arrays, str(tmp), metadata=metadata))
 
 
 def read_safetensors(path: str | os.PathLike, error: type[Exception], what: str) -> tuple[dict, dict]:

@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import pandas as pd
 import torch
 
+from specmoe.files import write_text_atomic
+from specmoe.traces import family_path
+
 DEMO_POLICIES = ("exact_lru", "cache_prior", "psr", "spec_exec")
 
 
 def default_model() -> str:
     """The embedded default: the shipped trained target when present, else a seeded random tiny OLMoE."""
-    shipped = Path(__file__).resolve().parent.parent / "assets" / "family" / "target"
+    shipped = family_path("target")
     return str(shipped) if (shipped / "config.json").is_file() else "olmoe-tiny"
 
 
@@ -76,12 +78,6 @@ def run_demo(model_source: str, capacities: tuple[int, ...], *, windows: int = 1
     return pd.DataFrame(rows), info
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def add_parser(sub) -> None:
     parser = sub.add_parser("demo", help="the main job: copies and excess NLL of the paper's policies on a small model",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,8 +99,8 @@ def main(args) -> int:
                            seed=args.seed, threads=args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "results.csv", table.to_csv(index=False))
-    write_atomic(out / "results.json", json.dumps({"info": info, "rows": table.to_dict("records")}, indent=2))
+    write_text_atomic(out / "results.csv", table.to_csv(index=False))
+    write_text_atomic(out / "results.json", json.dumps({"info": info, "rows": table.to_dict("records")}, indent=2))
     print(f"model: {info['model']}  (L={info['layers']}, E={info['experts']}, K={info['top_k']})")
     print(f"selfgen: {info['selfgen_windows']} windows x {info['length']} tokens, {info['scored_tokens']} scored; "
           "copies are logical copies per token (sum over layers)")
