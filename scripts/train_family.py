@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.training.configs import FAMILY_PRESETS  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[1] / "specmoe" / "assets" / "family"
@@ -101,13 +102,15 @@ def cmd_evaluate(args) -> None:
     dtype = getattr(torch, args.dtype)
     target, ar, dflash = load_family(family, args.device, dtype)
     if args.slice:  # recompute the fixed slice here (float32) and record its tokens next to the training run's values
-        from specmoe.training.family import fixed_slice, slice_metrics
+        from specmoe.training.family import slice_metrics
 
         recomputed = slice_metrics(target, ar, dflash, streams["evaluation"])
-        recorded = metrics.setdefault("slice", recomputed)
+        if "slice" not in metrics.get("slice", {}):  # none recorded, or the record of a failed measurement
+            metrics["slice"] = recomputed
+        recorded = metrics["slice"]
         if recorded["slice"]["starts"] != recomputed["slice"]["starts"]:
-            raise SystemExit("the corpus's evaluation stream does not give the recorded slice")
-        recorded["slice"]["token_ids"] = fixed_slice(streams["evaluation"]).tolist()
+            raise ValueError("the corpus's evaluation stream does not give the recorded slice")
+        recorded["slice"]["token_ids"] = recomputed["slice"]["token_ids"]
         metrics[f"slice_{args.device}_{args.dtype}"] = {k: v for k, v in recomputed.items() if k != "slice"}
         print(json.dumps(metrics[f"slice_{args.device}_{args.dtype}"], indent=1))
     if args.locality:
@@ -122,7 +125,7 @@ def cmd_evaluate(args) -> None:
     if args.full:
         metrics[f"evaluation_{args.device}"] = evaluate_family(target, ar, dflash, streams, EVAL_SETTINGS[args.preset])
     if args.write:
-        metrics_path.write_text(json.dumps(metrics, indent=1))
+        write_text_atomic(metrics_path, json.dumps(metrics, indent=1))
 
 
 def main(argv=None) -> None:
@@ -167,7 +170,11 @@ def main(argv=None) -> None:
     bad_roots = [item for item in args.root or () if "=" not in item] if args.command == "prepare" else []
     if bad_roots:
         parser.error(f"--root takes NAME=PATH, got {bad_roots[0]!r}")
-    args.func(args)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as exc:  # CorpusError and ModelSourceError are ValueErrors
+        print(f"train_family.py {args.command}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,9 @@ def test_acceptance_walk_counts_committed_tokens_per_verification():
     flags[0, [4, 5]] = True
     res = tau_from_runs(flags, None, 4, 3)
     assert res["accepted_hist"][2] == 1 and res["tau"] == pytest.approx(res["committed"] / res["verifications"])
+    # by hand: 20 positions, roots while root + 3 <= 19: root 4 accepts 2 (commits 3), root 7 accepts 0, then
+    # roots 8 .. 16 accept 0 each: 11 verifications committing 3 + 1 + 9 = 13 tokens
+    assert (res["verifications"], res["committed"], res["accepted_hist"]) == (11, 13, [10, 0, 1, 0])
 
 
 def test_locality_of_a_synthetic_trace():
@@ -227,3 +230,13 @@ def test_locality_of_a_synthetic_trace():
     assert loc["reuse_consecutive"]["per_layer"] == [1.0, 0.0]
     assert loc["pregate_recall"]["per_layer"] == [None, 1.0]
     assert loc["union_experts"]["w2_per_layer"] == [2.0, 4.0]
+
+
+def test_a_directory_without_the_family_is_a_clear_error(tmp_path):
+    from specmoe.models import ModelSourceError
+    from specmoe.training.family import load_family
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    with pytest.raises(ModelSourceError, match="no ar_drafter, dflash_drafter checkpoint"):
+        load_family(tmp_path)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..drafters.dflash_model import DFlashDraftModel
+from ..models import ModelSourceError
 from .configs import FAMILY_PRESETS, FamilyConfig, ar_drafter_config, dflash_drafter_config, target_config
 from .corpus import load_corpus, spaced_windows, spread_windows, windows
 from .evaluate import (ar_accept_runs, dflash_accept_lengths, dflash_block_nll, greedy_continuation,
@@ -65,16 +66,15 @@ def load_family(directory: str | Path, device="cpu", dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     directory = Path(directory)
+    missing = [name for name in ("target", "ar_drafter", "dflash_drafter")
+               if not (directory / name / "config.json").is_file()]
+    if missing:
+        raise ModelSourceError(f"{directory} is not a model family directory: no {', '.join(missing)} checkpoint")
     kw = dict(local_files_only=True, dtype=dtype)
     target = AutoModelForCausalLM.from_pretrained(str(directory / "target"), **kw)
     ar = AutoModelForCausalLM.from_pretrained(str(directory / "ar_drafter"), **kw)
     dflash = DFlashDraftModel.from_pretrained(str(directory / "dflash_drafter"), **kw)
     return tuple(m.to(device).eval() for m in (target, ar, dflash))
-
-
-def fixed_slice(stream: np.ndarray) -> torch.Tensor:
-    """SLICE['windows'] windows of SLICE['length'] tokens at evenly spaced offsets of a stream."""
-    return torch.from_numpy(spaced_windows(stream, SLICE["length"], SLICE["windows"])[1])
 
 
 @torch.no_grad()
