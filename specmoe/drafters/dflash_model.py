@@ -199,3 +199,10 @@ def block_input_ids(token_ids: torch.Tensor, anchors: torch.Tensor, block_size: 
     blocks = torch.full((*anchors.shape, block_size), mask_token_id, dtype=token_ids.dtype, device=token_ids.device)
     blocks[:, :, 0] = anchor_tokens
     return blocks.reshape(anchors.shape[0], -1)
+
+
+def block_targets(token_ids: torch.Tensor, anchors: torch.Tensor, block_size: int):
+    """The positions each block drafts, anchor + 1 .. anchor + block_size - 1 ([B, N, block_size - 1]), and
+    the tokens of `token_ids` [B, T] there: (positions, labels)."""
+    positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)
+    return positions, token_ids.gather(1, positions.flatten(1)).view_as(positions)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..drafters.dflash_model import (block_attention_mask, block_input_ids, block_position_ids,
+from ..drafters.dflash_model import (block_attention_mask, block_input_ids, block_position_ids, block_targets,
                                      extract_context_feature)
 
 
@@ -59,9 +59,9 @@ def dflash_block_nll(target, dflash, windows: torch.Tensor, anchors_per_window: 
     count = 0
     for rows in _batches(windows, batch_size):
         rows = rows.to(device)
-        logits = dflash_block_logits(target, dflash, rows[:, :-1], rows, anchors_1.expand(rows.shape[0], -1))
-        positions = anchors_1[None, :, None] + torch.arange(1, block, device=device)
-        labels = rows.gather(1, positions.expand(rows.shape[0], -1, -1).flatten(1)).view(rows.shape[0], -1, block - 1)
+        anchors = anchors_1.expand(rows.shape[0], -1)
+        logits = dflash_block_logits(target, dflash, rows[:, :-1], rows, anchors)
+        _, labels = block_targets(rows, anchors, block)
         logp = F.log_softmax(logits.float(), dim=-1)
         nll += -logp.gather(-1, labels[..., None])[..., 0].sum((0, 1)).double()
         hits += (logits.argmax(-1) == labels).sum((0, 1)).double()
@@ -79,13 +79,19 @@ def dflash_block_logits(target, dflash, context_ids: torch.Tensor, token_ids: to
     anchor tokens from `token_ids` (which may extend past the context)."""
     out = target(input_ids=context_ids, output_hidden_states=True)
     features = extract_context_feature(out.hidden_states, dflash.target_layer_ids)
-    block = dflash.block_size
-    ctx_len = context_ids.shape[1]
-    noise = target.get_input_embeddings()(block_input_ids(token_ids, anchors, block, dflash.mask_token_id))
+    return draft_block_logits(dflash, target.get_input_embeddings(), target.get_output_embeddings(), features,
+                              token_ids, anchors)
+
+
+def draft_block_logits(dflash, embed, head, features: torch.Tensor, token_ids: torch.Tensor,
+                       anchors: torch.Tensor) -> torch.Tensor:
+    """`dflash_block_logits` from context features [B, C, n*H] the caller already has (training), with the
+    target's embedding and LM head."""
+    block, ctx_len = dflash.block_size, features.shape[1]
+    noise = embed(block_input_ids(token_ids, anchors, block, dflash.mask_token_id))
     hidden = dflash(block_position_ids(anchors, ctx_len, block), noise, features,
                     attention_mask=block_attention_mask(anchors, ctx_len, block))
-    hidden = hidden.view(anchors.shape[0], anchors.shape[1], block, -1)[:, :, 1:]
-    return target.get_output_embeddings()(hidden)
+    return head(hidden.view(anchors.shape[0], anchors.shape[1], block, -1)[:, :, 1:])
 
 
 @torch.no_grad()

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..drafters.dflash_model import (block_attention_mask, block_input_ids, block_position_ids,
-                                     extract_context_feature)
+from ..drafters.dflash_model import block_targets, extract_context_feature
 from .configs import FamilyConfig, StageConfig
 from .corpus import BatchSampler, spaced_windows
+from .evaluate import draft_block_logits
 
 
 def set_determinism(seed: int) -> None:
@@ -253,7 +253,6 @@ def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, dev
     monitor = monitor_rows(heldout, fc, device)
     curve = _Curve("drafters", ("ar_loss", "dflash_loss", "dflash_acc1", "dflash_acc_mean"), fc, stage, clock,
                    lambda: heldout_loss(ar, monitor), device)
-    offsets = torch.arange(1, block, device=device)
     rows_of_batch = torch.arange(fc.batch_size, device=device)[:, None, None]
     step = 0
     while clock.total is None or step < clock.total:
@@ -267,13 +266,8 @@ def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, dev
         ar_loss = _mixed_loss(ar(input_ids=inputs).logits, labels, teacher, w).mean()
 
         anchors = torch.from_numpy(sample_anchors(rng, batch.shape[0], n_anchor, fc.seq_len, block)).to(device)
-        noise = embed(block_input_ids(batch, anchors, block, dflash.mask_token_id))
-        hidden = dflash(block_position_ids(anchors, fc.seq_len, block), noise, features,
-                        attention_mask=block_attention_mask(anchors, fc.seq_len, block))
-        hidden = hidden.view(batch.shape[0], n_anchor, block, -1)[:, :, 1:]
-        logits = head(hidden)  # [B, N, block-1, V]
-        positions = anchors[:, :, None] + offsets  # token positions the block drafts
-        df_labels = batch.gather(1, positions.flatten(1)).view_as(positions)
+        logits = draft_block_logits(dflash, embed, head, features, batch, anchors)  # [B, N, block-1, V]
+        positions, df_labels = block_targets(batch, anchors, block)
         df_teacher = teacher[rows_of_batch, positions - 1]
         per_pos = _mixed_loss(logits, df_labels, df_teacher, w)  # [B, N, block-1]
         df_loss = (per_pos * pos_weight).sum(-1).mean() / pos_weight.sum()
