@@ -202,8 +202,9 @@ class CalibrationBuilder:
         self.range_sum = np.zeros(num_layers)
         self.tokens = 0
         self.token_counts = np.zeros(vocab_size, dtype=np.int64)
-        self._keys: list[np.ndarray] = []  # (layer * V + token) * E + expert, with counts
-        self._counts: list[np.ndarray] = []
+        self._keys: list[np.ndarray] = []  # (layer * V + token) * E + expert, once per selection
+        self._unique = np.zeros(0, dtype=np.int64)  # compacted keys so far, ascending, and their counts
+        self._unique_counts = np.zeros(0, dtype=np.int64)
         self._pending = 0
 
     def add(self, router_logits: np.ndarray, token_ids: np.ndarray) -> None:
@@ -225,25 +226,22 @@ class CalibrationBuilder:
         np.add.at(self.token_counts, x, 1)
         keys = ((layers * self.vocab_size + x[:, None, None]) * self.num_experts + top).ravel()
         self._keys.append(keys)
-        self._counts.append(np.ones_like(keys))
         self._pending += keys.size
         if self._pending > 20_000_000:
             self._compact()
 
     def _compact(self) -> None:
-        keys = np.concatenate(self._keys)
-        counts = np.concatenate(self._counts)
-        unique, inverse = np.unique(keys, return_inverse=True)
-        self._keys, self._counts = [unique], [np.bincount(inverse, weights=counts).astype(np.int64)]
-        self._pending = unique.size
+        keys = np.concatenate([self._unique, *self._keys])
+        counts = np.concatenate([self._unique_counts, np.ones(keys.size - self._unique.size, dtype=np.int64)])
+        self._unique, inverse = np.unique(keys, return_inverse=True)
+        self._unique_counts = np.bincount(inverse, weights=counts).astype(np.int64)
+        self._keys, self._pending = [], self._unique.size
 
     def finish(self, provenance: dict | None = None) -> Calibration:
         if self.tokens == 0:
             raise CalibrationError("no calibration text: add at least one sequence")
-        if self._keys:
-            self._compact()
-        keys = self._keys[0] if self._keys else np.zeros(0, dtype=np.int64)
-        counts = self._counts[0] if self._counts else np.zeros(0, dtype=np.int64)
+        self._compact()
+        keys, counts = self._unique, self._unique_counts
         expert = keys % self.num_experts
         row = keys // self.num_experts  # layer * V + token, sorted
         token = row % self.vocab_size
