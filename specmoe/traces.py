@@ -28,6 +28,7 @@ import numpy as np
 
 from .files import read_safetensors, write_safetensors
 from .routing import router_fingerprint
+from .routing.replay import valid_sequence_starts
 
 FORMAT, VERSION = "specmoe-trace", "1"
 
@@ -62,8 +63,7 @@ class Trace:
             raise TraceError(f"pre-gate logits {self.pregate_logits.shape} differ from router logits {z.shape}")
         if self.token_ids.shape != (z.shape[0],):
             raise TraceError(f"token ids must be [T={z.shape[0]}], got {self.token_ids.shape}")
-        s = self.sequence_starts
-        if s.ndim != 1 or s.size == 0 or s[0] != 0 or np.any(np.diff(s) <= 0) or s[-1] >= max(z.shape[0], 1):
+        if not valid_sequence_starts(self.sequence_starts, z.shape[0]):
             raise TraceError("sequence_starts must begin at 0 and increase strictly within [0, T)")
         if not 1 <= self.top_k <= z.shape[2]:
             raise TraceError(f"top_k {self.top_k} outside [1, E={z.shape[2]}]")

@@ -46,6 +46,13 @@ class RoutingTrace:
         }
 
 
+def valid_sequence_starts(starts: np.ndarray, num_tokens: int) -> bool:
+    """Whether `starts` (1-D) splits T = num_tokens positions into sequences: 0 first, strictly increasing,
+    all below T (a trace and `replay` share this rule)."""
+    return bool(starts.ndim == 1 and starts.size and starts[0] == 0 and np.all(np.diff(starts) > 0)
+                and starts[-1] < max(num_tokens, 1))
+
+
 def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.ndarray | None,
            token_ids: np.ndarray | None, calibration: Calibration,
            sequence_starts: np.ndarray | None = None) -> RoutingTrace:
@@ -67,7 +74,7 @@ def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.n
     if tokens.shape != (num_tokens,):
         raise ValueError(f"token ids must be [T={num_tokens}], got {tokens.shape}")
     starts = np.array([0] if sequence_starts is None else sequence_starts, dtype=np.int64)
-    if starts.size == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= max(num_tokens, 1):
+    if not valid_sequence_starts(starts, num_tokens):
         raise ValueError("sequence_starts must begin at 0 and increase strictly within [0, T)")
     bounds = np.append(starts, num_tokens)
 
