@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from .files import read_safetensors, write_safetensors
-from .routing import router_fingerprint
 from .routing.replay import valid_sequence_starts
 
 FORMAT, VERSION = "specmoe-trace", "1"
@@ -157,8 +156,10 @@ def moe_routers(model) -> list:
 
 
 def model_fingerprint(model) -> str:
-    """`router_fingerprint` over the model's router weights."""
-    return router_fingerprint(g.weight.detach().float().cpu().numpy() for g in moe_routers(model))
+    """The router fingerprint of the model's MoE routers (as `MoEAdapter.fingerprint` computes it)."""
+    from .models.adapter import routers_fingerprint
+
+    return routers_fingerprint(moe_routers(model))
 
 
 def model_top_k(model) -> int:

@@ -20,6 +20,16 @@ from torch import nn
 from specmoe.routing import router_fingerprint
 
 
+def router_weight_arrays(routers) -> list[np.ndarray]:
+    """Router modules' weight matrices [E, H] as float32 numpy arrays (input of `router_fingerprint`)."""
+    return [router.weight.detach().to("cpu", torch.float32).numpy() for router in routers]
+
+
+def routers_fingerprint(routers) -> str:
+    """`router_fingerprint` of router modules: the one way calibrations and traces identify a model's routers."""
+    return router_fingerprint(router_weight_arrays(routers))
+
+
 class ModelSourceError(ValueError):
     """A model source that cannot be loaded: missing directory, no weights, no MoE layers, unknown name."""
 
@@ -59,11 +69,11 @@ class MoEAdapter:
 
     def router_weights(self, model: nn.Module) -> list[np.ndarray]:
         """Router weight matrices [E, H] as float32 numpy arrays (input of `router_fingerprint`)."""
-        return [router.weight.detach().to("cpu", torch.float32).numpy() for router in self.routers(model)]
+        return router_weight_arrays(self.routers(model))
 
     def fingerprint(self, model: nn.Module) -> str:
         """The router fingerprint of `model` (what a calibration file is checked against)."""
-        return router_fingerprint(self.router_weights(model))
+        return routers_fingerprint(self.routers(model))
 
     def experts(self, model: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The stacked expert weights of MoE layer `layer`: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
