@@ -206,7 +206,7 @@ def speculative_loop(target, prompt: torch.Tensor, new_tokens: int, k: int, ar=N
         seq = torch.cat([seq, drafts[:, :accepted], verify[:, accepted:accepted + 1]], dim=1)
         verifications += 1
         committed += accepted + 1
-    return {"tau": committed / max(verifications, 1), "verifications": verifications,
+    return {"tau": committed / max(verifications, 1), "verifications": verifications, "committed": committed,
             "tokens": seq[0].cpu()}
 
 

@@ -105,7 +105,7 @@ def measure_tau(target, ar, dflash, stream: np.ndarray, prompts: int, prompt_len
               "distinct_continuations": int(len({tuple(r) for r in seqs[:, prompt_len:].tolist()}))}
     for k in ks:
         ar_k = tau_from_runs(match, None, prompt_len, k)
-        df_k = tau_from_runs(None, np.minimum(accepted, k), prompt_len, k)
+        df_k = tau_from_runs(None, accepted, prompt_len, k)  # the walk caps acceptance at k
         result[f"k{k}"] = {"ar_drafter": ar_k, "dflash_drafter": df_k}
         log(f"tau k={k}: ar {ar_k['tau']:.3f}  dflash {df_k['tau']:.3f}")
     if crosscheck:
@@ -126,11 +126,11 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
             for b in range(prompts.shape[0]):
                 res = speculative_loop(target, prompts[b], new, k, **kw)
                 loop_v += res["verifications"]
-                loop_c += res["verifications"] * res["tau"]
+                loop_c += res["committed"]
                 n = res["tokens"].numel()
                 same_tokens += int(torch.equal(res["tokens"], seqs[b, :n]))
             walk = tau_from_runs(match if name == "ar_drafter" else None,
-                                 None if name == "ar_drafter" else np.minimum(accepted, k), prompt_len, k)
+                                 None if name == "ar_drafter" else accepted, prompt_len, k)
             out[f"k{k}_{name}"] = {"loop_tau": loop_c / max(loop_v, 1), "walk_tau": walk["tau"],
                                    "prompts_with_identical_tokens": same_tokens}
             log(f"crosscheck k={k} {name}: loop {out[f'k{k}_{name}']['loop_tau']:.3f} walk {walk['tau']:.3f} "
