@@ -24,7 +24,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from specmoe.routing import Calibration, LogicalCache, preset  # noqa: E402
+from specmoe.routing import Calibration, EngineScoring, LogicalCache, RouterScoring, preset  # noqa: E402
 from specmoe.routing.kernels import execution_weights  # noqa: E402
 
 
@@ -57,18 +57,19 @@ def time_engine(policy, cal, z, g, tokens, fused: bool = True) -> float:
     route = np.empty((num_layers, 2 * k), np.int32)  # slot ids, then the weights' float32 bit patterns
     slots, weights = [route[l, :k] for l in range(num_layers)], [route[l].view(np.float32)[k:] for l in range(num_layers)]
     w64 = np.empty(k)
+    scoring = EngineScoring.of(RouterScoring(renormalise=True), num_layers, num_experts)
     start = time.perf_counter()
     for t in range(num_tokens):
         x = int(tokens[t])
         for layer in range(num_layers):
             zl = rows_z[t][layer]
             if fused:
-                cache.route(layer, zl, x, True, z_rec[layer], sel_rec[layer], slots[layer], weights[layer])
+                cache.route(layer, zl, x, scoring, z_rec[layer], sel_rec[layer], slots[layer], weights[layer])
             else:
                 z_rec[layer] = zl
                 selected, demand = cache.select(layer, zl.astype(np.float64), x)
                 slots[layer][:] = cache.slot_of(layer, selected)
-                execution_weights(zl, selected, True, w64)
+                execution_weights(zl, selected, 0, True, 1.0, w64)
                 weights[layer][:] = w64
                 sel_rec[layer] = selected
                 if demand.size:

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from specmoe.routing import (Calibration, CalibrationError, LogicalCache, PolicyConfig, PolicyError, TokenPrior,
+from specmoe.routing import (Calibration, CalibrationError, LogicalCache, PolicyConfig, PolicyError, RouterScoring,
+                             TokenPrior,
                              preset, replay)
 
 E = 6  # experts per layer in the hand-worked cases
@@ -205,7 +206,7 @@ def test_prefetch_unused_when_evicted_or_left_at_end():
     totals = cache.totals()
     assert (totals["prefetch"], totals["demand"], totals["unused"]) == (1, 2, 1)
     cache.insert_predicted(1, logits(1), TOKEN)  # prefetch 1, then the sequence ends
-    cache.finish()
+    cache.reset()  # the sequence ends
     assert cache.totals()["unused"] == 2
 
 
@@ -391,15 +392,6 @@ def test_per_call_budget_limits_insertions_but_keeps_protection():
     assert cache.resident(1).tolist() == [5, 1, 4]
 
 
-def test_bonus_mask_replaces_logical_residency_for_the_bonus():
-    z = np.array([0.0, 0.5, 0.45, -3.0, 1.0, 0.9])
-    cache = cache_for(kind="cache_prior", bonus=0.6, priority="lru")
-    mask = np.zeros(E, dtype=bool)
-    mask[[3, 5]] = True  # say only 3 and 5 have arrived physically
-    selected, demand = cache.select(0, z, TOKEN, bonus_mask=mask)
-    assert selected.tolist() == [5, 4] and demand.tolist() == [4, 5]
-
-
 @pytest.mark.parametrize("renormalise", [True, False])
 def test_engine_route_equals_select_slot_of_and_softmax(renormalise):
     """`route` (the engines' one-call part 2) gives the decisions of `select`, the slots of `slot_of` and
@@ -410,6 +402,7 @@ def test_engine_route_equals_select_slot_of_and_softmax(renormalise):
                       np.ones(2), {})
     policy = preset("psr", capacity, k, insert_budget=1, bonus=0.5)
     twins = [LogicalCache(policy, cal, 2, num_experts) for _ in range(2)]
+    scoring = RouterScoring(renormalise=renormalise)
     record, selected = np.empty(num_experts, np.float32), np.empty(k, np.int64)
     slots, weights = np.empty(k, np.int32), np.empty(k, np.float32)
     for t in range(40):
@@ -419,7 +412,7 @@ def test_engine_route_equals_select_slot_of_and_softmax(renormalise):
             for cache in twins:
                 cache.insert_predicted(layer, g, t % 10)
             want, demand = twins[0].select(layer, z.astype(np.float64), t % 10)
-            d = twins[1].route(layer, z, t % 10, renormalise, record, selected, slots, weights)
+            d = twins[1].route(layer, z, t % 10, scoring, record, selected, slots, weights)
             assert selected.tolist() == want.tolist()
             assert twins[1].demand[:d].tolist() == demand.tolist()
             assert twins[1].demand_slots[:d].tolist() == twins[0].slot_of(layer, demand).tolist()
@@ -429,3 +422,31 @@ def test_engine_route_equals_select_slot_of_and_softmax(renormalise):
             p = p[want] / (p[want].sum() if renormalise else p.sum())
             np.testing.assert_allclose(weights, p.astype(np.float32), rtol=1e-6)
     assert twins[0].totals() == twins[1].totals()
+
+
+def test_engine_route_with_a_sigmoid_router_ranks_biased_scores_and_weights_unbiased():
+    """DeepSeek-V3-style scoring: `route` selects on sigmoid(z) + bias (bonus included) and weights the
+    executed experts by sigmoid(z), renormalised and scaled: the same decisions as `select` fed the
+    selection scores, the weights computed here by hand."""
+    rng = np.random.default_rng(6)
+    num_experts, capacity, k, layers = 12, 6, 3, 2
+    cal = Calibration(np.tile(np.arange(num_experts), (layers, 1)), rng.random((layers, 5, num_experts)),
+                      np.full(layers, 0.4), {})
+    bias = rng.normal(scale=0.3, size=(layers, num_experts))
+    scoring = RouterScoring("sigmoid", renormalise=True, scale=2.5, bias=bias)
+    policy = preset("cache_prior", capacity, k, bonus=0.5)
+    twins = [LogicalCache(policy, cal, layers, num_experts) for _ in range(2)]
+    record, selected = np.empty(num_experts, np.float32), np.empty(k, np.int64)
+    slots, weights = np.empty(k, np.int32), np.empty(k, np.float64)
+    for t in range(30):
+        for layer in range(layers):
+            z = rng.normal(size=num_experts).astype(np.float32)
+            sig = 1.0 / (1.0 + np.exp(-z.astype(np.float64)))
+            want, _ = twins[0].select(layer, sig + bias[layer], t % 5)
+            twins[1].route(layer, z, t % 5, scoring, record, selected, slots, weights)
+            assert selected.tolist() == want.tolist()
+            np.testing.assert_allclose(weights, 2.5 * sig[want] / sig[want].sum(), rtol=1e-12)
+    with pytest.raises(ValueError, match="sigmoid routers only"):
+        RouterScoring("softmax", bias=bias)
+    with pytest.raises(ValueError, match="bias has shape"):
+        twins[1].route(0, z, 0, RouterScoring("sigmoid", bias=bias[:, :5]), record, selected, slots, weights)

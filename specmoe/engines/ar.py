@@ -29,7 +29,7 @@ import torch
 
 from specmoe.kernels import load_flash_attn, load_fused_experts, triton_available, tune_moe
 from specmoe.offload import CopyStream, ExpertStore, SlotBuffers
-from specmoe.routing import Calibration, LogicalCache, PolicyConfig, PolicyError
+from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, PolicyError, RouterScoring
 
 from .results import COPY_FIELDS, DecodeResult, Trace
 
@@ -114,6 +114,7 @@ class ArEngine:
         self._check_policy(policy)
         self.policy = policy
         self.cache = LogicalCache(policy, calibration, c.num_layers, c.num_experts)
+        self.scoring = EngineScoring.of(RouterScoring(renormalise=c.norm_topk_prob), c.num_layers, c.num_experts)
         self.calibration = calibration
         self.device = decoder.device
         self.cuda = self.device.type == "cuda"
@@ -383,7 +384,6 @@ class ArEngine:
     def _step(self, t: int, token: int, rec: dict, trace: Trace | None) -> None:
         dec, cache, copies = self.decoder, self.cache, self.copies
         num_layers = self.num_layers
-        renorm = dec.cfg.norm_topk_prob
         physical = self.config.cache_mode == "physical"
         inserts = self.policy.insert_budget > 0
         inst = rec.get("events")
@@ -402,7 +402,7 @@ class ArEngine:
             t0 = time.perf_counter_ns()
             z = self._router_rows[l] if trace is None else trace.router_logits[t, l]
             slots = self._route_slots[l]
-            d = cache.route(l, z, token, renorm, z_rec[l], sel_rec[l], slots, self._route_weights[l])
+            d = cache.route(l, z, token, self.scoring, z_rec[l], sel_rec[l], slots, self._route_weights[l])
             t1 = time.perf_counter_ns()
             if d:
                 copies.assign(l, cache.demand_slots[:d], cache.demand[:d], prefetch=False)

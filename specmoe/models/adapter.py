@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specmoe.routing import router_fingerprint
+from specmoe.routing import RouterScoring, router_fingerprint
 
 
 def router_weight_arrays(routers) -> list[np.ndarray]:
@@ -99,6 +99,12 @@ class MoEAdapter:
         """Weights [N, K] of the executed experts `selected` [N, K]: the unmodified router probabilities
         gathered at the selection, renormalised only where the model's own router renormalises."""
         raise NotImplementedError
+
+    def router_scoring(self, weight=None) -> RouterScoring:
+        """The same two rules (selection scores, execution weights) for the engines' numba routing step.
+        `weight(name) -> tensor` reads a parameter by transformers' name, for routers whose rule has
+        learned parts (DeepSeek-V3's selection bias); softmax routers need none."""
+        return RouterScoring("softmax", renormalise=self.norm_topk_prob)
 
     # -- harness hook --------------------------------------------------------------------------------
     def patch_routers(self, model: nn.Module, context) -> None:

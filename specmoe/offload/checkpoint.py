@@ -47,13 +47,7 @@ class CheckpointReader:
     def __contains__(self, key: str) -> bool:
         return key in self.weight_map
 
-    def keys(self):
-        return self.weight_map.keys()
-
     def get(self, key: str) -> torch.Tensor:
         if key not in self.weight_map:
             raise OffloadError(f"checkpoint {self.path} has no tensor {key!r}")
         return self._handles[self.weight_map[key]].get_tensor(key)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.weight_map[key]].get_slice(key).get_shape())

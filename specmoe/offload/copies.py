@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -56,9 +56,6 @@ class CopyStats:
 
     def as_array(self) -> np.ndarray:
         return np.array([getattr(self, f) for f in self.FIELDS], dtype=np.int64)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class SlotBuffers:

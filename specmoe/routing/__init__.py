@@ -1,11 +1,13 @@
 """Routing core: policies, the logical expert cache, calibration and replay over recorded logits."""
 
-from .cache import LogicalCache
+from .cache import EngineScoring, LogicalCache
 from .calibration import Calibration, CalibrationBuilder, CalibrationError, TokenPrior, router_fingerprint
 from .policy import KINDS, PRESETS, PolicyConfig, PolicyError, preset
-from .replay import RoutingTrace, replay
+from .replay import ReplayResult, replay
+from .scoring import RouterScoring
 
 __all__ = [
-    "Calibration", "CalibrationBuilder", "CalibrationError", "KINDS", "LogicalCache", "PRESETS",
-    "PolicyConfig", "PolicyError", "RoutingTrace", "TokenPrior", "preset", "replay", "router_fingerprint",
+    "Calibration", "CalibrationBuilder", "CalibrationError", "EngineScoring", "KINDS", "LogicalCache", "PRESETS",
+    "PolicyConfig", "PolicyError", "ReplayResult", "RouterScoring", "TokenPrior", "preset", "replay",
+    "router_fingerprint",
 ]

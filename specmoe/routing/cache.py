@@ -14,6 +14,7 @@ import numpy as np
 from . import kernels as K
 from .calibration import Calibration
 from .policy import PolicyConfig, PolicyError
+from .scoring import RouterScoring
 
 _KIND_CODES = {"exact": K.KIND_EXACT, "cache_prior": K.KIND_CACHE_PRIOR, "psr": K.KIND_PSR,
                "spec_exec": K.KIND_SPEC_EXEC}
@@ -64,10 +65,6 @@ class LogicalCache:
         accumulating; prefetches of the previous sequence that never executed are counted unused."""
         K.reset(self.istate, self.iscalar, self.fstate, self.fscalar, self.warm, self.counters, unused_at)
 
-    def finish(self) -> None:
-        """End the sequence (counts its unexecuted prefetches as unused); the cache is reset."""
-        self.reset()
-
     # -- part 1 and part 2, one token at a time (engines) -------------------------------------------
     def insert_predicted(self, layer: int, pregate_logits: np.ndarray, token: int,
                          budget: int | None = None) -> np.ndarray:
@@ -80,30 +77,31 @@ class LogicalCache:
                     pregate_logits, token, limit, self._inserted, _NO_TRACE)
         return self._inserted[:n]
 
-    def select(self, layer: int, router_logits: np.ndarray, token: int,
-               bonus_mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def select(self, layer: int, router_logits: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
         """Part 2 for `layer`: the executed experts S [K] (best first) and the demand insertions among them
-        (their copies are demand copies). Advances the layer to the next token. `bonus_mask` (bool [E]) gives
-        the bonus to the experts it marks instead of the logically resident ones (physical-cache mode)."""
+        (their copies are demand copies). Advances the layer to the next token. `router_logits` are the
+        selection scores (the logits of a softmax router; see `RouterScoring`)."""
         selected = np.empty(self.policy.top_k, dtype=np.int64)
-        mask = K._NO_MASK if bonus_mask is None else bonus_mask
         d, mass, _ = K.part2(self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.params,
-                             self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, mask,
-                             selected, self.demand, _NO_TRACE)
+                             self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, selected,
+                             self.demand, _NO_TRACE)
         self.displaced_mass[layer] += mass
         return selected, self.demand[:d].copy()
 
-    def route(self, layer: int, router_logits: np.ndarray, token: int, renormalise: bool, logits_out: np.ndarray,
-              selected: np.ndarray, slots: np.ndarray, weights: np.ndarray) -> int:
-        """`select` for the engines, in one numba call that writes into the caller's buffers: logits_out [E]
-        (float32, a copy of router_logits for the record), selected [K] (int64), slots [K] (int32 or int64),
-        weights [K] (float32 or float64: the execution weights, softmax of router_logits at S, renormalised
-        over S if `renormalise`). Returns d: the demand insertions are `demand[:d]`, their slots
-        `demand_slots[:d]` (both overwritten by the next call)."""
+    def route(self, layer: int, router_logits: np.ndarray, token: int, scoring: "RouterScoring | EngineScoring",
+              logits_out: np.ndarray, selected: np.ndarray, slots: np.ndarray, weights: np.ndarray) -> int:
+        """`select` for the engines, in one numba call that writes into the caller's buffers, from the raw
+        router logits (float32 [E]) and the model's `scoring` (its selection scores and execution weights;
+        pass `EngineScoring.of(scoring, L, E)` to skip rebuilding the kernel arguments per call):
+        logits_out [E] (float32, a copy of router_logits for the record), selected [K] (int64), slots [K]
+        (int32 or int64), weights [K] (float32 or float64: the execution weights). Returns d: the demand
+        insertions are `demand[:d]`, their slots `demand_slots[:d]` (both overwritten by the next call)."""
+        if not isinstance(scoring, EngineScoring):
+            scoring = EngineScoring.of(scoring, self.num_layers, self.num_experts)
         return K.route(self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.params,
-                       self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, renormalise,
-                       self._z64, logits_out, selected, slots, weights, self.demand, self.demand_slots,
-                       self.displaced_mass, _NO_TRACE)
+                       self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, scoring.code,
+                       scoring.renormalise, scoring.scale, scoring.bias[layer], self._z64, logits_out, selected,
+                       slots, weights, self.demand, self.demand_slots, self.displaced_mass, _NO_TRACE)
 
     # -- all positions of a layer at once (harness, replay) ------------------------------------------
     def run_span(self, layer: int, router_logits: np.ndarray, pregate_logits: np.ndarray | None,
@@ -173,3 +171,17 @@ class LogicalCache:
         self.counters[:] = 0
         self.displaced_mass[:] = 0.0
 
+
+
+class EngineScoring:
+    """A `RouterScoring` unpacked once into the plain values `LogicalCache.route` hands its kernel."""
+
+    __slots__ = ("code", "renormalise", "scale", "bias")
+
+    def __init__(self, code: int, renormalise: bool, scale: float, bias: np.ndarray):
+        self.code, self.renormalise, self.scale, self.bias = code, renormalise, scale, bias
+
+    @classmethod
+    def of(cls, scoring: RouterScoring, num_layers: int, num_experts: int) -> "EngineScoring":
+        return cls(scoring.code, bool(scoring.renormalise), float(scoring.scale),
+                   scoring.bias_rows(num_layers, num_experts))

@@ -5,7 +5,7 @@ call these functions. State lives in a few plain arrays (see `new_state`) so tha
 Python/numba boundary cheaply; the row indices below name their contents. Token indices t count the
 positions of the current sequence; "-1" means never.
 
-Conventions (DESIGN.md, "Routing semantics"): statistics in float64; EMA decays 0.5 and 0.98 over the
+Conventions (docs/design.md, "The routing contract"): statistics in float64; EMA decays 0.5 and 0.98 over the
 router's own top-K; A priority = s_fast + s_slow + pi_l(x_t); lru priority = 1 + last token index of
 execution or insertion (warm experts 0). The priority is a snapshot taken once per (token, layer) before
 any insertion. Eviction picks the lowest priority, ties to the lowest expert index. The biased top-K
@@ -64,7 +64,7 @@ P_RUNNING = 7  # 1 for a running delta
 N_PARAMS = 8
 
 KIND_EXACT, KIND_CACHE_PRIOR, KIND_PSR, KIND_SPEC_EXEC = 0, 1, 2, 3
-_NO_MASK = np.zeros(0, dtype=np.bool_)  # part 2's bonus mask when the bonus follows logical residency
+SCORE_SOFTMAX, SCORE_SIGMOID = 0, 1  # RouterScoring.code
 FAST_DECAY, SLOW_DECAY = 0.5, 0.98
 
 
@@ -182,13 +182,13 @@ def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, budget,
 
 
 @njit(cache=True)
-def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token, bonus_mask,
-          selected, demand, unused_at):
-    """Algorithm 1, part 2: selection for `layer` from router logits z [E]; selected[:K] gets the
-    executed set S (best first), demand[:d] the demand insertions (index order). The bonus goes to the
-    logically resident experts, or, if bonus_mask has E entries, to those it marks (the engine's
-    timing-dependent physical-cache mode). Updates the statistics with the router's own top-K and advances
-    the layer to the next token. Returns (d, displaced router mass, router top-K slots replaced)."""
+def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token, selected, demand,
+          unused_at):
+    """Algorithm 1, part 2: selection for `layer` from selection scores z [E] (the router logits of a
+    softmax router); selected[:K] gets the executed set S (best first), demand[:d] the demand insertions
+    (index order). The bonus goes to the logically resident experts. Updates the statistics with the
+    router's own top-K and advances the layer to the next token. Returns (d, displaced router mass, router
+    top-K slots replaced)."""
     t = isc[layer, POS]
     _snapshot(ist, isc, fst, params, pind, pexp, pval, layer, token)
     num_experts = z.shape[0]
@@ -217,13 +217,12 @@ def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
         else:
             scale = bonus * delta[layer]
         biased = z.copy()
-        physical = bonus_mask.shape[0] == num_experts
         for e in range(num_experts):
-            if (bonus_mask[e] if physical else ist[layer, EXPERT_SLOT, e] >= 0):
+            if ist[layer, EXPERT_SLOT, e] >= 0:
                 biased[e] += scale
         for j in range(params[P_PROTECT]):
             e = own[j]
-            if not (bonus_mask[e] if physical else ist[layer, EXPERT_SLOT, e] >= 0):
+            if ist[layer, EXPERT_SLOT, e] < 0:
                 biased[e] += scale
         _rank(biased, z, k, selected)
     for j in range(k):
@@ -275,44 +274,63 @@ def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
 
 
 @njit(cache=True)
-def execution_weights(z, selected, renormalise, out):
-    """out[j] = softmax(z)[selected[j]] in float64 (renormalised over the selection if the model's router
-    renormalises): the unmodified router probabilities of the executed experts."""
-    zmax = -np.inf
-    for e in range(z.shape[0]):
-        zmax = max(zmax, np.float64(z[e]))
-    total = 0.0
-    for e in range(z.shape[0]):
-        total += np.exp(np.float64(z[e]) - zmax)
-    s = 0.0
-    for j in range(selected.shape[0]):
-        w = np.exp(np.float64(z[selected[j]]) - zmax) / total
-        out[j] = w
-        s += w
-    if renormalise:
-        for j in range(selected.shape[0]):
-            out[j] = out[j] / s
+def selection_scores(z, scoring, bias, out):
+    """out = what routing ranks: z (softmax routers) or sigmoid(z) + bias (sigmoid routers), float64."""
+    if scoring == SCORE_SOFTMAX:
+        for e in range(z.shape[0]):
+            out[e] = z[e]
+    else:
+        for e in range(z.shape[0]):
+            out[e] = 1.0 / (1.0 + np.exp(-np.float64(z[e]))) + bias[e]
 
 
 @njit(cache=True)
-def route(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token, renormalise, zbuf,
-          z_out, selected, slots, weights, demand, demand_slots, displaced_mass, unused_at):
+def execution_weights(z, selected, scoring, renormalise, scale, out):
+    """out[j] = the unmodified router probability of selected[j] (softmax over all E of z, or sigmoid(z)),
+    renormalised over the selection if the model's router renormalises, times the routed scaling factor."""
+    s = 0.0
+    if scoring == SCORE_SOFTMAX:
+        zmax = -np.inf
+        for e in range(z.shape[0]):
+            zmax = max(zmax, np.float64(z[e]))
+        total = 0.0
+        for e in range(z.shape[0]):
+            total += np.exp(np.float64(z[e]) - zmax)
+        for j in range(selected.shape[0]):
+            w = np.exp(np.float64(z[selected[j]]) - zmax) / total
+            out[j] = w
+            s += w
+    else:
+        for j in range(selected.shape[0]):
+            w = 1.0 / (1.0 + np.exp(-np.float64(z[selected[j]])))
+            out[j] = w
+            s += w
+        s += 1e-20  # as DeepSeek-V3's router: the denominator of its renormalisation
+    for j in range(selected.shape[0]):
+        out[j] = (out[j] / s if renormalise else out[j]) * scale
+
+
+@njit(cache=True)
+def route(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token, scoring, renormalise,
+          scale, bias, zbuf, z_out, selected, slots, weights, demand, demand_slots, displaced_mass, unused_at):
     """Part 2 of one layer and everything an engine needs from it, in one call (each Python->numba
-    crossing costs about a microsecond, and this runs on the critical path of every layer): z (float32 as
-    the router wrote it) is recorded in z_out and widened into zbuf for `part2`; selected[:K] gets S,
-    slots[:K] their slots, weights[:K] their execution weights, demand[:d] / demand_slots[:d] the demand
-    insertions and their slots; the displaced router mass is added to displaced_mass[layer]. Returns d."""
+    crossing costs about a microsecond, and this runs on the critical path of every layer): the router
+    logits z (float32 as the router wrote them) are recorded in z_out and turned into selection scores in
+    zbuf for `part2` (`selection_scores`, with the layer's bias row); selected[:K] gets S, slots[:K] their
+    slots, weights[:K] their execution weights (`execution_weights`), demand[:d] / demand_slots[:d] the
+    demand insertions and their slots; the displaced router mass is added to displaced_mass[layer].
+    Returns d."""
     for e in range(z.shape[0]):
         z_out[e] = z[e]
-        zbuf[e] = z[e]
+    selection_scores(z, scoring, bias, zbuf)
     d, displaced, _ = part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, zbuf, token,
-                            _NO_MASK, selected, demand, unused_at)
+                            selected, demand, unused_at)
     displaced_mass[layer] += displaced
     for j in range(selected.shape[0]):
         slots[j] = ist[layer, EXPERT_SLOT, selected[j]]
     for j in range(d):
         demand_slots[j] = ist[layer, EXPERT_SLOT, demand[j]]
-    execution_weights(zbuf, selected, renormalise, weights)
+    execution_weights(z, selected, scoring, renormalise, scale, weights)
     return d
 
 
@@ -362,7 +380,7 @@ def run_span(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, la
             n = part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g[i], tokens[i], params[P_BUDGET],
                       scratch, unused_at)
         d, mass, rep = part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z[i],
-                             tokens[i], _NO_MASK, selected[i], scratch, unused_at)
+                             tokens[i], selected[i], scratch, unused_at)
         for j in range(k):
             slots[i, j] = ist[layer, EXPERT_SLOT, selected[i, j]]
         demand[i] = d

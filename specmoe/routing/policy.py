@@ -17,7 +17,7 @@ A `PolicyConfig` is plain data, validated when it is made. `kind` picks the sele
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 
 KINDS = ("exact", "cache_prior", "psr", "spec_exec")
 PRIORITIES = ("A", "lru")
@@ -110,19 +110,6 @@ class PolicyConfig:
         if self.delta != "fixed":
             parts.append("running delta")
         return f"{self.kind}({', '.join(parts)})"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "PolicyConfig":
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise PolicyError(f"unknown policy field(s): {', '.join(sorted(unknown))}")
-        return cls(**data)
-
-    def with_(self, **changes) -> "PolicyConfig":
-        return replace(self, **changes)
 
 
 # The paper's named settings (Section 6.1 and Appendix B). Capacity and top_k come from the experiment.

@@ -16,7 +16,7 @@ from .policy import PolicyConfig
 
 
 @dataclass
-class RoutingTrace:
+class ReplayResult:
     """Per (token, layer) decisions of a policy. Copies of a prefetch that never executed are counted in
     `unused_prefetches` at the step that inserted it."""
 
@@ -55,7 +55,7 @@ def valid_sequence_starts(starts: np.ndarray, num_tokens: int) -> bool:
 
 def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.ndarray | None,
            token_ids: np.ndarray | None, calibration: Calibration,
-           sequence_starts: np.ndarray | None = None) -> RoutingTrace:
+           sequence_starts: np.ndarray | None = None) -> ReplayResult:
     """Run `policy` over router logits [T, L, E] and pre-gate logits [T, L, E] (row l = router of layer l
     on layer l-1's MoE input; row 0 is ignored; None for policies without a pre-gate), with the input
     token of each position [T] (None: the token prior is not used). `sequence_starts` lists the positions
@@ -101,4 +101,4 @@ def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.n
             replaced[lo:hi, layer] = out["replaced"]
             displaced[lo:hi, layer] = out["displaced"]
         cache.reset(unused_at=unused_seq)
-    return RoutingTrace(policy, selected, slots, demand, prefetch, unused, displaced, replaced)
+    return ReplayResult(policy, selected, slots, demand, prefetch, unused, displaced, replaced)
