@@ -36,12 +36,11 @@ import numpy as np
 import torch
 
 from specmoe.engines.ar import EngineConfig, build_engine
-from specmoe.engines.helpers import (calibration_from_engine, random_olmoe_on_device, uniform_calibration,
-                                     weight_bytes_per_token)
-from specmoe.engines.results import Trace
+from specmoe.engines.helpers import calibration_from_engine, random_olmoe_on_device, weight_bytes_per_token
+from specmoe.engines.results import LogitFeed
 from specmoe.files import write_text_atomic
 from specmoe.offload import ExpertStore
-from specmoe.routing import preset
+from specmoe.routing import Calibration, preset
 
 PSR_LAMBDA = {32: 0.3, 16: 0.25}
 
@@ -205,7 +204,7 @@ def time_hf_generate(model, prompt: np.ndarray, new: int, impl: str) -> float:
 
 def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[int, int, int], count: int,
                        length: int) -> dict:
-    """The first `count` sequences of a recorded trace, cut to `length` tokens, as engine Traces (router and
+    """The first `count` sequences of a recorded trace, cut to `length` tokens, as engine logit feeds (router and
     pre-gate logits and input tokens), with the traced model's calibration."""
     from specmoe.routing import Calibration
     from specmoe.traces import Trace as RecordedTrace
@@ -220,7 +219,7 @@ def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[
     spans = [(lo, min(hi, lo + length)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi - lo >= length][:count]
     if len(spans) < count:
         raise ValueError(f"the trace has {len(spans)} sequences of at least {length} tokens; {count} needed")
-    traces = [Trace(rec.router_logits[lo:hi].astype(np.float32), rec.pregate_logits[lo:hi].astype(np.float32),
+    traces = [LogitFeed(rec.router_logits[lo:hi].astype(np.float32), rec.pregate_logits[lo:hi].astype(np.float32),
                     rec.token_ids[lo:hi]) for lo, hi in spans]
     return {"calibration": calibration, "traces": traces, "windows": [t.tokens for t in traces],
             "info": {"model": rec.model, "sequences": len(spans), "tokens_per_window": length}}
@@ -229,7 +228,7 @@ def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[
 def run_windows(engine, windows, trace=None) -> dict:
     ms, results = [], []
     for i, w in enumerate(windows):
-        r = engine.teacher_forced(w, trace=None if trace is None else trace[i])
+        r = engine.teacher_forced(w, feed=None if trace is None else trace[i])
         ms.append(r.ms[r.timed])
         results.append(r)
     summaries = [r.summary() for r in results]
@@ -300,7 +299,7 @@ def main(argv=None) -> int:
     seq = -(-(args.tokens + 8) // 64) * 64  # static KV cache length: a multiple of 64
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
     cfg = EngineConfig(max_seq_len=seq, tune=True)
-    engines = {E: build_engine(model, preset("exact_lru", E, K), uniform_calibration(L, E, V), cfg, store=store)}
+    engines = {E: build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, V), cfg, store=store)}
     rng = np.random.default_rng(100)
     calib = calibration_from_engine(engines[E], [rng.integers(0, V, args.tokens) for _ in range(args.calib_windows)],
                                     {"model": f"{args.model} random (device draws) seed {args.seed}",
@@ -350,7 +349,7 @@ def main(argv=None) -> int:
         try:
             cal, wins, tr = setting[name]
             engines[c].configure(policy=pol, calibration=cal)
-            engines[c].teacher_forced(wins[0][: args.warmup_tokens], trace=None if tr is None else tr[0])
+            engines[c].teacher_forced(wins[0][: args.warmup_tokens], feed=None if tr is None else tr[0])
         except Exception as exc:
             report["errors"].append(f"{name} warm-up: {exc!r}\n{traceback.format_exc()[-1500:]}")
     for r in range(args.rounds):
@@ -367,7 +366,7 @@ def main(argv=None) -> int:
                 d.setdefault("host_us_per_layer_rounds", []).append(res["host_us_per_layer"])
                 d.setdefault("host_parts_rounds", []).append(res["host_us_per_layer_parts"])
                 if r == 0:
-                    d["trace"] = [Trace.of(x) for x in res["results"]]
+                    d["trace"] = [LogitFeed.of(x) for x in res["results"]]
             except Exception as exc:
                 report["errors"].append(f"{name} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
         for impl in hf_impls:

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.engines.ar import ArEngine, EngineConfig, build_engine, build_engine_from_checkpoint
-from specmoe.engines.helpers import calibration_from_engine, uniform_calibration
-from specmoe.engines.results import Trace
+from specmoe.engines.ar import ArEngine, EngineConfig, RunSettings, build_engine, build_engine_from_checkpoint
+from specmoe.engines.helpers import calibration_from_engine
+from specmoe.engines.results import LogitFeed
 from specmoe.models import load_model
 from specmoe.models.olmoe_decode import OlmoeDecoder
-from specmoe.offload import CopyStream, ExpertGeometry, ExpertStore, OffloadError
-from specmoe.routing import PolicyError, preset, replay
+from specmoe.offload import CopyStream, ExpertGeometry, ExpertResidency, ExpertStore, OffloadError
+from specmoe.routing import Calibration, PolicyError, preset, replay
 
 SEQ = 64
 
@@ -38,7 +38,7 @@ def store(tiny):
 @pytest.fixture(scope="module")
 def exact_engine(tiny, store):
     model, adapter = tiny
-    cal = uniform_calibration(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    cal = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
     return build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), cal,
                         EngineConfig(max_seq_len=SEQ), store=store)
 
@@ -46,7 +46,7 @@ def exact_engine(tiny, store):
 @pytest.fixture(scope="module")
 def calibration(exact_engine):
     rng = np.random.default_rng(1)
-    windows = [rng.integers(0, exact_engine.decoder.cfg.vocab_size, 48) for _ in range(4)]
+    windows = [rng.integers(0, exact_engine.geometry.vocab_size, 48) for _ in range(4)]
     return calibration_from_engine(exact_engine, windows, {"model": "olmoe-tiny seed 0", "text": "random tokens"})
 
 
@@ -59,9 +59,10 @@ def tokens(tiny):
 def make_engine(tiny, store, calibration):
     model, adapter = tiny
 
-    def make(name="psr", capacity=16, policy_overrides=None, **config):
+    def make(name="psr", capacity=16, policy_overrides=None, device_memory_limit=None, **settings):
         policy = preset(name, capacity, adapter.top_k, **(policy_overrides or {}))
-        return build_engine(model, policy, calibration, EngineConfig(max_seq_len=SEQ, **config), store=store)
+        return build_engine(model, policy, calibration, EngineConfig(max_seq_len=SEQ), RunSettings(**settings),
+                            store=store, device_memory_limit=device_memory_limit)
 
     return make
 
@@ -161,11 +162,11 @@ def test_physical_cache_mode_depends_on_timing(make_engine, tokens):
 def test_trace_following_and_copies_skipped_reproduce_the_traced_routing(make_engine, tokens):
     engine = make_engine("psr", 16)
     base = engine.generate(tokens[:6], 10)
-    trace = Trace.of(base)
-    followed = engine.teacher_forced(base.input_tokens, trace=trace)
+    feed = LogitFeed.of(base)
+    followed = engine.teacher_forced(base.input_tokens, feed=feed)
     np.testing.assert_array_equal(followed.selected, base.selected)
     engine.configure(skip_copies=True)
-    skipped = engine.generate(tokens[:6], 10, trace=trace)
+    skipped = engine.generate(tokens[:6], 10, feed=feed)
     np.testing.assert_array_equal(skipped.selected, base.selected)
     totals, ref = skipped.copy_totals(False), base.copy_totals(False)
     assert totals["issued"] == 0 and totals["skipped"] == ref["issued"]
@@ -178,7 +179,7 @@ def test_trace_of_another_model_drives_routing(tiny, store, calibration, tokens,
     base = engine.teacher_forced(tokens)
     other, adapter = load_model("olmoe-tiny", seed=1)
     engine2 = build_engine(other, engine.policy, calibration, EngineConfig(max_seq_len=SEQ))
-    followed = engine2.teacher_forced(tokens, trace=Trace.of(base, with_tokens=False))
+    followed = engine2.teacher_forced(tokens, feed=LogitFeed.of(base, with_tokens=False))
     np.testing.assert_array_equal(followed.selected, base.selected)
     np.testing.assert_array_equal(followed.router_logits, base.router_logits)
 
@@ -283,27 +284,28 @@ def test_too_little_device_memory_is_a_clear_error(make_engine):
 
 def test_bad_settings_and_inputs(make_engine, tokens):
     with pytest.raises(ValueError, match="cache_mode"):
-        EngineConfig(cache_mode="timed")
+        RunSettings(cache_mode="timed")
     with pytest.raises(ValueError, match="max_in_flight"):
-        EngineConfig(max_in_flight=0)
+        RunSettings(max_in_flight=0)
     engine = make_engine("psr", 16)
     with pytest.raises(ValueError, match="static KV cache"):
         engine.teacher_forced(np.zeros(SEQ + 1, dtype=np.int64))
     with pytest.raises(ValueError, match="capacity"):
         engine.configure(policy=preset("psr", 32, engine.top_k))
-    with pytest.raises(ValueError, match="cannot change"):
+    with pytest.raises(ValueError, match="not a run setting"):
         engine.configure(max_seq_len=8)
-    with pytest.raises(ValueError, match="trace"):
-        engine.teacher_forced(tokens, trace=Trace(np.zeros((3, engine.num_layers, engine.num_experts)),
-                                                 np.zeros((3, engine.num_layers, engine.num_experts))))
+    with pytest.raises(ValueError, match="logit feed"):
+        engine.teacher_forced(tokens, feed=LogitFeed(np.zeros((3, engine.num_layers, engine.num_experts)),
+                                                     np.zeros((3, engine.num_layers, engine.num_experts))))
 
 
 def test_mismatched_store_is_rejected(tiny, store, calibration):
     model, adapter = tiny
-    decoder = OlmoeDecoder.from_hf(model, SEQ)
+    decoder = OlmoeDecoder.from_model(model, SEQ)
     half = ExpertStore(store.layers[:8], ExpertGeometry(8, 64, 64, 32, tuple(range(8))))
     with pytest.raises(ValueError, match="does not match the decoder"):
-        ArEngine(decoder, half, preset("psr", 16, adapter.top_k), calibration, EngineConfig(max_seq_len=SEQ))
+        ArEngine(decoder, ExpertResidency(half, 16, "cpu"), preset("psr", 16, adapter.top_k), calibration,
+                 EngineConfig(max_seq_len=SEQ))
 
 
 # -- Triton kernels (interpreter on the CPU, where Triton is installed) ------------------------------------
@@ -326,18 +328,23 @@ assert torch.allclose(o1, o2, atol=1e-5), (o1 - o2).abs().max()
 w = torch.randn(H)
 assert torch.allclose(norm_rope.rmsnorm_torch(x, w, 1e-5), norm_rope.rmsnorm_triton(x, w, 1e-5, torch.empty(H)),
                       atol=1e-5)
+x2 = torch.randn(3, H)
+assert torch.allclose(norm_rope.rmsnorm_torch(x2, w, 1e-5), norm_rope.rmsnorm_triton(x2, w, 1e-5, torch.empty(3, H)),
+                      atol=1e-5)
 NH, NKV, HD, S = 4, 2, 16, 8
-qkv, qn, kn = torch.randn((NH + 2 * NKV) * HD), torch.randn(NH * HD), torch.randn(NKV * HD)
 inv = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
 f = torch.arange(S).float()[:, None] * inv[None]
-for clip in (None, 1.5):
-    outs = []
-    for fn in (norm_rope.qkv_prologue_torch, norm_rope.qkv_prologue_triton):
-        q, kc, vc = torch.zeros(NH, HD), torch.zeros(NKV, S, HD), torch.zeros(NKV, S, HD)
-        fn(qkv, qn, kn, f.cos(), f.sin(), torch.tensor([3]), q, kc, vc, 1e-5, clip)
-        outs.append((q, kc, vc))
-    for a, b in zip(*outs):
-        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+qn, kn = torch.randn(NH * HD), torch.randn(NKV * HD)
+for D in (1, 3):  # one position, and a block of three
+    qkv = torch.randn(D, (NH + 2 * NKV) * HD)
+    for clip in (None, 1.5):
+        outs = []
+        for fn in (norm_rope.qkv_prologue_torch, norm_rope.qkv_prologue_triton):
+            q, kc, vc = torch.zeros(D, NH, HD), torch.zeros(NKV, S, HD), torch.zeros(NKV, S, HD)
+            fn(qkv, qn, kn, f.cos(), f.sin(), torch.tensor([3]), q, kc, vc, 1e-5, clip)
+            outs.append((q, kc, vc))
+        for a, b in zip(*outs):
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 print("kernels ok")
 """
 

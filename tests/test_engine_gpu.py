@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.engines.ar import EngineConfig, build_engine
-from specmoe.engines.helpers import calibration_from_engine, random_olmoe_on_device, uniform_calibration
-from specmoe.engines.results import Trace
+from specmoe.engines.ar import EngineConfig, RunSettings, build_engine
+from specmoe.engines.helpers import calibration_from_engine, random_olmoe_on_device
+from specmoe.engines.results import LogitFeed
 from specmoe.offload import ExpertStore
-from specmoe.routing import preset, replay
+from specmoe.routing import Calibration, preset, replay
 
 pytestmark = pytest.mark.gpu
 SEQ = 128
@@ -27,7 +27,7 @@ def full():
 @pytest.fixture(scope="module")
 def exact_engine(full):
     model, adapter, store = full
-    cal = uniform_calibration(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    cal = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
     engine = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), cal,
                           EngineConfig(max_seq_len=SEQ), store=store)
     print("exact engine notes:", engine.notes)
@@ -37,7 +37,7 @@ def exact_engine(full):
 @pytest.fixture(scope="module")
 def calibration(exact_engine):
     rng = np.random.default_rng(1)
-    windows = [rng.integers(0, exact_engine.decoder.cfg.vocab_size, 64) for _ in range(2)]
+    windows = [rng.integers(0, exact_engine.geometry.vocab_size, 64) for _ in range(2)]
     return calibration_from_engine(exact_engine, windows, {"model": "olmoe-1b-7b random (device draws) seed 0"})
 
 
@@ -60,7 +60,7 @@ def _hf_logits(model, tokens) -> np.ndarray:
 
 def test_gpu_engine_uses_graphs_and_triton(exact_engine):
     assert exact_engine.graphs is not None
-    assert exact_engine.decoder.backend == "triton", exact_engine.notes
+    assert exact_engine.kernels["backend"] == "triton", exact_engine.notes
 
 
 def test_gpu_all_resident_logits_match_transformers(full, exact_engine, tokens):
@@ -121,7 +121,7 @@ def test_gpu_logical_cache_is_independent_of_copy_timing(psr_engine, tokens):
 def test_gpu_physical_cache_mode_depends_on_timing(full, calibration, tokens):
     model, adapter, store = full
     engine = build_engine(model, preset("psr", 32, adapter.top_k, bonus=0.2, insert_budget=8), calibration,
-                          EngineConfig(max_seq_len=SEQ, cache_mode="physical"), store=store)
+                          EngineConfig(max_seq_len=SEQ), RunSettings(cache_mode="physical"), store=store)
     runs = {}
     for mif in (1, 4):
         engine.configure(max_in_flight=mif)
@@ -135,7 +135,7 @@ def test_gpu_copies_skipped_follows_the_trace(psr_engine, tokens):
     base = psr_engine.teacher_forced(tokens)
     psr_engine.configure(skip_copies=True)
     try:
-        skipped = psr_engine.teacher_forced(tokens, trace=Trace.of(base))
+        skipped = psr_engine.teacher_forced(tokens, feed=LogitFeed.of(base))
     finally:
         psr_engine.configure(skip_copies=False)
     np.testing.assert_array_equal(skipped.selected, base.selected)

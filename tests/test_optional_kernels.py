@@ -15,11 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.engines.ar import EngineConfig, build_engine
-from specmoe.engines.results import Trace
-from specmoe.engines.helpers import uniform_calibration
+from specmoe.engines.results import LogitFeed
 from specmoe.models import load_model
 from specmoe.offload import ExpertStore
-from specmoe.routing import preset
+from specmoe.routing import Calibration, preset
 
 SEQ = 32
 
@@ -30,7 +29,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """Stand-in for flash-attn 2.8.4's function of this name, for what the engine uses (no new k/v, rotary,
     paging, batch index, left padding, window, softcap, ALiBi or LSE): each query attends, per batch row b,
-    to cache positions 0 .. cache_seqlens[b] - 1; query head h reads KV head h // (NH / NKV)."""
+    to cache positions 0 .. cache_seqlens[b] - 1, and with causal=True query i of Q only up to position
+    cache_seqlens[b] - Q + i (the causal mask aligned to the bottom right, as flash-attn documents for
+    seqlen_q != seqlen_k); query head h reads KV head h // (NH / NKV)."""
     unused = (k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
     assert all(x is None for x in unused) and window_size == (-1, -1) and softcap == 0.0, "not in the stand-in"
     assert not return_softmax_lse, "not in the stand-in"
@@ -42,7 +43,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _, max_seq, num_kv, _ = k_cache.shape
     assert tuple(k_cache.shape) == tuple(v_cache.shape) == (batch, max_seq, num_kv, head_dim), "cache shape"
     assert head_dim <= 256 and num_heads % num_kv == 0, "head dim or head counts"
-    assert num_q == 1 or not causal, "several causal queries: not in the stand-in"
     # the real function also takes an int; the engine must pass a device tensor to capture in a CUDA graph
     assert isinstance(cache_seqlens, torch.Tensor), "the engine passes cache_seqlens as a tensor"
     assert cache_seqlens.dtype == torch.int32 and cache_seqlens.is_contiguous(), "seqlens_k must have dtype int32"
@@ -53,8 +53,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     keys = k_cache.float().repeat_interleave(group, dim=2)  # [B, S, NH, HD]
     values = v_cache.float().repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bshd->bhqs", q.float(), keys) * scale
-    hidden = torch.arange(max_seq, device=q.device)[None, :] >= cache_seqlens[:, None].long()  # [B, S]
-    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    last = cache_seqlens[:, None].long() - 1 - ((num_q - 1 - torch.arange(num_q, device=q.device)) if causal else 0)
+    hidden = torch.arange(max_seq, device=q.device)[None, None, :] > last[..., None]  # [B, Q, S]
+    scores = scores.masked_fill(hidden[:, None], float("-inf"))
     return torch.einsum("bhqs,bshd->bqhd", scores.softmax(-1), values).to(q.dtype)
 
 
@@ -115,7 +116,7 @@ def tiny_bf16():
 def _engine(tiny, **config):
     """Exact routing with C = 16 of 64 slots, so that slot ids differ from expert ids."""
     model, adapter, store = tiny
-    cal = uniform_calibration(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    cal = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
     return build_engine(model, preset("exact_lru", 16, adapter.top_k), cal,
                         EngineConfig(max_seq_len=SEQ, **config), store=store)
 
@@ -149,7 +150,7 @@ def _check_default_results(tiny, config):
     engine = _engine(tiny, **config)
     _check_in_use(engine, config)
     calls = flash_attn_with_kvcache.calls, fused_experts.calls
-    traced = engine.teacher_forced(tokens, trace=Trace.of(ref, with_tokens=False), return_logits=True)
+    traced = engine.teacher_forced(tokens, feed=LogitFeed.of(ref, with_tokens=False), return_logits=True)
     assert {key: traced.info[key] for key in config} == config
     if not engine.cuda:  # eager steps: one call per layer and token (in CUDA graphs only capture calls)
         layer_steps = len(tokens) * engine.num_layers
@@ -222,5 +223,5 @@ def test_bad_kernel_settings(stand_ins, tiny_bf16):
         EngineConfig(attention="flash")
     with pytest.raises(ValueError, match="moe must be one of"):
         EngineConfig(moe="fused")
-    with pytest.raises(ValueError, match="cannot change"):
+    with pytest.raises(ValueError, match="not a run setting"):
         _engine(tiny_bf16).configure(attention="flash_attn")

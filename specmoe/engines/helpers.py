@@ -9,20 +9,14 @@ import torch
 from specmoe.routing import Calibration, CalibrationBuilder
 
 
-def uniform_calibration(num_layers: int, num_experts: int, vocab_size: int) -> Calibration:
-    """A placeholder calibration (warm ranking by index, no token prior, delta 1): enough for exact routing
-    with every expert resident, which is how `calibration_from_engine` records the real one."""
-    return Calibration.uniform(num_layers, num_experts, vocab_size, 1.0, "uniform placeholder")
-
-
 def calibration_from_engine(engine, windows, provenance: dict | None = None) -> Calibration:
     """Calibrate from the router logits of exact routing: decode each window (teacher-forced) with the
     engine under its current policy, which must be exact with every expert resident (C = E)."""
     policy = engine.policy
     if policy.kind != "exact" or policy.capacity != engine.num_experts:
         raise ValueError("calibrate with exact routing and every expert resident (C = E)")
-    c = engine.decoder.cfg
-    builder = CalibrationBuilder(c.num_layers, c.num_experts, c.vocab_size, c.top_k)
+    g = engine.geometry
+    builder = CalibrationBuilder(g.num_layers, g.num_experts, g.vocab_size, g.top_k)
     for window in windows:
         result = engine.teacher_forced(np.asarray(window))
         builder.add(result.router_logits.astype(np.float64), result.input_tokens)

@@ -18,7 +18,7 @@ HOST_PARTS = ("routing", "copy_issue", "copy_checks")  # routing + slots + weigh
 class DecodeResult:
     """Per decode step t (one position of the sequence): input token, routing and timing.
 
-    router_logits [T, L, E] float32: z as routing saw it (from the model or the trace); pregate_logits
+    router_logits [T, L, E] float32: z as routing saw it (from the model or a logit feed); pregate_logits
     [T, L, E]: g (row 0 zero: no pre-gate for the first MoE layer); selected [T, L, K]; output_tokens [T]:
     the greedy token after step t; timed [T]: decode steps (not prompt processing); ms [T]: wall time of the
     step; host_us [T]: host time on the critical path (routing, copy issue, waits set up), summed over
@@ -83,25 +83,49 @@ class DecodeResult:
         return out
 
 
-@dataclass
-class Trace:
-    """Router and pre-gate logits [T, L, E] for the engine to follow instead of its own router's (a
-    recorded DecodeResult, or logits of a trained model with the same L, E, K). With `tokens` [T], the
-    engine also feeds these input tokens (also in `generate`), so routing is the traced run's exactly even
-    when this model's outputs differ (copies-skipped mode computes on stale slots)."""
+class LogitFeed:
+    """Where the engine's routing reads router logits z and pre-gate logits g: the model's own router
+    (`model_feed`, the default) or a recording [T, L, E] (`LogitFeed(...)`: a previous DecodeResult, or the
+    logits of a trained model with the same L, E, K, e.g. from a `specmoe.traces.Trace`). With `tokens` [T],
+    the engine also feeds these input tokens (also in `generate`), so routing is the recorded run's exactly
+    even when this model's outputs differ (copies-skipped mode computes on stale slots)."""
 
-    router_logits: np.ndarray
-    pregate_logits: np.ndarray
-    tokens: np.ndarray | None = None
+    def __init__(self, router_logits: np.ndarray, pregate_logits: np.ndarray, tokens: np.ndarray | None = None):
+        self.router_logits = np.ascontiguousarray(router_logits, dtype=np.float32)
+        self.pregate_logits = np.ascontiguousarray(pregate_logits, dtype=np.float32)
+        self.tokens = None if tokens is None else np.asarray(tokens, dtype=np.int64)
 
     @classmethod
-    def of(cls, result: DecodeResult, with_tokens: bool = True) -> "Trace":
+    def of(cls, result: DecodeResult, with_tokens: bool = True) -> "LogitFeed":
         return cls(result.router_logits, result.pregate_logits, result.input_tokens if with_tokens else None)
+
+    def router(self, t: int, layer: int) -> np.ndarray:
+        return self.router_logits[t, layer]
+
+    def pregate(self, t: int, layer: int) -> np.ndarray:
+        return self.pregate_logits[t, layer]
 
     def check(self, num_tokens: int, num_layers: int, num_experts: int) -> None:
         for name, arr in (("router", self.router_logits), ("pre-gate", self.pregate_logits)):
             if arr.ndim != 3 or arr.shape[1:] != (num_layers, num_experts) or arr.shape[0] < num_tokens:
-                raise ValueError(f"trace {name} logits have shape {arr.shape}; need at least [{num_tokens}, "
-                                 f"{num_layers}, {num_experts}]")
+                raise ValueError(f"the logit feed's {name} logits have shape {arr.shape}; need at least "
+                                 f"[{num_tokens}, {num_layers}, {num_experts}]")
         if self.tokens is not None and len(self.tokens) < num_tokens:
-            raise ValueError(f"the trace has {len(self.tokens)} tokens; the run needs {num_tokens}")
+            raise ValueError(f"the logit feed has {len(self.tokens)} tokens; the run needs {num_tokens}")
+
+
+class ModelFeed:
+    """The model's own router and pre-gate logits, as the decoder's last step wrote them ([E] rows)."""
+
+    tokens = None
+
+    def __init__(self, step):
+        top = step.logits_np.shape[-1] // 2
+        self.rows_z = [step.logits_np[l, 0, :top] for l in range(step.logits_np.shape[0])]
+        self.rows_g = [None] + [step.logits_np[l - 1, 0, top:] for l in range(1, step.logits_np.shape[0])]
+
+    def router(self, t: int, layer: int) -> np.ndarray:
+        return self.rows_z[layer]
+
+    def pregate(self, t: int, layer: int) -> np.ndarray:
+        return self.rows_g[layer]

@@ -268,13 +268,6 @@ def exact_policy(adapter: MoEAdapter) -> PolicyConfig:
     return PolicyConfig(kind="exact", capacity=adapter.num_experts, top_k=adapter.top_k, priority="lru")
 
 
-def neutral_calibration(adapter: MoEAdapter) -> Calibration:
-    """A calibration without data (warm set by index, no token prior, delta 0) for policies whose
-    selection does not depend on one: the exact policy."""
-    return Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size, 0.0,
-                               "none (no calibration data)")
-
-
 @contextlib.contextmanager
 def exact_routing(model: nn.Module, adapter: MoEAdapter | None = None, *, record: bool = False):
     """Run `model` with specmoe's exact routing inside the block (the routing core's exact policy, ties to
@@ -283,7 +276,9 @@ def exact_routing(model: nn.Module, adapter: MoEAdapter | None = None, *, record
     adapter = adapter or adapter_for(model.config)
     previous = unpatch(model)
     try:
-        yield patch_model(model, adapter, exact_policy(adapter), neutral_calibration(adapter), record=record)
+        yield patch_model(model, adapter, exact_policy(adapter),
+                          Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size),
+                          record=record)
     finally:
         unpatch(model)
         if previous is not None:

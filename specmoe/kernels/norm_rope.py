@@ -1,10 +1,11 @@
-"""RMSNorm and the attention prologue of one decode token (QK-norm, rotary embedding, KV-cache write).
+"""RMSNorm and the attention prologue of the D positions of one decode step (QK-norm, rotary embedding,
+KV-cache write): D = 1 for autoregressive decoding, k + 1 for a verification block.
 
 Each comes as a single Triton launch for the device and as plain torch for the CPU (and as the reference in
 tests). Fusing them matters at batch 1: transformers' eager versions are 6 kernels per RMSNorm and about 20
 for the prologue, each only a few microseconds of work, which inside a CUDA graph still costs launch gaps.
 Rounding follows transformers' OLMoE: normalise in float32, round to the model dtype, multiply by the weight.
-The position comes from a device tensor, so the same captured graph serves every token.
+The first position comes from a device tensor, so the same captured graph serves every step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ except ImportError:  # pragma: no cover
 
 
 def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' OlmoeRMSNorm on a vector [N]."""
+    """transformers' OlmoeRMSNorm over the last dimension of x [..., N]."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -33,28 +34,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def qkv_prologue_torch(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, eps: float, clip: float | None) -> None:
-    """Split qkv [(NH + 2 NKV) HD], QK-norm (over all heads, as OLMoE does), clip, rotary embedding at
-    position pos [1] (cos/sin tables [S, HD/2], float32), write q_out [NH, HD] and the caches [NKV, S, HD]."""
-    num_heads, head_dim = q_out.shape
+    """For each of D positions pos, pos + 1, ..., pos + D - 1 (pos: [1] device tensor): split its row of
+    qkv [D, (NH + 2 NKV) HD], QK-norm (over all heads, as OLMoE does), clip, rotary embedding (cos/sin
+    tables [S, HD/2], float32), write q_out [D, NH, HD] and the caches [NKV, S, HD] at the position."""
+    num_pos, num_heads, head_dim = q_out.shape
     num_kv = k_cache.shape[0]
-    q, k, v = qkv.split([num_heads * head_dim, num_kv * head_dim, num_kv * head_dim])
+    q, k, v = qkv.split([num_heads * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
     q, k = rmsnorm_torch(q, q_norm, eps), rmsnorm_torch(k, k_norm, eps)
     if clip is not None:
         q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
-    c = cos.index_select(0, pos).repeat(1, 2).to(q.dtype)  # [1, HD], as transformers' cat((f, f))
-    s = sin.index_select(0, pos).repeat(1, 2).to(q.dtype)
-    q = q.view(num_heads, head_dim)
-    k = k.view(num_kv, head_dim)
+    positions = pos + torch.arange(num_pos, device=pos.device)
+    c = cos.index_select(0, positions).repeat(1, 2).to(q.dtype)[:, None]  # [D, 1, HD], as transformers' cat((f, f))
+    s = sin.index_select(0, positions).repeat(1, 2).to(q.dtype)[:, None]
+    q = q.view(num_pos, num_heads, head_dim)
+    k = k.view(num_pos, num_kv, head_dim)
     q_out.copy_(q * c + rotate_half(q) * s)
-    k_cache.index_copy_(1, pos, (k * c + rotate_half(k) * s).unsqueeze(1))
-    v_cache.index_copy_(1, pos, v.view(num_kv, 1, head_dim))
+    k_cache.index_copy_(1, positions, (k * c + rotate_half(k) * s).transpose(0, 1))
+    v_cache.index_copy_(1, positions, v.view(num_pos, num_kv, head_dim).transpose(0, 1))
 
 
 if triton is not None:
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
+        """One program per row of x [D, N]."""
         dt = out_ptr.dtype.element_ty
+        row = tl.program_id(0).to(tl.int64)
+        x_ptr += row * N
+        out_ptr += row * N
         offs = tl.arange(0, BLOCK)
         m = offs < N
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -71,12 +78,16 @@ if triton is not None:
     def _qkv_prologue_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                              S, eps, clip, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
                              BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_CLIP: tl.constexpr):
-        """One program per head: programs [0, NH) write q, [NH, NH + NKV) k, the rest v."""
+        """One program per head and position: programs [0, NH) write q, [NH, NH + NKV) k, the rest v, for the
+        position pos + program_id(1) (row program_id(1) of qkv and q)."""
         p = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        qkv_ptr += row * (NH + 2 * NKV) * HD
+        q_ptr += row * NH * HD
         dt = q_ptr.dtype.element_ty
         half = HD // 2
         d = tl.arange(0, HD // 2)
-        pos = tl.load(pos_ptr).to(tl.int64)
+        pos = tl.load(pos_ptr).to(tl.int64) + row
         c = tl.load(cos_ptr + pos * half + d).to(dt).to(tl.float32)
         s = tl.load(sin_ptr + pos * half + d).to(dt).to(tl.float32)
         if p < NH:
@@ -124,17 +135,19 @@ if triton is not None:
 
 
 def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-    n = x.numel()
-    _rmsnorm_kernel[(1,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8)
+    """`rmsnorm_torch` over the rows of a contiguous x [..., N], written into out."""
+    n = x.shape[-1]
+    _rmsnorm_kernel[(x.numel() // n,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8)
     return out
 
 
 def qkv_prologue_triton(qkv, q_norm, k_norm, cos, sin, pos, q_out, k_cache, v_cache, eps, clip) -> None:
-    num_heads, head_dim = q_out.shape
+    """`qkv_prologue_torch` in one launch (contiguous qkv [D, W] and q_out [D, NH, HD])."""
+    num_pos, num_heads, head_dim = q_out.shape
     num_kv, max_seq, _ = k_cache.shape
     if head_dim & (head_dim - 1):
         raise ValueError(f"the Triton attention prologue needs a power-of-two head dim, got {head_dim}")
-    grid = (num_heads + 2 * num_kv,)
+    grid = (num_heads + 2 * num_kv, num_pos)
     _qkv_prologue_kernel[grid](qkv, q_norm, k_norm, cos, sin, pos, q_out, k_cache, v_cache, max_seq, eps,
                                0.0 if clip is None else float(clip), NH=num_heads, NKV=num_kv, HD=head_dim,
                                BLOCK_Q=triton.next_power_of_2(num_heads * head_dim),

@@ -2,9 +2,9 @@
 
 from .adapter import ModelSourceError, MoEAdapter
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, RoutedOlmoeTopKRouter, init_random_weights
-from .registry import ARCHITECTURES, NAMED_CONFIGS, adapter_for, load_model, named_config
+from .registry import ARCHITECTURES, NAMED_CONFIGS, adapter_for, decoder_for, load_model, named_config
 
 __all__ = [
     "ARCHITECTURES", "ModelSourceError", "MoEAdapter", "NAMED_CONFIGS", "OLMOE_CONFIGS", "OlmoeAdapter",
-    "RoutedOlmoeTopKRouter", "adapter_for", "init_random_weights", "load_model", "named_config",
+    "RoutedOlmoeTopKRouter", "adapter_for", "decoder_for", "init_random_weights", "load_model", "named_config",
 ]

@@ -18,19 +18,24 @@ from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, build_random_olmoe
 
 
 class Architecture(NamedTuple):
-    """How specmoe builds one architecture: its adapter from a config, its transformers classes, and the
-    builder of a model with seeded random weights (config, seed, dtype, device) -> model."""
+    """How specmoe builds one architecture: its adapter from a config, its transformers classes, the
+    builder of a model with seeded random weights (config, seed, dtype, device) -> model, and the engines'
+    decoder (a class with `from_model(model, max_seq_len)` and `from_checkpoint(path, max_seq_len, device,
+    dtype)` implementing `specmoe.models.decoder.Decoder`; None where the engines do not support it yet)."""
 
     adapter: Callable
     model_class: type
     config_class: type
     build_random: Callable
+    decoder: type | None = None
 
 
 def _olmoe() -> Architecture:
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
-    return Architecture(OlmoeAdapter.from_config, OlmoeForCausalLM, OlmoeConfig, build_random_olmoe)
+    from .olmoe_decode import OlmoeDecoder
+
+    return Architecture(OlmoeAdapter.from_config, OlmoeForCausalLM, OlmoeConfig, build_random_olmoe, OlmoeDecoder)
 
 
 # model_type -> Architecture
@@ -61,6 +66,16 @@ def adapter_for(config) -> MoEAdapter:
         raise ModelSourceError(f"no specmoe adapter for model type {model_type!r}; supported: "
                                f"{', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[model_type].adapter(config)
+
+
+def decoder_for(config) -> type:
+    """The engines' decoder class of a model with this transformers config (see `Architecture.decoder`)."""
+    adapter_for(config)  # unsupported and dense models: the adapter's clear errors
+    decoder = ARCHITECTURES[config.model_type].decoder
+    if decoder is None:
+        raise ModelSourceError(f"the engines have no decoder for model type {config.model_type!r} yet; "
+                               f"supported: {', '.join(k for k, a in ARCHITECTURES.items() if a.decoder)}")
+    return decoder
 
 
 def _as_dtype(dtype) -> torch.dtype:

@@ -1,10 +1,12 @@
 """Expert offloading: the expert store in pinned host memory, slot buffers on the device, the ordered copy
-stream with its prefetch queue, and copy accounting."""
+stream with its prefetch queue, copy accounting, and the residency unit that engines share (`ExpertResidency`)."""
 
 from .checkpoint import CheckpointReader
 from .copies import CopyStats, CopyStream, SlotBuffers
 from .memory import OffloadError, device_available_bytes, host_available_bytes
+from .residency import ExpertResidency
 from .store import ExpertGeometry, ExpertStore
 
-__all__ = ["CheckpointReader", "CopyStats", "CopyStream", "ExpertGeometry", "ExpertStore", "OffloadError",
+__all__ = ["CheckpointReader", "CopyStats", "CopyStream", "ExpertGeometry", "ExpertResidency", "ExpertStore",
+           "OffloadError",
            "SlotBuffers", "device_available_bytes", "host_available_bytes"]

@@ -263,6 +263,13 @@ class CopyStream:
             self.landing: deque = deque()
             self._last_done = 0.0
 
+    def configure(self, max_in_flight: int, skip: bool, delay: tuple[float, float] | None, seed: int) -> None:
+        """Settings that may change between runs: prefetches in flight at once, copies skipped (the slot
+        "holds" its expert at once, nothing is transferred), and a random delay (lo, hi) seconds before each
+        copy from a generator seeded with `seed` (tests of timing independence)."""
+        self.max_in_flight, self.skip, self.delay = max_in_flight, skip, delay
+        self.rng = np.random.default_rng(seed)
+
     @property
     def issue_path(self) -> str:
         """How copies go out: "cpu" (synchronous or simulated), "torch" (`copy_`), or the CUDA runtime
@@ -426,8 +433,9 @@ class CopyStream:
 
     def reset_to(self, warm: np.ndarray) -> int:
         """Sequence start: unexecuted prefetches count as unused, the queue is dropped, and the warm set
-        warm [L, C] is copied into the slots that do not hold it yet (always, also in copies-skipped mode).
-        Returns the number of warm copies; waits until all have landed."""
+        warm [L, c] is copied into the first c slots where they do not hold it yet (always, also in
+        copies-skipped mode); slots from c on keep their bytes. Returns the number of warm copies; waits until
+        all have landed."""
         self.stats.prefetch_unused += int(self.fresh.sum())
         self.stats.dropped += int((self.fresh & self.queued).sum())
         self.queue.clear()
@@ -435,11 +443,15 @@ class CopyStream:
         self.queued[:] = False
         self.fresh[:] = False
         self.synchronize()
-        self.owner[:] = warm
+        num_warm = warm.shape[1]
+        if num_warm > self.owner.shape[1]:
+            raise ValueError(f"a warm set of {num_warm} experts per layer does not fit {self.owner.shape[1]} slots")
+        self.owner[:, :num_warm] = warm
+        self.owner[:, num_warm:] = self.content[:, num_warm:]
         skip, self.skip = self.skip, False
         before, copies = self.stats.issued, 0
         for layer in range(warm.shape[0]):
-            missing = np.flatnonzero(self.content[layer] != warm[layer])
+            missing = np.flatnonzero(self.content[layer, :num_warm] != warm[layer])
             self._issue(layer, missing)
             copies += len(missing)
         self.stats.issued = before

@@ -98,9 +98,10 @@ class Calibration:
             )
 
     @classmethod
-    def uniform(cls, num_layers: int, num_experts: int, vocab_size: int, delta: float, model: str) -> "Calibration":
-        """A calibration without data: warm ranking by expert index, no token prior, `delta` in every layer
-        (for exact routing, whose selection reads none of it; `model` says what it stands in for)."""
+    def uniform(cls, num_layers: int, num_experts: int, vocab_size: int, delta: float = 0.0,
+                model: str = "none (no calibration data)") -> "Calibration":
+        """The placeholder calibration, without data: warm ranking by expert index, no token prior, `delta` in
+        every layer (for exact routing, whose selection reads none of it; `model` says what it stands in for)."""
         prior = TokenPrior(np.zeros((num_layers, vocab_size + 1), dtype=np.int64), np.zeros(0, dtype=np.int32),
                            np.zeros(0))
         return cls(np.tile(np.arange(num_experts), (num_layers, 1)), prior, np.full(num_layers, float(delta)),

@@ -1,0 +1,130 @@
+"""Launching a decoder's step functions for one static number of positions D: CUDA graphs on a GPU (one
+per layer for attention + router + pre-gate, one per layer for the MoE, one for the head, in one memory
+pool), eager calls on the CPU. Engines drive it layer by layer and run routing between the launches."""
+
+from __future__ import annotations
+
+import torch
+
+from specmoe.models.decoder import Decoder
+from specmoe.offload import ExpertResidency
+
+
+class StepRunner:
+    """The launches of `decoder`'s steps of D = num_positions over `residency`'s slot buffers, on the
+    compute stream `stream` (None on the CPU)."""
+
+    def __init__(self, decoder: Decoder, num_positions: int, residency: ExpertResidency, stream,
+                 cuda_graphs: bool = True):
+        self.decoder, self.residency, self.stream = decoder, residency, stream
+        self.step = decoder.step(num_positions)
+        self.num_layers = decoder.geometry.num_layers
+        self.cuda = stream is not None
+        self.notes: list[str] = []
+        self.graphs = None
+        self.copy_in_graph = True  # device-to-host copies of logits and tokens inside the graphs
+        if self.cuda:
+            self.ev_attention = [torch.cuda.Event() for _ in range(self.num_layers)]
+            self.ev_head = torch.cuda.Event()
+            with torch.no_grad(), torch.cuda.stream(stream):
+                self._warm_up()
+                if cuda_graphs:
+                    self._capture_and_check()
+
+    # -- set-up ------------------------------------------------------------------------------------------
+    def _eager(self) -> None:
+        dec, step = self.decoder, self.step
+        for layer in range(self.num_layers):
+            dec.attention_router(step, layer)
+            dec.moe(step, layer, self.residency.slots.layer(layer))
+        dec.head(step)
+
+    def _neutral_input(self) -> None:
+        """Token 0 at position 0 routed to slots 0..K-1 with zero weights: a harmless input for warm-up and
+        capture (the KV cache rows it writes are overwritten by the first real step)."""
+        step = self.step
+        step.set_input([0] * step.num_positions, 0, self.decoder.geometry.max_seq_len)
+        step.slots_np[:] = range(step.slots_np.shape[-1])
+        step.weights_np[:] = 0.0
+
+    def _warm_up(self) -> None:
+        """Two eager passes (compiles kernels, creates cuBLAS handles) on the compute stream."""
+        self._neutral_input()
+        for _ in range(2):
+            self._eager()
+        torch.cuda.synchronize()
+
+    def _capture(self) -> tuple:
+        dec, step, pool = self.decoder, self.step, torch.cuda.graph_pool_handle()
+
+        def capture(fn):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                fn()
+            return graph
+
+        copy_out = self.copy_in_graph
+        graphs_a = [capture(lambda l=l: dec.attention_router(step, l, copy_out=copy_out))
+                    for l in range(self.num_layers)]
+        graphs_b = [capture(lambda l=l: dec.moe(step, l, self.residency.slots.layer(l)))
+                    for l in range(self.num_layers)]
+        return graphs_a, graphs_b, capture(lambda: dec.head(step, copy_out=copy_out))
+
+    def _capture_and_check(self) -> None:
+        self._neutral_input()
+        try:
+            self.graphs = self._capture()
+        except Exception as exc:  # e.g. a device-to-host copy this torch cannot capture: copy outside graphs
+            self.notes.append(f"capture with in-graph device-to-host copies failed ({type(exc).__name__}: {exc}); "
+                              "recaptured with the copies outside the graphs")
+            torch.cuda.synchronize()
+            self.copy_in_graph = False
+            self.graphs = self._capture()
+        graphs_a, _, graph_head = self.graphs
+        step = self.step
+        step.logits_host.fill_(float("nan"))
+        step.next_host.fill_(-1)
+        graphs_a[0].replay()
+        graph_head.replay()
+        torch.cuda.synchronize()
+        if not (torch.equal(step.logits_host[0], step.logits_dev[0].cpu())
+                and torch.equal(step.next_host, step.next_dev.cpu())):
+            self.copy_in_graph = False
+            self.notes.append("device-to-host copies in captured graphs did not land; copied outside the graphs")
+
+    # -- launches ----------------------------------------------------------------------------------------
+    def attention(self, layer: int) -> None:
+        """Attention, router and pre-gate of `layer`; its logits are on the host after `wait_logits`."""
+        if self.graphs is not None:
+            self.graphs[0][layer].replay()
+            if not self.copy_in_graph:
+                self.step.copy_out_logits(layer)
+        else:
+            self.decoder.attention_router(self.step, layer)
+        if self.cuda:
+            self.ev_attention[layer].record(self.stream)
+
+    def wait_logits(self, layer: int) -> None:
+        if self.cuda:
+            self.ev_attention[layer].synchronize()
+
+    def moe(self, layer: int) -> None:
+        if self.graphs is not None:
+            self.graphs[1][layer].replay()
+        else:
+            self.decoder.moe(self.step, layer, self.residency.slots.layer(layer))
+
+    def head(self) -> None:
+        """Final norm, LM head and greedy tokens; on the host after `wait_head`."""
+        if self.graphs is not None:
+            self.graphs[2].replay()
+            if not self.copy_in_graph:
+                self.step.copy_out_next()
+        else:
+            self.decoder.head(self.step)
+        if self.cuda:
+            self.ev_head.record(self.stream)
+
+    def wait_head(self) -> None:
+        if self.cuda:
+            self.ev_head.synchronize()

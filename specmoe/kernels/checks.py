@@ -1,0 +1,121 @@
+"""Self-checks of the kernels on the device they will run on: each compares a fast kernel with its torch
+reference on random inputs of a decoder's shapes, and raises RuntimeError if they disagree (relative L2 error
+above 2e-2). A decoder runs them when it chooses its kernels (`OlmoeDecoder.use_kernels`); one that fails is
+not used, and the decoder's notes say why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TOLERANCE = 2e-2
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """The shapes and constants a decoder's kernels run with."""
+
+    hidden: int
+    inter: int
+    top_k: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    eps: float
+    clip_qkv: float | None
+    dtype: torch.dtype
+    device: torch.device
+
+
+def relative_error(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """|out - ref| / |ref| (L2, float32)."""
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _agree(name: str, ref: torch.Tensor, out: torch.Tensor) -> None:
+    if ref.is_cuda:
+        torch.cuda.synchronize()
+    err = relative_error(ref, out)
+    if not err < TOLERANCE:
+        raise RuntimeError(f"{name} differs from the torch path: relative error {err:.3g}")
+
+
+def _random_route(s: KernelShapes, num_slots: int, g: torch.Generator) -> torch.Tensor:
+    """A route row [2K] int32: K distinct random slots, then softmax weights as float32 bit patterns."""
+    route = torch.zeros(2 * s.top_k, dtype=torch.int32, device=s.device)
+    route[: s.top_k] = torch.randperm(num_slots, device=s.device, generator=g)[: s.top_k].int()
+    route[s.top_k:].view(torch.float32)[:] = torch.softmax(torch.randn(s.top_k, device=s.device, generator=g), 0)
+    return route
+
+
+def check_triton(s: KernelShapes, slot_buf: torch.Tensor, moe_params: dict | None) -> None:
+    """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
+    from . import moe as kmoe
+    from . import norm_rope as knr
+
+    g = torch.Generator(device=s.device).manual_seed(0)
+    x = torch.randn(s.hidden, device=s.device, generator=g).to(s.dtype)
+    res = torch.zeros(s.hidden, device=s.device, dtype=s.dtype)  # compare the MoE output alone
+    route = _random_route(s, slot_buf.shape[0], g)
+    act = torch.empty(s.top_k, s.inter, device=s.device, dtype=s.dtype)
+    ref, out = torch.empty_like(res), torch.empty_like(res)
+    kmoe.slot_moe_torch(x, res, slot_buf, route, act, ref, s.hidden, s.inter)
+    kmoe.slot_moe_triton(x, res, slot_buf, route, act, out, s.hidden, s.inter, moe_params)
+    _agree("slot MoE kernel", ref, out)
+    w = torch.randn(s.hidden, device=s.device, generator=g).to(s.dtype)
+    _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, s.eps), knr.rmsnorm_triton(x, w, s.eps, torch.empty_like(x)))
+    width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    num_pos = 3
+    qkv = torch.randn(num_pos, width, device=s.device, generator=g).to(s.dtype)
+    q_norm = torch.randn(s.num_heads * s.head_dim, device=s.device, generator=g).to(s.dtype)
+    k_norm = torch.randn(s.num_kv_heads * s.head_dim, device=s.device, generator=g).to(s.dtype)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s.head_dim, 2, device=s.device).float() / s.head_dim))
+    freqs = torch.arange(8, device=s.device).float()[:, None] * inv[None]
+    pos = torch.tensor([3], device=s.device)
+    outs = []
+    for fn in (knr.qkv_prologue_torch, knr.qkv_prologue_triton):
+        q = torch.zeros(num_pos, s.num_heads, s.head_dim, device=s.device, dtype=s.dtype)
+        kc = torch.zeros(s.num_kv_heads, 8, s.head_dim, device=s.device, dtype=s.dtype)
+        vc = torch.zeros_like(kc)
+        fn(qkv, q_norm, k_norm, freqs.cos(), freqs.sin(), pos, q, kc, vc, s.eps, s.clip_qkv)
+        outs.append(torch.cat([q.flatten(), kc.flatten(), vc.flatten()]))
+    _agree("attention prologue kernel", *outs)
+
+
+def check_flash_attn(s: KernelShapes, flash_attn) -> None:
+    """flash_attn_with_kvcache against SDPA: random queries and caches of the decoder's shapes, the first two
+    thirds of the positions written, one query and a causal block of three."""
+    from .attention import causal_step_mask, decode_attention, decode_attention_flash
+
+    g = torch.Generator(device=s.device).manual_seed(1)
+    k_cache, v_cache = (torch.randn(s.num_kv_heads, s.max_seq_len, s.head_dim, device=s.device,
+                                    generator=g).to(s.dtype) for _ in range(2))
+    written = 2 * s.max_seq_len // 3 + 1
+    positions = torch.arange(s.max_seq_len, device=s.device)
+    for num_pos in (1, 3):
+        q = torch.randn(num_pos, s.num_heads, s.head_dim, device=s.device, generator=g).to(s.dtype)
+        first = torch.tensor([written - num_pos], device=s.device)
+        mask = causal_step_mask(positions, first, torch.empty(num_pos, s.max_seq_len, device=s.device,
+                                                              dtype=s.dtype))
+        seqlens = torch.full((1,), written, dtype=torch.int32, device=s.device)
+        scale = s.head_dim ** -0.5
+        _agree("flash_attn_with_kvcache", decode_attention(q, k_cache, v_cache, mask, scale),
+               decode_attention_flash(q, k_cache, v_cache, seqlens, scale, flash_attn))
+
+
+def check_fused_experts(s: KernelShapes, slot_buf: torch.Tensor, fused_experts) -> None:
+    """vLLM's fused_experts against the torch slot MoE: random input, K random slots of the buffer."""
+    from .moe import slot_moe_torch, slot_moe_vllm
+
+    g = torch.Generator(device=s.device).manual_seed(2)
+    x = torch.randn(s.hidden, device=s.device, generator=g).to(s.dtype)
+    res = torch.zeros(s.hidden, device=s.device, dtype=s.dtype)  # compare the MoE output alone
+    route = _random_route(s, slot_buf.shape[0], g)
+    ref, out = torch.empty_like(res), torch.empty_like(res)
+    act = torch.empty(s.top_k, s.inter, device=s.device, dtype=s.dtype)
+    slot_moe_torch(x, res, slot_buf, route, act, ref, s.hidden, s.inter)
+    slot_moe_vllm(x, res, slot_buf, route, out, s.hidden, s.inter, fused_experts)
+    _agree("fused_experts", ref, out)

@@ -1,0 +1,146 @@
+"""The decode path of one architecture, as the engines see it: the `Decoder` protocol.
+
+A decoder is an MoE model without its routed experts, over a static KV cache, split into the three step
+functions an engine interleaves with routing and expert copies (and captures as CUDA graphs, one set per
+static number of positions D):
+
+- `attention_router(step, layer)`: (layer 0: token embedding) attention of the step's D positions, the MoE
+  input of the layer, and from it the router logits z of the layer and the pre-gate logits g of the next
+  layer; both land in the step's pinned host buffer `logits` [L, D, 2E] = [z | g];
+- `moe(step, layer, slot_buf)`: the routed experts of the D positions over the layer's slot buffer, at the
+  slot ids and execution weights the host wrote into the step's `route` [L, D, 2K] (slots, then weights as
+  float32 bit patterns), added to the residual stream;
+- `head(step)`: final norm, LM head and the greedy token of each position into `next_tokens`.
+
+D = 1 for autoregressive decoding and k + 1 for a verification block: the step buffers of each D are made
+once (`decoder.step(D)`) and reused, so every launch has a static shape. The KV cache belongs to the
+decoder; a step writes positions pos .. pos + D - 1 and query i attends positions 0 .. pos + i, so rolling
+back rejected positions is only a matter of the next step's position.
+
+Adding an architecture: implement this protocol (see `OlmoeDecoder` for the reference implementation) and
+register its `from_model` / `from_checkpoint` constructors in `specmoe.models.registry.ARCHITECTURES`; the
+engines never import a concrete decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from specmoe.routing import RouterScoring
+
+
+@dataclass(frozen=True)
+class DecoderGeometry:
+    """What an engine needs to know about a decoder's shapes."""
+
+    num_layers: int  # MoE layers, L
+    num_experts: int  # E
+    top_k: int  # K
+    vocab_size: int
+    hidden: int  # H
+    inter: int  # I, one expert's intermediate size
+    max_seq_len: int  # S, positions of the static KV cache
+
+    @property
+    def expert_width(self) -> int:
+        """Elements of one expert row of the expert store: [gate (I x H) | up (I x H) | down (H x I)]."""
+        return 3 * self.inter * self.hidden
+
+
+@dataclass
+class DecodeStep:
+    """The buffers of one static number of positions D: the host writes `tokens`/`position` and the route rows,
+    and reads the logits and the next tokens (numpy views of pinned memory); the device side mirrors them.
+    `work` holds the architecture's own activations for these D positions."""
+
+    num_positions: int
+    input_host: torch.Tensor  # int64 [D + 1]: D token ids, then the first position
+    input_dev: torch.Tensor
+    logits_host: torch.Tensor  # float32 [L, D, 2E]: router logits z, then the next layer's pre-gate g
+    logits_dev: torch.Tensor
+    route_host: torch.Tensor  # int32 [L, D, 2K]: slot ids, then execution weights as float32 bit patterns
+    route_dev: torch.Tensor
+    next_host: torch.Tensor  # int64 [D]: greedy token after each position
+    next_dev: torch.Tensor
+    out_logits: torch.Tensor  # float32 [D, V] on the device
+    work: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.input_np = self.input_host.numpy()
+        self.logits_np = self.logits_host.numpy()
+        self.route_np = self.route_host.numpy()
+        top_k = self.route_np.shape[-1] // 2
+        self.slots_np = self.route_np[..., :top_k]
+        self.weights_np = self.route_np.view(np.float32)[..., top_k:]
+        self.next_np = self.next_host.numpy()
+
+    @classmethod
+    def allocate(cls, num_positions: int, geometry: DecoderGeometry, device: torch.device) -> "DecodeStep":
+        g, d = geometry, num_positions
+        pin = device.type == "cuda"
+
+        def pair(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(d, *pair(d + 1, torch.int64), *pair((g.num_layers, d, 2 * g.num_experts), torch.float32),
+                   *pair((g.num_layers, d, 2 * g.top_k), torch.int32), *pair(d, torch.int64),
+                   torch.zeros(d, g.vocab_size, dtype=torch.float32, device=device))
+
+    def set_input(self, tokens, position: int, max_seq_len: int) -> None:
+        """The D input tokens and the first position of the next launch."""
+        d = self.num_positions
+        if not 0 <= position <= max_seq_len - d:
+            raise ValueError(f"positions {position} .. {position + d - 1} are outside the static KV cache of "
+                             f"{max_seq_len} positions")
+        self.input_np[:d] = tokens
+        self.input_np[d] = position
+
+    def router_logits(self, layer: int) -> np.ndarray:
+        """z of `layer` for the D positions, [D, E] (a view of the pinned buffer)."""
+        return self.logits_np[layer, :, : self.logits_np.shape[-1] // 2]
+
+    def pregate_logits(self, layer: int) -> np.ndarray:
+        """g of `layer` (router `layer` on layer `layer - 1`'s MoE input), [D, E]; layer >= 1."""
+        return self.logits_np[layer - 1, :, self.logits_np.shape[-1] // 2:]
+
+    def copy_out_logits(self, layer: int) -> None:
+        """The device-to-host copy of a layer's logits (inside the captured graph, or after it)."""
+        self.logits_host[layer].copy_(self.logits_dev[layer], non_blocking=True)
+
+    def copy_out_next(self) -> None:
+        self.next_host.copy_(self.next_dev, non_blocking=True)
+
+
+class Decoder(Protocol):
+    """One architecture's decode path (see the module docstring). `notes` say which kernels were chosen and
+    why any was not."""
+
+    geometry: DecoderGeometry
+    scoring: RouterScoring
+    device: torch.device
+    dtype: torch.dtype
+    notes: list[str]
+
+    def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune: bool) -> dict:
+        """Choose the kernels ("auto" / "triton" / "torch" backend, attention and MoE implementations), check
+        each against its torch reference on this device (`specmoe.kernels.checks`), fall back where one
+        fails, and return what is used: {"backend", "attention", "moe"}."""
+
+    def step(self, num_positions: int) -> DecodeStep:
+        """The buffers of D = num_positions (made at the first call, then reused)."""
+
+    def attention_router(self, step: DecodeStep, layer: int, copy_out: bool = True) -> None: ...
+
+    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor) -> None: ...
+
+    def head(self, step: DecodeStep, copy_out: bool = True) -> None: ...
+
+    def reset(self) -> None:
+        """A new sequence (positions count from 0 again)."""
+
+    def bytes_per_token(self, position: int) -> int:
+        """Bytes of weights and KV cache one decode step reads at `position`, routed experts excluded."""
