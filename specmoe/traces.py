@@ -138,101 +138,46 @@ class Trace:
 
 
 # -- recording ----------------------------------------------------------------------------------------
-
-def moe_routers(model) -> list:
-    """The router module of every MoE layer, in depth order: decoder layers whose ``mlp`` has a ``gate``
-    with a [E, H] ``weight`` and ``experts`` (OLMoE, Qwen-MoE and Mixtral-style blocks of transformers 5)."""
-    base = getattr(model, "model", model)
-    routers = []
-    for layer in getattr(base, "layers", []):
-        mlp = getattr(layer, "mlp", None)
-        gate = getattr(mlp, "gate", None)
-        if gate is not None and hasattr(mlp, "experts") and getattr(gate, "weight", None) is not None \
-                and gate.weight.ndim == 2:
-            routers.append(gate)
-    if not routers:
-        raise TraceError(f"{type(model).__name__} has no MoE layers with a linear router (mlp.gate)")
-    return routers
-
-
-def model_fingerprint(model) -> str:
-    """The router fingerprint of the model's MoE routers (as `MoEAdapter.fingerprint` computes it)."""
-    from .models.adapter import routers_fingerprint
-
-    return routers_fingerprint(moe_routers(model))
-
-
-def model_top_k(model) -> int:
-    config = model.config
-    for name in ("num_experts_per_tok", "moe_top_k", "top_k"):
-        if getattr(config, name, None):
-            return int(getattr(config, name))
-    raise TraceError(f"cannot find the top-K of {type(model).__name__} in its config")
-
-
 def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) -> Trace:
-    """Run `model` over each sequence (1-D LongTensors, no padding) under its own routing and record the
-    router logits, the pre-gate logits, the token ids and the sequence boundaries. Sequences of equal
-    length are batched `batch_size` at a time."""
+    """Run `model` over each sequence (1-D LongTensors, no padding) under exact routing and record the router
+    logits, the pre-gate logits, the token ids and the sequence boundaries. Sequences of equal length are
+    batched `batch_size` at a time. The recording is the harness's (`exact_routing(record=True)`): the same
+    code records calibrations, and the pre-gate is the adapter's router applied to the previous layer's MoE
+    input."""
     import torch
-    import torch.nn.functional as F
+    import transformers
 
-    routers = moe_routers(model)
-    captured_in: dict[int, "torch.Tensor"] = {}
-    captured_out: dict[int, "torch.Tensor"] = {}
+    from .harness import exact_routing
+    from .models import adapter_for
 
-    def hooks(index):
-        def pre(_module, args):
-            captured_in[index] = args[0].reshape(-1, args[0].shape[-1])
-
-        def post(_module, _args, output):
-            logits = output[0] if isinstance(output, tuple) else output
-            captured_out[index] = logits.reshape(-1, logits.shape[-1])
-        return pre, post
-
-    handles = []
-    for i, gate in enumerate(routers):
-        pre, post = hooks(i)
-        handles.append(gate.register_forward_pre_hook(pre))
-        handles.append(gate.register_forward_hook(post))
+    adapter = adapter_for(model.config)
     device = next(model.parameters()).device
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
     if not seqs or any(s.numel() == 0 for s in seqs):
         raise TraceError("record_trace needs at least one non-empty sequence")
-    parts_z, parts_g = [None] * len(seqs), [None] * len(seqs)
-    try:
-        with torch.no_grad():
-            i = 0
-            while i < len(seqs):
-                j = i + 1
-                while j < len(seqs) and j - i < batch_size and seqs[j].numel() == seqs[i].numel():
-                    j += 1
-                batch = torch.stack(seqs[i:j]).to(device)
-                model(input_ids=batch)
-                num_experts = captured_out[0].shape[-1]
-                z = torch.stack([captured_out[l] for l in range(len(routers))], dim=1).float()
-                g = torch.zeros_like(z)
-                for l in range(1, len(routers)):
-                    g[:, l] = F.linear(captured_in[l - 1], routers[l].weight).float()
-                z = z.view(j - i, -1, len(routers), num_experts).cpu().numpy()
-                g = g.view(j - i, -1, len(routers), num_experts).cpu().numpy()
-                for b in range(j - i):
-                    parts_z[i + b], parts_g[i + b] = z[b], g[b]
-                i = j
-    finally:
-        for h in handles:
-            h.remove()
+    parts_z, parts_g = [], []
+    with torch.no_grad(), exact_routing(model, adapter, record=True) as context:
+        i = 0
+        while i < len(seqs):
+            j = i + 1
+            while j < len(seqs) and j - i < batch_size and seqs[j].numel() == seqs[i].numel():
+                j += 1
+            model(input_ids=torch.stack(seqs[i:j]).to(device))
+            for row in range(j - i):
+                z, g, _, _ = context.recorded(row)
+                g[:, 0] = 0.0  # no pre-gate for the first MoE layer
+                parts_z.append(z)
+                parts_g.append(g)
+            i = j
     lengths = [s.numel() for s in seqs]
-    import transformers
-
     info = {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(device),
             "transformers": transformers.__version__, "torch": torch.__version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "sequences": len(seqs)}
     return Trace(np.concatenate(parts_z), np.concatenate(parts_g), torch.cat(seqs).numpy(),
-                 np.concatenate([[0], np.cumsum(lengths)[:-1]]), top_k=model_top_k(model),
-                 vocab_size=int(model.config.vocab_size), model=model_source,
-                 fingerprint=model_fingerprint(model), info=info)
+                 np.concatenate([[0], np.cumsum(lengths)[:-1]]), top_k=adapter.top_k,
+                 vocab_size=adapter.vocab_size, model=model_source, fingerprint=adapter.fingerprint(model),
+                 info=info)
 
 
 # -- command line ---------------------------------------------------------------------------------------

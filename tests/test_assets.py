@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specmoe.drafters.dflash_model import DFlashDraftModel
-from specmoe.traces import Trace, family_path, model_fingerprint, record_trace
+from specmoe.models import adapter_for
+from specmoe.traces import Trace, family_path, record_trace
 from specmoe.training.evaluate import ar_accept_runs, dflash_accept_lengths, speculative_loop, tau_from_runs
 from specmoe.training.family import load_family, slice_metrics
 
@@ -111,7 +112,7 @@ def test_a_trace_of_the_shipped_target(family, tmp_path, metrics):
     rows = [torch.tensor(r[:64]) for r in metrics["slice"]["slice"]["token_ids"][:2]]
     trace = record_trace(target, rows, model_source="family")
     back = Trace.load(trace.save(tmp_path / "family.safetensors"), num_layers=16, num_experts=64, top_k=8,
-                      vocab_size=target.config.vocab_size, fingerprint=model_fingerprint(target))
+                      vocab_size=target.config.vocab_size, fingerprint=adapter_for(target.config).fingerprint(target))
     assert back.num_tokens == 128 and back.sequence_starts.tolist() == [0, 64]
     top = np.argsort(-back.router_logits, axis=-1, kind="stable")[..., :8]
     pre = np.argsort(-back.pregate_logits[:, 1:], axis=-1, kind="stable")[..., :8]
