@@ -2,7 +2,7 @@
 
 The slot buffer of a layer is [C, W], one row per slot, each row one expert laid out as
 [gate (I x H) | up (I x H) | down (H x I)] (the expert store's row layout, see `specmoe.offload.store`).
-The routing of a layer arrives in a small int32 device tensor `route` [2K]: K slot ids, then the K execution
+The routing of a token arrives in a small int32 device tensor `route` [2K]: K slot ids, then the K execution
 weights as float32 bit patterns. `slot_moe` computes
 
     out = residual + sum_j w_j * down_j(silu(gate_j x) * up_j x)
@@ -10,39 +10,12 @@ weights as float32 bit patterns. `slot_moe` computes
 with the rounding points of transformers' bf16 OLMoE experts (each projection's output and the weighted
 expert output rounded to the model dtype; the sum over experts in float32).
 
-Why our own kernel by default rather than vLLM's fused MoE: at batch 1 the slot ids are written by the
-host-side routing step between the two CUDA graphs of a layer, so the kernel must take them from a device
-tensor inside a captured graph with a static launch shape, and index a per-layer slot buffer whose rows are
-whole experts. Two Triton launches suffice: (1) gate/up projections and the activation, grid
-(K, I / BLOCK_N); (2) the down projections of all K experts, weighted and summed, plus the residual, grid
-(H / BLOCK_H). Each selected expert's weights are read exactly once. The torch fallback (index_select + bmm)
-serves the CPU and any device without Triton.
-
-vLLM's `fused_experts` is the optional alternative (`EngineConfig(moe="vllm")`, `pip install
-'specmoe[vllm]'`; `slot_moe_vllm`). It is built for many-token batches: per call it sorts and pads the
-(token, expert) pairs per expert (moe_align_block_size), runs a grouped GEMM for gate/up, silu-and-mul, a
-grouped GEMM for down with the routing weights and a sum over the K experts: about five launches and a few
-small allocations instead of two, all of static shape, so it captures in a graph too (vLLM's tests capture
-it). It takes the slot buffer without a copy: the experts go in as strided views w1 [C, 2I, H] and
-w2 [C, H, I] of the [C, W] buffer (expert stride W), the slot ids as its expert ids.
-
-Written against vLLM's `vllm/model_executor/layers/fused_moe/fused_moe.py` at commit 13cb3e44
-(github.com/vllm-project/vllm), exported as `vllm.model_executor.layers.fused_moe.fused_experts`.
-`fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, ...)` asserts only: hidden_states contiguous,
-w1 and w2 with a contiguous last dimension, hidden_states.size(1) == w1.size(2), topk_weights and topk_ids
-of the same shape, a float32/float16/bfloat16 activation (fused_experts_impl), topk_weights.stride(1) == 1
-(invoke_fused_moe_kernel). Its Triton kernel addresses the experts through B.stride(0), B.stride(1) and
-B.stride(2), and vLLM's own test (tests/kernels/moe/test_moe.py, test_fused_moe with padding=True) runs it on
-non-contiguous weights. Its rounding points differ slightly from transformers' (the routing weight is applied
-before the down projection is rounded). Only the five arguments common to its versions are passed.
-
-Not verified, as vLLM is not installed on our machines: that it runs and captures here, and how fast it is. Its
-tuned launch configurations are looked up by (E, N) = (w2.size(0), w2.size(2)) = (C, I), for which vLLM ships
-none unless C happens to match a real model's expert count: it then logs a warning and uses its default
-configuration (`vllm.model_executor.layers.fused_moe.override_config` can set one). vLLM's tests call it
-inside `set_current_vllm_config`; the engine does not, and it is not known whether that matters outside
-vLLM's engine. The engine checks the real function against the torch path at build and falls back with a
-note if they disagree; the tests use a stand-in implementing the documented interface.
+Why our own kernel by default: at batch 1 the slot ids are written by the host-side routing step between the
+two CUDA graphs of a layer, so the kernel must take them from a device tensor inside a captured graph with a
+static launch shape and index a per-layer slot buffer whose rows are whole experts; no library kernel does
+that. Two Triton launches suffice, and each selected expert's weights are read exactly once. The torch
+fallback (index_select + bmm) serves the CPU and any device without Triton. vLLM's `fused_experts` is the
+optional alternative (`slot_moe_vllm`); how it is called and what is unverified: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """One routing policy with its parameters (names follow DESIGN.md's vocabulary).
+    """One routing policy with its parameters (names follow the vocabulary of docs/design.md).
 
     capacity: C, logical cache slots per layer; top_k: K of the model; bonus: lambda; insert_budget: n,
     new pre-gate insertions per layer and token; window: w, pre-gate candidates visited; priority: "A"
