@@ -51,13 +51,13 @@ def block_params(rows: int, head_dim: int, itemsize: int) -> dict:
 
     - block_m: rows per program, padded to a power of two of at least 16 for tl.dot (1 row runs
       elementwise), capped so the float32 accumulator [block_m, HD] stays in registers;
-    - block_n: keys per inner step, a 16 KB tile of K and one of V (8 KB with 64 rows);
+    - block_n: keys per inner step, a 16 KB tile of K and one of V (8 KB with 64 rows), at most 128 keys;
     - num_stages 2 (one tile in flight while the other is used), 1 for float32, whose tl.dot runs on CUDA
       cores in full precision and needs the registers; 8 warps there for 32 rows or more.
     Checked by compiling for sm_90 with Triton 3.6: no register spills for bf16 at the shapes of the tests.
     """
     block_m = 1 if rows == 1 else min(max(16, _next_pow2(rows)), 64 if head_dim <= 128 else 32)
-    block_n = max(16, (16384 if block_m < 64 else 8192) // (head_dim * itemsize))
+    block_n = min(128, max(16, (16384 if block_m < 64 else 8192) // (head_dim * itemsize)))
     wide = itemsize >= 4
     return dict(block_m=block_m, block_n=block_n, num_stages=1 if wide else 2,
                 num_warps=8 if wide and block_m >= 32 else 4)
@@ -66,15 +66,17 @@ def block_params(rows: int, head_dim: int, itemsize: int) -> dict:
 def split_kv_config(num_queries: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                     itemsize: int = 2, num_sms: int = DEFAULT_SMS) -> dict:
     """Launch parameters from static shapes only: `block_params` and num_splits, the number of programs per
-    KV head and M block along the positions. About 4 programs per SM in all (NKV * M blocks * splits), to
-    keep enough loads in flight to stream the cache at long lengths; at most one split per key block; and at
-    most S / (2 rows), so the float32 partials (written and read back: 8 bytes per row, split and head dim)
-    stay under the K/V bytes of a full cache (they are written and read back within L2 for the most part)."""
+    KV head and M block along the positions. NKV * M blocks * splits programs in all: 4 per SM for one row
+    (elementwise, about 5 fit on an SM at once), 2 per SM with tl.dot (about 3 fit), so that at long lengths
+    one wave of programs keeps enough loads in flight to stream the cache; at most one split per key block;
+    and at most S / (2 rows), so the float32 partials (8 bytes per row, split and head dim, written and read
+    back, mostly within L2) stay under the K/V bytes of a full cache."""
     rows = num_queries * (num_heads // num_kv_heads)
     cfg = block_params(rows, head_dim, itemsize)
     m_blocks = -(-rows // cfg["block_m"])
+    programs = (4 if cfg["block_m"] == 1 else 2) * num_sms
     max_splits = max(1, min(-(-max_seq_len // cfg["block_n"]), max_seq_len // (2 * rows)))
-    cfg["num_splits"] = max(1, min(max_splits, -(-4 * num_sms // (num_kv_heads * m_blocks))))
+    cfg["num_splits"] = max(1, min(max_splits, -(-programs // (num_kv_heads * m_blocks))))
     return cfg
 
 
