@@ -130,3 +130,17 @@ def test_engines_find_decoders_through_the_registry_only(tiny, monkeypatch):
     with pytest.raises(ModelSourceError, match="no decoder for model type 'olmoe'"):
         build_engine(model, preset("exact_lru", 16, adapter.top_k), Calibration.uniform(16, 64, 512),
                      EngineConfig(max_seq_len=SEQ), store=store)
+
+
+def test_attention_reading_only_written_positions_decodes_like_sdpa(tiny, tokens):
+    """attention="split_kv" (on the CPU its torch reference; the Triton kernel on a GPU) gives the engine the
+    logits of SDPA over the masked cache, and counts only the written positions as bytes read."""
+    model, adapter, store = tiny
+    policy = preset("exact_lru", adapter.num_experts, adapter.top_k)
+    cal = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    engines = {name: build_engine(model, policy, cal, EngineConfig(max_seq_len=SEQ, attention=name), store=store)
+               for name in ("sdpa", "split_kv", "auto")}
+    runs = {name: e.teacher_forced(tokens, return_logits=True) for name, e in engines.items()}
+    assert [runs[n].info["attention"] for n in ("sdpa", "split_kv", "auto")] == ["sdpa", "split_kv", "sdpa"]
+    np.testing.assert_allclose(runs["split_kv"].logits, runs["sdpa"].logits, rtol=1e-5, atol=1e-5)
+    assert engines["split_kv"].decoder.bytes_per_token(3) < engines["sdpa"].decoder.bytes_per_token(3)

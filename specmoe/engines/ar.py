@@ -40,8 +40,9 @@ CACHE_MODES = ("logical", "physical")
 @dataclass(frozen=True)
 class EngineConfig:
     """What an engine is built with (fixed for its lifetime). backend: our Triton kernels (RMSNorm, attention
-    prologue, slot MoE) or their torch versions ("auto": Triton on CUDA where installed); attention: "sdpa"
-    (torch) or "flash_attn" (flash-attn's flash_attn_with_kvcache); moe: "slot" (our slot-indexed kernel) or
+    prologue, slot MoE) or their torch versions ("auto": Triton on CUDA where installed); attention: "split_kv"
+    (our Triton kernel, reads only the written positions), "sdpa" (torch, the whole masked cache), "flash_attn"
+    (flash-attn's flash_attn_with_kvcache), or "auto" (split_kv on CUDA with Triton, else sdpa); moe: "slot" (our slot-indexed kernel) or
     "vllm" (vLLM's fused_experts); tune: pick the MoE kernel's launch parameters on the device. Optional
     packages must be installed (else ImportError at build) and are checked against the torch path at build;
     one that disagrees is not used (see `ArEngine.notes`)."""
@@ -49,7 +50,7 @@ class EngineConfig:
     max_seq_len: int = 1024
     cuda_graphs: bool = True
     backend: str = "auto"
-    attention: str = "sdpa"
+    attention: str = "auto"
     moe: str = "slot"
     tune: bool = False
 

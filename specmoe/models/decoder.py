@@ -67,7 +67,7 @@ class DecodeStep:
     next_host: torch.Tensor  # int64 [D]: greedy token after each position
     next_dev: torch.Tensor
     out_logits: torch.Tensor  # float32 [D, V] on the device
-    work: dict[str, torch.Tensor] = field(default_factory=dict)
+    work: dict = field(default_factory=dict)  # the decoder's activations and kernel workspaces for these D
 
     def __post_init__(self) -> None:
         self.input_np = self.input_host.numpy()

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.kernels import (ATTENTIONS, BACKENDS, MOE_KERNELS, causal_step_mask, checks, decode_attention,
-                             decode_attention_flash, load_flash_attn, load_fused_experts, norm_rope, slot_moe,
-                             slot_moe_vllm, triton_available, tune_moe)
+                             decode_attention_flash, load_flash_attn, load_fused_experts, make_split_kv_workspace,
+                             norm_rope, slot_moe, slot_moe_vllm, split_kv_attention, triton_available, tune_moe)
 
 from .decoder import DecoderGeometry, DecodeStep
 
@@ -75,7 +75,7 @@ class OlmoeDecoder:
         self.geometry = DecoderGeometry(c.num_layers, c.num_experts, c.top_k, c.vocab_size, c.hidden, c.inter,
                                         int(max_seq_len))
         self.scoring = adapter_for(config).router_scoring(weight)
-        self.backend, self.moe_params, self.notes = "torch", None, []
+        self.backend, self.attention, self.moe_params, self.notes = "torch", "sdpa", None, []
         self.flash_attn = self.fused_experts = None  # set by use_kernels once checked
         w = lambda name: weight(name).to(device=self.device, dtype=dtype)  # noqa: E731 (no copy if already so)
         self.embed = w("model.embed_tokens.weight")
@@ -151,8 +151,19 @@ class OlmoeDecoder:
         self.backend = "triton" if backend == "triton" or (backend == "auto" and cuda and triton_available()) \
             else "torch"
         self.flash_attn = self.fused_experts = None
+        self.attention = "sdpa"
+        if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
+            try:
+                checks.check_attention(shapes, "split-KV attention kernel", self._split_kv_check)
+                self.attention = "split_kv"
+                self.notes.append(f"split-KV attention checked against SDPA on {where}; used")
+            except Exception as exc:  # a compile error, a CUDA error, a wrong result: SDPA instead
+                if cuda:
+                    torch.cuda.synchronize()
+                self.notes.append(f"split-KV attention unusable ({type(exc).__name__}: {exc}); SDPA used")
         for fn, check, attr, name, default in (
-                (flash_attn, checks.check_flash_attn, "flash_attn", "flash-attn's flash_attn_with_kvcache", "SDPA"),
+                (flash_attn, lambda s, f: checks.check_attention(s, "flash_attn_with_kvcache", self._flash_check(f)),
+                 "flash_attn", "flash-attn's flash_attn_with_kvcache", "SDPA"),
                 (fused_experts, lambda s, f: checks.check_fused_experts(s, slot_buf, f), "fused_experts",
                  "vLLM's fused_experts", "the slot MoE kernel")):
             if fn is None:
@@ -165,6 +176,8 @@ class OlmoeDecoder:
                 self.notes.append(f"{name} unusable ({type(exc).__name__}: {exc}); {default} used")
                 continue
             setattr(self, attr, fn)
+            if attr == "flash_attn":
+                self.attention = "flash_attn"
             self.notes.append(f"{name} checked against torch on {where}; used")
         if self.backend == "triton":
             try:
@@ -179,8 +192,18 @@ class OlmoeDecoder:
                 if cuda:
                     torch.cuda.synchronize()
                 self.backend, self.moe_params = "torch", None
-        return {"backend": self.backend, "attention": "sdpa" if self.flash_attn is None else "flash_attn",
+        return {"backend": self.backend, "attention": self.attention,
                 "moe": "slot" if self.fused_experts is None else "vllm"}
+
+    def _split_kv_check(self, q, k_cache, v_cache, seq_len, scale):
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        ws = make_split_kv_workspace(q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], q.device,
+                                     num_kv_heads=k_cache.shape[0])
+        return split_kv_attention(q, k_cache, v_cache, seq_len, scale, out, ws)
+
+    @staticmethod
+    def _flash_check(flash_attn):
+        return lambda q, k, v, seq_len, scale: decode_attention_flash(q, k, v, seq_len, scale, flash_attn)
 
     # -- buffers ---------------------------------------------------------------------------------------
     def step(self, num_positions: int) -> DecodeStep:
@@ -190,8 +213,10 @@ class OlmoeDecoder:
             zeros = lambda *shape: torch.zeros(*shape, dtype=dt, device=dev)  # noqa: E731
             step.work.update(h=zeros(d, c.hidden), xn=zeros(d, c.hidden), moe_in=zeros(d, c.hidden),
                              q=zeros(d, c.num_heads, c.head_dim), act=zeros(c.top_k, c.inter),
-                             mask=zeros(d, self.geometry.max_seq_len),
+                             att=zeros(d, c.num_heads * c.head_dim), mask=zeros(d, self.geometry.max_seq_len),
                              seqlens=torch.zeros(1, dtype=torch.int32, device=dev))
+            step.work["split_kv"] = make_split_kv_workspace(d, c.num_heads, c.head_dim, self.geometry.max_seq_len, dev,
+                                                    num_kv_heads=c.num_kv_heads)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
@@ -211,20 +236,22 @@ class OlmoeDecoder:
         if layer == 0:
             step.input_dev.copy_(step.input_host, non_blocking=True)
             w["h"].copy_(self.embed.index_select(0, step.input_dev[:d]))
-            if self.flash_attn is None:
+            if self.attention == "sdpa":
                 causal_step_mask(self.positions, first, w["mask"])
-            else:
+            else:  # positions written, the step's own included
                 w["seqlens"].copy_(first + d)
         x = self._rmsnorm(w["h"], self.input_ln[layer], w["xn"])
         qkv = F.linear(x, self.wqkv[layer])
         prologue = norm_rope.qkv_prologue_triton if self.backend == "triton" else norm_rope.qkv_prologue_torch
         prologue(qkv, self.q_norm[layer], self.k_norm[layer], self.cos, self.sin, first, w["q"],
                  self.k_cache[layer], self.v_cache[layer], c.eps, c.clip_qkv)
-        if self.flash_attn is None:
-            att = decode_attention(w["q"], self.k_cache[layer], self.v_cache[layer], w["mask"], self.scale)
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        if self.attention == "split_kv":
+            att = split_kv_attention(w["q"], k_cache, v_cache, w["seqlens"], self.scale, w["att"], w["split_kv"])
+        elif self.attention == "flash_attn":
+            att = decode_attention_flash(w["q"], k_cache, v_cache, w["seqlens"], self.scale, self.flash_attn)
         else:
-            att = decode_attention_flash(w["q"], self.k_cache[layer], self.v_cache[layer], w["seqlens"],
-                                         self.scale, self.flash_attn)
+            att = decode_attention(w["q"], k_cache, v_cache, w["mask"], self.scale)
         w["h"].add_(F.linear(att, self.wo[layer]))
         m = self._rmsnorm(w["h"], self.post_ln[layer], w["moe_in"])
         step.logits_dev[layer].copy_(F.linear(m, self.router_pair[layer]))
@@ -255,6 +282,6 @@ class OlmoeDecoder:
         item = self.embed.element_size()
         per_layer = sum(t.numel() for t in (self.wqkv[0], self.wo[0], self.router_pair[0], self.input_ln[0],
                                             self.post_ln[0], self.q_norm[0], self.k_norm[0])) * item
-        attended = self.geometry.max_seq_len if self.flash_attn is None else position + 1  # SDPA reads it all
+        attended = self.geometry.max_seq_len if self.attention == "sdpa" else position + 1  # SDPA reads it all
         kv = 2 * c.num_kv_heads * attended * c.head_dim * item
         return c.num_layers * (per_layer + kv) + (self.lm_head.numel() + c.hidden * 2) * item
