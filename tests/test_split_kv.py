@@ -133,6 +133,8 @@ def test_input_checks():
         make_split_kv_workspace(2, 4, 16, 32, "cpu", block_m=1)
     with pytest.raises(ValueError, match="block_n"):
         make_split_kv_workspace(1, 4, 16, 32, "cpu", block_n=24)
+    with pytest.raises(ValueError, match="bad split-KV options"):
+        make_split_kv_workspace(1, 4, 16, 32, "cpu", num_splits=0)
 
 
 def test_launch_depends_on_static_shapes_and_fills_the_gpu():

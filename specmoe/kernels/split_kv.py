@@ -144,8 +144,9 @@ def make_split_kv_workspace(num_queries: int, num_heads: int, head_dim: int, max
         raise ValueError(f"unknown split-KV options {sorted(unknown)}; known: {list(_OPTIONS)}")
     device = torch.device(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
-    splits = overrides.pop("num_splits", None) or split_kv_config(num_queries, num_heads, num_kv_heads, head_dim,
-                                                                  max_seq_len, num_sms=sms)["num_splits"]
+    splits = overrides.pop("num_splits", None)
+    if splits is None:
+        splits = split_kv_config(num_queries, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms=sms)["num_splits"]
     ws = SplitKVWorkspace(num_queries, num_heads, head_dim, max_seq_len, num_kv_heads, splits,
                           torch.empty(num_queries * num_heads, splits, head_dim, dtype=torch.float32, device=device),
                           torch.empty(num_queries * num_heads, splits, dtype=torch.float32, device=device), overrides)
