@@ -133,6 +133,8 @@ def test_input_checks():
         make_split_kv_workspace(2, 4, 16, 32, "cpu", block_m=1)
     with pytest.raises(ValueError, match="block_n"):
         make_split_kv_workspace(1, 4, 16, 32, "cpu", block_n=24)
+    with pytest.raises(ValueError, match="bad split-KV options"):
+        make_split_kv_workspace(1, 4, 16, 32, "cpu", num_splits=0)
 
 
 def test_launch_depends_on_static_shapes_and_fills_the_gpu():
@@ -275,8 +277,9 @@ def test_one_captured_graph_serves_every_length(num_heads, num_kv, head_dim, num
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [dict(block_m=16), dict(block_n=32), dict(block_n=128, num_warps=8),
-                                  dict(num_splits=16), dict(num_splits=66), dict(block_m=16, num_stages=3)])
+@pytest.mark.parametrize("opts", [dict(block_m=16), dict(block_n=32), dict(block_n=32, num_stages=3),
+                                  dict(block_n=128, num_warps=8), dict(num_splits=16), dict(num_splits=66),
+                                  dict(block_m=16, num_stages=3)])
 def test_benchmark_variants_are_correct(opts):
     """The launch variants that scripts/bench_attention.py times, at OLMoE shapes (D = 1)."""
     q, k, v = make_inputs(1, 16, 16, 128, MAX_SEQ, torch.bfloat16, "cuda", seed=3)
