@@ -1,8 +1,10 @@
-"""Benchmark of the AR offloading engine (issue 3) on one CUDA GPU.
+"""Benchmark of the AR offloading engine on one CUDA GPU, at the context lengths of real use.
 
-Full-size OLMoE-1B-7B config, bf16, seeded random weights drawn on the device; teacher-forced windows of
-random tokens (random weights route without temporal locality, so copy counts are those of a worst case,
-not of a trained model). Configurations run in one process, rounds interleaved (A B C ... A B C ...):
+Full-size OLMoE-1B-7B config, bf16, seeded random weights drawn on the device, a static KV cache of
+--max-seq-len positions (default 4096); teacher-forced windows of random tokens: a prompt of --prompt tokens
+(default 256, decoded through the same path but not timed) then --tokens timed tokens (random weights route
+without temporal locality, so copy counts are those of a worst case, not of a trained model).
+Configurations run in one process, rounds interleaved (A B C ... A B C ...):
 - all experts resident (C = E = 64), exact routing: this engine vs transformers' own generate on the same
   weights (eager and batched_mm experts), and vs the memory-bandwidth floor (bytes read per token / measured
   device bandwidth);
@@ -15,6 +17,12 @@ Reported per configuration: mean and p99 ms/token, copies per token by class, en
 max(all-resident ms, transferred copies x measured copy ms) / ms, ratios with 95% intervals (paired t-test on
 log latency over rounds), and from separate passes (not in the rounds) the host gap per layer with
 instrumentation and the compute-only time with copies skipped (trace-following the round-1 routing).
+
+Then a sweep of decode position (--positions, default 100 500 1000 2000 4000) for all-resident and PSR at
+each capacity, rounds interleaved: --sweep-tokens timed tokens starting at each position over a KV cache
+filled with random values below it (`teacher_forced(first_position=)`: attention costs what the written
+context costs, whatever its values), with the ratio of each position's time to the first position's.
+`--max-seq-len 128 --prompt 0 --positions` (no sweep) reproduces the earlier short-cache setting.
 
     PYTHONPATH=. python3 scripts/bench_engine.py --out runs/bench_engine
 """
@@ -225,10 +233,11 @@ def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[
             "info": {"model": rec.model, "sequences": len(spans), "tokens_per_window": length}}
 
 
-def run_windows(engine, windows, trace=None) -> dict:
+def run_windows(engine, windows, trace=None, prompt: int = 0, first_position: int = 0) -> dict:
     ms, results = [], []
     for i, w in enumerate(windows):
-        r = engine.teacher_forced(w, feed=None if trace is None else trace[i])
+        r = engine.teacher_forced(w, prompt_len=prompt, feed=None if trace is None else trace[i],
+                                  first_position=first_position)
         ms.append(r.ms[r.timed])
         results.append(r)
     summaries = [r.summary() for r in results]
@@ -245,12 +254,61 @@ def run_windows(engine, windows, trace=None) -> dict:
     return out
 
 
+def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int, report: dict) -> dict:
+    """Decode time by position: all-resident and PSR at each capacity, --sweep-tokens timed tokens from each
+    position over a KV cache of random values, rounds interleaved; ratios to the first position (paired t on log
+    latency over rounds) and the all-resident bandwidth floor at each position."""
+    E = max(engines)
+    positions = [p for p in args.positions if p + args.sweep_tokens <= args.max_seq_len]
+    if len(positions) < len(args.positions):
+        report["errors"].append(f"sweep positions beyond --max-seq-len - --sweep-tokens skipped: "
+                                f"{sorted(set(args.positions) - set(positions))}")
+    configs = [("all_resident", E, preset("exact_lru", E, top_k))]
+    configs += [(f"C{c}_psr", c, preset("psr", c, top_k, bonus=PSR_LAMBDA[c], insert_budget=1)) for c in args.capacities]
+    with torch.no_grad():
+        for engine in engines.values():  # the context below each window: random keys and values
+            engine.decoder.k_cache.normal_()
+            engine.decoder.v_cache.normal_()
+    rng = np.random.default_rng(300)
+    tokens = rng.integers(0, vocab_size, args.sweep_tokens)
+    rounds = {(name, p): [] for name, _, _ in configs for p in positions}
+    for r in range(args.rounds + 1):  # round 0 warms up every (configuration, position)
+        for p in positions:
+            for name, c, pol in configs:
+                try:
+                    engines[c].configure(policy=pol, calibration=calibration, instrument=False,
+                                         skip_copies=False)
+                    res = run_windows(engines[c], [tokens], first_position=p)
+                    if r:
+                        rounds[(name, p)].append(float(res["ms_tokens"].mean()))
+                except Exception as exc:
+                    report["errors"].append(f"sweep {name} at {p}: {exc!r}\n{traceback.format_exc()[-1500:]}")
+        if r:
+            print(f"sweep round {r}:", {f"{n}@{p}": round(v[-1], 3) for (n, p), v in rounds.items() if v}, flush=True)
+    floor = {p: weight_bytes_per_token(engines[E], p) / report["bandwidth_Bps"] * 1e3 for p in positions}
+    out = {"positions": positions, "tokens": args.sweep_tokens, "floor_ms": floor, "rows": {}}
+    for name, _, pol in configs:
+        base = rounds[(name, positions[0])]
+        out["rows"][name] = {"policy": pol.name, "ms": {p: float(np.mean(rounds[(name, p)])) if rounds[(name, p)]
+                                                        else math.nan for p in positions},
+                             "rounds_ms": {p: rounds[(name, p)] for p in positions},
+                             "ratio_to_first": {p: ratio_ci(rounds[(name, p)], base) for p in positions[1:]
+                                                if rounds[(name, p)] and len(rounds[(name, p)]) == len(base)}}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=64, help="tokens per teacher-forced window")
+    ap.add_argument("--tokens", type=int, default=64, help="timed tokens per teacher-forced window")
+    ap.add_argument("--prompt", type=int, default=256, help="untimed prompt tokens before each window's timed ones")
+    ap.add_argument("--max-seq-len", type=int, default=4096, help="positions of the static KV cache")
+    ap.add_argument("--attention", default="auto", help="EngineConfig.attention: auto, split_kv, sdpa, flash_attn")
+    ap.add_argument("--positions", type=int, nargs="*", default=[100, 500, 1000, 2000, 4000],
+                    help="decode positions of the sweep (none: no sweep)")
+    ap.add_argument("--sweep-tokens", type=int, default=32, help="timed tokens per window of the sweep")
     ap.add_argument("--calib-windows", type=int, default=4)
     ap.add_argument("--hf-tokens", type=int, default=32)
     ap.add_argument("--warmup-tokens", type=int, default=16)
@@ -296,9 +354,11 @@ def main(argv=None) -> int:
     print("bandwidth GB/s", report["bandwidth_Bps"] / 1e9, "copy", report["copy"], flush=True)
     save()
 
-    seq = -(-(args.tokens + 8) // 64) * 64  # static KV cache length: a multiple of 64
+    window = args.prompt + args.tokens
+    if window > args.max_seq_len:
+        raise SystemExit(f"--prompt + --tokens = {window} positions do not fit --max-seq-len {args.max_seq_len}")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
-    cfg = EngineConfig(max_seq_len=seq, tune=True)
+    cfg = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention, tune=True)
     engines = {E: build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, V), cfg, store=store)}
     rng = np.random.default_rng(100)
     calib = calibration_from_engine(engines[E], [rng.integers(0, V, args.tokens) for _ in range(args.calib_windows)],
@@ -308,6 +368,7 @@ def main(argv=None) -> int:
     for c in args.capacities:
         engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, store=store)
     report["engine_notes"] = {str(c): e.notes for c, e in engines.items()}
+    report["kernels"] = engines[E].kernels
     if args.unbatched_copies:
         for engine in engines.values():
             if getattr(engine.copies, "runtime", None) is not None:
@@ -322,7 +383,7 @@ def main(argv=None) -> int:
     save()
 
     rng = np.random.default_rng(200)
-    windows = [rng.integers(0, V, args.tokens) for _ in range(args.windows)]
+    windows = [rng.integers(0, V, window) for _ in range(args.windows)]
     configs = [("all_resident", E, preset("exact_lru", E, K))]
     for c in args.capacities:
         PSR_LAMBDA.setdefault(c, 0.25)
@@ -330,7 +391,7 @@ def main(argv=None) -> int:
     # per configuration: the calibration, the windows and the trace each window follows (None: own router)
     setting = {name: (calib, windows, None) for name, _, _ in configs}
     if args.trace:
-        traced = load_trace_windows(args.trace, args.trace_calibration, (L, E, K), args.windows, args.tokens)
+        traced = load_trace_windows(args.trace, args.trace_calibration, (L, E, K), args.windows, window)
         report["trace"] = {"file": args.trace, "calibration": args.trace_calibration, **traced["info"]}
         for c in args.capacities:
             for name, pol in policies(c, K).items():
@@ -349,7 +410,7 @@ def main(argv=None) -> int:
         try:
             cal, wins, tr = setting[name]
             engines[c].configure(policy=pol, calibration=cal)
-            engines[c].teacher_forced(wins[0][: args.warmup_tokens], feed=None if tr is None else tr[0])
+            engines[c].teacher_forced(wins[0][: args.warmup_tokens], feed=None if tr is None else tr[0])  # noqa
         except Exception as exc:
             report["errors"].append(f"{name} warm-up: {exc!r}\n{traceback.format_exc()[-1500:]}")
     for r in range(args.rounds):
@@ -358,7 +419,7 @@ def main(argv=None) -> int:
                 engine = engines[c]
                 cal, wins, tr = setting[name]
                 engine.configure(policy=pol, calibration=cal, instrument=False, skip_copies=False)
-                res = run_windows(engine, wins, trace=tr)
+                res = run_windows(engine, wins, trace=tr, prompt=args.prompt)
                 rounds[name].append(float(res["ms_tokens"].mean()))
                 d = details.setdefault(name, {"ms_tokens": [], "policy": pol.name, "capacity": c})
                 d["ms_tokens"].append(res["ms_tokens"])
@@ -386,23 +447,27 @@ def main(argv=None) -> int:
         try:
             cal, wins, tr = setting[name]
             engine.configure(policy=pol, calibration=cal, instrument=True, skip_copies=False)
-            inst = run_windows(engine, wins[:1], trace=None if tr is None else tr[:1])
+            inst = run_windows(engine, wins[:1], trace=None if tr is None else tr[:1], prompt=args.prompt)
             details[name]["instrumented"] = {k: inst[k] for k in ("gpu_gap_us_per_layer",
                                              "gap_without_wait_us_per_layer", "exposed_wait_ms_per_token",
                                              "host_us_per_layer") if k in inst}
             details[name]["instrumented"]["ms_mean"] = float(inst["ms_tokens"].mean())
             engine.configure(instrument=False, skip_copies=True)
-            skip = run_windows(engine, wins, trace=details[name]["trace"])
+            skip = run_windows(engine, wins, trace=details[name]["trace"], prompt=args.prompt)
             details[name]["copies_skipped_ms"] = float(skip["ms_tokens"].mean())
         except Exception as exc:
             report["errors"].append(f"{name} extra passes: {exc!r}\n{traceback.format_exc()[-1500:]}")
         finally:
             engine.configure(instrument=False, skip_copies=False)
 
+    if args.positions:
+        report["sweep"] = position_sweep(engines, calib, args, K, V, report)
+        save()
+
     # summary
     copy_ms = report["copy"]["stream_ms"]
     resident_ms = float(np.mean(rounds["all_resident"])) if rounds["all_resident"] else math.nan
-    floor_bytes = weight_bytes_per_token(engines[E])
+    floor_bytes = weight_bytes_per_token(engines[E], args.prompt + args.tokens // 2)
     report["bandwidth_floor_ms"] = floor_bytes / report["bandwidth_Bps"] * 1e3
     report["bytes_per_token"] = floor_bytes
     table = {}
@@ -482,6 +547,20 @@ def markdown(report: dict) -> str:
     lines += ["", "| ratio | point | 95% interval | p |", "|---|---|---|---|"]
     for name, r in report["ratios"].items():
         lines.append(f"| {name} | {r['ratio']:.3f} | {r['lo']:.3f}-{r['hi']:.3f} | {r['p']:.3g} |")
+    sweep = report.get("sweep")
+    if sweep:
+        pos = sweep["positions"]
+        lines += ["", f"Decode position sweep ({sweep['tokens']} timed tokens per position; ms/token, and the ratio "
+                  f"to position {pos[0]} with its 95% interval):", "",
+                  "| config | " + " | ".join(str(p) for p in pos) + " |", "|---|" + "---|" * len(pos)]
+        for name, row in sweep["rows"].items():
+            cells = [f"{row['ms'][pos[0]]:.3f}"]
+            for p in pos[1:]:
+                r = row["ratio_to_first"].get(p)
+                cells.append(f"{row['ms'][p]:.3f}" + ("" if r is None else
+                             f" ({r['ratio']:.3f}, {r['lo']:.3f}-{r['hi']:.3f})"))
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("| bandwidth floor, all resident | " + " | ".join(f"{sweep['floor_ms'][p]:.3f}" for p in pos) + " |")
     if report.get("hf_ms"):
         lines += ["", "transformers generate ms/token: " + ", ".join(f"{k} {v:.2f}" for k, v in report["hf_ms"].items())]
     if report["errors"]:

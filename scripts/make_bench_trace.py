@@ -1,8 +1,9 @@
 """Make the routing trace and calibration that `scripts/bench_engine.py --trace` follows.
 
 From the shipped family target: a calibration on the first 128 windows of 512 tokens of the corpus's
-calibration split, and a trace of 4 sequences of 128 tokens of the evaluation split (sequence i starts at
-token 4096 i). The corpus comes from `python3 scripts/train_family.py prepare --corpus .corpus ...`.
+calibration split, and a trace of `--sequences` sequences of `--length` tokens of the evaluation split
+(sequence i starts at token 4096 i; default 4 x 512, enough for a prompt of a few hundred tokens plus the
+decoded window). The corpus comes from `python3 scripts/train_family.py prepare --corpus .corpus ...`.
 
     python3 scripts/make_bench_trace.py --corpus .corpus --out .device-carry
 """
@@ -28,6 +29,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", default=".corpus")
     parser.add_argument("--out", default=".device-carry")
+    parser.add_argument("--sequences", type=int, default=4)
+    parser.add_argument("--length", type=int, default=512)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -38,7 +41,9 @@ def main() -> None:
         "text": "family corpus, calibration split, first 128 windows of 512 tokens"})
     calibration.save(out / "calib.safetensors")
     evaluation = parts["evaluation"]
-    sequences = [torch.as_tensor(evaluation[i * 4096:i * 4096 + 128]) for i in range(4)]
+    if not 1 <= args.length <= 4096 or args.sequences < 1 or args.sequences * 4096 > len(evaluation):
+        raise SystemExit(f"--length must be 1..4096 and --sequences at most {len(evaluation) // 4096}")
+    sequences = [torch.as_tensor(evaluation[i * 4096:i * 4096 + args.length]) for i in range(args.sequences)]
     record_trace(model, sequences, model_source=str(family_path("target"))).save(out / "trace.safetensors")
     print(f"wrote {out / 'calib.safetensors'} and {out / 'trace.safetensors'}")
 

@@ -165,11 +165,11 @@ class ArEngine:
                 torch.cuda.synchronize()
         return copies
 
-    def _step(self, t: int, token: int, feed, rec: StepRecorder) -> None:
-        """One token at position t: the data flow of the module docstring."""
+    def _step(self, t: int, token: int, feed, rec: StepRecorder, position: int) -> None:
+        """Step t of the run, one token at `position`: the data flow of the module docstring."""
         cache, copies, run = self.cache, self.copies, self.runner
         inserts = self.policy.insert_budget > 0
-        self.step.set_input((token,), t, self.geometry.max_seq_len)
+        self.step.set_input((token,), position, self.geometry.max_seq_len)
         rec.begin(t, token)
         run.attention(0)
         rec.gpu_mark(t, 0, ATTENTION_DONE)
@@ -211,11 +211,11 @@ class ArEngine:
                                issue_now=physical)
 
     def _run(self, tokens_in, num_steps: int, timed_from: int, feed: LogitFeed | None, return_logits: bool,
-             stop_tokens=(), feed_outputs_from: int | None = None) -> DecodeResult:
+             stop_tokens=(), feed_outputs_from: int | None = None, first_position: int = 0) -> DecodeResult:
         g = self.geometry
-        if num_steps > g.max_seq_len:
-            raise ValueError(f"{num_steps} positions do not fit the static KV cache of {g.max_seq_len} "
-                             "(EngineConfig.max_seq_len)")
+        if first_position < 0 or first_position + num_steps > g.max_seq_len:
+            raise ValueError(f"{num_steps} positions from position {first_position} do not fit the static KV cache "
+                             f"of {g.max_seq_len} (EngineConfig.max_seq_len)")
         stops = set(int(s) for s in stop_tokens)
         if feed is not None:
             if feed.tokens is not None:  # the recorded run's tokens and length
@@ -234,7 +234,7 @@ class ArEngine:
                     token = int(tokens_in[t])
                 else:
                     token = int(rec.outputs[t - 1])
-                self._step(t, token, source, rec)
+                self._step(t, token, source, rec, first_position + t)
                 if logits is not None:
                     logits[t] = self.step.out_logits[0].float().cpu().numpy()
                 if feed_outputs_from is not None and t + 1 >= feed_outputs_from and int(rec.outputs[t]) in stops:
@@ -246,11 +246,15 @@ class ArEngine:
         return rec.result(timed_from, logits, info)
 
     def teacher_forced(self, tokens, prompt_len: int = 0, feed: LogitFeed | None = None,
-                       return_logits: bool = False) -> DecodeResult:
+                       return_logits: bool = False, first_position: int = 0) -> DecodeResult:
         """Decode `tokens` [T] token by token, feeding the given tokens; steps before `prompt_len` are prompt
-        processing (not timed). output_tokens[t] is the greedy prediction after tokens[:t+1]."""
+        processing (not timed). output_tokens[t] is the greedy prediction after tokens[:t+1].
+
+        first_position > 0 (for timing at long contexts without decoding a prefix): the tokens sit at positions
+        first_position .. first_position + T - 1 and attend to whatever the KV cache holds below them, so the
+        outputs are not the model's on any real text; routing still starts from the warm set."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        return self._run(tokens, len(tokens), prompt_len, feed, return_logits)
+        return self._run(tokens, len(tokens), prompt_len, feed, return_logits, first_position=first_position)
 
     def generate(self, prompt, max_new_tokens: int, stop_tokens=(), feed: LogitFeed | None = None,
                  return_logits: bool = False) -> DecodeResult:

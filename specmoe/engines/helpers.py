@@ -37,8 +37,9 @@ def random_olmoe_on_device(name: str, seed: int, dtype: torch.dtype, device):
     return model, adapter_for(config)
 
 
-def weight_bytes_per_token(engine, experts_per_layer: int | None = None) -> int:
-    """Bytes a decode step must read with every executed expert resident: the decoder's weights and KV
-    cache plus K expert rows per layer (the memory-bandwidth floor's numerator)."""
+def weight_bytes_per_token(engine, position: int = 0, experts_per_layer: int | None = None) -> int:
+    """Bytes a decode step at `position` must read with every executed expert resident: the decoder's weights
+    and the KV cache its attention reads, plus K expert rows per layer (the memory-bandwidth floor's
+    numerator)."""
     k = experts_per_layer or engine.top_k
-    return engine.decoder.bytes_per_token(0) + engine.num_layers * k * engine.store.expert_bytes
+    return engine.decoder.bytes_per_token(position) + engine.num_layers * k * engine.store.expert_bytes
