@@ -7,8 +7,8 @@ device memory, not from the 50 MB L2, as in the decoder where each layer's exper
 the graph is replayed at every seq_len after changing the device tensor (split-KV) or the mask (SDPA): the
 median replay time / L is the time per call. Paths:
 - split-KV with its default launch parameters, and a few variants (`--no-variants` to skip);
-- the engine's current path, SDPA over the whole masked cache (`specmoe.kernels.decode_attention` for D = 1;
-  the same SDPA call with a [D, S] causal mask for D = 17);
+- SDPA over the whole masked cache (`specmoe.kernels.decode_attention`, with a [D, S]
+  causal mask: the reference, and the engine's default before split-KV);
 - flash-attn's `flash_attn_with_kvcache` (D = 1) where the package is installed.
 The bytes-read floor of one call is K and V of the written positions plus q and the output, over the device
 bandwidth measured here (a 1 GiB device-to-device copy, read + write bytes over time) and over the nominal
@@ -101,18 +101,6 @@ def causal_mask(mask: torch.Tensor, n: int) -> None:
     mask.copy_(torch.where(pos[None, :] <= last[:, None], 0.0, torch.finfo(mask.dtype).min).to(mask.dtype))
 
 
-def sdpa_block(q, k_cache, v_cache, mask, scale):
-    """The engine's SDPA path for D queries: q [D, NH, HD], caches [NKV, S, HD], additive mask [D, S]."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    num_q, num_heads, head_dim = q.shape
-    num_kv, max_seq, _ = k_cache.shape
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k_cache.unsqueeze(0), v_cache.unsqueeze(0),
-            attn_mask=mask.view(1, 1, num_q, max_seq), scale=scale, enable_gqa=num_heads != num_kv)
-    return out[0].transpose(0, 1).reshape(num_q, num_heads * head_dim)
-
-
 def check(report, sk, args, shape) -> bool:
     """The kernel against the torch reference at the test lengths, for each D; True if all agree."""
     num_heads, num_kv, head_dim, max_seq = shape
@@ -184,12 +172,8 @@ def run(args, report) -> None:
         mask = torch.zeros(num_q, max_seq, device=DEVICE, dtype=dtype)
         sdpa_ms = {}
         try:
-            if num_q == 1:
-                calls = [lambda i=i: outs[i].view(-1).copy_(decode_attention(qs[i][0], ks[i], vs[i], mask[0], scale))
-                         for i in range(layers)]
-            else:
-                calls = [lambda i=i: outs[i].copy_(sdpa_block(qs[i], ks[i], vs[i], mask, scale))
-                         for i in range(layers)]
+            calls = [lambda i=i: outs[i].copy_(decode_attention(qs[i], ks[i], vs[i], mask, scale))
+                     for i in range(layers)]
             causal_mask(mask, max(num_q, args.lengths[0]))
             timer = GraphTimer(calls, args.replays)
             for n in args.lengths:
@@ -204,8 +188,7 @@ def run(args, report) -> None:
         if flash is not None and num_q == 1:
             try:
                 seqlens = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-                calls = [lambda i=i: outs[i].view(-1).copy_(decode_attention_flash(qs[i][0], ks[i], vs[i], seqlens,
-                                                                                   scale, flash))
+                calls = [lambda i=i: outs[i].copy_(decode_attention_flash(qs[i], ks[i], vs[i], seqlens, scale, flash))
                          for i in range(layers)]
                 seqlens.fill_(args.lengths[0])
                 timer = GraphTimer(calls, args.replays)

@@ -241,9 +241,9 @@ def test_one_query_matches_the_engines_sdpa_path(num_heads, num_kv, head_dim):
     out = torch.empty(1, num_heads * head_dim, dtype=torch.bfloat16, device="cuda")
     scale = head_dim ** -0.5
     for n in (1, 7, 128, 1000, MAX_SEQ):
-        mask = torch.full((MAX_SEQ,), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device="cuda")
-        mask[:n] = 0
-        sdpa = decode_attention(q[0], k, v, mask, scale)
+        mask = torch.full((1, MAX_SEQ), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device="cuda")
+        mask[:, :n] = 0
+        sdpa = decode_attention(q, k, v, mask, scale)[0]
         split_kv_attention(q, k, v, torch.tensor([n], device="cuda"), scale, out, ws)
         torch.testing.assert_close(out[0].float(), sdpa.float(), rtol=2e-2, atol=2e-2,
                                    msg=lambda m: f"seq_len {n}: {m}")
