@@ -36,10 +36,10 @@ DEVICE = "cuda"
 VARIANTS = {  # launch parameters tried besides the defaults (see specmoe.kernels.split_kv.block_params)
     1: {"bn32": dict(block_n=32), "bn32_st2": dict(block_n=32, num_stages=2),
         "bn32_st3": dict(block_n=32, num_stages=3), "bn128_w8": dict(block_n=128, num_warps=8),
-        "splits16": dict(num_splits=16), "splits66": dict(num_splits=66), "dot16": dict(block_m=16),
-        "dot16_st3": dict(block_m=16, num_stages=3)},
+        "splits16": dict(num_splits=16), "splits66": dict(num_splits=66), "elementwise": dict(block_m=1),
+        "st3": dict(num_stages=3)},
     17: {"bn32_st3": dict(block_n=32, num_stages=3), "splits8": dict(num_splits=8), "splits33": dict(num_splits=33),
-         "splits66": dict(num_splits=66), "st3": dict(num_stages=3), "w8": dict(num_warps=8)},
+         "splits66": dict(num_splits=66), "st2": dict(num_stages=2), "w8": dict(num_warps=8)},
 }
 
 

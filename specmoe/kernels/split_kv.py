@@ -12,8 +12,8 @@ Two launches:
    query row that uses that head (the GQA group times the D queries: row = query * G + group member), so a
    chunk of K and V is read once per KV head. The chunk is ceil(seq_len / splits) rounded up to the key
    block, computed in the kernel, so all splits share the work at any length; programs past seq_len exit.
-   Online softmax in float32 within the chunk (Q K^T and P V through tl.dot when there are at least 2 rows,
-   elementwise for a single row); writes the chunk's normalised output and log-sum-exp (base 2) per row.
+   Online softmax in float32 within the chunk (Q K^T and P V through tl.dot, rows padded to 16; an
+   elementwise variant for a single row, block_m = 1, stays as an option); writes the chunk's normalised output and log-sum-exp (base 2) per row.
 2. reduction, grid (D * NH, HD blocks): combines the active splits' partials by their log-sum-exps and
    rounds to the model dtype once.
 Query i of the block attends positions 0 .. seq_len - D + i; a row that sees no position of a chunk gets an
@@ -49,19 +49,20 @@ def _next_pow2(n: int) -> int:
 def block_params(rows: int, head_dim: int, itemsize: int) -> dict:
     """Tile sizes of the partial kernel for `rows` = D * G query rows per KV head.
 
-    - block_m: rows per program, padded to a power of two of at least 16 for tl.dot (1 row runs
-      elementwise), capped so the float32 accumulator [block_m, HD] stays in registers;
+    - block_m: rows per program, padded to a power of two of at least 16 for tl.dot (also one row: on the
+      H200 the padded tensor-core path beat the elementwise one, block_m = 1, at every length, 14.4 against
+      20.1 µs at 4000 positions), capped so the float32 accumulator [block_m, HD] stays in registers;
     - block_n: keys per inner step, a 16 KB tile of K and one of V (8 KB with 64 rows), at most 128 keys;
-    - num_stages: with tl.dot 2 (the next tiles load into shared memory while these are used); 1 for one
-      row, whose 96 registers let about 5 programs share an SM, their loads in flight together (pipelining
-      64-key tiles takes 246 registers); 1 for float32, whose tl.dot runs on CUDA cores in full precision
-      and needs the registers, with 8 warps for 32 rows or more.
-    Checked by compiling for sm_90 with Triton 3.6: no register spills for bf16 at the shapes of the tests.
+    - num_stages: 1 for one row (no pipelining: more programs share an SM, their loads in flight
+      together), 3 for a block of rows (the next tiles load into shared memory while these are used; 17.0
+      against 19.6 µs with 2 stages for D = 17 at 4000 positions), 1 for float32, whose tl.dot runs on CUDA
+      cores in full precision and needs the registers, with 8 warps for 32 rows or more.
+    Measured with scripts/bench_attention.py (BENCHMARKS.md); compiled for sm_90 with Triton 3.6.
     """
-    block_m = 1 if rows == 1 else min(max(16, _next_pow2(rows)), 64 if head_dim <= 128 else 32)
+    block_m = min(max(16, _next_pow2(rows)), 64 if head_dim <= 128 else 32)
     block_n = min(128, max(16, (16384 if block_m < 64 else 8192) // (head_dim * itemsize)))
     wide = itemsize >= 4
-    return dict(block_m=block_m, block_n=block_n, num_stages=1 if wide or block_m == 1 else 2,
+    return dict(block_m=block_m, block_n=block_n, num_stages=1 if wide or rows == 1 else 3,
                 num_warps=8 if wide and block_m >= 32 else 4)
 
 
@@ -69,14 +70,14 @@ def split_kv_config(num_queries: int, num_heads: int, num_kv_heads: int, head_di
                     itemsize: int = 2, num_sms: int = DEFAULT_SMS) -> dict:
     """Launch parameters from static shapes only: `block_params` and num_splits, the number of programs per
     KV head and M block along the positions. NKV * M blocks * splits programs in all: 4 per SM for one row
-    (elementwise, about 5 fit on an SM at once), 2 per SM with tl.dot (about 3 fit), so that at long lengths
+    (not pipelined, several fit on an SM at once), 2 per SM for a block of rows (pipelined), so that at long lengths
     one wave of programs keeps enough loads in flight to stream the cache; at most one split per key block;
     and at most S / (2 rows), so the float32 partials (8 bytes per row, split and head dim, written and read
     back, mostly within L2) stay under the K/V bytes of a full cache."""
     rows = num_queries * (num_heads // num_kv_heads)
     cfg = block_params(rows, head_dim, itemsize)
     m_blocks = -(-rows // cfg["block_m"])
-    programs = (4 if cfg["block_m"] == 1 else 2) * num_sms
+    programs = (4 if rows == 1 else 2) * num_sms
     max_splits = max(1, min(-(-max_seq_len // cfg["block_n"]), max_seq_len // (2 * rows)))
     cfg["num_splits"] = max(1, min(max_splits, -(-programs // (num_kv_heads * m_blocks))))
     return cfg
