@@ -37,8 +37,165 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
+
+from specmoe.routing.kernels import _rank
 
 from .config import SelectorConfig
+
+IN_ROOT, ELIGIBLE, EXECUTED = 1, 2, 4  # bits of the per-expert marks
+ENTROPY_SLACK = 1e-9  # rounding noise ignored in gamma * e^H before the ceiling
+
+
+@njit(cache=True)
+def _rank_members(z, members, count, k, out, start):
+    """Write the k - start best of members[:count] (ascending indices) by logit into out[start:k], best first;
+    ties go to the lower index (the earlier member)."""
+    want = k - start
+    if want == 0:
+        return
+    n = 0
+    for i in range(count):
+        e = members[i]
+        x = z[e]
+        if n == want and not x > z[out[k - 1]]:
+            continue
+        p = start + (n if n < want else want - 1)
+        while p > start and x > z[out[p - 1]]:
+            out[p] = out[p - 1]
+            p -= 1
+        out[p] = e
+        if n < want:
+            n += 1
+
+
+@njit(cache=True)
+def _select(block, gamma, rescue, prune_budget, z, resident, alpha, k, renormalise, own, zmax, norm, u, v, mark,
+            eligible, selected, weights, union, missing, displaced):
+    """The selection of the module docstring for one layer and block. block: False for ``exact``; rescue < 0:
+    no rescue. Scratch: own [D, K], zmax and norm [D] (the softmax of each position), u, v, mark [E].
+    Returns (n_eligible, n_union, n_missing), or (-1, d, e) for a non-finite logit z[d, e] and (-2, d, 0)
+    for a negative or non-finite alpha[d]."""
+    num_positions, num_experts = z.shape
+    for e in range(num_experts):
+        mark[e] = 0
+        u[e] = 0.0
+        v[e] = 0
+    for d in range(num_positions):
+        top = -np.inf
+        for e in range(num_experts):
+            x = np.float64(z[d, e])
+            if not (x > -np.inf and x < np.inf):
+                return -1, d, e
+            top = max(top, x)
+        total = 0.0
+        for e in range(num_experts):
+            total += np.exp(np.float64(z[d, e]) - top)
+        zmax[d] = top
+        norm[d] = total
+        _rank(z[d], z[d], k, own[d])
+        if block and not (alpha[d] >= 0.0 and alpha[d] < np.inf):
+            return -2, d, 0
+
+    n_eligible = 0
+    if block:
+        for j in range(k):
+            mark[own[0, j]] = IN_ROOT | ELIGIBLE
+        for d in range(num_positions):
+            for j in range(k):
+                e = own[d, j]
+                v[e] += 1
+                if not mark[e] & IN_ROOT:
+                    u[e] += alpha[d] * np.exp(np.float64(z[d, e]) - zmax[d]) / norm[d]
+        # candidates: experts outside A with u > 0, by decreasing u, ties to the lower index
+        m = 0
+        demand = 0.0
+        for e in range(num_experts):
+            if u[e] > 0.0:
+                m += 1
+                demand += u[e]
+        candidates = np.empty(m, dtype=np.int64)
+        keys = np.empty(m)
+        m = 0
+        for e in range(num_experts):
+            if u[e] > 0.0:
+                candidates[m] = e
+                keys[m] = -u[e]
+                m += 1
+        candidates = candidates[np.argsort(keys, kind="mergesort")]
+        extra = 0
+        if m > 0:
+            entropy = 0.0
+            for i in range(m):
+                q = u[candidates[i]] / demand
+                if q > 0.0:
+                    entropy -= q * np.log(q)
+            extra = min(int(np.ceil(gamma * np.exp(entropy) - ENTROPY_SLACK)), m)
+        for i in range(extra):
+            mark[candidates[i]] |= ELIGIBLE
+        # pruning within the rerouting budget, a(S) taken before pruning
+        displaced_assignments = 0
+        for e in range(num_experts):
+            if not mark[e] & ELIGIBLE:
+                displaced_assignments += v[e]
+        limit = prune_budget * displaced_assignments
+        removed = 0
+        for i in range(extra - 1, -1, -1):
+            e = candidates[i]
+            if resident[e]:
+                continue
+            if removed + v[e] > limit:
+                break
+            removed += v[e]
+            mark[e] &= ~ELIGIBLE
+        for e in range(num_experts):
+            if mark[e] & ELIGIBLE:
+                eligible[n_eligible] = e
+                n_eligible += 1
+
+    for d in range(num_positions):
+        if not block or d == 0:
+            for j in range(k):
+                selected[d, j] = own[d, j]
+        else:
+            start = 0
+            top1 = own[d, 0]
+            if rescue >= 0.0 and alpha[d] >= rescue and not mark[top1] & ELIGIBLE:
+                selected[d, 0] = top1
+                start = 1
+            _rank_members(z[d], eligible, n_eligible, k, selected[d], start)
+        scale = norm[d]
+        if renormalise:
+            scale = 0.0
+            for j in range(k):
+                scale += np.exp(np.float64(z[d, selected[d, j]]) - zmax[d])
+        for j in range(k):
+            e = selected[d, j]
+            weights[d, j] = np.exp(np.float64(z[d, e]) - zmax[d]) / scale
+            mark[e] |= EXECUTED
+        lost = 0.0
+        for j in range(k):
+            e = own[d, j]
+            kept = False
+            for i in range(k):
+                kept = kept or selected[d, i] == e
+            if not kept:
+                lost += np.exp(np.float64(z[d, e]) - zmax[d])
+        displaced[d] = lost / norm[d]
+
+    n_union = 0
+    n_missing = 0
+    for e in range(num_experts):
+        if mark[e] & EXECUTED:
+            union[n_union] = e
+            n_union += 1
+            if not resident[e]:
+                missing[n_missing] = e
+                n_missing += 1
+            if not block:
+                eligible[n_eligible] = e
+                n_eligible += 1
+    return n_eligible, n_union, n_missing
 
 
 @dataclass(frozen=True)
@@ -71,11 +228,31 @@ class SelectionBuffers:
     """
 
     def __init__(self, max_positions: int, num_experts: int, top_k: int, weight_dtype=np.float32):
-        raise NotImplementedError
+        if not 1 <= top_k <= num_experts or max_positions < 1:
+            raise ValueError(f"need 1 <= top_k <= num_experts and max_positions >= 1, got top_k={top_k}, "
+                             f"num_experts={num_experts}, max_positions={max_positions}")
+        if np.dtype(weight_dtype) not in (np.float32, np.float64):
+            raise ValueError(f"weight_dtype must be float32 or float64, got {weight_dtype}")
+        self.max_positions, self.num_experts, self.top_k = max_positions, num_experts, top_k
+        self.eligible = np.empty(num_experts, dtype=np.int64)
+        self.selected = np.empty((max_positions, top_k), dtype=np.int64)
+        self.weights = np.empty((max_positions, top_k), dtype=weight_dtype)
+        self.union = np.empty(num_experts, dtype=np.int64)
+        self.missing = np.empty(num_experts, dtype=np.int64)
+        self.displaced = np.empty(max_positions)
+        self._own = np.empty((max_positions, top_k), dtype=np.int64)
+        self._zmax = np.empty(max_positions)
+        self._norm = np.empty(max_positions)
+        self._u = np.empty(num_experts)
+        self._v = np.empty(num_experts, dtype=np.int64)
+        self._mark = np.empty(num_experts, dtype=np.int64)
 
     def selection(self, positions: int, counts: tuple[int, int, int]) -> BlockSelection:
         """A `BlockSelection` of copies of the results of the last call (for tests and records)."""
-        raise NotImplementedError
+        n_eligible, n_union, n_missing = counts
+        return BlockSelection(self.eligible[:n_eligible].copy(), self.selected[:positions].copy(),
+                              self.weights[:positions].copy(), self.union[:n_union].copy(),
+                              self.missing[:n_missing].copy(), self.displaced[:positions].copy())
 
 
 def select_block(config: SelectorConfig, router_logits: np.ndarray, resident: np.ndarray, alpha: np.ndarray,
@@ -85,13 +262,53 @@ def select_block(config: SelectorConfig, router_logits: np.ndarray, resident: np
     router_logits: float32 or float64 [D, E] (D >= 1 positions, row 0 the root); resident: bool [E], the
     experts present before the block (the pool); alpha: float [D], the position weights (`position_weights`
     or `confidence_weights`; ignored by ``exact``); top_k: K of the model (K <= E); renormalise: whether the
-    model's router renormalises its top-K weights. Raises ValueError on wrong shapes or non-finite values.
+    model's router renormalises its top-K weights. Weights come back in float64. Raises ValueError on wrong
+    shapes or non-finite values.
     """
-    raise NotImplementedError
+    shape = np.shape(router_logits)
+    if len(shape) != 2 or shape[0] < 1 or isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) \
+            or not 1 <= top_k <= shape[1]:
+        raise ValueError(f"router logits must be [D >= 1, E >= top_k] with top_k >= 1, got shape {shape} and "
+                         f"top_k={top_k!r}")
+    buffers = SelectionBuffers(shape[0], shape[1], int(top_k), np.float64)
+    counts = select_block_into(config, router_logits, resident, alpha, top_k, renormalise, buffers)
+    return buffers.selection(shape[0], counts)
 
 
 def select_block_into(config: SelectorConfig, router_logits: np.ndarray, resident: np.ndarray, alpha: np.ndarray,
                       top_k: int, renormalise: bool, buffers: SelectionBuffers) -> tuple[int, int, int]:
     """`select_block` writing into `buffers` instead of allocating (the engine's per-layer call): returns
-    (n_eligible, n_union, n_missing). The same checks as `select_block`."""
-    raise NotImplementedError
+    (n_eligible, n_union, n_missing). The same checks as `select_block`; the weights take the buffers' dtype."""
+    if not isinstance(config, SelectorConfig):
+        raise ValueError(f"expected a SelectorConfig, got {type(config).__name__}")
+    z = router_logits
+    if not isinstance(z, np.ndarray) or z.dtype not in _FLOATS:
+        z = np.asarray(z, dtype=np.float64)
+    if z.ndim != 2 or not 1 <= z.shape[0] <= buffers.max_positions or z.shape[1] != buffers.num_experts \
+            or top_k != buffers.top_k:
+        raise ValueError(f"router logits must be [D, E] with 1 <= D <= {buffers.max_positions}, "
+                         f"E = {buffers.num_experts} and top_k = {buffers.top_k}, got shape {z.shape} and top_k={top_k}")
+    if not isinstance(resident, np.ndarray) or resident.dtype != np.bool_ or resident.shape != (z.shape[1],):
+        raise ValueError(f"resident must be a bool array [E={z.shape[1]}], got {_describe(resident)}")
+    if not isinstance(alpha, np.ndarray) or alpha.dtype != np.float64:
+        alpha = np.asarray(alpha, dtype=np.float64)
+    if alpha.shape != (z.shape[0],):
+        raise ValueError(f"alpha must have one weight per position, [D={z.shape[0]}], got shape {alpha.shape}")
+    block = config.kind != "exact"
+    rescue = -1.0 if config.rescue_threshold is None else config.rescue_threshold
+    b = buffers
+    first, second, third = _select(block, config.gamma, rescue, config.prune_budget, z, resident, alpha, top_k,
+                                   bool(renormalise), b._own, b._zmax, b._norm, b._u, b._v, b._mark, b.eligible,
+                                   b.selected, b.weights, b.union, b.missing, b.displaced)
+    if first == -1:
+        raise ValueError(f"router logit [{second}, {third}] is not finite ({z[second, third]})")
+    if first == -2:
+        raise ValueError(f"alpha[{second}] must be finite and >= 0, got {alpha[second]}")
+    return first, second, third
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _describe(array) -> str:
+    return f"{type(array).__name__} of shape {np.shape(array)} and dtype {getattr(array, 'dtype', None)}"
