@@ -164,14 +164,18 @@ def _select(block, gamma, rescue, prune_budget, z, resident, alpha, k, renormali
                 selected[d, 0] = top1
                 start = 1
             _rank_members(z[d], eligible, n_eligible, k, selected[d], start)
+        shift = zmax[d]
         scale = norm[d]
-        if renormalise:
+        if renormalise:  # the softmax over the executed experts alone: the same numbers, never 0 / 0
+            shift = -np.inf
+            for j in range(k):
+                shift = max(shift, np.float64(z[d, selected[d, j]]))
             scale = 0.0
             for j in range(k):
-                scale += np.exp(np.float64(z[d, selected[d, j]]) - zmax[d])
+                scale += np.exp(np.float64(z[d, selected[d, j]]) - shift)
         for j in range(k):
             e = selected[d, j]
-            weights[d, j] = np.exp(np.float64(z[d, e]) - zmax[d]) / scale
+            weights[d, j] = np.exp(np.float64(z[d, e]) - shift) / scale
             mark[e] |= EXECUTED
         lost = 0.0
         for j in range(k):
