@@ -63,6 +63,10 @@ class SelectorConfig:
             if self.kind == "exact":
                 raise SelectorError("kind 'exact' executes every position's own top-K: set rescue_threshold=None")
             object.__setattr__(self, "rescue_threshold", float(rescue))
+        # what the selection kernel reads: [1 for a block selector, 0 for exact; gamma; rescue threshold, -1 for
+        # none; prune_budget] (one float64 array crosses into numba faster than four scalars)
+        object.__setattr__(self, "kernel_params", np.array(
+            [self.kind != "exact", self.gamma, -1.0 if rescue is None else rescue, self.prune_budget]))
 
     @property
     def weights(self) -> str | None:

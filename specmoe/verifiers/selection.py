@@ -39,61 +39,81 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from specmoe.routing.kernels import _rank
-
 from .config import SelectorConfig
 
 IN_ROOT, ELIGIBLE, EXECUTED = 1, 2, 4  # bits of the per-expert marks
 ENTROPY_SLACK = 1e-9  # rounding noise ignored in gamma * e^H before the ceiling
+TINY = 1e-290  # below this a sum of exp(z - max z) may have lost precision to underflow
 
 
 @njit(cache=True)
-def _rank_members(z, members, count, k, out, start):
-    """Write the k - start best of members[:count] (ascending indices) by logit into out[start:k], best first;
-    ties go to the lower index (the earlier member)."""
+def _top_k(score, members, count, k, out, start):
+    """Write the k - start best of members[:count] (ascending expert indices) by score into out[start:k], best
+    first; ties go to the lower index (the earlier member), the routing core's rule for the router's own top-K."""
     want = k - start
     if want == 0:
         return
     n = 0
+    kth = 0.0  # score of out[k - 1] once `want` members are in
     for i in range(count):
         e = members[i]
-        x = z[e]
-        if n == want and not x > z[out[k - 1]]:
-            continue
-        p = start + (n if n < want else want - 1)
-        while p > start and x > z[out[p - 1]]:
+        x = score[e]
+        if n == want:
+            if not x > kth:
+                continue
+            p = k - 1
+        else:
+            p = start + n
+            n += 1
+        while p > start and x > score[out[p - 1]]:
             out[p] = out[p - 1]
             p -= 1
         out[p] = e
-        if n < want:
-            n += 1
+        if n == want:
+            kth = score[out[k - 1]]
 
 
 @njit(cache=True)
-def _select(block, gamma, rescue, prune_budget, z, resident, alpha, k, renormalise, own, zmax, norm, u, v, mark,
-            eligible, selected, weights, union, missing, displaced):
-    """The selection of the module docstring for one layer and block. block: False for ``exact``; rescue < 0:
-    no rescue. Scratch: own [D, K], zmax and norm [D] (the softmax of each position), u, v, mark [E].
+def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, iwork, sets, selected, weights,
+            displaced):
+    """The selection of the module docstring for one layer and block of D = z.shape[0] positions, top-K with
+    K = own.shape[1]. params: `SelectorConfig.kernel_params`; everyone: int64 [E], 0..E-1.
+    Scratch: own [D, K] (each position's own top-K), prob [D, E] (exp(z_d - max z_d)), work float64 [E + D]
+    (u, softmax normalisers), iwork int64 [4E] (v, marks, ranked candidates, last executing position).
+    Outputs: sets [3, E] (eligible, union, missing), selected and weights [D, K], displaced [D].
     Returns (n_eligible, n_union, n_missing), or (-1, d, e) for a non-finite logit z[d, e] and (-2, d, 0)
     for a negative or non-finite alpha[d]."""
+    block = params[0] != 0.0
+    gamma, rescue, prune_budget = params[1], params[2], params[3]
     num_positions, num_experts = z.shape
+    k = own.shape[1]
+    u, norm = work[:num_experts], work[num_experts:num_experts + num_positions]
+    v, mark = iwork[:num_experts], iwork[num_experts:2 * num_experts]
+    ranked, stamp = iwork[2 * num_experts:3 * num_experts], iwork[3 * num_experts:]
+    eligible, union, missing = sets[0], sets[1], sets[2]
     for e in range(num_experts):
         mark[e] = 0
         u[e] = 0.0
         v[e] = 0
+        stamp[e] = -1
     for d in range(num_positions):
         top = -np.inf
+        nonfinite = 0.0  # stays 0 unless some logit is inf or NaN (written to vectorise)
         for e in range(num_experts):
             x = np.float64(z[d, e])
-            if not (x > -np.inf and x < np.inf):
-                return -1, d, e
             top = max(top, x)
+            nonfinite += x * 0.0
+        if nonfinite != 0.0:
+            for e in range(num_experts):
+                if not np.isfinite(z[d, e]):
+                    return -1, d, e
         total = 0.0
         for e in range(num_experts):
-            total += np.exp(np.float64(z[d, e]) - top)
-        zmax[d] = top
+            p = np.exp(np.float64(z[d, e]) - top)
+            prob[d, e] = p
+            total += p
         norm[d] = total
-        _rank(z[d], z[d], k, own[d])
+        _top_k(z[d], everyone, num_experts, k, own[d], 0)
         if block and not (alpha[d] >= 0.0 and alpha[d] < np.inf):
             return -2, d, 0
 
@@ -106,33 +126,25 @@ def _select(block, gamma, rescue, prune_budget, z, resident, alpha, k, renormali
                 e = own[d, j]
                 v[e] += 1
                 if not mark[e] & IN_ROOT:
-                    u[e] += alpha[d] * np.exp(np.float64(z[d, e]) - zmax[d]) / norm[d]
-        # candidates: experts outside A with u > 0, by decreasing u, ties to the lower index
+                    u[e] += alpha[d] * prob[d, e] / norm[d]
         m = 0
         demand = 0.0
         for e in range(num_experts):
             if u[e] > 0.0:
                 m += 1
                 demand += u[e]
-        candidates = np.empty(m, dtype=np.int64)
-        keys = np.empty(m)
-        m = 0
-        for e in range(num_experts):
-            if u[e] > 0.0:
-                candidates[m] = e
-                keys[m] = -u[e]
-                m += 1
-        candidates = candidates[np.argsort(keys, kind="mergesort")]
         extra = 0
         if m > 0:
             entropy = 0.0
-            for i in range(m):
-                q = u[candidates[i]] / demand
-                if q > 0.0:
+            for e in range(num_experts):
+                if u[e] > 0.0:
+                    q = u[e] / demand
                     entropy -= q * np.log(q)
             extra = min(int(np.ceil(gamma * np.exp(entropy) - ENTROPY_SLACK)), m)
+        if extra > 0:  # the extra experts by decreasing u, ties to the lower index (all have u > 0: extra <= m)
+            _top_k(u, everyone, num_experts, extra, ranked, 0)
         for i in range(extra):
-            mark[candidates[i]] |= ELIGIBLE
+            mark[ranked[i]] |= ELIGIBLE
         # pruning within the rerouting budget, a(S) taken before pruning
         displaced_assignments = 0
         for e in range(num_experts):
@@ -141,7 +153,7 @@ def _select(block, gamma, rescue, prune_budget, z, resident, alpha, k, renormali
         limit = prune_budget * displaced_assignments
         removed = 0
         for i in range(extra - 1, -1, -1):
-            e = candidates[i]
+            e = ranked[i]
             if resident[e]:
                 continue
             if removed + v[e] > limit:
@@ -154,37 +166,41 @@ def _select(block, gamma, rescue, prune_budget, z, resident, alpha, k, renormali
                 n_eligible += 1
 
     for d in range(num_positions):
+        row = selected[d]
         if not block or d == 0:
             for j in range(k):
-                selected[d, j] = own[d, j]
+                row[j] = own[d, j]
         else:
             start = 0
             top1 = own[d, 0]
             if rescue >= 0.0 and alpha[d] >= rescue and not mark[top1] & ELIGIBLE:
-                selected[d, 0] = top1
+                row[0] = top1
                 start = 1
-            _rank_members(z[d], eligible, n_eligible, k, selected[d], start)
-        shift = zmax[d]
+            _top_k(z[d], eligible, n_eligible, k, row, start)
         scale = norm[d]
-        if renormalise:  # the softmax over the executed experts alone: the same numbers, never 0 / 0
-            shift = -np.inf
-            for j in range(k):
-                shift = max(shift, np.float64(z[d, selected[d, j]]))
+        if renormalise:
             scale = 0.0
             for j in range(k):
-                scale += np.exp(np.float64(z[d, selected[d, j]]) - shift)
+                scale += prob[d, row[j]]
+        if scale >= TINY:
+            for j in range(k):
+                weights[d, j] = prob[d, row[j]] / scale
+        else:  # renormalised over experts whose softmax underflows: shift by their own maximum instead
+            shift = -np.inf
+            for j in range(k):
+                shift = max(shift, np.float64(z[d, row[j]]))
+            scale = 0.0
+            for j in range(k):
+                scale += np.exp(np.float64(z[d, row[j]]) - shift)
+            for j in range(k):
+                weights[d, j] = np.exp(np.float64(z[d, row[j]]) - shift) / scale
         for j in range(k):
-            e = selected[d, j]
-            weights[d, j] = np.exp(np.float64(z[d, e]) - shift) / scale
-            mark[e] |= EXECUTED
+            mark[row[j]] |= EXECUTED
+            stamp[row[j]] = d
         lost = 0.0
         for j in range(k):
-            e = own[d, j]
-            kept = False
-            for i in range(k):
-                kept = kept or selected[d, i] == e
-            if not kept:
-                lost += np.exp(np.float64(z[d, e]) - zmax[d])
+            if stamp[own[d, j]] != d:
+                lost += prob[d, own[d, j]]
         displaced[d] = lost / norm[d]
 
     n_union = 0
@@ -238,18 +254,16 @@ class SelectionBuffers:
         if np.dtype(weight_dtype) not in (np.float32, np.float64):
             raise ValueError(f"weight_dtype must be float32 or float64, got {weight_dtype}")
         self.max_positions, self.num_experts, self.top_k = max_positions, num_experts, top_k
-        self.eligible = np.empty(num_experts, dtype=np.int64)
+        self.sets = np.empty((3, num_experts), dtype=np.int64)
+        self.eligible, self.union, self.missing = self.sets
         self.selected = np.empty((max_positions, top_k), dtype=np.int64)
         self.weights = np.empty((max_positions, top_k), dtype=weight_dtype)
-        self.union = np.empty(num_experts, dtype=np.int64)
-        self.missing = np.empty(num_experts, dtype=np.int64)
         self.displaced = np.empty(max_positions)
+        self._everyone = np.arange(num_experts, dtype=np.int64)
         self._own = np.empty((max_positions, top_k), dtype=np.int64)
-        self._zmax = np.empty(max_positions)
-        self._norm = np.empty(max_positions)
-        self._u = np.empty(num_experts)
-        self._v = np.empty(num_experts, dtype=np.int64)
-        self._mark = np.empty(num_experts, dtype=np.int64)
+        self._prob = np.empty((max_positions, num_experts))
+        self._work = np.empty(num_experts + max_positions)
+        self._iwork = np.empty(4 * num_experts, dtype=np.int64)
 
     def selection(self, positions: int, counts: tuple[int, int, int]) -> BlockSelection:
         """A `BlockSelection` of copies of the results of the last call (for tests and records)."""
@@ -290,20 +304,17 @@ def select_block_into(config: SelectorConfig, router_logits: np.ndarray, residen
         z = np.asarray(z, dtype=np.float64)
     if z.ndim != 2 or not 1 <= z.shape[0] <= buffers.max_positions or z.shape[1] != buffers.num_experts \
             or top_k != buffers.top_k:
-        raise ValueError(f"router logits must be [D, E] with 1 <= D <= {buffers.max_positions}, "
-                         f"E = {buffers.num_experts} and top_k = {buffers.top_k}, got shape {z.shape} and top_k={top_k}")
+        raise ValueError(f"router logits must be [D, E] with 1 <= D <= {buffers.max_positions}, E = "
+                         f"{buffers.num_experts} and top_k = {buffers.top_k}, got shape {z.shape} and top_k={top_k}")
     if not isinstance(resident, np.ndarray) or resident.dtype != np.bool_ or resident.shape != (z.shape[1],):
         raise ValueError(f"resident must be a bool array [E={z.shape[1]}], got {_describe(resident)}")
     if not isinstance(alpha, np.ndarray) or alpha.dtype != np.float64:
         alpha = np.asarray(alpha, dtype=np.float64)
     if alpha.shape != (z.shape[0],):
         raise ValueError(f"alpha must have one weight per position, [D={z.shape[0]}], got shape {alpha.shape}")
-    block = config.kind != "exact"
-    rescue = -1.0 if config.rescue_threshold is None else config.rescue_threshold
     b = buffers
-    first, second, third = _select(block, config.gamma, rescue, config.prune_budget, z, resident, alpha, top_k,
-                                   bool(renormalise), b._own, b._zmax, b._norm, b._u, b._v, b._mark, b.eligible,
-                                   b.selected, b.weights, b.union, b.missing, b.displaced)
+    first, second, third = _select(config.kernel_params, bool(renormalise), z, resident, alpha, b._everyone, b._own,
+                                   b._prob, b._work, b._iwork, b.sets, b.selected, b.weights, b.displaced)
     if first == -1:
         raise ValueError(f"router logit [{second}, {third}] is not finite ({z[second, third]})")
     if first == -2:
