@@ -388,8 +388,10 @@ def test_pool_bad_input():
     assert pool.use(0, [[0, 1]])[0].tolist() == [0]  # the failed call changed nothing
     with pytest.raises(ValueError, match="already used"):
         pool.use(0, [[0, 1]])
-    with pytest.raises(ValueError, match="selected"):
+    with pytest.raises(ValueError, match="outside"):
         ExpertPool(1, 6, 2, 2, warm).use(0, [[0, 6]])
+    with pytest.raises(ValueError, match="selected must be"):
+        ExpertPool(1, 6, 2, 2, warm).use(0, [0, 1])
 
 
 # -- configurations and bad input -----------------------------------------------------------------------
@@ -445,10 +447,13 @@ def test_bad_block_input():
         call(resident=np.ones(6))
     with pytest.raises(ValueError, match="alpha must have one weight per position"):
         call(alpha=np.ones(2))
-    bad = z.copy()
-    bad[1, 4] = np.nan
-    with pytest.raises(ValueError, match=r"router logit \[1, 4\] is not finite"):
-        call(z=bad)
+    for value in (np.nan, np.inf, -np.inf):
+        bad = z.copy()
+        bad[1, 4] = value
+        with pytest.raises(ValueError, match=r"router logit \[1, 4\] is not finite"):
+            call(z=bad)
+        with pytest.raises(ValueError, match=r"router logit \[1, 4\] is not finite"):
+            call(z=bad, config=selector_preset("exact"))
     with pytest.raises(ValueError, match=r"alpha\[2\] must be finite and >= 0"):
         call(alpha=np.array([1.0, 0.5, -0.1]))
     with pytest.raises(ValueError, match="SelectorConfig"):

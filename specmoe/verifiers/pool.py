@@ -30,13 +30,16 @@ POSITIONS_PER_BLOCK = 1 << 20  # recency = 1 + block * POSITIONS_PER_BLOCK + pos
 @njit(cache=True)
 def _use(selected, slot, pool_mask, recency, base, pool_size, union_slots, missing, missing_slots):
     """Mark the recency of every expert in selected [D, K] and give the ones outside the pool union slots
-    (ascending expert order). Writes missing[:c], missing_slots[:c]; returns c, or -1 (changing nothing) if
-    more than `union_slots` are missing."""
+    (ascending expert order). Writes missing[:c], missing_slots[:c]; returns c, or (changing nothing) -1 if
+    more than `union_slots` are missing, -2 if an entry is not an expert index."""
     num_experts = slot.shape[0]
     executed = np.zeros(num_experts, dtype=np.bool_)
     for d in range(selected.shape[0]):
         for j in range(selected.shape[1]):
-            executed[selected[d, j]] = True
+            e = selected[d, j]
+            if e < 0 or e >= num_experts:
+                return -2
+            executed[e] = True
     count = 0
     for e in range(num_experts):
         if executed[e] and not pool_mask[e]:
@@ -114,13 +117,13 @@ class ExpertPool:
         if self.used[layer]:
             raise ValueError(f"layer {layer} was already used in block {self.block}; call end_block first")
         selected = np.asarray(selected, dtype=np.int64)
-        if selected.ndim != 2 or not 1 <= selected.shape[0] < POSITIONS_PER_BLOCK or selected.shape[1] != self.top_k \
-                or selected.min() < 0 or selected.max() >= self.num_experts:
-            raise ValueError(f"selected must be [D, K={self.top_k}] experts in [0, {self.num_experts}), got shape "
-                             f"{selected.shape}")
+        if selected.ndim != 2 or not 1 <= selected.shape[0] < POSITIONS_PER_BLOCK or selected.shape[1] != self.top_k:
+            raise ValueError(f"selected must be [D, K={self.top_k}], got shape {selected.shape}")
         count = _use(selected, self.slot[layer], self.pool_mask[layer], self.recency[layer],
                      self.block * POSITIONS_PER_BLOCK, self.pool_size, self.union_slots, self._missing,
                      self._missing_slots)
+        if count == -2:
+            raise ValueError(f"selected holds an expert outside [0, {self.num_experts}): {selected.tolist()}")
         if count < 0:
             raise ValueError(f"layer {layer} misses more than the U={self.union_slots} union slots' worth of experts "
                              f"in block {self.block}; make the pool with more union_slots")

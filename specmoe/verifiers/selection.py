@@ -98,21 +98,20 @@ def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, 
         stamp[e] = -1
     for d in range(num_positions):
         top = -np.inf
-        nonfinite = 0.0  # stays 0 unless some logit is inf or NaN (written to vectorise)
         for e in range(num_experts):
-            x = np.float64(z[d, e])
-            top = max(top, x)
-            nonfinite += x * 0.0
-        if nonfinite != 0.0:
-            for e in range(num_experts):
-                if not np.isfinite(z[d, e]):
-                    return -1, d, e
+            top = max(top, np.float64(z[d, e]))
         total = 0.0
         for e in range(num_experts):
             p = np.exp(np.float64(z[d, e]) - top)
+            if p == 0.0 and not z[d, e] > -np.inf:
+                return -1, d, e
             prob[d, e] = p
             total += p
         norm[d] = total
+        if not total < np.inf:  # NaN or +inf somewhere: the exps are NaN
+            for e in range(num_experts):
+                if not np.isfinite(z[d, e]):
+                    return -1, d, e
         _top_k(z[d], everyone, num_experts, k, own[d], 0)
         if block and not (alpha[d] >= 0.0 and alpha[d] < np.inf):
             return -2, d, 0
