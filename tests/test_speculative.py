@@ -1,13 +1,15 @@
 """The harness's speculative loop: exact selection reproduces AR greedy decoding, caches after a rejection,
-bad input, determinism and block records."""
+bad input, determinism, block records and the `specmoe sd` command."""
 
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from specmoe.block_records import BlockRecordError, BlockRecords
+from specmoe.cli import main
 from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
 from specmoe.drafters.dflash_model import extract_context_feature
 from specmoe.harness import (SpeculativeConfig, exact_routing, greedy_decode, speculative_generate, summarize,
@@ -185,3 +187,23 @@ def test_stop_tokens_end_a_request(family, prompt, reference):
     first = reference.tolist().index(stop)
     assert result.tokens.tolist() == reference[:first + 1].tolist()
     assert result.logprobs.shape == (first + 1, adapter.vocab_size)
+
+
+def test_sd_command_prints_the_table_and_refuses_bad_input(tmp_path, capsys):
+    out = tmp_path / "sd"
+    small = ["--prompts", "1", "--prompt-length", "24", "--new-tokens", "8", "--calibration-windows", "2",
+             "--calibration-length", "16", "-k", "4"]
+    assert main(["sd", *small, "--drafters", "ar", "--selectors", "exact,acceptmoe", "--records",
+                 "--out", str(out)]) == 0
+    table = pd.read_csv(out / "results.csv")
+    assert len(table) == 3 and table["selector"].iloc[-1].startswith("psr(C=32")
+    assert table["kl"].iloc[0] < 1e-6 and (table["copies_per_token"] > 0).all()
+    printed = capsys.readouterr().out
+    assert "tau" in printed and "copies_per_token" in printed
+    info = json.loads((out / "results.json").read_text())["info"]
+    assert len(info["acceptance"]["ar/exact"]["acceptance_by_position"]) == 4
+    assert BlockRecords.load(out / "blocks" / "blocks_ar_acceptmoe.safetensors").num_blocks > 0
+    for bad in (["--drafters", "medusa"], ["--selectors", "oracle"], ["-k", "0"], ["-P", "65"], ["-P", "4"],
+                ["--prompts", "99"]):
+        assert main(["sd", *small, *bad, "--out", str(tmp_path / "bad")]) == 2
+        assert capsys.readouterr().err.startswith("specmoe sd: error:")
