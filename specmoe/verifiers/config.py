@@ -18,7 +18,7 @@ alpha_0 = 1 in both weightings. The selection itself is `select_block` (selectio
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -86,6 +86,7 @@ class SelectorConfig:
         return f"{self.kind}({', '.join(parts)})"
 
     def to_dict(self) -> dict:
+        """The fields, for records and config files (`from_dict` reads them back)."""
         return asdict(self)
 
     @classmethod
@@ -94,9 +95,6 @@ class SelectorConfig:
         if unknown:
             raise SelectorError(f"unknown selector field(s): {', '.join(sorted(unknown))}")
         return cls(**data)
-
-    def with_(self, **changes) -> "SelectorConfig":
-        return replace(self, **changes)
 
 
 # The paper's named selectors (Section 7, Appendix B).
