@@ -91,9 +91,11 @@ class BlockRecords:
                 "k": d - 1}
 
     @classmethod
-    def from_blocks(cls, blocks: list[dict], **metadata) -> "BlockRecords":
-        """Stack per-block dicts (the tensors' names without the leading N axis, as the speculative loop
-        keeps them) into records; `metadata` fills the other fields."""
+    def from_requests(cls, requests: list[list[dict]], **metadata) -> "BlockRecords":
+        """Records of the blocks of requests 0, 1, ...: each a list of per-block dicts holding every tensor
+        but ``request`` without the leading N axis (`SpeculativeResult.blocks`); `metadata` fills the other
+        fields."""
+        blocks = [dict(block, request=index) for index, request in enumerate(requests) for block in request]
         if not blocks:
             raise BlockRecordError("no verification block to record")
         arrays = {name: np.stack([np.asarray(b[name]) for b in blocks]) for name in TENSORS}

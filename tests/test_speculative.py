@@ -135,13 +135,14 @@ def test_block_selection_cuts_copies_is_deterministic_and_records_its_blocks(fam
 
     blocks = a.blocks
     assert len(blocks) == a.verifications
-    records = BlockRecords.from_blocks(blocks, top_k=8, vocab_size=adapter.vocab_size, model="family",
+    records = BlockRecords.from_requests([blocks, b.blocks[:1]], top_k=8, vocab_size=adapter.vocab_size, model="family",
                                        fingerprint=adapter.fingerprint(model),
                                        selector=config("confidence_top1").selector.to_dict(),
                                        drafter="ar", pool_size=32)
     back = BlockRecords.load(records.save(tmp_path / "blocks.safetensors"), num_layers=16, num_experts=64, top_k=8,
                              fingerprint=adapter.fingerprint(model))
-    arr = back.arrays
+    assert back.arrays["request"].tolist() == [0] * len(blocks) + [1]
+    arr = {name: values[:-1] for name, values in back.arrays.items()}  # request 0
     assert arr["router_logits"].shape == (a.verifications, 7, 16, 64) and arr["selected"].shape[-1] == 8
     assert back.geometry["k"] == 6 and back.pool_size == 32 and back.selector["kind"] == "confidence_top1"
     assert arr["root_position"].tolist() == a.roots and arr["accepted"].tolist() == a.accepted

@@ -122,20 +122,16 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
         drafter = build_drafter(drafter_config, model)
         for config in sd_config:
             config.check(adapter, drafter)
-            results = []
-            for request, prompt in enumerate(prompt_list):
-                results.append(speculative_generate(model, adapter, drafter, prompt, config, calibration=calibration,
-                                                    record=records_dir is not None))
-                for block in results[-1].blocks:
-                    block["request"] = request
+            results = [speculative_generate(model, adapter, drafter, prompt, config, calibration=calibration,
+                                            record=records_dir is not None) for prompt in prompt_list]
             summary = summarize(results)
             rows.append({"drafter": drafter_config.name, "selector": config.selector.name, **{
                 key: summary[key] for key in COLUMNS[2:-1]}, "target_ms_per_token": summary["verify_ms_per_token"]})
             acceptance[f"{drafter_config.name}/{config.selector.name}"] = {
                 key: summary[key] for key in ("acceptance_by_position", "accepted_hist", "moves_per_token")}
             if records_dir is not None:
-                BlockRecords.from_blocks(
-                    [b for r in results for b in r.blocks], top_k=adapter.top_k, vocab_size=adapter.vocab_size,
+                BlockRecords.from_requests(
+                    [r.blocks for r in results], top_k=adapter.top_k, vocab_size=adapter.vocab_size,
                     model=model.specmoe_source, fingerprint=adapter.fingerprint(model),
                     selector=config.selector.to_dict(), drafter=drafter_config.name, pool_size=pool_size,
                     info={"prompts": prompt_text, "calibration": calibration_text},

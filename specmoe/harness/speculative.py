@@ -310,8 +310,8 @@ def _drafting_time(drafter: Drafter, started: float, count_fixed: bool = True) -
 
 def _block_record(context: BlockRoutingContext, root: int, ids: list[int], confidences, accepted: int,
                   bonus: int) -> dict:
-    """One verification block as `specmoe.block_records` stores it (the request index is set by the caller)."""
-    return {"request": 0, "root_position": root, "tokens": np.asarray(ids), "confidences": np.asarray(confidences),
+    """One verification block as `specmoe.block_records` stores it (without the request index)."""
+    return {"root_position": root, "tokens": np.asarray(ids), "confidences": np.asarray(confidences),
             "accepted": accepted, "bonus": bonus, "router_logits": context.scores, "pregate_logits": context.pregate,
             "selected": context.selected}
 
