@@ -105,7 +105,9 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
     sd_config = [SpeculativeConfig(selector_preset(name), k=k, pool_size=pool_size, max_new_tokens=new_tokens)
                  for name in selectors]
     model, adapter = load_model(model_source, seed=seed)
-    sd_config[0].check(adapter)
+    built = [build_drafter(config, model) for config in configs]  # a drafter that does not fit fails here
+    for drafter in built:
+        sd_config[0].check(adapter, drafter)
     stop_tokens = tuple(t for t in [model.config.eos_token_id] if isinstance(t, int))
     sd_config = [dataclasses.replace(config, stop_tokens=stop_tokens) for config in sd_config]
     prompt_list, prompt_text = sd_prompts(model, prompts, prompt_length, seed)
@@ -118,10 +120,8 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
                             f"seed {seed + 1}")
         calibration = collect_calibration(model, adapter, held_out.windows, {"text": calibration_text})
     rows, acceptance = [], {}
-    for drafter_config in configs:
-        drafter = build_drafter(drafter_config, model)
+    for drafter_config, drafter in zip(configs, built):
         for config in sd_config:
-            config.check(adapter, drafter)
             results = [speculative_generate(model, adapter, drafter, prompt, config, calibration=calibration,
                                             record=records_dir is not None) for prompt in prompt_list]
             summary = summarize(results)
