@@ -160,7 +160,7 @@ class SpeculativeResult:
     accepted: list[int]  # accepted drafts of each block
     copies: int  # host-to-device copies of the blocks (the prefill's excluded)
     moves: int  # pool refill moves between GPU slots
-    displaced: float  # displaced router mass summed over committed positions and layers
+    displaced: float  # displaced router mass summed over layers and the blocks' committed positions (a + 1 each)
     logprobs: torch.Tensor  # [n, V] the block's next-token log-probabilities at the committed positions
     draft_s: float
     verify_s: float
@@ -202,7 +202,7 @@ def summarize(results) -> dict:
             "tau": total["block_tokens"] / blocks, "acceptance_by_position": (reached / blocks).tolist(),
             "accepted_hist": hist.tolist(), "copies_per_token": total["copies"] / committed,
             "moves_per_token": total["moves"] / committed,
-            "displaced_per_token_layer": total["displaced"] / (committed * rows[0]["num_layers"]),
+            "displaced_per_token_layer": total["displaced"] / (max(total["block_tokens"], 1) * rows[0]["num_layers"]),
             "kl": total["kl_sum"] / total["positions"] if total["positions"] else float("nan"),
             "excess_nll": total["excess_nll_sum"] / total["positions"] if total["positions"] else float("nan"),
             "draft_ms_per_token": 1e3 * total["draft_s"] / committed,
