@@ -47,16 +47,30 @@ TINY = 1e-290  # below this a sum of exp(z - max z) may have lost precision to u
 
 
 @njit(cache=True)
-def _top_k(score, members, count, k, out, start):
-    """Write the k - start best of members[:count] (ascending expert indices) by score into out[start:k], best
-    first; ties go to the lower index (the earlier member), the routing core's rule for the router's own top-K."""
+def _top_k(score, members, count, k, out, start, scratch):
+    """Write the k - start best of members[:count] (ascending expert indices, count >= k - start) by score into
+    out[start:k], best first; ties go to the lower index (the earlier member), the routing core's rule for the
+    router's own top-K. scratch: int64, at least `count` long."""
     want = k - start
     if want == 0:
         return
-    n = 0
-    kth = 0.0  # score of out[k - 1] once `want` members are in
+    # Only members scoring at least the smallest maximum of `want` disjoint groups can be among the best (that
+    # many distinct members reach it); the insertion pass below, whose branches mispredict, sees just those.
+    bound = np.inf
+    for g in range(want):
+        group_max = -np.inf
+        for i in range(g * count // want, (g + 1) * count // want):
+            group_max = max(group_max, np.float64(score[members[i]]))
+        bound = min(bound, group_max)
+    n_candidates = 0
     for i in range(count):
         e = members[i]
+        scratch[n_candidates] = e
+        n_candidates += np.float64(score[e]) >= bound
+    n = 0
+    kth = 0.0  # score of out[k - 1] once `want` candidates are in
+    for i in range(n_candidates):
+        e = scratch[i]
         x = score[e]
         if n == want:
             if not x > kth:
@@ -79,7 +93,8 @@ def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, 
     """The selection of the module docstring for one layer and block of D = z.shape[0] positions, top-K with
     K = own.shape[1]. params: `SelectorConfig.kernel_params`; everyone: int64 [E], 0..E-1.
     Scratch: own [D, K] (each position's own top-K), prob [D, E] (exp(z_d - max z_d)), work float64 [E + D]
-    (u, softmax normalisers), iwork int64 [4E] (v, marks, ranked candidates, last executing position).
+    (u, softmax normalisers), iwork int64 [5E] (v, marks, ranked candidates, last executing position, the
+    rankings' scratch).
     Outputs: sets [3, E] (eligible, union, missing), selected and weights [D, K], displaced [D].
     Returns (n_eligible, n_union, n_missing), or (-1, d, e) for a non-finite logit z[d, e] and (-2, d, 0)
     for a negative or non-finite alpha[d]."""
@@ -89,7 +104,8 @@ def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, 
     k = own.shape[1]
     u, norm = work[:num_experts], work[num_experts:num_experts + num_positions]
     v, mark = iwork[:num_experts], iwork[num_experts:2 * num_experts]
-    ranked, stamp = iwork[2 * num_experts:3 * num_experts], iwork[3 * num_experts:]
+    ranked, stamp = iwork[2 * num_experts:3 * num_experts], iwork[3 * num_experts:4 * num_experts]
+    scratch = iwork[4 * num_experts:]
     eligible, union, missing = sets[0], sets[1], sets[2]
     for e in range(num_experts):
         mark[e] = 0
@@ -112,7 +128,7 @@ def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, 
             for e in range(num_experts):
                 if not np.isfinite(z[d, e]):
                     return -1, d, e
-        _top_k(z[d], everyone, num_experts, k, own[d], 0)
+        _top_k(z[d], everyone, num_experts, k, own[d], 0, scratch)
         if block and not (alpha[d] >= 0.0 and alpha[d] < np.inf):
             return -2, d, 0
 
@@ -141,7 +157,7 @@ def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, 
                     entropy -= q * np.log(q)
             extra = min(int(np.ceil(gamma * np.exp(entropy) - ENTROPY_SLACK)), m)
         if extra > 0:  # the extra experts by decreasing u, ties to the lower index (all have u > 0: extra <= m)
-            _top_k(u, everyone, num_experts, extra, ranked, 0)
+            _top_k(u, everyone, num_experts, extra, ranked, 0, scratch)
         for i in range(extra):
             mark[ranked[i]] |= ELIGIBLE
         # pruning within the rerouting budget, a(S) taken before pruning
@@ -175,7 +191,7 @@ def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, 
             if rescue >= 0.0 and alpha[d] >= rescue and not mark[top1] & ELIGIBLE:
                 row[0] = top1
                 start = 1
-            _top_k(z[d], eligible, n_eligible, k, row, start)
+            _top_k(z[d], eligible, n_eligible, k, row, start, scratch)
         scale = norm[d]
         if renormalise:
             scale = 0.0
@@ -262,7 +278,7 @@ class SelectionBuffers:
         self._own = np.empty((max_positions, top_k), dtype=np.int64)
         self._prob = np.empty((max_positions, num_experts))
         self._work = np.empty(num_experts + max_positions)
-        self._iwork = np.empty(4 * num_experts, dtype=np.int64)
+        self._iwork = np.empty(5 * num_experts, dtype=np.int64)
 
     def selection(self, positions: int, counts: tuple[int, int, int]) -> BlockSelection:
         """A `BlockSelection` of copies of the results of the last call (for tests and records)."""
