@@ -10,8 +10,8 @@ import torch
 from specmoe.drafters.dflash_model import DFlashDraftModel
 from specmoe.models import adapter_for
 from specmoe.traces import Trace, family_path, record_trace
-from specmoe.training.evaluate import ar_accept_runs, dflash_accept_lengths, speculative_loop, tau_from_runs
-from specmoe.training.family import load_family, slice_metrics
+from specmoe.training.evaluate import ar_accept_runs, dflash_accept_lengths, greedy_continuation
+from specmoe.training.family import load_family, slice_metrics, tau_crosscheck
 
 FAMILY = family_path("target").parent
 MiB = 1 << 20
@@ -88,23 +88,19 @@ def test_the_split_record_keeps_the_parts_apart(metrics):
         assert split["tokens"][part]["sha256"] == metrics["corpus"][part]["sha256"]
 
 
-def test_speculative_loop_and_teacher_forced_walk_agree_on_cpu(family, metrics):
+def test_the_speculative_loop_and_the_teacher_forced_walk_agree_on_cpu(family, metrics):
     target, ar, dflash = family
     prompt = torch.tensor(metrics["slice"]["slice"]["token_ids"][1][:48])
     new, k = 24, 8
-    for name, kw in (("ar", {"ar": ar}), ("dflash", {"dflash": dflash})):
-        loop = speculative_loop(target, prompt, new, k, **kw)
-        seq = loop["tokens"][None]
-        from specmoe.training.evaluate import greedy_continuation
-
-        greedy = greedy_continuation(target, prompt[None], new)
-        assert torch.equal(greedy[0, : seq.shape[1]], seq[0]), name  # committed text = target's greedy text
-        if name == "ar":
-            walk = tau_from_runs(ar_accept_runs(ar, greedy), None, prompt.numel(), k)
-        else:
-            walk = tau_from_runs(None, np.minimum(dflash_accept_lengths(target, dflash, greedy, prompt.numel(), k), k),
-                                 prompt.numel(), k)
-        assert walk["tau"] == pytest.approx(loop["tau"]), name
+    greedy = greedy_continuation(target, prompt[None], new)
+    match = ar_accept_runs(ar, greedy)
+    accepted = dflash_accept_lengths(target, dflash, greedy, prompt.numel() - 1, k)
+    check = tau_crosscheck(target, ar, dflash, prompt[None], greedy, match, accepted, prompt.numel(), (k,),
+                           log=lambda message: None)
+    for name in ("ar_drafter", "dflash_drafter"):
+        result = check[f"k{k}_{name}"]
+        assert result["prompts_with_identical_tokens"] == 1, name  # committed text = the target's greedy text
+        assert result["blocks"] > 0 and result["blocks_agreeing"] == result["blocks"], name
 
 
 def test_a_trace_of_the_shipped_target(family, tmp_path, metrics):

@@ -1,1 +1,1 @@
-"""Experiment commands: the main job (`demo`) and `calibrate`."""
+"""Experiment commands: the main job (`demo`), `calibrate`, and speculative decoding (`sd`)."""

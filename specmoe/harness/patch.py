@@ -220,16 +220,25 @@ def patch_model(model: nn.Module, adapter: MoEAdapter, policy: PolicyConfig, cal
     if policy.top_k != adapter.top_k:
         raise PolicyError(f"policy top_k K={policy.top_k} but the model routes each token to K={adapter.top_k} experts")
     policy.check_experts(adapter.num_experts)
-    fingerprinted = calibration.provenance.get("fingerprint") is not None  # else there is nothing to compare
-    calibration.check(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size,
-                      fingerprint=adapter.fingerprint(model) if fingerprinted else None)
+    check_calibration(model, adapter, calibration)
     unpatch(model)
     context = RoutingContext(adapter, policy, calibration, adapter.routers(model), record=record)
-    _attach(model, context)
+    attach_context(model, context)
     return context
 
 
-def _attach(model: nn.Module, context: RoutingContext) -> None:
+def check_calibration(model: nn.Module, adapter: MoEAdapter, calibration: Calibration) -> None:
+    """CalibrationError unless `calibration` was made for this model (layers, experts, vocabulary, and the
+    router fingerprint where the calibration records one)."""
+    fingerprinted = calibration.provenance.get("fingerprint") is not None  # else there is nothing to compare
+    calibration.check(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size,
+                      fingerprint=adapter.fingerprint(model) if fingerprinted else None)
+
+
+def attach_context(model: nn.Module, context) -> None:
+    """Route `model` through `context`: any object with `adapter`, `begin_forward(tokens, valid, past_valid)`
+    and `route(layer, router_logits, hidden)` (a `RoutingContext`, or the speculative loop's block context).
+    The model must not be patched already (`unpatch` first, or use `routed_by`)."""
     context.adapter.patch_routers(model, context)
     context._hook = context.adapter.base_model(model).register_forward_pre_hook(_before_forward(context),
                                                                                 with_kwargs=True)
@@ -260,7 +269,7 @@ def original_routing(model: nn.Module):
         yield model
     finally:
         if context is not None:
-            _attach(model, context)
+            attach_context(model, context)
 
 
 def exact_policy(adapter: MoEAdapter) -> PolicyConfig:
@@ -274,12 +283,22 @@ def exact_routing(model: nn.Module, adapter: MoEAdapter | None = None, *, record
     the lower expert index: the reference of every diagnostic); yields its context, then restores the
     model's previous routing. Bitwise equal to transformers' own routing except on exact logit ties."""
     adapter = adapter or adapter_for(model.config)
+    context = RoutingContext(adapter, exact_policy(adapter),
+                             Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size),
+                             adapter.routers(model), record=record)
+    with routed_by(model, context):
+        yield context
+
+
+@contextlib.contextmanager
+def routed_by(model: nn.Module, context):
+    """Route `model` through `context` (see `attach_context`) inside the block, then restore the routing it
+    had before (its previous context, or its own routers)."""
     previous = unpatch(model)
     try:
-        yield patch_model(model, adapter, exact_policy(adapter),
-                          Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size),
-                          record=record)
+        attach_context(model, context)
+        yield context
     finally:
         unpatch(model)
         if previous is not None:
-            _attach(model, previous)
+            attach_context(model, previous)

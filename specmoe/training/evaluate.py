@@ -5,9 +5,10 @@ target token, tau = committed tokens per verification. Under greedy decoding the
 target's own greedy continuation G whatever the drafter proposes, and a draft is accepted only while all
 drafts before it were, i.e. while the drafter's inputs are G itself. So the acceptance at every position
 follows from teacher-forced passes over G: one pass of the AR drafter (its argmax at p against G[p+1]) and
-one DFlash pass with a block at every anchor. `acceptance_tau` walks the verifications over those;
-`speculative_loop` runs the plain draft-verify loop with the HF models and serves as a cross-check of the
-walk (they agree up to floating-point near-ties of the target).
+one DFlash pass with a block at every anchor. `acceptance_tau` walks the verifications over those; the
+harness's speculative loop (`specmoe.harness.speculative_generate` with exact selection) runs the real
+draft-verify loop and serves as a cross-check of the walk (`family.tau_crosscheck`: they agree block by block
+up to floating-point near-ties of the target).
 """
 
 from __future__ import annotations
@@ -154,6 +155,21 @@ def acceptance_tau(accept_at, first_root: int, last_index: int, k: int) -> dict:
     return {"verifications": verifications, "committed": committed, "accepted_hist": hist}
 
 
+def accept_at_function(match: np.ndarray | None, accepted: np.ndarray | None, row: int, k: int):
+    """accept_at(c) of sequence `row`: the drafts accepted at root c, from AR match flags [B, T-1] (the run
+    of matches from c, at most k) or DFlash accept lengths [B, T] (as computed: -1 where not)."""
+    if match is not None:
+        flags = match[row]
+
+        def accept_at(c):
+            run = 0
+            while run < k and c + run < flags.shape[0] and flags[c + run]:
+                run += 1
+            return run
+        return accept_at
+    return lambda c: accepted[row][c]
+
+
 def tau_from_runs(match: np.ndarray | None, accepted: np.ndarray | None, prompt_len: int, k: int) -> dict:
     """tau over a batch, from AR match flags [B, T-1] or DFlash accept lengths [B, T]."""
     total_v, total_c = 0, 0
@@ -161,17 +177,7 @@ def tau_from_runs(match: np.ndarray | None, accepted: np.ndarray | None, prompt_
     rows = match.shape[0] if match is not None else accepted.shape[0]
     length = (match.shape[1] + 1) if match is not None else accepted.shape[1]
     for b in range(rows):
-        if match is not None:
-            flags = match[b]
-
-            def accept_at(c, flags=flags):
-                run = 0
-                while run < k and flags[c + run]:
-                    run += 1
-                return run
-        else:
-            def accept_at(c, row=accepted[b]):
-                return row[c]
+        accept_at = accept_at_function(match, accepted, b, k)
         # the first committed token after the prompt comes from the prefill: the first root is it
         walk = acceptance_tau(accept_at, prompt_len, length - 1, k)
         total_v += walk["verifications"]
@@ -179,35 +185,6 @@ def tau_from_runs(match: np.ndarray | None, accepted: np.ndarray | None, prompt_
         hist += walk["accepted_hist"]
     return {"tau": total_c / max(total_v, 1), "verifications": int(total_v), "committed": int(total_c),
             "accepted_hist": hist.tolist()}
-
-
-@torch.no_grad()
-def speculative_loop(target, prompt: torch.Tensor, new_tokens: int, k: int, ar=None, dflash=None) -> dict:
-    """The plain greedy draft-verify loop for one prompt [P] (no KV caches: every pass reads the whole
-    prefix). Returns tau and the committed tokens (equal to the target's greedy continuation)."""
-    device = next(target.parameters()).device
-    seq = prompt.to(device)[None]
-    # prefill: the target's first token is committed without verification
-    seq = torch.cat([seq, target(input_ids=seq).logits[:, -1:].argmax(-1)], dim=1)
-    end = prompt.numel() + new_tokens
-    verifications = committed = 0
-    while seq.shape[1] - 1 + k <= end - 1:
-        root = seq.shape[1] - 1
-        if ar is not None:
-            drafts = seq
-            for _ in range(k):
-                drafts = torch.cat([drafts, ar(input_ids=drafts).logits[:, -1:].argmax(-1)], dim=1)
-            drafts = drafts[:, root + 1:]
-        else:
-            logits = dflash_block_logits(target, dflash, seq[:, :root], seq, torch.tensor([[root]], device=device))
-            drafts = logits[:, 0, :k].argmax(-1)
-        verify = target(input_ids=torch.cat([seq, drafts], dim=1)).logits[:, root:].argmax(-1)  # k + 1
-        accepted = int((drafts == verify[:, :k]).long().cumprod(-1).sum())
-        seq = torch.cat([seq, drafts[:, :accepted], verify[:, accepted:accepted + 1]], dim=1)
-        verifications += 1
-        committed += accepted + 1
-    return {"tau": committed / max(verifications, 1), "verifications": verifications, "committed": committed,
-            "tokens": seq[0].cpu()}
 
 
 # -- routing locality --------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from ..drafters.dflash_model import DFlashDraftModel
 from ..models import ModelSourceError
 from .configs import FAMILY_PRESETS, FamilyConfig, ar_drafter_config, dflash_drafter_config, target_config
 from .corpus import load_corpus, spaced_windows, spread_windows, windows
-from .evaluate import (ar_accept_runs, dflash_accept_lengths, dflash_block_nll, greedy_continuation,
-                       perplexity, routing_locality, speculative_loop, tau_from_runs)
+from .evaluate import (accept_at_function, ar_accept_runs, dflash_accept_lengths, dflash_block_nll,
+                       greedy_continuation, perplexity, routing_locality, tau_from_runs)
 from .tokenizer import EOS, MASK, PAD
 
 MAX_SHARD = "12MB"
@@ -99,7 +99,9 @@ def measure_tau(target, ar, dflash, stream: np.ndarray, prompts: int, prompt_len
                       for rows in prompt_rows.split(batch_size)])
     k_max = max(ks)
     match = np.concatenate([ar_accept_runs(ar, rows) for rows in seqs.split(batch_size)])
-    accepted = np.concatenate([dflash_accept_lengths(target, dflash, rows, prompt_len, k_max)
+    # from the last prompt token on: the walk's first root is the prompt's next token, the harness loop's
+    # (the cross-check) the last prompt token
+    accepted = np.concatenate([dflash_accept_lengths(target, dflash, rows, prompt_len - 1, k_max)
                                for rows in seqs.split(batch_size)])
     result = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "distinct_continuations": int(len({tuple(r) for r in seqs[:, prompt_len:].tolist()}))}
@@ -117,24 +119,38 @@ def measure_tau(target, ar, dflash, stream: np.ndarray, prompts: int, prompt_len
 
 
 def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_len, ks, log) -> dict:
-    """Run the plain draft-verify loop on a few prompts and compare with the teacher-forced walk."""
+    """Run the harness's speculative loop (exact selection, every expert in the pool) on a few prompts and
+    compare it with the teacher-forced walk: the committed tokens against the greedy continuation, and at every
+    root of the loop whose block lies inside the continuation, the accepted length against the walk's."""
+    from ..drafters import DFlashDrafter, HFAutoregressiveDrafter
+    from ..harness import SpeculativeConfig, speculative_generate
+    from ..models import adapter_for
+    from ..verifiers import selector_preset
+
+    adapter = adapter_for(target.config)
     new = seqs.shape[1] - prompt_len
     out = {"prompts": int(prompts.shape[0]), "new_tokens": int(new)}
     for k in ks:
-        for name, kw in (("ar_drafter", {"ar": ar}), ("dflash_drafter", {"dflash": dflash})):
-            loop_v = loop_c = same_tokens = 0
+        config = SpeculativeConfig(selector_preset("exact"), k=k, pool_size=adapter.num_experts, max_new_tokens=new)
+        for name, drafter in (("ar_drafter", HFAutoregressiveDrafter(ar, target)),
+                              ("dflash_drafter", DFlashDrafter(dflash, target))):
+            verifications = block_tokens = blocks = agreeing = same_tokens = 0
             for b in range(prompts.shape[0]):
-                res = speculative_loop(target, prompts[b], new, k, **kw)
-                loop_v += res["verifications"]
-                loop_c += res["committed"]
-                n = res["tokens"].numel()
-                same_tokens += int(torch.equal(res["tokens"], seqs[b, :n]))
-            walk = tau_from_runs(match if name == "ar_drafter" else None,
-                                 None if name == "ar_drafter" else accepted, prompt_len, k)
-            out[f"k{k}_{name}"] = {"loop_tau": loop_c / max(loop_v, 1), "walk_tau": walk["tau"],
-                                   "prompts_with_identical_tokens": same_tokens}
-            log(f"crosscheck k={k} {name}: loop {out[f'k{k}_{name}']['loop_tau']:.3f} walk {walk['tau']:.3f} "
-                f"identical {same_tokens}/{prompts.shape[0]}")
+                res = speculative_generate(target, adapter, drafter, prompts[b], config, divergence=False)
+                verifications += res.verifications
+                block_tokens += sum(a + 1 for a in res.accepted)
+                same_tokens += int(torch.equal(res.tokens, seqs[b, prompt_len:prompt_len + res.tokens.numel()]))
+                accept_at = accept_at_function(match if name == "ar_drafter" else None,
+                                               None if name == "ar_drafter" else accepted, b, k)
+                for root, a in zip(res.roots, res.accepted):
+                    if root + k + 1 <= seqs.shape[1] and accept_at(root) >= 0:
+                        blocks += 1
+                        agreeing += int(min(int(accept_at(root)), k) == a)
+            check = {"loop_tau": block_tokens / max(verifications, 1), "blocks": blocks, "blocks_agreeing": agreeing,
+                     "prompts_with_identical_tokens": same_tokens}
+            out[f"k{k}_{name}"] = check
+            log(f"crosscheck k={k} {name}: loop tau {check['loop_tau']:.3f}, walk agrees on {agreeing}/{blocks} "
+                f"blocks, identical tokens {same_tokens}/{prompts.shape[0]}")
     return out
 
 

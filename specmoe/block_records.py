@@ -1,0 +1,141 @@
+"""Block records: every verification block of a speculative decoding run, with the routing it saw.
+
+The harness's speculative loop (`specmoe.harness.speculative_generate(..., record=True)`) keeps one record
+per verification block; the CPU replay of block-level selection and the GPU engine's trace-following mode
+read them, so a block can be re-selected with any selector and pool without the model.
+
+File format (one safetensors file, version 1). N blocks of D = k + 1 positions over L MoE layers of E
+experts, top-K:
+- ``request`` int64 [N]: the request (prompt) of each block, 0, 1, ... in the order run;
+- ``root_position`` int64 [N]: the position of the block's root in its request's sequence (the first
+  block's root is the last prompt token);
+- ``tokens`` int64 [N, D]: the block's input, the root token then the k drafts;
+- ``confidences`` float32 [N, k]: the drafter's probability of each of its drafts;
+- ``accepted`` int64 [N]: accepted drafts (the block commits tokens[1 : accepted + 1] and the bonus token);
+- ``bonus`` int64 [N]: the target's greedy token after the accepted drafts, the next block's root token;
+- ``router_logits`` float32 [N, D, L, E]: the router's selection scores at every position and layer (the
+  router logits for softmax routers);
+- ``pregate_logits`` float32 [N, D, L, E]: router l applied to layer l-1's MoE input (layer 0 is zero);
+- ``selected`` int64 [N, D, L, K]: the experts each position executed in the run (for checks).
+Metadata (strings): ``format`` = "specmoe-blocks", ``version`` = "1", ``geometry`` = JSON {num_layers,
+num_experts, top_k, vocab_size, k}, ``model``, ``fingerprint`` (the router fingerprint), ``selector`` (JSON
+of the `SelectorConfig`), ``drafter`` (its name), ``pool_size`` (P), ``info`` (JSON: versions, time, ...).
+Router logits of one position sit where a routing trace (`specmoe.traces`) keeps them; a block of the
+family (L = 16, E = 64) at k = 8 takes 74 KiB.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .files import read_safetensors, write_safetensors
+
+FORMAT, VERSION = "specmoe-blocks", "1"
+TENSORS = {"request": np.int64, "root_position": np.int64, "tokens": np.int64, "confidences": np.float32,
+           "accepted": np.int64, "bonus": np.int64, "router_logits": np.float32, "pregate_logits": np.float32,
+           "selected": np.int64}
+
+
+class BlockRecordError(ValueError):
+    """A block record file that is unreadable, of another format or version, or inconsistent."""
+
+
+@dataclass
+class BlockRecords:
+    """The verification blocks of a run (see the module docstring); `arrays` holds the tensors by name."""
+
+    arrays: dict[str, np.ndarray]
+    top_k: int
+    vocab_size: int
+    model: str = ""
+    fingerprint: str = ""
+    selector: dict = field(default_factory=dict)
+    drafter: str = ""
+    pool_size: int = 0
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = set(TENSORS) - set(self.arrays)
+        if missing:
+            raise BlockRecordError(f"block records lack the tensors {sorted(missing)}")
+        self.arrays = {name: np.ascontiguousarray(self.arrays[name], dtype=dtype) for name, dtype in TENSORS.items()}
+        a = self.arrays
+        z = a["router_logits"]
+        if z.ndim != 4:
+            raise BlockRecordError(f"router logits must be [N, D, L, E], got shape {z.shape}")
+        n, d = z.shape[:2]
+        expected = {"request": (n,), "root_position": (n,), "tokens": (n, d), "confidences": (n, d - 1),
+                    "accepted": (n,), "bonus": (n,), "pregate_logits": z.shape, "selected": (*z.shape[:3], self.top_k)}
+        wrong = [f"{name} {a[name].shape} (expected {shape})" for name, shape in expected.items() if a[name].shape != shape]
+        if wrong:
+            raise BlockRecordError("inconsistent block records: " + "; ".join(wrong))
+        if not 1 <= self.top_k <= z.shape[3]:
+            raise BlockRecordError(f"top_k {self.top_k} outside [1, E={z.shape[3]}]")
+        if n and (a["accepted"].min() < 0 or a["accepted"].max() > d - 1):
+            raise BlockRecordError(f"accepted lengths must lie in [0, k={d - 1}]")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.arrays["router_logits"].shape[0]
+
+    @property
+    def geometry(self) -> dict:
+        n, d, layers, experts = self.arrays["router_logits"].shape
+        return {"num_layers": layers, "num_experts": experts, "top_k": self.top_k, "vocab_size": self.vocab_size,
+                "k": d - 1}
+
+    @classmethod
+    def from_requests(cls, requests: list[list[dict]], **metadata) -> "BlockRecords":
+        """Records of the blocks of requests 0, 1, ...: each a list of per-block dicts holding every tensor
+        but ``request`` without the leading N axis (`SpeculativeResult.blocks`); `metadata` fills the other
+        fields."""
+        blocks = [dict(block, request=index) for index, request in enumerate(requests) for block in request]
+        if not blocks:
+            raise BlockRecordError("no verification block to record")
+        arrays = {name: np.stack([np.asarray(b[name]) for b in blocks]) for name in TENSORS}
+        info = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        info.update(metadata.pop("info", {}))
+        return cls(arrays, info=info, **metadata)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically to `path` in the format of the module docstring."""
+        meta = {"format": FORMAT, "version": VERSION, "geometry": json.dumps(self.geometry, sort_keys=True),
+                "model": self.model, "fingerprint": self.fingerprint,
+                "selector": json.dumps(self.selector, sort_keys=True), "drafter": self.drafter,
+                "pool_size": str(self.pool_size), "info": json.dumps(self.info, sort_keys=True)}
+        return write_safetensors(path, self.arrays, meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, num_layers: int | None = None, num_experts: int | None = None,
+             top_k: int | None = None, fingerprint: str | None = None) -> "BlockRecords":
+        """Read block records; with any of the other arguments, refuse (BlockRecordError) records of another
+        geometry or, where both carry one, other routers."""
+        meta, arrays = read_safetensors(path, BlockRecordError, "block record")
+        if meta.get("format") != FORMAT:
+            raise BlockRecordError(f"{path} is not a specmoe block record file (format {meta.get('format')!r})")
+        if meta.get("version") != VERSION:
+            raise BlockRecordError(f"{path} has block record version {meta.get('version')}, this code reads {VERSION}")
+        try:
+            geometry = {key: int(value) for key, value in json.loads(meta["geometry"]).items()}
+            records = cls(arrays, top_k=geometry["top_k"], vocab_size=geometry["vocab_size"], model=meta.get("model", ""),
+                          fingerprint=meta.get("fingerprint", ""), selector=json.loads(meta.get("selector", "{}")),
+                          drafter=meta.get("drafter", ""), pool_size=int(meta.get("pool_size", 0)),
+                          info=json.loads(meta.get("info", "{}")))
+        except (KeyError, ValueError, TypeError) as exc:  # BlockRecordError from the checks is a ValueError
+            raise BlockRecordError(f"{path}: invalid block records ({type(exc).__name__}: {exc})") from exc
+        if geometry != records.geometry:
+            raise BlockRecordError(f"{path}: metadata geometry {geometry} disagrees with the tensors {records.geometry}")
+        expected = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
+        wrong = [f"{name} {geometry[name]} (expected {want})" for name, want in expected.items()
+                 if want is not None and geometry[name] != want]
+        if fingerprint and records.fingerprint and fingerprint != records.fingerprint:
+            wrong.append(f"router fingerprint {records.fingerprint[:12]} (expected {fingerprint[:12]})")
+        if wrong:
+            raise BlockRecordError(f"{path} does not fit: " + "; ".join(wrong))
+        return records

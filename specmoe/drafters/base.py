@@ -1,0 +1,160 @@
+"""The drafter protocol of speculative decoding, the drafter configuration and `build_drafter`.
+
+A drafter proposes the k tokens that one verification block checks (paper, Section 7). Its state follows
+the committed sequence of one request:
+
+- `reset(prompt, features)`: start a request; the prompt is committed and its last token is the root of
+  the first verification block.
+- `propose(k) -> (tokens [k], confidences [k])`: the k drafts that continue the committed sequence, and
+  c_i, the drafter's probability of its own token i (what confidence weighting reads). Proposing does not
+  change what is committed.
+- `commit(accepted, bonus_token, features)`: the verification accepted the first `accepted` drafts and the
+  target's own token after them (the bonus token) follows; the drafter advances over them and rolls back
+  whatever it computed for the rejected drafts. The bonus token is the next root.
+
+Drafters that read the target's hidden states (DFlash) name the target layers in `target_layer_ids`; the
+harness then hands them the features of every committed position the target has processed: at `reset`
+the prompt without its last token (the prefill), at `commit` the root and the accepted drafts of the block,
+each as the hidden states after those layers concatenated ([n, len(layer_ids) * H]). Other drafters get
+None. `fixed_cost_s`, where not None, is the drafting time charged per block instead of the measured wall
+time (the synthetic drafter's optional cost); the harness measures drafting apart from verification.
+
+Drafters are chosen by name (`DRAFTERS`): ``ar`` (a transformers causal LM with the target's vocabulary),
+``dflash`` (a DFlash block drafter conditioned on the target's features) and ``synthetic`` (exact routing's
+greedy continuation with a set acceptance profile).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+DRAFTERS = ("ar", "dflash", "synthetic")
+
+
+class DrafterError(ValueError):
+    """A drafter that cannot run with this target or configuration (unknown name, other vocabulary,
+    hidden size or layers that do not fit the target, k beyond what it drafts, a bad acceptance profile)."""
+
+
+class Drafter(Protocol):
+    """What the speculative loop needs from a drafter (see the module docstring)."""
+
+    name: str
+    target_layer_ids: tuple[int, ...]
+    max_drafts: int | None  # the largest k one `propose` can give (None: any)
+    fixed_cost_s: float | None
+
+    def reset(self, prompt: torch.Tensor, features: torch.Tensor | None = None) -> None: ...
+
+    def propose(self, k: int) -> tuple[torch.Tensor, np.ndarray]: ...
+
+    def commit(self, accepted: int, bonus_token: int, features: torch.Tensor | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A drafter by name, with what building it needs.
+
+    path: checkpoint directory of ``ar`` or ``dflash`` (None: the shipped family's drafter). Synthetic:
+    `acceptance` is the rate of a geometric acceptance profile (draft d is committed with probability
+    acceptance^d), or `commit_probs` a table q_1 >= q_2 >= ... of the probability that draft d is committed
+    (drafts beyond the table are wrong); `seed` seeds its draws (combined with the prompt, so a request's
+    drafts do not depend on the order of requests); `cost_s` is the drafting time charged per block."""
+
+    name: str
+    path: str | None = None
+    acceptance: float = 0.8
+    commit_probs: tuple[float, ...] | None = None
+    seed: int = 0
+    cost_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in DRAFTERS:
+            raise DrafterError(f"unknown drafter {self.name!r}; expected one of {', '.join(DRAFTERS)}")
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise DrafterError(f"acceptance must be in [0, 1], got {self.acceptance!r}")
+        if self.commit_probs is not None:
+            probs = tuple(float(p) for p in self.commit_probs)
+            if not probs or not all(0.0 <= p <= 1.0 for p in probs) or any(b > a for a, b in zip(probs, probs[1:])):
+                raise DrafterError(f"commit_probs must be a non-empty, non-increasing table of probabilities, "
+                                   f"got {self.commit_probs!r}")
+            object.__setattr__(self, "commit_probs", probs)
+        if not 0.0 <= self.cost_s < math.inf:
+            raise DrafterError(f"cost_s must be a finite number >= 0, got {self.cost_s!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Cut a transformers KV cache back to its first `length` positions (a negative count to `crop`, which
+    every transformers 5 release reads as positions to remove)."""
+    remove = cache.get_seq_length() - int(length)
+    if remove < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
+    if remove:
+        cache.crop(-remove)
+
+
+def prompt_tokens(prompt) -> list[int]:
+    """A prompt (1-D tensor or sequence of token ids) as a list; at least one token."""
+    tokens = [int(t) for t in torch.as_tensor(prompt).reshape(-1)]
+    if not tokens:
+        raise ValueError("a prompt needs at least one token")
+    return tokens
+
+
+def advance(tokens: list[int], drafts: list[int], accepted: int, bonus_token: int) -> list[int]:
+    """The committed tokens after a verification that accepted the first `accepted` of `drafts`."""
+    if not 0 <= accepted <= len(drafts):
+        raise ValueError(f"accepted {accepted} outside [0, {len(drafts)}] drafts")
+    return tokens + drafts[:accepted] + [int(bonus_token)]
+
+
+def greedy_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens of logits [n, V] and the probability the distribution gives them (float64)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    tokens = probs.argmax(-1)
+    return tokens, probs.gather(-1, tokens[:, None])[:, 0].double()
+
+
+def family_drafter_path(name: str) -> Path:
+    """The shipped family's checkpoint of drafter `name` ("ar" or "dflash")."""
+    from specmoe.traces import family_path
+
+    return family_path({"ar": "ar_drafter", "dflash": "dflash_drafter"}[name])
+
+
+def build_drafter(config: DrafterConfig, target) -> Drafter:
+    """The drafter of `config` for `target` (a transformers MoE causal LM, on its device and dtype).
+
+    ``ar`` and ``dflash`` load their checkpoint (refusing one that does not fit the target: DrafterError);
+    ``synthetic`` drafts from exact routing's greedy continuation computed with `target` itself."""
+    if config.name == "synthetic":
+        from .synthetic import SyntheticDrafter, exact_continuation
+
+        return SyntheticDrafter(exact_continuation(target), target.config.vocab_size, config.acceptance,
+                                config.commit_probs, config.seed, config.cost_s)
+    path = Path(config.path) if config.path else family_drafter_path(config.name)
+    if not (path / "config.json").is_file():
+        raise DrafterError(f"no {config.name} drafter checkpoint at {path} (config.json missing)")
+    param = next(target.parameters())
+    if config.name == "ar":
+        from transformers import AutoModelForCausalLM
+
+        from .hf_autoregressive import HFAutoregressiveDrafter, check_tokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=param.dtype, local_files_only=True)
+        check_tokenizer(path, getattr(target, "specmoe_source", None) or target.name_or_path)
+        return HFAutoregressiveDrafter(model.to(param.device).eval(), target)
+    from .dflash import DFlashDrafter
+    from .dflash_model import DFlashDraftModel
+
+    model = DFlashDraftModel.from_pretrained(str(path), dtype=param.dtype, local_files_only=True)
+    return DFlashDrafter(model.to(param.device).eval(), target)

@@ -1,0 +1,370 @@
+"""Greedy speculative decoding of a transformers MoE target with block-level expert selection in its forward.
+
+One request (batch 1), `speculative_generate`:
+- prefill: the prompt without its last token runs in one forward under exact routing (every position its
+  router's own top-K). It is routed through the pool like a block, so the pool's recency refill leaves the
+  P experts the prompt executed last in it, but its copies are not counted (they belong to the prompt, as
+  in AR decoding, where the prompt is not timed either). Its hidden states give a DFlash drafter its first
+  context features.
+- verification blocks: the root (the last committed token; the first root is the last prompt token) and
+  k drafts go through the target in one forward of D = k + 1 positions. At every MoE layer the patched
+  router hands the router's selection scores of all D positions to `specmoe.verifiers.select_block`, with
+  the pool's residency and the position weights alpha of the selector (ones for ``exact``, `CommitRate`'s
+  per-request commitment rates for ``acceptmoe``, the drafter's confidences for ``confidence_top1``); the
+  pool records the block's union and copies its missing experts; each position executes its selected
+  experts with the model's own weights (`adapter.execution_weights`: the unmodified softmax at them).
+- acceptance (greedy): a = the longest prefix of drafts equal to the target's greedy tokens at positions
+  0..a-1; the block commits those a drafts and the bonus token, the target's greedy token at position a.
+  The target's KV cache is cropped to the committed positions it has processed, the pool is refilled by
+  recency, the drafter commits (rolling back its own state), until `max_new_tokens` are committed or a
+  stop token is (the tokens after it, and beyond max_new_tokens, are dropped from the output).
+
+With the ``exact`` selector the output is AR greedy decoding under exact routing, token for token (up to
+floating-point near-ties between a D-position and a one-position forward).
+
+Reported per request (`SpeculativeResult.summary`): tau = committed tokens per verification, counted as
+accepted drafts + 1 per block (the paper's definition, vLLM's and SGLang's mean acceptance length; blocks
+cut by max_new_tokens or a stop token count whole); the acceptance rate of each draft position (blocks whose
+accepted length reaches it); the accepted-length histogram; host-to-device copies per committed token (the
+pool's copies: one per missing expert per block and layer; refills move experts between GPU slots and copy
+nothing); displaced router mass per committed token-layer (mass of a committed position's own top-K that it
+did not execute, committed positions = the root and the accepted drafts); and the divergence from exact
+routing of the committed positions' next-token distributions (`divergence_from_exact`); drafting time
+(measured, or the drafter's fixed cost) apart from verification time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from specmoe.drafters import Drafter, crop_cache
+from specmoe.drafters.base import prompt_tokens
+from specmoe.drafters.dflash_model import extract_context_feature
+from specmoe.models import MoEAdapter
+from specmoe.routing import Calibration
+from specmoe.verifiers import (CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, confidence_weights,
+                               position_weights, select_block_into, selector_preset)
+
+from .patch import check_calibration, exact_routing, routed_by
+
+EXACT = selector_preset("exact")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The loop's settings: the selector, k drafts per block, P pool experts per layer, the most new tokens
+    per request, and the tokens that end a request."""
+
+    selector: SelectorConfig
+    k: int = 8
+    pool_size: int = 32
+    max_new_tokens: int = 64
+    stop_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.selector, SelectorConfig):
+            raise ValueError(f"selector must be a SelectorConfig, got {type(self.selector).__name__}")
+        if self.k < 1:
+            raise ValueError(f"k (drafts per block) must be >= 1, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+    def check(self, adapter: MoEAdapter, drafter: Drafter | None = None) -> None:
+        """ValueError unless the pool fits the model (K <= P <= E) and the drafter drafts k tokens."""
+        if not adapter.top_k <= self.pool_size <= adapter.num_experts:
+            raise ValueError(f"pool size P={self.pool_size} must satisfy K <= P <= E "
+                             f"(K={adapter.top_k}, E={adapter.num_experts})")
+        if drafter is not None and drafter.max_drafts is not None and self.k > drafter.max_drafts:
+            raise ValueError(f"the {drafter.name} drafter drafts at most {drafter.max_drafts} tokens per block, "
+                             f"k={self.k}")
+
+
+class BlockRoutingContext:
+    """The routing state of a target patched for verification: the pool, the selector and position weights
+    of the forward in progress, and what each position saw and executed (layer by layer)."""
+
+    def __init__(self, adapter: MoEAdapter, pool: ExpertPool, routers: list[nn.Module], record: bool = False):
+        self.adapter = adapter
+        self.pool = pool
+        self.routers = routers
+        self.record = record
+        self.selector: SelectorConfig | None = None
+        self.alpha: np.ndarray | None = None
+        self.buffers: SelectionBuffers | None = None
+        self.displaced = self.selected = self.scores = self.pregate = None  # [D, L], [D, L, K], [D, L, E] x 2
+
+    def start_block(self, selector: SelectorConfig, alpha: np.ndarray) -> None:
+        """Route the next forward (D = len(alpha) positions) with `selector` and position weights `alpha`."""
+        self.selector, self.alpha = selector, np.asarray(alpha, dtype=np.float64)
+
+    def begin_forward(self, tokens: np.ndarray, valid: np.ndarray, past_valid) -> None:
+        """Called by the decoder stack's pre-hook with the forward's token ids [1, D]."""
+        if self.selector is None:
+            raise RuntimeError("a verification forward needs start_block(selector, alpha) first")
+        batch, span = tokens.shape
+        if batch != 1 or span != self.alpha.shape[0] or not valid.all():
+            raise RuntimeError(f"the block context routes one unpadded row of {self.alpha.shape[0]} positions, "
+                               f"got a forward of {batch} x {span}")
+        layers, experts, k = self.adapter.num_moe_layers, self.adapter.num_experts, self.adapter.top_k
+        if self.buffers is None or self.buffers.max_positions < span:
+            self.buffers = SelectionBuffers(span, experts, k, np.float32)
+        self.displaced = np.zeros((span, layers))
+        self.selected = np.full((span, layers, k), -1, dtype=np.int64)
+        if self.record:
+            self.scores = np.zeros((span, layers, experts), dtype=np.float32)
+            self.pregate = np.zeros((span, layers, experts), dtype=np.float32)
+
+    def route(self, layer: int, router_logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The executed experts [D, K] of MoE layer `layer` for the forward's D positions (`select_block`
+        with the pool's residency), recorded into the pool."""
+        adapter = self.adapter
+        z = adapter.selection_scores(router_logits, layer).detach().to("cpu", torch.float32).numpy()
+        span = z.shape[0]
+        select_block_into(self.selector, z, self.pool.resident(layer), self.alpha, adapter.top_k,
+                          adapter.norm_topk_prob, self.buffers)
+        selected = self.buffers.selected[:span]
+        self.pool.use(layer, selected)
+        self.selected[:, layer] = selected
+        self.displaced[:, layer] = self.buffers.displaced[:span]
+        if self.record:
+            self.scores[:, layer] = z
+            if layer + 1 < adapter.num_moe_layers:
+                nxt = adapter.router_logits(self.routers[layer + 1], hidden)
+                self.pregate[:, layer + 1] = adapter.selection_scores(nxt, layer + 1).detach().float().cpu().numpy()
+        return torch.from_numpy(selected.copy()).to(router_logits.device)
+
+
+def block_weights(selector: SelectorConfig, k: int, commit_rate: CommitRate, confidences: np.ndarray) -> np.ndarray:
+    """Position weights alpha [k + 1] of a block for `selector` (ones for exact)."""
+    if selector.weights == "position":
+        return position_weights(commit_rate.rates(k))
+    if selector.weights == "confidence":
+        return confidence_weights(confidences)
+    return np.ones(k + 1)
+
+
+@dataclass
+class SpeculativeResult:
+    """One request's speculative decoding (see the module docstring)."""
+
+    tokens: torch.Tensor  # the new committed tokens [n]
+    k: int
+    num_layers: int
+    roots: list[int]  # root position of each verification block
+    accepted: list[int]  # accepted drafts of each block
+    copies: int  # host-to-device copies of the blocks (the prefill's excluded)
+    moves: int  # pool refill moves between GPU slots
+    displaced: float  # displaced router mass summed over layers and the blocks' committed positions (a + 1 each)
+    logprobs: torch.Tensor  # [n, V] the block's next-token log-probabilities at the committed positions
+    draft_s: float
+    verify_s: float
+    prefill_s: float
+    pool: ExpertPool
+    divergence: dict = field(default_factory=dict)
+    blocks: list[dict] = field(default_factory=list)  # with record=True: per block, see specmoe.block_records
+
+    @property
+    def verifications(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def accepted_hist(self) -> np.ndarray:
+        """Blocks by accepted length 0..k."""
+        return np.bincount(np.asarray(self.accepted, dtype=np.int64), minlength=self.k + 1)
+
+    def counts(self) -> dict:
+        """Sums over the request, which `summarize` pools over requests."""
+        return {"requests": 1, "verifications": self.verifications, "block_tokens": sum(a + 1 for a in self.accepted),
+                "committed": int(self.tokens.numel()), "accepted_hist": self.accepted_hist, "copies": self.copies,
+                "moves": self.moves, "displaced": self.displaced, "num_layers": self.num_layers,
+                "draft_s": self.draft_s, "verify_s": self.verify_s, "prefill_s": self.prefill_s,
+                **{key: self.divergence.get(key, 0.0) for key in ("kl_sum", "excess_nll_sum", "positions")}}
+
+    def summary(self) -> dict:
+        return summarize([self])
+
+
+def summarize(results) -> dict:
+    """Per committed token (or verification) figures pooled over requests: `SpeculativeResult`s or their
+    `counts()`. KL and excess NLL are means over committed positions (NaN if not computed)."""
+    rows = [r.counts() if isinstance(r, SpeculativeResult) else r for r in results]
+    total = {key: sum(row[key] for row in rows) for key in rows[0] if key != "num_layers"}
+    hist = total["accepted_hist"]
+    committed, blocks = max(total["committed"], 1), max(total["verifications"], 1)
+    reached = hist[::-1].cumsum()[::-1][1:]  # blocks whose accepted length is at least d, d = 1..k
+    return {"requests": total["requests"], "verifications": total["verifications"], "committed": total["committed"],
+            "tau": total["block_tokens"] / blocks, "acceptance_by_position": (reached / blocks).tolist(),
+            "accepted_hist": hist.tolist(), "copies_per_token": total["copies"] / committed,
+            "moves_per_token": total["moves"] / committed,
+            "displaced_per_token_layer": total["displaced"] / (max(total["block_tokens"], 1) * rows[0]["num_layers"]),
+            "kl": total["kl_sum"] / total["positions"] if total["positions"] else float("nan"),
+            "excess_nll": total["excess_nll_sum"] / total["positions"] if total["positions"] else float("nan"),
+            "draft_ms_per_token": 1e3 * total["draft_s"] / committed,
+            "verify_ms_per_token": 1e3 * total["verify_s"] / committed}
+
+
+def _features(out, drafter: Drafter) -> torch.Tensor | None:
+    """The drafter's context features [S, n*H] of a forward's positions (None for drafters without)."""
+    if not drafter.target_layer_ids:
+        return None
+    return extract_context_feature(out.hidden_states, list(drafter.target_layer_ids))[0]
+
+
+@torch.no_grad()
+def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter, prompt, config: SpeculativeConfig,
+                         *, calibration: Calibration | None = None, commit_rate: CommitRate | None = None,
+                         record: bool = False, divergence: bool = True) -> SpeculativeResult:
+    """Decode `prompt` (token ids) greedily with `drafter` and block-level selection (module docstring).
+
+    calibration: its warm set is the pool's start (default: the neutral calibration, experts by index);
+    commit_rate: the acceptmoe weights' estimator, reset here (default `CommitRate()`); record: keep every
+    block (`result.blocks`, see `specmoe.block_records`); divergence: compare the committed positions with
+    exact routing (`divergence_from_exact`, one extra forward)."""
+    from transformers import DynamicCache
+
+    config.check(adapter, drafter)
+    calibration = calibration or Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    check_calibration(model, adapter, calibration)
+    tokens = prompt_tokens(prompt)
+    prompt_len, k, selector = len(tokens), config.k, config.selector
+    device = next(model.parameters()).device
+    pool = ExpertPool(adapter.num_moe_layers, adapter.num_experts, adapter.top_k, config.pool_size, calibration)
+    commit_rate = commit_rate or CommitRate()
+    commit_rate.reset()
+    context = BlockRoutingContext(adapter, pool, adapter.routers(model), record=record)
+    cache = DynamicCache(config=model.config)
+    new: list[int] = []
+    roots, accepted, logprobs, blocks = [], [], [], []
+    displaced = draft_s = verify_s = 0.0
+
+    def forward(ids: list[int], block_selector: SelectorConfig, alpha: np.ndarray):
+        context.start_block(block_selector, alpha)
+        out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
+                    output_hidden_states=bool(drafter.target_layer_ids))
+        pool.end_block()
+        return out
+
+    with routed_by(model, context):
+        started = time.perf_counter()
+        features = None
+        if prompt_len > 1:
+            features = _features(forward(tokens[:-1], EXACT, np.ones(prompt_len - 1)), drafter)
+        base = pool.totals()
+        drafter.reset(torch.tensor(tokens), features)
+        prefill_s = time.perf_counter() - started
+        while len(new) < config.max_new_tokens:
+            started = time.perf_counter()
+            drafts, confidences = drafter.propose(k)
+            draft_s += _drafting_time(drafter, started)
+            drafts = [int(t) for t in drafts]
+            started = time.perf_counter()
+            alpha = block_weights(selector, k, commit_rate, confidences)
+            out = forward([tokens[-1]] + drafts, selector, alpha)
+            greedy = out.logits[0].argmax(-1).tolist()
+            a = 0
+            while a < k and drafts[a] == greedy[a]:
+                a += 1
+            crop_cache(cache, len(tokens) + a)  # the committed positions: the prompt, ..., the root, a drafts
+            commit_rate.update(a, k)
+            logprobs.append(torch.log_softmax(out.logits[0, :a + 1].float(), dim=-1).cpu())
+            displaced += float(context.displaced[:a + 1].sum())
+            verify_s += time.perf_counter() - started
+            if record:
+                blocks.append(_block_record(context, len(tokens) - 1, [tokens[-1]] + drafts, confidences, a, greedy[a]))
+            started = time.perf_counter()
+            features = _features(out, drafter)
+            drafter.commit(a, greedy[a], None if features is None else features[:a + 1])
+            draft_s += _drafting_time(drafter, started, count_fixed=False)
+            roots.append(len(tokens) - 1)
+            accepted.append(a)
+            committed = drafts[:a] + [greedy[a]]
+            tokens += committed
+            new += committed
+            stops = [i for i, t in enumerate(committed) if t in config.stop_tokens]
+            if stops:
+                del new[len(new) - len(committed) + stops[0] + 1:]
+                break
+    del new[config.max_new_tokens:]
+    totals = pool.totals()
+    result = SpeculativeResult(
+        torch.tensor(new, dtype=torch.long), k, adapter.num_moe_layers, roots, accepted,
+        totals["copies"] - base["copies"], totals["moves"] - base["moves"], displaced,
+        torch.cat(logprobs)[:len(new)], draft_s, verify_s, prefill_s, pool, blocks=blocks)
+    if divergence:
+        result.divergence = divergence_from_exact(model, adapter, tokens[:prompt_len], result.tokens, result.logprobs)
+    return result
+
+
+def _drafting_time(drafter: Drafter, started: float, count_fixed: bool = True) -> float:
+    """Drafting time since `started`, or the drafter's fixed cost per block (charged once, at propose)."""
+    if drafter.fixed_cost_s is not None:
+        return drafter.fixed_cost_s if count_fixed else 0.0
+    return time.perf_counter() - started
+
+
+def _block_record(context: BlockRoutingContext, root: int, ids: list[int], confidences, accepted: int,
+                  bonus: int) -> dict:
+    """One verification block as `specmoe.block_records` stores it (without the request index)."""
+    return {"root_position": root, "tokens": np.asarray(ids), "confidences": np.asarray(confidences),
+            "accepted": accepted, "bonus": bonus, "router_logits": context.scores, "pregate_logits": context.pregate,
+            "selected": context.selected}
+
+
+@torch.no_grad()
+def greedy_decode(model: nn.Module, prompt, max_new_tokens: int, stop_tokens=(), after_prefill=None):
+    """AR greedy decoding of one prompt under the model's current routing: (new tokens [n], next-token
+    log-probabilities [n, V] at the positions that produced them).
+
+    As in `speculative_generate`, the prompt without its last token is prefilled in one forward, then every
+    step feeds one token and produces the next, so n new tokens take n routed steps; `after_prefill()` is
+    called between the two (e.g. a routing context's `clear_counters`, so that copies count decoding only).
+    Stops after max_new_tokens or a stop token (kept)."""
+    from transformers import DynamicCache
+
+    tokens = prompt_tokens(prompt)
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    if len(tokens) > 1:
+        model(input_ids=torch.tensor([tokens[:-1]], device=device), past_key_values=cache, use_cache=True)
+    if after_prefill is not None:
+        after_prefill()
+    new, logprobs = [], []
+    while len(new) < max_new_tokens and not (new and new[-1] in stop_tokens):
+        ids = torch.tensor([[new[-1] if new else tokens[-1]]], device=device)
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+        logprobs.append(torch.log_softmax(logits, dim=-1).cpu())
+        new.append(int(logits.argmax()))
+    return torch.tensor(new, dtype=torch.long), torch.stack(logprobs)
+
+
+@torch.no_grad()
+def divergence_from_exact(model: nn.Module, adapter: MoEAdapter, prompt, new_tokens: torch.Tensor,
+                          logprobs: torch.Tensor) -> dict:
+    """How far the committed positions' next-token distributions are from exact routing on the same prefix.
+
+    new_tokens [n] were decoded after `prompt`; logprobs [n, V] are the distributions that produced them
+    (row i predicts new token i from the prompt and new tokens < i). Exact routing runs once, teacher-forced,
+    over prompt + new_tokens[:-1]. Per position: KL(exact || routed) = sum_v p_exact(v) (log p_exact(v) -
+    log p_routed(v)), and the excess NLL of the token actually decoded, log p_exact(x) - log p_routed(x)
+    (under greedy decoding x is the routed argmax, so this is usually <= 0; the KL is the quality measure).
+    Returns the means (kl, excess_nll), their sums and the number of positions."""
+    tokens = prompt_tokens(prompt)
+    n = int(new_tokens.numel())
+    if n == 0:
+        return {"kl": float("nan"), "excess_nll": float("nan"), "kl_sum": 0.0, "excess_nll_sum": 0.0, "positions": 0}
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokens + new_tokens.tolist()[:-1]], device=device)
+    with exact_routing(model, adapter):
+        exact = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, len(tokens) - 1:].float(), -1).cpu()
+    routed = logprobs.float()
+    kl = (exact.exp() * (exact - routed)).sum(-1).double().clamp_min(0.0)  # >= 0 but for rounding
+    index = new_tokens[:, None].cpu()
+    excess = (exact.gather(-1, index) - routed.gather(-1, index))[:, 0].double()
+    return {"kl": float(kl.mean()), "excess_nll": float(excess.mean()), "kl_sum": float(kl.sum()),
+            "excess_nll_sum": float(excess.sum()), "positions": n}
