@@ -265,3 +265,48 @@ def test_10_policy_accepts_numpy_integers():
                           insert_budget=np.int64(1))
     assert type(policy.capacity) is int and policy.capacity == 16 and policy.bonus == 0.25
     assert json.dumps(policy.to_dict())  # plain Python values
+
+
+# -- 6: a run's result files are one unit; temporary names are unique --------------------------------------------
+def test_6_run_dir_is_replaced_as_a_whole(tmp_path, monkeypatch):
+    from specmoe.files import write_run_dir
+
+    out = tmp_path / "runs" / "demo"
+    write_run_dir(out, {"results.csv": "a\n1\n", "results.json": '{"run": 1}'})
+    write_run_dir(out, {"results.csv": "a\n2\n", "results.json": '{"run": 2}'})
+    assert sorted(os.listdir(out)) == ["results.csv", "results.json"]
+    assert (out / "results.csv").read_text() == "a\n2\n" and json.loads((out / "results.json").read_text())["run"] == 2
+
+    write_text = Path.write_text
+
+    def disk_full_at_json(path, text, *args, **kwargs):
+        if path.name == "results.json":
+            raise OSError("disk full")
+        return write_text(path, text, *args, **kwargs)
+
+    with monkeypatch.context() as patch:  # a failure between the two files leaves the earlier run as it was
+        patch.setattr(Path, "write_text", disk_full_at_json)
+        with pytest.raises(OSError, match="disk full"):
+            write_run_dir(out, {"results.csv": "a\n3\n", "results.json": "{}"})
+    assert (out / "results.csv").read_text() == "a\n2\n"
+    assert sorted(os.listdir(out.parent)) == ["demo"]  # no temporary left behind
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        write_run_dir(out, {"results.csv": "", "results.json": ""})
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_6_concurrent_writers_of_one_path_do_not_collide(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specmoe.files import write_run_dir, write_text_atomic
+
+    def one(i):
+        write_text_atomic(tmp_path / "table.csv", f"run {i}\n")
+        write_run_dir(tmp_path / "run", {"results.csv": f"{i}", "results.json": json.dumps(i)})
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(16)))
+    assert sorted(os.listdir(tmp_path)) == ["run", "table.csv"]
+    run = tmp_path / "run"
+    assert (run / "results.csv").read_text() == str(json.loads((run / "results.json").read_text()))
