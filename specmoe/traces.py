@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import read_safetensors, write_safetensors
+from .arguments import check_positions, int_at_least
+from .files import check_output_file, read_safetensors, read_utf8, write_safetensors
 from .routing import validate
 from .routing.replay import valid_sequence_starts
 
@@ -258,8 +259,9 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                    help="a local checkpoint directory, or 'family' for the shipped small OLMoE target")
     p.add_argument("--text", required=True, help="a UTF-8 text file; tokenized with the model's tokenizer")
     p.add_argument("--out", required=True, help="output trace file (.safetensors)")
-    p.add_argument("--window", type=int, default=1024, help="tokens per recorded sequence (the last may be shorter)")
-    p.add_argument("--max-tokens", type=int, default=65536, help="record at most this many tokens")
+    p.add_argument("--window", type=int_at_least(1), default=1024,
+                   help="tokens per recorded sequence (the last may be shorter; at most the model's positions)")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=65536, help="record at most this many tokens")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=main_trace)
@@ -272,19 +274,17 @@ def main_trace(args) -> int:
 
     from .models import load_model
 
-    if args.window < 1 or args.max_tokens < 1:
-        raise ValueError(f"--window and --max-tokens must be positive, got {args.window} and {args.max_tokens}")
     source = family_path("target") if args.model == "family" else Path(args.model)
     if not Path(source).is_dir():
         raise FileNotFoundError(f"no checkpoint directory at {source}")
-    if not Path(args.text).is_file():
-        raise FileNotFoundError(f"no text file {args.text}")
+    check_output_file(args.out, "--out")
+    text = read_utf8(args.text)
     # the harness's loader: same model class and pinned experts kernels as every other measurement
     model, _ = load_model(str(source), dtype=getattr(torch, args.dtype), device=args.device)
+    check_positions(model, args.window, "--window")
     tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     if len(tokenizer) == 0:
         raise ValueError(f"checkpoint directory {source} has no tokenizer files")
-    text = Path(args.text).read_text(encoding="utf-8")
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: args.max_tokens]
     if not ids:
         raise ValueError(f"{args.text} holds no tokens")

@@ -310,3 +310,102 @@ def test_6_concurrent_writers_of_one_path_do_not_collide(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["run", "table.csv"]
     run = tmp_path / "run"
     assert (run / "results.csv").read_text() == str(json.loads((run / "results.json").read_text()))
+
+
+# -- 5, 7, 8, 9: the command line -------------------------------------------------------------------------------
+def one_line_error(capsys, argv, message):
+    """Run `specmoe ARGV` in this process; assert exit status 2 and one stderr line holding `message`."""
+    from specmoe.cli import main
+
+    assert main([str(a) for a in argv]) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], (argv, err)
+
+
+def test_5_unwritable_outputs_are_refused_before_anything_runs(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    existing_file = tmp_path / "file"
+    existing_file.write_text("x")
+    cases = [  # `--model no/such/dir` shows that the output is checked first
+        (["calibrate", "--model", "no/such/dir", "--selfgen", 1, "--out", tmp_path], "is an existing directory"),
+        (["calibrate", "--model", "no/such/dir", "--selfgen", 1, "--out", existing_file / "c.st"],
+         "is not a directory"),
+        (["demo", "--model", "no/such/dir", "--out", existing_file], "is an existing file"),
+        (["trace", "--text", text, "--out", tmp_path], "is an existing directory"),
+    ]
+    if Path("/sys").is_dir():  # read-only even for root
+        cases.append((["calibrate", "--model", "no/such/dir", "--selfgen", 1, "--out", "/sys/c.st"],
+                      "cannot create files in /sys"))
+    if os.geteuid() != 0:
+        read_only = tmp_path / "read-only"
+        read_only.mkdir(mode=0o555)
+        cases.append((["demo", "--model", "no/such/dir", "--out", read_only / "demo"], "cannot create files in"))
+    for argv, message in cases:
+        one_line_error(capsys, argv, message)
+    assert sorted(os.listdir(tmp_path)) == sorted(["t.txt", "file"] + (["read-only"] if os.geteuid() else []))
+
+
+def test_5_bad_values_of_arguments_are_one_line(tmp_path, capsys):
+    for argv, message in [
+        (["demo", "--threads", -1], "argument --threads: must be at least 1, got -1"),
+        (["demo", "--capacities", "32,x"], "argument --capacities: expected an integer, got 'x'"),
+        (["replay", "--trace", "t", "--calibration", "c", "-C", 0], "argument --capacity/-C: must be at least 1"),
+        (["frob"], "invalid choice: 'frob'"),
+        (["replay", "--trace", tmp_path / "none.st", "--calibration", "c", "-C", 4], "no calibration file at c"),
+    ]:
+        one_line_error(capsys, argv, message)
+
+
+def test_7_window_counts_threads_and_text_encoding(tmp_path, capsys):
+    from specmoe.experiments.calibrate import token_windows
+
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(100))
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    cases = [
+        (["calibrate", "--model", "olmoe-micro", "--tokens", ids, "--windows", 0, "--out", tmp_path / "c.st"],
+         "argument --windows: must be at least 1, got 0"),
+        (["calibrate", "--model", "olmoe-micro", "--tokens", ids, "--windows", -1, "--out", tmp_path / "c.st"],
+         "argument --windows: must be at least 1, got -1"),
+        (["demo", "--threads", 0], "argument --threads: must be at least 1, got 0"),
+        (["calibrate", "--model", "no/such/dir", "--text", latin1, "--out", tmp_path / "c.st"],
+         f"text file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)"),
+        (["trace", "--model", "family", "--text", latin1, "--out", tmp_path / "t.st"],
+         f"text file {latin1} is not UTF-8 text (byte 0xe9 at offset 3)"),
+    ]
+    for argv, message in cases:
+        one_line_error(capsys, argv, message)
+    with pytest.raises(ValueError, match="window limit"):
+        token_windows(np.arange(100), 10, 0)
+    assert len(token_windows(np.arange(100), 10, None)) == 10
+
+
+@pytest.mark.parametrize("content,message", [
+    (np.arange(12).reshape(3, 4), "1-D array of integer token ids, got a int64 array of shape (3, 4)"),
+    (np.arange(12) + 0.5, "got a float64 array"),
+])
+def test_4_token_files_must_be_1d_integers(tmp_path, capsys, content, message):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, content)
+    one_line_error(capsys, ["calibrate", "--model", "no/such/dir", "--tokens", ids, "--out", tmp_path / "c.st"],
+                   message)
+
+
+def test_8_values_that_depend_on_the_model_fail_before_sampling(tmp_path, capsys):
+    one_line_error(capsys, ["demo", "--model", "olmoe-micro", "--length", 100000, "--out", tmp_path / "d"],
+                   "--length 100000 exceeds the 1024 positions of the model")
+    one_line_error(capsys, ["demo", "--model", "olmoe-micro", "--length", 1], "argument --length: must be at least 2")
+    one_line_error(capsys, ["demo", "--model", "olmoe-micro", "--windows", 0], "argument --windows: must be at least 1")
+    assert not (tmp_path / "d").exists()
+
+
+def test_9_specmoe_with_options_only_is_the_demo(tmp_path, capsys):
+    from specmoe.cli import main
+
+    out = tmp_path / "demo"
+    assert main(["--model", "olmoe-micro", "--windows", "1", "--length", "8", "--capacities", "8",
+                 "--out", str(out)]) == 0
+    assert "exact(C=8, lru)" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["results.csv", "results.json"]
