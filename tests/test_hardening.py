@@ -120,8 +120,8 @@ def test_2_logical_cache_refuses_bad_layers_and_lengths():
         c.run_span(0, np.zeros((3, E)), None, np.zeros(2, dtype=np.int64))
     with pytest.raises(ValueError, match=r"valid .* must be \[3\]"):
         c.run_span(0, np.zeros((3, E)), None, np.zeros(3, dtype=np.int64), np.ones(2, dtype=bool))
-    with pytest.raises(ValueError, match="slot_of: experts"):
-        c.slot_of(0, [E])
+    with pytest.raises(ValueError, match=rf"slot_of: layer -1 is outside \[0, {L}\)"):
+        c.slot_of(-1, [0])
     with pytest.raises(ValueError, match="unused_at"):
         c.reset(unused_at=np.zeros((4, L + 1), dtype=np.int64))
     assert c.totals()["steps"] == 0  # nothing ran
