@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from specmoe.files import write_safetensors
-from specmoe.routing import (Calibration, CalibrationError, LogicalCache, PolicyConfig, PolicyError, TokenPrior,
-                             preset, replay)
+from specmoe.routing import (Calibration, CalibrationBuilder, CalibrationError, LogicalCache, PolicyConfig,
+                             PolicyError, TokenPrior, preset, replay)
 from specmoe.traces import Trace, TraceError
 
 L, E, K, V, T = 2, 8, 2, 10, 6  # a small geometry for hand-made files
@@ -230,6 +230,19 @@ def test_4_non_finite_pregate_and_float_sequence_starts_are_refused():
         replay(preset("psr", 4, K), logits(0), logits(1), None, cal, sequence_starts=[0.0, 2.5])
     with pytest.raises(TraceError, match="sequence_starts must hold integers"):
         good_trace(sequence_starts=np.array([0.0, 3.0]))
+
+
+def test_4_calibration_builder_refuses_non_finite_logits_and_bad_tokens():
+    builder = CalibrationBuilder(L, E, V, K)
+    z = logits(0)
+    z[1, 1, 2] = np.nan
+    with pytest.raises(CalibrationError, match=r"router logits must be finite .*entry \[1, 1, 2\]"):
+        builder.add(z, np.arange(T))
+    with pytest.raises(CalibrationError, match="token ids must hold integers"):
+        builder.add(logits(0), np.arange(T) + 0.0)
+    with pytest.raises(CalibrationError, match="outside"):
+        builder.add(logits(0), np.arange(T) + V)
+    assert builder.tokens == 0
 
 
 @pytest.mark.parametrize("bonus", [np.inf, np.nan, True, "0.3"])

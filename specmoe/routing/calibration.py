@@ -170,7 +170,8 @@ class Calibration:
     def check(self, num_layers: int, num_experts: int, vocab_size: int | None = None,
               fingerprint: str | None = None) -> None:
         """Raise CalibrationError unless this calibration was made for a model of this geometry (and
-        routers, where both sides carry a fingerprint)."""
+        routers, where both sides carry a fingerprint). The one check of a calibration against a model:
+        whatever routes a model with a calibration (harness, `specmoe replay`, engines) calls it."""
         problems = []
         if self.num_layers != num_layers:
             problems.append(f"{self.num_layers} MoE layers, the model has {num_layers}")
@@ -281,15 +282,11 @@ class CalibrationBuilder:
 
     def add(self, router_logits: np.ndarray, token_ids: np.ndarray) -> None:
         """Add one sequence: router logits [T, L, E] and the input token of each position [T]."""
-        z = np.asarray(router_logits, dtype=np.float64)
-        x = np.asarray(token_ids, dtype=np.int64)
-        if z.ndim != 3 or z.shape[1:] != (self.num_layers, self.num_experts) or x.shape != (z.shape[0],):
-            raise CalibrationError(
-                f"expected router logits [T, {self.num_layers}, {self.num_experts}] and token ids [T], "
-                f"got {z.shape} and {x.shape}"
-            )
-        if x.size and (x.min() < 0 or x.max() >= self.vocab_size):
-            raise CalibrationError(f"token ids outside the vocabulary of {self.vocab_size}")
+        z = validate.real_array(router_logits, "router logits [T, L, E]", CalibrationError, 3, np.float64)
+        if z.shape[1:] != (self.num_layers, self.num_experts):
+            raise CalibrationError(f"expected router logits [T, {self.num_layers}, {self.num_experts}], got {z.shape}")
+        validate.check_real(z, "router logits", CalibrationError)
+        x = validate.token_ids(token_ids, z.shape[0], self.vocab_size, "token ids", CalibrationError)
         top = _top_k(z, self.top_k)  # [T, L, K]
         layers = np.arange(self.num_layers)[None, :, None]
         np.add.at(self.selection_counts, (np.broadcast_to(layers, top.shape), top), 1)
