@@ -179,6 +179,7 @@ class LogicalCache:
                              f"{getattr(unused_at, 'dtype', type(unused_at).__name__)} {np.shape(unused_at)}")
 
     def _check_layer(self, method: str, layer: int) -> None:
+        """A layer outside [0, L) would index another layer's state (-1) or past the arrays."""
         if not 0 <= layer < self.num_layers:
             raise V.bad_call(method, layer, self.num_layers, {})
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import LogicalCache
 from . import validate
+from .cache import LogicalCache
 from .calibration import Calibration, CalibrationError
 from .policy import PolicyConfig
 
