@@ -1,4 +1,7 @@
-"""The `specmoe` command. With no subcommand it runs the main job (`specmoe demo`)."""
+"""The `specmoe` command. With no subcommand (or only options) it runs the main job (`specmoe demo`).
+
+Every fault a user can cause (a bad argument or value, a missing, unreadable or unwritable file, a file of
+another model) ends in one line on stderr naming the file or argument, and exit status 2."""
 
 from __future__ import annotations
 
@@ -6,7 +9,19 @@ import argparse
 import sys
 
 from . import traces
+from .arguments import int_at_least
 from .routing import PRESETS, PolicyConfig, PolicyError, preset
+
+
+class UsageError(Exception):
+    """A command line argparse rejects (reported like every other error: one line, exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors raise UsageError instead of printing the usage and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} -h)")
 
 
 def parse_policy(name: str, capacity: int, top_k: int, overrides: list[str] | None = None) -> PolicyConfig:
@@ -28,7 +43,7 @@ def parse_policy(name: str, capacity: int, top_k: int, overrides: list[str] | No
 
 def _add_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="psr", help=f"preset: {', '.join(PRESETS)} (default psr)")
-    parser.add_argument("--capacity", "-C", type=int, required=True, help="expert slots per layer")
+    parser.add_argument("--capacity", "-C", type=int_at_least(1), required=True, help="expert slots per layer")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a policy field, e.g. --set bonus=0.25 --set window=4")
 
@@ -36,7 +51,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .experiments import calibrate, demo, sd
 
-    parser = argparse.ArgumentParser(prog="specmoe", description=__doc__)
+    parser = _Parser(prog="specmoe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     demo.add_parser(sub)
     calibrate.add_parser(sub)
@@ -72,14 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one line per result, not a bar per checkpoint load
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["demo", *(argv or [])])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["demo", *argv]  # `specmoe [options]` is `specmoe demo [options]`
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     try:
         return args.func(args) or 0
-    except (PolicyError, ValueError, FileNotFoundError) as exc:  # CalibrationError, TraceError, ... are ValueErrors
-        print(f"specmoe {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # PolicyError, CalibrationError, TraceError, ...; files and permissions
+        message = " ".join(str(exc).split())
+        print(f"specmoe {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

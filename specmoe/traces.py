@@ -26,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import read_safetensors, write_safetensors
+from .arguments import check_positions, int_at_least
+from .files import check_output_file, read_safetensors, read_utf8, write_safetensors
+from .routing import validate
 from .routing.replay import valid_sequence_starts
 
 FORMAT, VERSION = "specmoe-trace", "1"
@@ -38,7 +40,9 @@ class TraceError(ValueError):
 
 @dataclass
 class Trace:
-    """Recorded routing of exact decoding over one or more sequences (see the module docstring)."""
+    """Recorded routing of exact decoding over one or more sequences (see the module docstring). Checked when
+    made or loaded: finite logits (pre-gate row 0 excepted), token ids within the vocabulary, integer
+    sequence starts, so that replay never meets a value the routing kernels cannot index with."""
 
     router_logits: np.ndarray
     pregate_logits: np.ndarray
@@ -51,20 +55,23 @@ class Trace:
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.router_logits = np.ascontiguousarray(self.router_logits, dtype=np.float32)
-        self.pregate_logits = np.ascontiguousarray(self.pregate_logits, dtype=np.float32)
-        self.token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int64)
-        self.sequence_starts = np.ascontiguousarray(self.sequence_starts, dtype=np.int64)
-        z = self.router_logits
-        if z.ndim != 3:
-            raise TraceError(f"router logits must be [T, L, E], got shape {z.shape}")
-        if self.pregate_logits.shape != z.shape:
-            raise TraceError(f"pre-gate logits {self.pregate_logits.shape} differ from router logits {z.shape}")
-        if self.token_ids.shape != (z.shape[0],):
-            raise TraceError(f"token ids must be [T={z.shape[0]}], got {self.token_ids.shape}")
+        self.top_k = validate.integer(self.top_k, "top_k", TraceError, minimum=1)
+        self.vocab_size = validate.integer(self.vocab_size, "vocab_size", TraceError, minimum=1)
+        if not isinstance(self.info, dict):
+            raise TraceError(f"trace info must be a dict (a JSON object), got {type(self.info).__name__}")
+        z = validate.real_array(self.router_logits, "router logits [T, L, E]", TraceError, 3, np.float32)
+        g = validate.real_array(self.pregate_logits, "pre-gate logits [T, L, E]", TraceError, 3, np.float32)
+        if g.shape != z.shape:
+            raise TraceError(f"pre-gate logits {g.shape} differ from router logits {z.shape}")
+        validate.check_real(z, "router logits", TraceError)
+        validate.check_real(g[:, 1:], "pre-gate logits of layers 1..L-1", TraceError)  # row 0 is ignored
+        self.router_logits, self.pregate_logits = z, g
+        self.token_ids = validate.token_ids(self.token_ids, z.shape[0], self.vocab_size, "token ids", TraceError)
+        self.sequence_starts = np.ascontiguousarray(
+            validate.integer_array(self.sequence_starts, "sequence_starts", TraceError, 1))
         if not valid_sequence_starts(self.sequence_starts, z.shape[0]):
             raise TraceError("sequence_starts must begin at 0 and increase strictly within [0, T)")
-        if not 1 <= self.top_k <= z.shape[2]:
+        if not self.top_k <= z.shape[2]:
             raise TraceError(f"top_k {self.top_k} outside [1, E={z.shape[2]}]")
 
     @property
@@ -127,9 +134,16 @@ class Trace:
             geometry = {key: int(geometry[key]) for key in ("num_layers", "num_experts", "top_k", "vocab_size")}
         except (KeyError, ValueError, TypeError) as exc:
             raise TraceError(f"{path} has no valid geometry metadata ({type(exc).__name__}: {exc})") from exc
-        trace = cls(arrays["router_logits"], arrays["pregate_logits"], arrays["token_ids"], arrays["sequence_starts"],
-                    top_k=int(geometry["top_k"]), vocab_size=int(geometry["vocab_size"]), model=meta.get("model", ""),
-                    fingerprint=meta.get("fingerprint", ""), info=json.loads(meta.get("info", "{}")))
+        try:
+            info = json.loads(meta.get("info", "{}"))
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path}: the info metadata is not valid JSON ({exc})") from None
+        try:
+            trace = cls(arrays["router_logits"], arrays["pregate_logits"], arrays["token_ids"],
+                        arrays["sequence_starts"], top_k=geometry["top_k"], vocab_size=geometry["vocab_size"],
+                        model=meta.get("model", ""), fingerprint=meta.get("fingerprint", ""), info=info)
+        except TraceError as exc:
+            raise TraceError(f"{path}: {exc}") from None
         if (geometry["num_layers"], geometry["num_experts"]) != (trace.num_layers, trace.num_experts):
             raise TraceError(f"{path}: metadata geometry {geometry} disagrees with the tensors' shape "
                              f"{trace.router_logits.shape}")
@@ -190,8 +204,9 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                    help="a local checkpoint directory, or 'family' for the shipped small OLMoE target")
     p.add_argument("--text", required=True, help="a UTF-8 text file; tokenized with the model's tokenizer")
     p.add_argument("--out", required=True, help="output trace file (.safetensors)")
-    p.add_argument("--window", type=int, default=1024, help="tokens per recorded sequence (the last may be shorter)")
-    p.add_argument("--max-tokens", type=int, default=65536, help="record at most this many tokens")
+    p.add_argument("--window", type=int_at_least(1), default=1024,
+                   help="tokens per recorded sequence (the last may be shorter; at most the model's positions)")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=65536, help="record at most this many tokens")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=main_trace)
@@ -204,19 +219,17 @@ def main_trace(args) -> int:
 
     from .models import load_model
 
-    if args.window < 1 or args.max_tokens < 1:
-        raise ValueError(f"--window and --max-tokens must be positive, got {args.window} and {args.max_tokens}")
     source = family_path("target") if args.model == "family" else Path(args.model)
     if not Path(source).is_dir():
         raise FileNotFoundError(f"no checkpoint directory at {source}")
-    if not Path(args.text).is_file():
-        raise FileNotFoundError(f"no text file {args.text}")
+    check_output_file(args.out, "--out")
+    text = read_utf8(args.text)
     # the harness's loader: same model class and pinned experts kernels as every other measurement
     model, _ = load_model(str(source), dtype=getattr(torch, args.dtype), device=args.device)
+    check_positions(model, args.window, "--window")
     tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     if len(tokenizer) == 0:
         raise ValueError(f"checkpoint directory {source} has no tokenizer files")
-    text = Path(args.text).read_text(encoding="utf-8")
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: args.max_tokens]
     if not ids:
         raise ValueError(f"{args.text} holds no tokens")

@@ -78,12 +78,13 @@ def test_more_bad_input_is_one_line_and_exit_status_2(tmp_path, truncated_checkp
     text = tmp_path / "t.txt"
     text.write_text("some text")
     cases = [
-        (["calibrate", "--model", "olmoe-micro", "--selfgen", "0", "--out", "x.safetensors"], "n_windows >= 1"),
+        (["calibrate", "--model", "olmoe-micro", "--selfgen", "0", "--out", "x.safetensors"],
+         "argument --selfgen: must be at least 1, got 0"),
         (["calibrate", "--model", "olmoe-micro", "--tokens", str(ids), "--length", "4", "--out", "x.safetensors"],
          "token id 100000 is outside the model's vocabulary"),
         (["demo", "--model", str(truncated_checkpoint)], "cannot load the weights of checkpoint directory"),
         (["trace", "--model", "family", "--text", str(text), "--out", "x.safetensors", "--window", "0"],
-         "--window and --max-tokens must be positive"),
+         "argument --window: must be at least 1, got 0"),
         (["trace", "--model", "family", "--text", str(tmp_path / "none.txt"), "--out", "x.safetensors"],
          "no text file"),
     ]

@@ -14,11 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
+from specmoe.arguments import check_positions, int_at_least
+from specmoe.files import check_output_file, read_utf8
+
 
 def token_windows(stream: np.ndarray, length: int, limit: int | None = None) -> list[np.ndarray]:
-    """Non-overlapping windows of `length` tokens from a 1-D token stream (the tail shorter than 2 dropped)."""
+    """Non-overlapping windows of `length` tokens from a 1-D token stream (the tail shorter than 2 dropped),
+    the first `limit` of them (None: all)."""
     if length < 2:
         raise ValueError(f"window length must be at least 2, got {length}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"the window limit must be at least 1 (or None for all), got {limit}")
     from specmoe.training.corpus import windows as full_windows
 
     stream = np.asarray(stream, dtype=np.int64).reshape(-1)
@@ -26,10 +32,11 @@ def token_windows(stream: np.ndarray, length: int, limit: int | None = None) -> 
     tail = stream[len(windows) * length:]
     if len(tail) >= 2:
         windows.append(tail)
-    return windows[:limit] if limit else windows
+    return windows if limit is None else windows[:limit]
 
 
-def text_tokens(files: list[str], tokenizer_dir: str) -> np.ndarray:
+def text_tokens(texts: list[str], tokenizer_dir: str) -> np.ndarray:
+    """The token ids of `texts` (strings) one after the other, by the tokenizer in `tokenizer_dir`."""
     from transformers import AutoTokenizer
 
     try:
@@ -37,12 +44,24 @@ def text_tokens(files: list[str], tokenizer_dir: str) -> np.ndarray:
     except (OSError, ValueError) as exc:
         raise ValueError(f"no tokenizer in {tokenizer_dir}: pass --tokenizer DIR or use --tokens/--selfgen ({exc})") from None
     ids: list[int] = []
-    for name in files:
-        path = Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"no text file {path}")
-        ids.extend(tokenizer(path.read_text(errors="replace"))["input_ids"])
+    for text in texts:
+        ids.extend(tokenizer(text)["input_ids"])
     return np.asarray(ids, dtype=np.int64)
+
+
+def load_token_file(path: str | Path) -> np.ndarray:
+    """A 1-D array of integer token ids from a .npy file (ValueError naming the file otherwise)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no token file {path}")
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"token file {path} is not a .npy array ({exc})") from None
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        got = f"a {ids.dtype} array of shape {ids.shape}" if isinstance(ids, np.ndarray) else type(ids).__name__
+        raise ValueError(f"token file {path} must hold a 1-D array of integer token ids, got {got}")
+    return ids.astype(np.int64)
 
 
 def add_parser(sub) -> None:
@@ -53,10 +72,11 @@ def add_parser(sub) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", nargs="+", metavar="FILE", help="held-out plain-text files")
     source.add_argument("--tokens", metavar="FILE.npy", help="held-out token ids (1-D .npy)")
-    source.add_argument("--selfgen", type=int, metavar="N", help="N windows sampled from the model itself")
+    source.add_argument("--selfgen", type=int_at_least(1), metavar="N", help="N windows sampled from the model itself")
     parser.add_argument("--tokenizer", help="tokenizer directory for --text (default: the checkpoint's)")
-    parser.add_argument("--length", type=int, default=256, help="tokens per window (default 256)")
-    parser.add_argument("--windows", type=int, default=None, help="use at most this many windows")
+    parser.add_argument("--length", type=int_at_least(2), default=256,
+                        help="tokens per window (default 256; at most the model's positions)")
+    parser.add_argument("--windows", type=int_at_least(1), default=None, help="use at most this many windows")
     parser.add_argument("--describe", default=None, help="what the text is (recorded in the file)")
     parser.add_argument("--out", required=True, help="output file (.safetensors)")
     parser.set_defaults(func=main)
@@ -66,18 +86,19 @@ def main(args) -> int:
     from specmoe.harness import collect_calibration, sample_selfgen
     from specmoe.models import load_model
 
+    check_output_file(args.out, "--out")
+    ids = load_token_file(args.tokens) if args.tokens else None
+    texts = [read_utf8(name) for name in args.text] if args.text else None
     model, adapter = load_model(args.model, seed=args.seed)
+    check_positions(model, args.length, "--length")
     if args.selfgen is not None:
         windows = sample_selfgen(model, args.selfgen, args.length, seed=args.seed + 1).windows
         what = f"{args.selfgen} windows of {args.length} tokens sampled from the model, seed {args.seed + 1}"
-    elif args.tokens:
-        path = Path(args.tokens)
-        if not path.is_file():
-            raise FileNotFoundError(f"no token file {path}")
-        windows = token_windows(np.load(path), args.length, args.windows)
-        what = f"token ids from {path.resolve()}"
+    elif ids is not None:
+        windows = token_windows(ids, args.length, args.windows)
+        what = f"token ids from {Path(args.tokens).resolve()}"
     else:
-        windows = token_windows(text_tokens(args.text, args.tokenizer or args.model), args.length, args.windows)
+        windows = token_windows(text_tokens(texts, args.tokenizer or args.model), args.length, args.windows)
         what = "text files " + ", ".join(str(Path(f).resolve()) for f in args.text)
     if not windows:
         raise ValueError("the held-out text gave no window of at least 2 tokens")

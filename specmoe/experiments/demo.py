@@ -20,10 +20,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from specmoe.files import write_text_atomic
+from specmoe.arguments import check_positions, int_at_least, int_list
+from specmoe.files import check_output_dir, write_run_dir
 from specmoe.traces import family_path
 
 DEMO_POLICIES = ("exact_lru", "cache_prior", "psr", "spec_exec")
+RESULT_FILES = ("results.csv", "results.json")  # one run's files, written together (files.write_run_dir)
 
 
 def default_model() -> str:
@@ -45,10 +47,14 @@ def run_demo(model_source: str, capacities: tuple[int, ...], *, windows: int = 1
     from specmoe.models import load_model
     from specmoe.routing import preset
 
+    if windows < 1 or calibration_windows < 1 or length < 2 or (threads is not None and threads < 1):
+        raise ValueError(f"need windows >= 1, calibration_windows >= 1, length >= 2 and threads >= 1 (or None), "
+                         f"got {windows}, {calibration_windows}, {length} and {threads}")
     if threads:
         torch.set_num_threads(threads)
     started = time.time()
     model, adapter = load_model(model_source, seed=seed)
+    check_positions(model, length, "--length")
     for capacity in capacities:
         if not adapter.top_k <= capacity <= adapter.num_experts:
             raise ValueError(f"capacity {capacity} outside [K={adapter.top_k}, E={adapter.num_experts}]")
@@ -83,24 +89,27 @@ def add_parser(sub) -> None:
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory or named config "
                         "(default: the shipped trained model, else olmoe-tiny)")
-    parser.add_argument("--capacities", default="32,16", help="comma-separated C values (default 32,16)")
-    parser.add_argument("--windows", type=int, default=16, help="selfgen windows to score (default 16)")
-    parser.add_argument("--length", type=int, default=128, help="tokens per window (default 128)")
+    parser.add_argument("--capacities", type=int_list(1), default=(32, 16),
+                        help="comma-separated C values (default 32,16)")
+    parser.add_argument("--windows", type=int_at_least(1), default=16, help="selfgen windows to score (default 16)")
+    parser.add_argument("--length", type=int_at_least(2), default=128,
+                        help="tokens per window (default 128; at most the model's positions)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=int_at_least(1), default=1,
                         help="torch CPU threads (default 1: small models run fastest on one thread)")
-    parser.add_argument("--out", default="runs/demo", help="directory for results.csv / results.json")
+    parser.add_argument("--out", default="runs/demo",
+                        help="directory for results.csv / results.json (replaced as a whole by each run)")
     parser.set_defaults(func=main)
 
 
 def main(args) -> int:
-    capacities = tuple(int(c) for c in str(args.capacities).split(","))
-    table, info = run_demo(args.model or default_model(), capacities, windows=args.windows, length=args.length,
-                           seed=args.seed, threads=args.threads)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "results.csv", table.to_csv(index=False))
-    write_text_atomic(out / "results.json", json.dumps({"info": info, "rows": table.to_dict("records")}, indent=2))
+    check_output_dir(out, RESULT_FILES, "--out")
+    table, info = run_demo(args.model or default_model(), args.capacities, windows=args.windows, length=args.length,
+                           seed=args.seed, threads=args.threads)
+    csv_name, json_name = RESULT_FILES
+    write_run_dir(out, {csv_name: table.to_csv(index=False),
+                        json_name: json.dumps({"info": info, "rows": table.to_dict("records")}, indent=2)})
     print(f"model: {info['model']}  (L={info['layers']}, E={info['experts']}, K={info['top_k']})")
     print(f"selfgen: {info['selfgen_windows']} windows x {info['length']} tokens, {info['scored_tokens']} scored; "
           "copies are logical copies per token (sum over layers)")

@@ -26,7 +26,10 @@ import numpy as np
 
 from specmoe.files import read_safetensors, write_safetensors
 
+from . import validate
+
 FORMAT_VERSION = 1
+_TENSORS = ("warm_ranking", "delta", "prior_indptr", "prior_experts", "prior_values")  # the file's tensors
 
 
 class CalibrationError(ValueError):
@@ -35,11 +38,30 @@ class CalibrationError(ValueError):
 
 @dataclass(frozen=True)
 class TokenPrior:
-    """Sparse token prior: for layer l and token x, experts[indptr[l, x]:indptr[l, x+1]] with values."""
+    """Sparse token prior: for layer l and token x, experts[indptr[l, x]:indptr[l, x+1]] with values.
+
+    The rows (layer, token) lie one after the other in experts/values (indptr[l, V] == indptr[l+1, 0]),
+    each listing its experts once, in increasing order; values are frequencies in [0, 1]. Checked when
+    made: the kernels read these offsets and expert ids without bounds checks."""
 
     indptr: np.ndarray  # int64 [L, V + 1], offsets into experts/values
     experts: np.ndarray  # int32 [nnz]
     values: np.ndarray  # float64 [nnz], frequencies in [0, 1]
+
+    def __post_init__(self) -> None:
+        indptr = validate.integer_array(self.indptr, "token prior offsets (prior_indptr)", CalibrationError, 2)
+        experts = validate.integer_array(self.experts, "token prior experts (prior_experts)", CalibrationError, 1)
+        values = validate.real_array(self.values, "token prior values (prior_values)", CalibrationError, 1,
+                                     np.float64)
+        if indptr.shape[0] < 1 or indptr.shape[1] < 2:
+            raise CalibrationError(f"token prior offsets must be [L >= 1, V + 1 >= 2], got shape {indptr.shape}")
+        if values.shape != experts.shape:
+            raise CalibrationError(f"token prior: {experts.shape[0]} expert ids but {values.shape[0]} values")
+        _check_csr(indptr, experts)
+        validate.check_real(values, "token prior values (frequencies)", CalibrationError, 0.0, 1.0)
+        object.__setattr__(self, "indptr", np.ascontiguousarray(indptr))
+        object.__setattr__(self, "experts", np.ascontiguousarray(experts, dtype=np.int32))
+        object.__setattr__(self, "values", values)
 
     @property
     def num_layers(self) -> int:
@@ -51,9 +73,7 @@ class TokenPrior:
 
     @classmethod
     def from_dense(cls, dense: np.ndarray) -> "TokenPrior":
-        dense = np.asarray(dense, dtype=np.float64)
-        if dense.ndim != 3:
-            raise CalibrationError(f"a dense token prior has shape [L, V, E], got {dense.shape}")
+        dense = validate.real_array(dense, "a dense token prior [L, V, E]", CalibrationError, 3, np.float64)
         num_layers, vocab, _ = dense.shape
         layer, token, expert = np.nonzero(dense)  # row-major: sorted by (layer, token)
         indptr = _csr_indptr(layer * vocab + token, num_layers, vocab)
@@ -85,17 +105,38 @@ class Calibration:
     provenance: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.token_prior, TokenPrior):
-            object.__setattr__(self, "token_prior", TokenPrior.from_dense(self.token_prior))
-        warm = np.asarray(self.warm_ranking, dtype=np.int64)
-        delta = np.asarray(self.delta, dtype=np.float64)
-        object.__setattr__(self, "warm_ranking", warm)
-        object.__setattr__(self, "delta", delta)
-        if warm.ndim != 2 or delta.shape != (warm.shape[0],) or self.token_prior.num_layers != warm.shape[0]:
+        if not isinstance(self.provenance, dict):
+            raise CalibrationError(f"calibration provenance must be a dict (a JSON object), got "
+                                   f"{type(self.provenance).__name__}")
+        warm = validate.integer_array(self.warm_ranking, "warm ranking", CalibrationError, 2)
+        if warm.shape[0] < 1 or warm.shape[1] < 1:
+            raise CalibrationError(f"warm ranking must be [L >= 1, E >= 1], got shape {warm.shape}")
+        num_layers, num_experts = warm.shape
+        validate.check_permutations(warm, "warm ranking", CalibrationError)
+        delta = validate.real_array(self.delta, "delta", CalibrationError, 1, np.float64)
+        validate.check_real(delta, "delta (mean logit range)", CalibrationError, minimum=0.0)
+        prior = self.token_prior
+        if not isinstance(prior, TokenPrior):
+            dense = validate.real_array(prior, "a dense token prior [L, V, E]", CalibrationError, 3)
+            if dense.shape[2] != num_experts:
+                raise CalibrationError(f"the dense token prior has {dense.shape[2]} experts per layer, the warm "
+                                       f"ranking {num_experts}")
+            prior = TokenPrior.from_dense(dense)
+        if delta.shape != (num_layers,) or prior.num_layers != num_layers:
             raise CalibrationError(
                 f"inconsistent calibration shapes: warm ranking {warm.shape}, delta {delta.shape}, "
-                f"token prior over {self.token_prior.num_layers} layers"
+                f"token prior over {prior.num_layers} layers"
             )
+        validate.check_range(prior.experts, 0, num_experts, "token prior experts", CalibrationError,
+                             f"the {num_experts} experts of a layer")
+        recorded = {"num_layers": num_layers, "num_experts": num_experts, "vocab_size": prior.vocab_size}
+        for key, value in recorded.items():
+            if key in self.provenance and self.provenance[key] != value:
+                raise CalibrationError(f"the provenance records {key} {self.provenance[key]!r}, the arrays "
+                                       f"have {value}")
+        object.__setattr__(self, "warm_ranking", np.ascontiguousarray(warm))
+        object.__setattr__(self, "token_prior", prior)
+        object.__setattr__(self, "delta", delta)
 
     @classmethod
     def uniform(cls, num_layers: int, num_experts: int, vocab_size: int, delta: float = 0.0,
@@ -113,7 +154,7 @@ class Calibration:
 
     @property
     def num_experts(self) -> int:
-        return int(self.provenance.get("num_experts", self.warm_ranking.shape[1]))
+        return self.warm_ranking.shape[1]
 
     @property
     def vocab_size(self) -> int:
@@ -130,7 +171,8 @@ class Calibration:
     def check(self, num_layers: int, num_experts: int, vocab_size: int | None = None,
               fingerprint: str | None = None) -> None:
         """Raise CalibrationError unless this calibration was made for a model of this geometry (and
-        routers, where both sides carry a fingerprint)."""
+        routers, where both sides carry a fingerprint). The one check of a calibration against a model:
+        whatever routes a model with a calibration (harness, `specmoe replay`, engines) calls it."""
         problems = []
         if self.num_layers != num_layers:
             problems.append(f"{self.num_layers} MoE layers, the model has {num_layers}")
@@ -151,32 +193,63 @@ class Calibration:
     # -- files ------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically to `path` (safetensors, provenance as JSON metadata)."""
-        tensors = {
-            "warm_ranking": self.warm_ranking,
-            "delta": self.delta,
-            "prior_indptr": self.token_prior.indptr,
-            "prior_experts": self.token_prior.experts,
-            "prior_values": self.token_prior.values,
-        }
+        prior = self.token_prior
+        tensors = dict(zip(_TENSORS, (self.warm_ranking, self.delta, prior.indptr, prior.experts, prior.values)))
         meta = {"format": "specmoe-calibration", "version": str(FORMAT_VERSION),
                 "provenance": json.dumps(self.provenance, sort_keys=True)}
         return write_safetensors(path, tensors, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":
+        """Read a calibration file; CalibrationError naming the file if it is unreadable, lacks a tensor, has
+        bad metadata or holds values the routing core cannot run on."""
         meta, arrays = read_safetensors(path, CalibrationError, "calibration")
         if meta.get("format") != "specmoe-calibration":
             raise CalibrationError(f"{path} is not a specmoe calibration file")
-        prior = TokenPrior(arrays["prior_indptr"], arrays["prior_experts"], arrays["prior_values"])
-        provenance = json.loads(meta.get("provenance", "{}"))
-        provenance["file"] = str(path)
-        return cls(arrays["warm_ranking"], prior, arrays["delta"], provenance)
+        missing = sorted(set(_TENSORS) - set(arrays))
+        if missing:
+            raise CalibrationError(f"{path} lacks the tensor(s) {', '.join(missing)}")
+        try:
+            provenance = json.loads(meta.get("provenance", "{}"))
+        except json.JSONDecodeError as exc:
+            raise CalibrationError(f"{path}: the provenance metadata is not valid JSON ({exc})") from None
+        try:
+            prior = TokenPrior(arrays["prior_indptr"], arrays["prior_experts"], arrays["prior_values"])
+            calibration = cls(arrays["warm_ranking"], prior, arrays["delta"], provenance)
+        except CalibrationError as exc:
+            raise CalibrationError(f"{path}: {exc}") from None
+        calibration.provenance["file"] = str(path)
+        return calibration
 
 
 def _csr_indptr(rows: np.ndarray, num_layers: int, vocab_size: int) -> np.ndarray:
     """Offsets [L, V + 1] of sorted row ids (layer * V + token) into one global CSR array."""
     offsets = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=num_layers * vocab_size))])
     return np.stack([offsets[l * vocab_size:(l + 1) * vocab_size + 1] for l in range(num_layers)]).astype(np.int64)
+
+
+def _check_csr(indptr: np.ndarray, experts: np.ndarray) -> None:
+    """Raise CalibrationError unless the offsets indptr [L, V + 1] lay the rows (layer, token) out one after
+    the other over the nnz expert ids (from 0 to nnz, never decreasing, each layer starting where the
+    previous one ends) and each row lists distinct experts in increasing order."""
+    nnz = experts.shape[0]
+    if indptr[0, 0] != 0 or indptr[-1, -1] != nnz or (np.diff(indptr, axis=1) < 0).any() \
+            or (indptr[1:, 0] != indptr[:-1, -1]).any():
+        raise CalibrationError(f"token prior offsets (prior_indptr) do not lay out its {nnz} entries row after "
+                               f"row: they must start at 0, never decrease, end at {nnz}, and each layer must start "
+                               "where the previous one ends")
+    if nnz == 0:
+        return
+    validate.check_range(experts, 0, np.iinfo(np.int32).max, "token prior experts", CalibrationError)
+    rising = np.diff(experts) > 0
+    bounds = indptr.ravel()
+    rising[bounds[(bounds > 0) & (bounds < nnz)] - 1] = True  # a row may start below its predecessor's end
+    if not rising.all():
+        entry = int(np.flatnonzero(~rising)[0]) + 1
+        layer = int(np.searchsorted(indptr[:, -1], entry, side="right"))
+        token = int(np.searchsorted(indptr[layer], entry, side="right")) - 1
+        raise CalibrationError(f"token prior of layer {layer}, token {token} lists expert {experts[entry]} twice "
+                               "or out of order (experts of a row must be distinct and increasing)")
 
 
 def router_fingerprint(router_weights: Iterable[np.ndarray]) -> str:
@@ -210,15 +283,11 @@ class CalibrationBuilder:
 
     def add(self, router_logits: np.ndarray, token_ids: np.ndarray) -> None:
         """Add one sequence: router logits [T, L, E] and the input token of each position [T]."""
-        z = np.asarray(router_logits, dtype=np.float64)
-        x = np.asarray(token_ids, dtype=np.int64)
-        if z.ndim != 3 or z.shape[1:] != (self.num_layers, self.num_experts) or x.shape != (z.shape[0],):
-            raise CalibrationError(
-                f"expected router logits [T, {self.num_layers}, {self.num_experts}] and token ids [T], "
-                f"got {z.shape} and {x.shape}"
-            )
-        if x.size and (x.min() < 0 or x.max() >= self.vocab_size):
-            raise CalibrationError(f"token ids outside the vocabulary of {self.vocab_size}")
+        z = validate.real_array(router_logits, "router logits [T, L, E]", CalibrationError, 3, np.float64)
+        if z.shape[1:] != (self.num_layers, self.num_experts):
+            raise CalibrationError(f"expected router logits [T, {self.num_layers}, {self.num_experts}], got {z.shape}")
+        validate.check_real(z, "router logits", CalibrationError)
+        x = validate.token_ids(token_ids, z.shape[0], self.vocab_size, "token ids", CalibrationError)
         top = _top_k(z, self.top_k)  # [T, L, K]
         layers = np.arange(self.num_layers)[None, :, None]
         np.add.at(self.selection_counts, (np.broadcast_to(layers, top.shape), top), 1)

@@ -153,7 +153,10 @@ def _insert(ist, cnt, layer, expert, victim, t, prefetch, unused_at):
 def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, budget, inserted, unused_at):
     """Algorithm 1, part 1: insertion for `layer` from its pre-gate logits g [E] (the router of `layer`
     applied to the previous layer's MoE input) for the layer's current token, at most `budget` (<= n) new
-    experts. Inserted experts go to inserted[:count]; returns count. Touches only this layer's state."""
+    experts. Inserted experts go to inserted[:count]; returns count. Touches only this layer's state.
+    Returns -1, touching nothing, for a layer outside [0, L) or a g that is not [E] (a bad call)."""
+    if not (0 <= layer < ist.shape[0] and g.shape[0] == ist.shape[2]):
+        return -1
     if params[P_BUDGET] == 0:  # a policy without insertion has no part 1: B stays empty (spec_exec has n >= 1)
         return 0
     t = isc[layer, POS]
@@ -316,13 +319,19 @@ def route(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
     """Part 2 of one layer and everything an engine needs from it, in one call (each Python->numba
     crossing costs about a microsecond, and this runs on the critical path of every layer): the router
     logits z (float32 as the router wrote them) are recorded in z_out and turned into selection scores in
-    zbuf for `part2` (`selection_scores`, with the layer's bias row); selected[:K] gets S, slots[:K] their
+    zbuf for `part2` (`selection_scores`, with the layer's row of bias [L, E]); selected[:K] gets S, slots[:K] their
     slots, weights[:K] their execution weights (`execution_weights`), demand[:d] / demand_slots[:d] the
     demand insertions and their slots; the displaced router mass is added to displaced_mass[layer].
-    Returns d."""
+    Returns d, or -1, touching nothing, for a layer outside [0, L) or a buffer of the wrong length (a bad
+    call)."""
+    num_experts, k = ist.shape[2], params[P_TOP_K]
+    if not (0 <= layer < ist.shape[0] and z.shape[0] == num_experts and z_out.shape[0] == num_experts
+            and selected.shape[0] == k and slots.shape[0] == k and weights.shape[0] == k
+            and bias.shape[0] == ist.shape[0] and bias.shape[1] == num_experts):
+        return -1
     for e in range(z.shape[0]):
         z_out[e] = z[e]
-    selection_scores(z, scoring, bias, zbuf)
+    selection_scores(z, scoring, bias[layer], zbuf)
     d, displaced, _ = part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, zbuf, token,
                             selected, demand, unused_at)
     displaced_mass[layer] += displaced

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import validate
+
 KINDS = ("exact", "cache_prior", "psr", "spec_exec")
 PRIORITIES = ("A", "lru")
 DELTAS = ("fixed", "running")
@@ -55,10 +57,9 @@ class PolicyConfig:
             raise PolicyError(f"unknown eviction priority {self.priority!r}; expected 'A' or 'lru'")
         if self.delta not in DELTAS:
             raise PolicyError(f"unknown delta mode {self.delta!r}; expected 'fixed' or 'running'")
-        for name in ("capacity", "top_k", "insert_budget", "window", "protect_top"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise PolicyError(f"{name} must be an integer, got {value!r}")
+        for name in ("capacity", "top_k", "insert_budget", "window", "protect_top"):  # numpy integers too
+            object.__setattr__(self, name, validate.integer(getattr(self, name), name, PolicyError))
+        object.__setattr__(self, "bonus", validate.real(self.bonus, "bonus (lambda)", PolicyError, minimum=0.0))
         if self.top_k < 1:
             raise PolicyError(f"top_k must be at least 1, got {self.top_k}")
         if self.capacity < self.top_k:
@@ -66,8 +67,6 @@ class PolicyConfig:
                 f"capacity C={self.capacity} is smaller than top_k K={self.top_k}: a layer could not hold "
                 "the experts it executes"
             )
-        if not float(self.bonus) >= 0.0:  # also rejects NaN
-            raise PolicyError(f"bonus (lambda) must be >= 0, got {self.bonus}")
         if self.insert_budget < 0:
             raise PolicyError(f"insert_budget (n) must be >= 0, got {self.insert_budget}")
         if self.window < 1:
@@ -85,7 +84,6 @@ class PolicyConfig:
             raise PolicyError("psr needs insert_budget >= 1; with no insertion it is kind='cache_prior'")
         if self.kind == "spec_exec" and self.insert_budget == 0:
             raise PolicyError("spec_exec needs insert_budget >= 1 (the paper uses n=1, as PSR)")
-        object.__setattr__(self, "bonus", float(self.bonus))
 
     def check_experts(self, num_experts: int) -> None:
         """Raise if the policy cannot run on a layer of `num_experts` experts."""

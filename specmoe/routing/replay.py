@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import validate
 from .cache import LogicalCache
-from .calibration import Calibration
+from .calibration import Calibration, CalibrationError
 from .policy import PolicyConfig
 
 
@@ -60,20 +61,22 @@ def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.n
     on layer l-1's MoE input; row 0 is ignored; None for policies without a pre-gate), with the input
     token of each position [T] (None: the token prior is not used). `sequence_starts` lists the positions
     where a new sequence begins (default: one sequence); the cache is reset at each."""
-    z = np.asarray(router_logits)
-    if z.ndim != 3:
-        raise ValueError(f"router logits must be [T, L, E], got shape {z.shape}")
+    if not isinstance(calibration, Calibration):
+        raise CalibrationError(f"expected a Calibration, got {type(calibration).__name__}")
+    z = validate.real_array(router_logits, "router logits [T, L, E]", ValueError, 3)
     num_tokens, num_layers, num_experts = z.shape
     if pregate_logits is not None and np.shape(pregate_logits) != z.shape:
         raise ValueError(f"pre-gate logits must have the router logits' shape {z.shape}, got {np.shape(pregate_logits)}")
     if pregate_logits is None and policy.insert_budget > 0:
         raise ValueError(f"policy {policy.name} inserts pre-gate predictions: pass pregate_logits")
-    if not np.isfinite(z).all():
-        raise ValueError("router logits contain NaN or infinity")
-    tokens = np.full(num_tokens, -1, dtype=np.int64) if token_ids is None else np.asarray(token_ids, dtype=np.int64)
-    if tokens.shape != (num_tokens,):
-        raise ValueError(f"token ids must be [T={num_tokens}], got {tokens.shape}")
-    starts = np.array([0] if sequence_starts is None else sequence_starts, dtype=np.int64)
+    validate.check_real(z, "router logits", ValueError)
+    if pregate_logits is not None:  # row 0 is ignored (the harness records NaN there)
+        pregate_logits = validate.real_array(pregate_logits, "pre-gate logits [T, L, E]", ValueError, 3)
+        validate.check_real(pregate_logits[:, 1:], "pre-gate logits of layers 1..L-1", ValueError)
+    tokens = np.full(num_tokens, -1, dtype=np.int64) if token_ids is None else \
+        validate.token_ids(token_ids, num_tokens, calibration.vocab_size, "token ids", ValueError, unknown_ok=True)
+    starts = validate.integer_array([0] if sequence_starts is None else sequence_starts, "sequence_starts",
+                                    ValueError, 1)
     if not valid_sequence_starts(starts, num_tokens):
         raise ValueError("sequence_starts must begin at 0 and increase strictly within [0, T)")
     bounds = np.append(starts, num_tokens)
