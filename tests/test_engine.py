@@ -356,3 +356,35 @@ def test_triton_kernels_match_torch_in_the_interpreter():
                           timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernels ok" in done.stdout
+
+
+def test_engine_inputs_and_calibrations_are_checked(tiny, store, calibration, make_engine, tokens):
+    """The engine refuses what would otherwise fail deep in torch or decode silently wrong: a calibration of
+    another vocabulary or other routers (the check `patch_model` makes), token ids outside the vocabulary,
+    a prompt length outside the tokens, a non-integer cache length."""
+    from specmoe.routing import CalibrationError
+
+    model, adapter = tiny
+    other_vocab = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, 8192)
+    engine = build_engine(model, preset("psr", 16, adapter.top_k), other_vocab, EngineConfig(max_seq_len=SEQ),
+                          store=store)
+    with pytest.raises(CalibrationError, match="vocabulary 8192, the model has 512"):
+        engine.teacher_forced(tokens)
+    assert calibration.provenance["fingerprint"] == adapter.fingerprint(model)
+    other, _ = load_model("olmoe-tiny", seed=1)
+    foreign = build_engine(other, preset("psr", 16, adapter.top_k), calibration, EngineConfig(max_seq_len=SEQ))
+    with pytest.raises(CalibrationError, match="router fingerprint"):
+        foreign.teacher_forced(tokens)
+    # following the logits of the calibrated model is what that calibration is for
+    feed = LogitFeed.of(make_engine("psr", 16).teacher_forced(tokens))
+    assert foreign.teacher_forced(tokens, feed=feed).selected.shape == (len(tokens), 16, 8)
+    engine = make_engine("psr", 16)
+    for bad in ([3, -5, 2], [3, 512], [1.5, 2.0]):
+        with pytest.raises(ValueError, match="tokens"):
+            engine.teacher_forced(np.array(bad))
+    with pytest.raises(ValueError, match="prompt_len must be in \\[0, 24\\]"):
+        engine.teacher_forced(tokens, prompt_len=25)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(tokens[:4], 0)
+    with pytest.raises(ValueError, match="max_seq_len must be an integer"):
+        EngineConfig(max_seq_len=64.5)

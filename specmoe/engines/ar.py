@@ -28,7 +28,8 @@ import torch
 from specmoe.kernels import ATTENTIONS, BACKENDS, MOE_KERNELS
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency, ExpertStore
-from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, PolicyError
+from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, PolicyError, router_fingerprint
+from specmoe.routing import validate
 
 from .recorder import ATTENTION_DONE, COPY_CHECKS, COPY_ISSUE, MOE_START, ROUTING, WAIT_START, StepRecorder
 from .results import DecodeResult, LogitFeed, ModelFeed
@@ -55,8 +56,7 @@ class EngineConfig:
     tune: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        object.__setattr__(self, "max_seq_len", validate.integer(self.max_seq_len, "max_seq_len", minimum=1))
         for value, known, what in ((self.backend, BACKENDS, "backend"), (self.attention, ATTENTIONS, "attention"),
                                    (self.moe, MOE_KERNELS, "moe")):
             if value not in known:
@@ -79,6 +79,7 @@ class RunSettings:
     instrument: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "max_in_flight", validate.integer(self.max_in_flight, "max_in_flight"))
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
         if self.max_in_flight < 1:
@@ -91,8 +92,15 @@ class ArEngine:
     """Batch-1 autoregressive decoding of an MoE model whose experts live in an `ExpertResidency` unit."""
 
     def __init__(self, decoder: Decoder, residency: ExpertResidency, policy: PolicyConfig, calibration: Calibration,
-                 config: EngineConfig = EngineConfig(), settings: RunSettings = RunSettings()):
+                 config: EngineConfig = EngineConfig(), settings: RunSettings = RunSettings(),
+                 fingerprint: str | None = None):
+        """fingerprint: the router fingerprint of the model (`router_fingerprint` of its routers). Calibrations
+        are checked with `Calibration.check`: the geometry here and in `configure`, and at every run against
+        the model whose logits routing reads (vocabulary and fingerprint of this model, or the fingerprint of
+        a logit feed's source); None checks the geometry only."""
         g = self.geometry = decoder.geometry
+        self.fingerprint = fingerprint
+        calibration.check(g.num_layers, g.num_experts)
         if config.max_seq_len != g.max_seq_len:
             raise ValueError(f"config.max_seq_len={config.max_seq_len} but the decoder's KV cache has "
                              f"{g.max_seq_len} positions")
@@ -136,6 +144,8 @@ class ArEngine:
         if policy is not None or calibration is not None:
             policy = policy or self.policy
             self._check_policy(policy)
+            if calibration is not None:
+                calibration.check(self.num_layers, self.num_experts)
             if policy.capacity > self.residency.num_slots:
                 raise ValueError(f"capacity C={policy.capacity} exceeds the {self.residency.num_slots} slots per "
                                  "layer of the engine's expert residency: build another engine")
@@ -213,10 +223,15 @@ class ArEngine:
     def _run(self, tokens_in, num_steps: int, timed_from: int, feed: LogitFeed | None, return_logits: bool,
              stop_tokens=(), feed_outputs_from: int | None = None, first_position: int = 0) -> DecodeResult:
         g = self.geometry
-        if first_position < 0 or first_position + num_steps > g.max_seq_len:
+        first_position = validate.integer(first_position, "first_position", minimum=0)
+        if first_position + num_steps > g.max_seq_len:
             raise ValueError(f"{num_steps} positions from position {first_position} do not fit the static KV cache "
                              f"of {g.max_seq_len} (EngineConfig.max_seq_len)")
-        stops = set(int(s) for s in stop_tokens)
+        stops = set(validate.token_ids(list(stop_tokens), None, g.vocab_size, "stop_tokens", ValueError).tolist())
+        if feed is None:  # routing reads this model's logits and tokens: the calibration must be this model's
+            self.calibration.check(g.num_layers, g.num_experts, g.vocab_size, self.fingerprint)
+        else:  # the feed's source model's
+            self.calibration.check(g.num_layers, g.num_experts, fingerprint=feed.fingerprint)
         if feed is not None:
             if feed.tokens is not None:  # the recorded run's tokens and length
                 num_steps, stops = min(num_steps, len(feed.tokens)), set()
@@ -240,7 +255,9 @@ class ArEngine:
                 if feed_outputs_from is not None and t + 1 >= feed_outputs_from and int(rec.outputs[t]) in stops:
                     break
         s = self.settings
+        # fingerprint: the routers whose logits routing read (LogitFeed.of carries it on)
         info = {"policy": self.policy.name, "warm_copies": warm, **self.kernels,
+                "fingerprint": self.fingerprint if feed is None else feed.fingerprint,
                 "cuda_graphs": self.graphs is not None, "cache_mode": s.cache_mode, "max_in_flight": s.max_in_flight,
                 "skip_copies": s.skip_copies, "feed": feed is not None, "notes": list(self.notes)}
         return rec.result(timed_from, logits, info)
@@ -253,7 +270,8 @@ class ArEngine:
         first_position > 0 (for timing at long contexts without decoding a prefix): the tokens sit at positions
         first_position .. first_position + T - 1 and attend to whatever the KV cache holds below them, so the
         outputs are not the model's on any real text; routing still starts from the warm set."""
-        tokens = np.asarray(tokens, dtype=np.int64)
+        tokens = validate.token_ids(tokens, None, self.geometry.vocab_size, "tokens", ValueError)
+        prompt_len = validate.integer(prompt_len, "prompt_len", minimum=0, maximum=len(tokens))
         return self._run(tokens, len(tokens), prompt_len, feed, return_logits, first_position=first_position)
 
     def generate(self, prompt, max_new_tokens: int, stop_tokens=(), feed: LogitFeed | None = None,
@@ -261,9 +279,10 @@ class ArEngine:
         """Greedy generation: the prompt is decoded token by token (not timed), then each step feeds the
         previous greedy token. Stops after max_new_tokens generated tokens or at a stop token (kept). The
         timed steps are those that consume a generated token; `generated` lists the new tokens."""
-        prompt = np.asarray(prompt, dtype=np.int64)
-        if prompt.size == 0 or max_new_tokens < 1:
-            raise ValueError("generate needs a non-empty prompt and max_new_tokens >= 1")
+        prompt = validate.token_ids(prompt, None, self.geometry.vocab_size, "prompt", ValueError)
+        max_new_tokens = validate.integer(max_new_tokens, "max_new_tokens", minimum=1)
+        if prompt.size == 0:
+            raise ValueError("generate needs a non-empty prompt")
         num_steps = prompt.size + max_new_tokens - 1
         result = self._run(prompt, num_steps, prompt.size, feed, return_logits, stop_tokens,
                            feed_outputs_from=prompt.size)
@@ -278,7 +297,7 @@ def build_engine(model, policy: PolicyConfig, calibration: Calibration, config: 
     """An ArEngine for a transformers MoE model: the decoder's weights taken from the model (on its device
     and dtype). Experts: the given `residency` unit (share one between engines), else a new unit of C slots
     over `store`, else over a new pinned ExpertStore copied from the model."""
-    from specmoe.models import decoder_for
+    from specmoe.models import adapter_for, decoder_for
 
     if residency is None:
         store = store or ExpertStore.from_model(model, host_memory_limit=host_memory_limit)
@@ -286,7 +305,8 @@ def build_engine(model, policy: PolicyConfig, calibration: Calibration, config: 
         residency = ExpertResidency(store, policy.capacity, next(model.parameters()).device,
                                     memory_limit=device_memory_limit)
     decoder = decoder_for(model.config).from_model(model, config.max_seq_len)
-    return ArEngine(decoder, residency, policy, calibration, config, settings)
+    fingerprint = adapter_for(model.config).fingerprint(model)
+    return ArEngine(decoder, residency, policy, calibration, config, settings, fingerprint)
 
 
 def build_engine_from_checkpoint(path, policy: PolicyConfig, calibration: Calibration,
@@ -299,12 +319,16 @@ def build_engine_from_checkpoint(path, policy: PolicyConfig, calibration: Calibr
     from transformers import AutoConfig
 
     from specmoe.models import adapter_for, decoder_for
-    from specmoe.offload import ExpertGeometry
+    from specmoe.offload import CheckpointReader, ExpertGeometry
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    geometry = ExpertGeometry.of(adapter_for(hf_config))
+    adapter = adapter_for(hf_config)
+    geometry = ExpertGeometry.of(adapter)
     policy.check_experts(geometry.num_experts)
     store = ExpertStore.from_checkpoint(path, geometry, dtype=dtype, host_memory_limit=host_memory_limit)
     residency = ExpertResidency(store, policy.capacity, device, memory_limit=device_memory_limit)
     decoder = decoder_for(hf_config).from_checkpoint(path, config.max_seq_len, device, dtype)
-    return ArEngine(decoder, residency, policy, calibration, config, settings)
+    reader = CheckpointReader(path)
+    fingerprint = router_fingerprint([reader.get(adapter.router_weight_name(layer)).float().numpy()
+                                      for layer in range(adapter.num_moe_layers)])
+    return ArEngine(decoder, residency, policy, calibration, config, settings, fingerprint)

@@ -20,7 +20,10 @@ def calibration_from_engine(engine, windows, provenance: dict | None = None) -> 
     for window in windows:
         result = engine.teacher_forced(np.asarray(window))
         builder.add(result.router_logits.astype(np.float64), result.input_tokens)
-    return builder.finish(provenance or {})
+    info = dict(provenance or {})
+    if engine.fingerprint is not None:
+        info.setdefault("fingerprint", engine.fingerprint)
+    return builder.finish(info)
 
 
 def random_olmoe_on_device(name: str, seed: int, dtype: torch.dtype, device):

@@ -88,16 +88,20 @@ class LogitFeed:
     (`model_feed`, the default) or a recording [T, L, E] (`LogitFeed(...)`: a previous DecodeResult, or the
     logits of a trained model with the same L, E, K, e.g. from a `specmoe.traces.Trace`). With `tokens` [T],
     the engine also feeds these input tokens (also in `generate`), so routing is the recorded run's exactly
-    even when this model's outputs differ (copies-skipped mode computes on stale slots)."""
+    even when this model's outputs differ (copies-skipped mode computes on stale slots). `fingerprint`: the
+    router fingerprint of the model the logits come from (the run's calibration is checked against it)."""
 
-    def __init__(self, router_logits: np.ndarray, pregate_logits: np.ndarray, tokens: np.ndarray | None = None):
+    def __init__(self, router_logits: np.ndarray, pregate_logits: np.ndarray, tokens: np.ndarray | None = None,
+                 fingerprint: str | None = None):
+        self.fingerprint = fingerprint
         self.router_logits = np.ascontiguousarray(router_logits, dtype=np.float32)
         self.pregate_logits = np.ascontiguousarray(pregate_logits, dtype=np.float32)
         self.tokens = None if tokens is None else np.asarray(tokens, dtype=np.int64)
 
     @classmethod
     def of(cls, result: DecodeResult, with_tokens: bool = True) -> "LogitFeed":
-        return cls(result.router_logits, result.pregate_logits, result.input_tokens if with_tokens else None)
+        return cls(result.router_logits, result.pregate_logits, result.input_tokens if with_tokens else None,
+                   result.info.get("fingerprint"))
 
     def router(self, t: int, layer: int) -> np.ndarray:
         return self.router_logits[t, layer]

@@ -75,6 +75,10 @@ class MoEAdapter:
         """The router fingerprint of `model` (what a calibration file is checked against)."""
         return routers_fingerprint(self.routers(model))
 
+    def router_weight_name(self, layer: int) -> str:
+        """The checkpoint name of MoE layer `layer`'s router weight [E, H] (for fingerprints read from files)."""
+        return f"model.layers.{self.moe_layer_ids[layer]}.mlp.gate.weight"
+
     def experts(self, model: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The stacked expert weights of MoE layer `layer`: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
         experts = self.moe_blocks(model)[layer].experts
