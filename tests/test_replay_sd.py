@@ -1,6 +1,7 @@
 """The rollback logical cache and block-level selection in the CPU replay of verification blocks."""
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from specmoe.block_records import BlockRecords
@@ -255,3 +256,45 @@ def test_bad_input_is_refused_clearly():
     empty.arrays = {k: v[:0] for k, v in empty.arrays.items()}
     with pytest.raises(BlockSourceError, match="no block"):
         blocks_from_records(empty)
+
+
+# -- the command --------------------------------------------------------------------------------------------
+def test_replay_sd_command(tmp_path, capsys):
+    from specmoe.cli import main
+
+    rng = np.random.default_rng(5)
+    cal = random_calibration(rng)
+    cal.save(tmp_path / "cal.safetensors")
+    random_trace(rng, [60, 40]).save(tmp_path / "trace.safetensors")
+    make_records(rng).save(tmp_path / "blocks.safetensors")
+    args = ["replay-sd", "--calibration", str(tmp_path / "cal.safetensors"), "--trace", str(tmp_path / "trace.safetensors"),
+            "--records", str(tmp_path / "blocks.safetensors"), "--tau", "2", "--accept-hist-from",
+            str(tmp_path / "blocks.safetensors"), "-k", "3", "-C", "4", "--lambdas", "0,0.5", "--budgets", "0,1",
+            "--gammas", "1,2", "--prune-budgets", "0,1", "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    summary = pd.read_csv(tmp_path / "out" / "summary.csv")
+    assert summary.source.tolist() == ["records test", "synthetic tau 2", "synthetic histogram of blocks"]
+    results = pd.read_csv(tmp_path / "out" / "results.csv")
+    assert set(results.method) == {"ar_psr", "rollback", "block_exact", "block_acceptmoe", "block_confidence_top1"}
+    assert (tmp_path / "out" / "frontier.png").stat().st_size > 1000
+    assert "rollback_over_ar_psr" in capsys.readouterr().out
+    # bad input: one line, exit 2
+    assert main([*args[:3], "--records", str(tmp_path / "blocks.safetensors"), "--records-k", "5", "-C", "4", "--out",
+                 str(tmp_path / "bad")]) == 2
+    assert "k=5" in capsys.readouterr().err
+    assert main([*args[:3], "-C", "4", "--out", str(tmp_path / "bad")]) == 2
+    assert "--records" in capsys.readouterr().err
+    assert main([*args[:5], "-k", "3", "-C", "4", "--out", str(tmp_path / "bad")]) == 2  # no acceptance given
+    assert "acceptance" in capsys.readouterr().err
+
+
+def test_frontier_and_interpolation():
+    from specmoe.replay.report import frontier, interpolate
+
+    points = pd.DataFrame({"displaced_per_token_layer": [0.0, 0.1, 0.1, 0.2, 0.3],
+                           "copies_per_token": [10.0, 6.0, 7.0, 8.0, 2.0]})
+    front = frontier(points)
+    assert front.copies_per_token.tolist() == [10.0, 6.0, 2.0]
+    assert interpolate(front, 0.05) == pytest.approx(8.0)
+    assert interpolate(front, 0.2) == pytest.approx(4.0)
+    assert np.isnan(interpolate(front, 0.4))
