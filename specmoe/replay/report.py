@@ -7,8 +7,9 @@ For one source of blocks (`Blocks`) and a capacity C (= the pool's P for every m
 - AR-PSR (the paper's lambda for C, n = 1) on the same committed sequence, and the rollback cache with the
   same policy;
 - frontiers: per method the points not dominated in (displaced mass per committed token-layer, copies per
-  committed token); the ratio of the rollback frontier's copies, interpolated linearly at a block frontier
-  point's displaced mass, to that point's copies (only within the rollback frontier's range of mass);
+  committed token); at every rollback frontier point with nonzero displaced mass, the ratio of its copies to
+  the block frontier's, interpolated linearly at the same mass (`ratio_min`, `ratio_max`); and the ratio at the
+  block preset's mass, where the rollback frontier reaches it (`ratio_at_preset`; NaN where it does not);
 - from sources with a known true continuation, the fraction of committed token-layers whose executed set
   changes when the rejected positions carry the drafter's tokens instead of it (the selectors' presets).
 """
@@ -26,9 +27,9 @@ from specmoe.verifiers import selector_preset
 from .blocks import Blocks
 from .rollback import replay_ar, replay_block_selection, replay_rollback
 
-LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
+LAMBDAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
 BUDGETS = (1, 2)
-GAMMAS = (0.5, 1.0, 2.0, 4.0)
+GAMMAS = (0.5, 1.0, 1.25, 1.5, 1.75, 2.0, 3.0)
 PRUNE_BUDGETS = (0.0, 1.0)
 SELECTORS = ("acceptmoe", "confidence_top1")
 
@@ -125,8 +126,10 @@ def summarize(table: pd.DataFrame) -> dict:
         name = method[len("block_"):]
         chosen = points[points.preset == True].iloc[0]  # noqa: E712 (pandas column of bools and NaN)
         front = frontier(points)
-        ratios = [interpolate(rb_front, p.displaced_per_token_layer) / p.copies_per_token
-                  for p in front.itertuples() if p.copies_per_token > 0]
+        # matched mass: the rollback frontier's points that displace something, against the block frontier
+        # interpolated there (it holds exact verification at zero mass)
+        ratios = [p.copies_per_token / interpolate(front, p.displaced_per_token_layer)
+                  for p in rb_front.itertuples() if p.displaced_per_token_layer > 0]
         ratios = [r for r in ratios if np.isfinite(r)]
         at_preset = interpolate(rb_front, chosen.displaced_per_token_layer)
         summary.update({
