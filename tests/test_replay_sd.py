@@ -298,3 +298,13 @@ def test_frontier_and_interpolation():
     assert interpolate(front, 0.05) == pytest.approx(8.0)
     assert interpolate(front, 0.2) == pytest.approx(4.0)
     assert np.isnan(interpolate(front, 0.4))
+
+
+def test_with_true_continuation():
+    from specmoe.replay import with_true_continuation
+
+    blocks = blocks_from_records(make_records(np.random.default_rng(0)))
+    true = with_true_continuation(blocks)
+    assert true.num_blocks == 3  # the last block's continuation runs past the request
+    assert true.rows[0].tolist() == [0, 1, 4, 5]
+    np.testing.assert_array_equal(true.committed_rows()[0], blocks.committed_rows()[0][:true.committed])

@@ -246,3 +246,18 @@ def synthetic_blocks(trace, k: int, profile: AcceptanceProfile, seed: int = 0, m
     return Blocks(trace.router_logits, trace.pregate_logits, trace.token_ids, rows, np.asarray(accepted),
                   np.asarray(request), np.tile(confidence, (n, 1)), trace.top_k, true_rows=rows.copy(),
                   source=source or f"synthetic {profile.name}, k={k}")
+
+
+def with_true_continuation(blocks: Blocks) -> Blocks:
+    """The blocks whose true continuation is known (`Blocks.true_rows` all set), with the true continuation's
+    rows at their rejected positions: what a drafter whose wrong tokens cost nothing extra would leave the pool
+    (the synthetic source's convention, on recorded text). Raises BlockSourceError if no block qualifies."""
+    if blocks.true_rows is None:
+        raise BlockSourceError(f"{blocks.source or 'these blocks'} carry no true continuation")
+    keep = np.all(blocks.true_rows >= 0, axis=1)
+    if not keep.any():
+        raise BlockSourceError(f"no block of {blocks.source or 'these blocks'} has a known true continuation")
+    rows = blocks.true_rows[keep]
+    return Blocks(blocks.router_logits, blocks.pregate_logits, blocks.tokens, rows, blocks.accepted[keep],
+                  blocks.request[keep], blocks.confidences[keep], blocks.top_k, true_rows=rows.copy(),
+                  source=f"{blocks.source}, true continuation")

@@ -23,7 +23,8 @@ import pandas as pd
 from specmoe.files import write_text_atomic
 
 from . import report
-from .blocks import AcceptanceProfile, BlockSourceError, blocks_from_records, synthetic_blocks
+from .blocks import (AcceptanceProfile, BlockSourceError, blocks_from_records, synthetic_blocks,
+                     with_true_continuation)
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -49,6 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--calibration", required=True, help="calibration file of the model the blocks come from")
     p.add_argument("--records", nargs="*", default=[], metavar="FILE", help="block record files (specmoe sd --records)")
     p.add_argument("--records-k", type=int, default=None, help="cut recorded blocks to this many drafts")
+    p.add_argument("--true-continuation", action="store_true",
+                   help="records: also replay them with the true continuation at rejected positions")
     p.add_argument("--trace", default=None, help="AR trace (specmoe trace) for the synthetic drafter")
     p.add_argument("--tau", default=None, help="synthetic: geometric acceptance with these tau values, e.g. 3,5,7")
     p.add_argument("--accept-rate", default=None, help="synthetic: geometric acceptance rates, e.g. 0.7,0.8")
@@ -77,7 +80,10 @@ def _sources(args, calibration):
     for path in args.records:
         records = BlockRecords.load(path, num_layers=num_layers, num_experts=num_experts)
         calibration.check(num_layers, num_experts, records.vocab_size, fingerprint=records.fingerprint or None)
-        yield blocks_from_records(records, args.records_k, source=f"records {records.drafter or Path(path).stem}")
+        blocks = blocks_from_records(records, args.records_k, source=f"records {records.drafter or Path(path).stem}")
+        yield blocks
+        if args.true_continuation:
+            yield with_true_continuation(blocks)
     if args.trace is None:
         if args.tau or args.accept_rate or args.accept_table or args.accept_hist_from:
             raise ValueError("a synthetic acceptance option needs --trace")
