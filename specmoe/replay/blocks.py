@@ -119,8 +119,8 @@ class Blocks:
 # -- block records ------------------------------------------------------------------------------------------
 def blocks_from_records(records: BlockRecords, k: int | None = None, source: str = "") -> Blocks:
     """The blocks of `records`, cut to their first k drafts (default: all). A cut block accepts at most k
-    drafts (its bonus token is then draft k + 1, which the target computed: the acceptance of the first k drafts
-    is the same). Raises BlockSourceError for k beyond the recorded blocks or records without blocks."""
+    drafts (the acceptance of its first k drafts is the same); the positions the record committed beyond them
+    are then missing from the replayed committed sequence (every method skips them alike). Raises BlockSourceError for k beyond the recorded blocks or records without blocks."""
     a = records.arrays
     n, d_rec, num_layers, num_experts = a["router_logits"].shape
     if n == 0:
