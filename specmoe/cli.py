@@ -50,12 +50,14 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .experiments import calibrate, demo, sd
+    from .replay import command as replay_sd
 
     parser = _Parser(prog="specmoe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     demo.add_parser(sub)
     calibrate.add_parser(sub)
     sd.add_parser(sub)
+    replay_sd.add_parser(sub)
 
     replay_parser = sub.add_parser("replay", help="run a policy over a recorded routing trace (no model)")
     replay_parser.add_argument("--trace", required=True, help="trace file written by `specmoe trace`")

@@ -221,6 +221,17 @@ class LogicalCache:
         self.counters[:] = 0
         self.displaced_mass[:] = 0.0
 
+    def snapshot(self) -> object:
+        """A copy of the whole state (residency, slots, statistics, counters, displaced mass), for `restore`."""
+        return tuple(a.copy() for a in (self.istate, self.iscalar, self.fstate, self.fscalar, self.counters,
+                                        self.displaced_mass))
+
+    def restore(self, snapshot) -> None:
+        """Return to the state of `snapshot` (from `snapshot()` of this cache): rollback of rejected positions."""
+        for target, saved in zip((self.istate, self.iscalar, self.fstate, self.fscalar, self.counters,
+                                  self.displaced_mass), snapshot):
+            target[...] = saved
+
 
 
 class EngineScoring:

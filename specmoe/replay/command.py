@@ -1,0 +1,162 @@
+"""`specmoe replay-sd`: a rollback logical cache against block-level expert selection, replayed on the CPU.
+
+Sources of verification blocks: block records of `specmoe sd --records` (`--records FILE...`; rejected
+positions carry the drafter's tokens) and a synthetic drafter over an AR trace of `specmoe trace` (`--trace
+FILE` with `--tau`, `--accept-rate`, `--accept-table` or `--accept-hist-from RECORDS`; rejected positions carry
+the true continuation's logits), at each k of `-k`. For every source: the rollback cache's frontier over
+lambda and n, block-level selection's over gamma and the prune budget, exact verification, AR-PSR on the same
+committed sequence, the copy ratio at matched displaced mass, and (records) the fraction of committed
+token-layers whose experts change with the rejected drafts. The calibration must be the traced model's.
+Writes results.csv (every point), summary.csv, results.json and frontier.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from specmoe.files import write_text_atomic
+
+from . import report
+from .blocks import (AcceptanceProfile, BlockSourceError, blocks_from_records, synthetic_blocks,
+                     with_true_continuation)
+
+
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{what} needs at least one value")
+    return values
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    values = _floats(text, what)
+    if any(v != int(v) for v in values):
+        raise ValueError(f"{what} must be integers, got {text!r}")
+    return tuple(int(v) for v in values)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("replay-sd", help="CPU replay: rollback logical cache vs block-level expert selection",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calibration", required=True, help="calibration file of the model the blocks come from")
+    p.add_argument("--records", nargs="*", default=[], metavar="FILE", help="block record files (specmoe sd --records)")
+    p.add_argument("--records-k", type=int, default=None, help="cut recorded blocks to this many drafts")
+    p.add_argument("--true-continuation", action="store_true",
+                   help="records: also replay them with the true continuation at rejected positions")
+    p.add_argument("--trace", default=None, help="AR trace (specmoe trace) for the synthetic drafter")
+    p.add_argument("--tau", default=None, help="synthetic: geometric acceptance with these tau values, e.g. 3,5,7")
+    p.add_argument("--accept-rate", default=None, help="synthetic: geometric acceptance rates, e.g. 0.7,0.8")
+    p.add_argument("--accept-table", default=None, help="synthetic: one table q_1,q_2,... (non-increasing)")
+    p.add_argument("--accept-hist-from", default=None, metavar="RECORDS",
+                   help="synthetic: the accepted-length histogram of a block record file")
+    p.add_argument("-k", default="8,16", help="synthetic: drafts per block, comma-separated (default 8,16)")
+    p.add_argument("--capacity", "-C", type=int, default=32, help="C = P, experts per layer (default 32)")
+    p.add_argument("--lambdas", default=",".join(map(str, report.LAMBDAS)), help="rollback bonus sweep")
+    p.add_argument("--budgets", default=",".join(map(str, report.BUDGETS)), help="rollback insertion budgets n")
+    p.add_argument("--gammas", default=",".join(map(str, report.GAMMAS)), help="block selection gamma sweep")
+    p.add_argument("--prune-budgets", default=",".join(map(str, report.PRUNE_BUDGETS)), help="prune budget sweep")
+    p.add_argument("--selectors", default=",".join(report.SELECTORS), help="block selectors besides exact")
+    p.add_argument("--max-blocks", type=int, default=None, help="synthetic: at most this many blocks per source")
+    p.add_argument("--seed", type=int, default=0, help="synthetic acceptance draws")
+    p.add_argument("--no-plot", action="store_true", help="skip frontier.png")
+    p.add_argument("--out", default="runs/replay_sd", help="output directory (default runs/replay_sd)")
+    p.set_defaults(func=main)
+
+
+def _sources(args, calibration):
+    from specmoe.block_records import BlockRecords
+    from specmoe.traces import Trace
+
+    num_layers, num_experts = calibration.warm_ranking.shape
+    for path in args.records:
+        records = BlockRecords.load(path, num_layers=num_layers, num_experts=num_experts)
+        calibration.check(num_layers, num_experts, records.vocab_size, fingerprint=records.fingerprint or None)
+        blocks = blocks_from_records(records, args.records_k, source=f"records {records.drafter or Path(path).stem}")
+        yield blocks
+        if args.true_continuation:
+            yield with_true_continuation(blocks)
+    if args.trace is None:
+        if args.tau or args.accept_rate or args.accept_table or args.accept_hist_from:
+            raise ValueError("a synthetic acceptance option needs --trace")
+        return
+    trace = Trace.load(args.trace, num_layers=num_layers, num_experts=num_experts)
+    calibration.check(num_layers, num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
+    ks = _ints(args.k, "-k")
+    if min(ks) < 1:
+        raise ValueError(f"-k must be >= 1, got {args.k}")
+    for k in ks:
+        profiles = []
+        if args.tau:
+            profiles += [(f"tau {t:g}", AcceptanceProfile.for_tau(t, k)) for t in _floats(args.tau, "--tau")]
+        if args.accept_rate:
+            profiles += [(f"rate {r:g}", AcceptanceProfile.geometric(r)) for r in _floats(args.accept_rate, "--accept-rate")]
+        if args.accept_table:
+            profiles.append(("table", AcceptanceProfile.table(_floats(args.accept_table, "--accept-table"))))
+        if args.accept_hist_from:
+            accepted = BlockRecords.load(args.accept_hist_from).arrays["accepted"]
+            profiles.append((f"histogram of {Path(args.accept_hist_from).stem}",
+                             AcceptanceProfile.histogram(np.bincount(accepted))))
+        if not profiles:
+            raise ValueError("--trace needs an acceptance: --tau, --accept-rate, --accept-table or --accept-hist-from")
+        for label, profile in profiles:
+            yield synthetic_blocks(trace, k, profile, seed=args.seed, max_blocks=args.max_blocks,
+                                   source=f"synthetic {label}")
+
+
+def main(args) -> int:
+    from specmoe.routing import Calibration
+
+    started = time.time()
+    if not args.records and args.trace is None:
+        raise ValueError("give --records FILE... and/or --trace FILE")
+    if args.max_blocks is not None and args.max_blocks < 1:
+        raise ValueError(f"--max-blocks must be >= 1, got {args.max_blocks}")
+    calibration = Calibration.load(args.calibration)
+    if not 1 <= args.capacity <= calibration.warm_ranking.shape[1]:
+        raise ValueError(f"-C {args.capacity} outside [1, E={calibration.warm_ranking.shape[1]}]")
+    options = dict(lambdas=_floats(args.lambdas, "--lambdas"), budgets=_ints(args.budgets, "--budgets"),
+                   gammas=_floats(args.gammas, "--gammas"), prune_budgets=_floats(args.prune_budgets, "--prune-budgets"),
+                   selectors=tuple(s.strip() for s in args.selectors.split(",") if s.strip()))
+    if min(options["budgets"]) < 0:
+        raise ValueError("--budgets must be >= 0")
+    unknown = [s for s in options["selectors"] if s not in ("acceptmoe", "confidence_top1")]
+    if unknown:
+        raise ValueError(f"unknown selector {', '.join(unknown)}; expected some of acceptmoe, confidence_top1")
+    tables, summaries = [], []
+    for blocks in _sources(args, calibration):
+        if blocks.top_k > args.capacity:
+            raise BlockSourceError(f"-C {args.capacity} is below the blocks' K={blocks.top_k}")
+        table = report.sweep(blocks, calibration, args.capacity, **options)
+        tables.append(table)
+        summaries.append(report.summarize(table))
+        print(f"{blocks.source}, k={blocks.k}: {blocks.num_blocks} blocks, tau {blocks.tau:.2f} "
+              f"({time.time() - started:.0f} s)", flush=True)
+    out = Path(args.out)
+    results = pd.concat(tables, ignore_index=True)
+    summary = pd.DataFrame(summaries)
+    write_text_atomic(out / "results.csv", results.to_csv(index=False))
+    write_text_atomic(out / "summary.csv", summary.to_csv(index=False))
+    info = {"calibration": str(args.calibration), "records": args.records, "trace": args.trace, "C": args.capacity,
+            "options": {k: list(v) for k, v in options.items()}, "seed": args.seed,
+            "seconds": round(time.time() - started, 1)}
+    write_text_atomic(out / "results.json", json.dumps({"info": info, "summary": summary.to_dict("records"),
+                                                        "rows": results.to_dict("records")}, indent=1, default=float))
+    if not args.no_plot:
+        report.plot(tables, out / "frontier.png")
+    shown = summary[["source", "k", "tau", "blocks", "ar_psr_copies", "rollback_psr_copies", "rollback_over_ar_psr",
+                     "exact_block_copies"] + [c for c in summary.columns if c.endswith(("_copies", "_ratio_min",
+                     "_ratio_max", "_ratio_at_preset", "_changed")) and c.split("_")[0] in ("acceptmoe", "confidence")]]
+    with pd.option_context("display.width", 250, "display.max_columns", 40):
+        print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"results: {out / 'summary.csv'}, {out / 'results.csv'}"
+          + ("" if args.no_plot else f", {out / 'frontier.png'}") + f"  ({info['seconds']} s)")
+    return 0
