@@ -150,3 +150,27 @@ def test_bad_input(family, drafter, calibration, residency, prompt):
     dflash = build_drafter(DrafterConfig("dflash"), model)
     with pytest.raises(DrafterError, match="hidden states"):
         spec(family, dflash, calibration, residency)
+
+
+def test_rollback_leaves_the_kv_cache_of_a_fresh_run(family, drafter, calibration, residency, prompt):
+    """After a request with rejections, the KV rows of the committed positions are those of a fresh exact run
+    over the committed prefix (rejected drafts' rows above them are simply overwritten by later blocks)."""
+    model, adapter = family
+    engine = spec(family, drafter, calibration, residency, "exact")
+    result = engine.generate(prompt)
+    assert any(a < K_DRAFTS for a in result.accepted)  # at least one rejection to roll back
+    processed = len(prompt) + len(result.tokens) - 1  # the last bonus token was never fed
+    ar = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration,
+                      EngineConfig(max_seq_len=SEQ), residency=residency)
+    ar.teacher_forced((list(prompt) + result.tokens)[:processed])
+    for name in ("k_cache", "v_cache"):
+        mine, fresh = getattr(engine.decoder, name), getattr(ar.decoder, name)  # OLMoE decoder internals
+        torch.testing.assert_close(mine[:, :, :processed], fresh[:, :, :processed], atol=1e-4, rtol=1e-4)
+
+
+def test_stop_token_ends_the_request(family, drafter, calibration, residency, prompt):
+    engine = spec(family, drafter, calibration, residency)
+    full = engine.generate(prompt).tokens
+    stop = full[5]
+    cut = spec(family, drafter, calibration, residency, stop_tokens=(stop,)).generate(prompt).tokens
+    assert cut == full[:full.index(stop) + 1]
