@@ -142,6 +142,10 @@ def test_bad_input(family, drafter, calibration, residency, prompt):
             spec(family, drafter, calibration, residency, pool_size=pool_size)
     with pytest.raises(ValueError, match="union slots"):
         spec(family, drafter, calibration, residency, union_slots=adapter.top_k - 1)
+    with pytest.raises(ValueError, match="union slots"):  # U > E - P: before any allocation
+        spec(family, drafter, calibration, None, union_slots=adapter.num_experts - POOL + 1)
+    with pytest.raises(ValueError, match="logically"):
+        spec(family, drafter, calibration, residency, settings=RunSettings(cache_mode="physical"))
     with pytest.raises(ValueError, match="positions"):  # the request does not fit the cache
         spec(family, drafter, calibration, residency, max_new_tokens=SEQ).generate(prompt)
     # U = K: enough for the root, not for a block whose drafts miss more: a clear error, not a fallback

@@ -134,6 +134,9 @@ class SpecEngine:
         if engine_config.max_seq_len != g.max_seq_len:
             raise ValueError(f"engine_config.max_seq_len={engine_config.max_seq_len} but the decoder's KV cache "
                              f"has {g.max_seq_len} positions")
+        if settings.cache_mode != "logical":
+            raise ValueError("the speculative engine routes logically (outputs never depend on copy timing); "
+                             f"cache_mode={settings.cache_mode!r} is the AR engine's")
         if decoder.scoring.kind != "softmax" or decoder.scoring.scale != 1.0:
             raise ValueError("block selection reads softmax router logits with unit scale; this decoder routes "
                              f"with {decoder.scoring.kind} scoring, scale {decoder.scoring.scale}")
@@ -160,7 +163,10 @@ class SpecEngine:
 
     def configure(self, **settings) -> None:
         """Change RunSettings fields (copy delay, max_in_flight, skip_copies) for the next runs."""
-        self.settings = replace(self.settings, **settings)
+        settings = replace(self.settings, **settings)
+        if settings.cache_mode != "logical":
+            raise ValueError(f"cache_mode={settings.cache_mode!r}: the speculative engine routes logically")
+        self.settings = settings
 
     # -- the pool and its slots ------------------------------------------------------------------------
     def _load_warm(self) -> int:
@@ -296,13 +302,11 @@ def build_spec_engine(model, drafter: Drafter, config: SpecConfig, calibration: 
     a new unit of P + U slots over `store`, else over a new pinned ExpertStore copied from the model."""
     from specmoe.models import adapter_for, decoder_for
 
+    decoder = decoder_for(model.config).from_model(model, engine_config.max_seq_len)
+    config.check(decoder.geometry, drafter)  # the config's errors before any allocation
     if residency is None:
         store = store or ExpertStore.from_model(model, host_memory_limit=host_memory_limit)
-        if not config.pool_size <= store.num_experts:
-            raise ValueError(f"pool size P={config.pool_size} exceeds E={store.num_experts}")
-        slots = config.pool_size + config.union(store.num_experts)
-        residency = ExpertResidency(store, max(slots, 1), next(model.parameters()).device,
-                                    memory_limit=device_memory_limit)
-    decoder = decoder_for(model.config).from_model(model, engine_config.max_seq_len)
+        residency = ExpertResidency(store, config.pool_size + config.union(store.num_experts),
+                                    next(model.parameters()).device, memory_limit=device_memory_limit)
     fingerprint = adapter_for(model.config).fingerprint(model)
     return SpecEngine(decoder, residency, drafter, calibration, config, engine_config, settings, fingerprint)
