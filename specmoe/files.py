@@ -115,10 +115,14 @@ def check_output_dir(path: str | os.PathLike, names, what: str = "output directo
     """Raise OSError unless `write_run_dir` can write a run's files `names` at `path`: `path` is new, or a
     directory holding only files of those names, and its parent is writable (or can be made)."""
     path = Path(path)
-    if path.exists():
-        if not path.is_dir():
-            raise NotADirectoryError(f"{what} {path} is an existing file")
-        others = sorted(set(os.listdir(path)) - set(names))
+    try:  # one call, not exists() then is_dir(): another writer may move `path` away in between
+        entries = os.listdir(path)
+    except FileNotFoundError:
+        entries = []
+    except NotADirectoryError:
+        raise NotADirectoryError(f"{what} {path} is an existing file") from None
+    if entries:
+        others = sorted(set(entries) - set(names))
         if others:
             raise FileExistsError(f"{what} {path} holds files that are not a run's results ({', '.join(others[:3])}"
                                   f"{', ...' if len(others) > 3 else ''}): give a new directory")

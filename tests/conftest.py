@@ -30,3 +30,25 @@ def pytest_configure(config):
         torch.set_num_threads(1)
     except ImportError:
         pass
+
+
+@pytest.fixture(scope="module")
+def family():
+    """The shipped family's target (float32, CPU) and its adapter, unpatched after the module."""
+    from specmoe.harness import unpatch
+    from specmoe.models import load_model
+    from specmoe.traces import family_path
+
+    model, adapter = load_model(str(family_path("target")))
+    yield model, adapter
+    unpatch(model)
+
+
+@pytest.fixture(scope="session")
+def family_text():
+    """Token ids of the second sequence of the family's evaluation slice (prompts are its prefixes)."""
+    import json
+
+    from specmoe.traces import family_path
+
+    return json.loads((family_path().parent / "metrics.json").read_text())["slice"]["slice"]["token_ids"][1]

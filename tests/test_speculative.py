@@ -12,26 +12,15 @@ from specmoe.block_records import BlockRecordError, BlockRecords
 from specmoe.cli import main
 from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
 from specmoe.drafters.dflash_model import extract_context_feature
-from specmoe.harness import (SpeculativeConfig, exact_routing, greedy_decode, speculative_generate, summarize,
-                             unpatch)
-from specmoe.models import load_model
-from specmoe.traces import family_path
+from specmoe.harness import SpeculativeConfig, exact_routing, greedy_decode, speculative_generate, summarize
 from specmoe.verifiers import SelectorError, selector_preset
 
 NEW = 20
 
 
 @pytest.fixture(scope="module")
-def family():
-    model, adapter = load_model(str(family_path("target")))
-    yield model, adapter
-    unpatch(model)
-
-
-@pytest.fixture(scope="module")
-def prompt():
-    slice_ = json.loads((family_path().parent / "metrics.json").read_text())["slice"]["slice"]
-    return torch.tensor(slice_["token_ids"][1][:40])
+def prompt(family_text):
+    return torch.tensor(family_text[:40])
 
 
 @pytest.fixture(scope="module")

@@ -110,6 +110,15 @@ def prompt_tokens(prompt) -> list[int]:
     return tokens
 
 
+def accepted_length(drafts: list[int], greedy: list[int]) -> int:
+    """Greedy acceptance of a verification block: the longest prefix of `drafts` equal to the target's greedy
+    tokens `greedy` at the block's positions 0, 1, ... (greedy[a] is then the bonus token)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == greedy[a]:
+        a += 1
+    return a
+
+
 def advance(tokens: list[int], drafts: list[int], accepted: int, bonus_token: int) -> list[int]:
     """The committed tokens after a verification that accepted the first `accepted` of `drafts`."""
     if not 0 <= accepted <= len(drafts):

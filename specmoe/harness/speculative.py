@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from specmoe.drafters import Drafter, crop_cache
-from specmoe.drafters.base import prompt_tokens
+from specmoe.drafters.base import accepted_length, prompt_tokens
 from specmoe.drafters.dflash_model import extract_context_feature
 from specmoe.models import MoEAdapter
 from specmoe.routing import Calibration
@@ -261,15 +261,13 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
         while len(new) < config.max_new_tokens:
             started = time.perf_counter()
             drafts, confidences = drafter.propose(k)
-            draft_s += _drafting_time(drafter, started)
+            draft_s += drafting_time(drafter, started)
             drafts = [int(t) for t in drafts]
             started = time.perf_counter()
             alpha = block_weights(selector, k, commit_rate, confidences)
             out = forward([tokens[-1]] + drafts, selector, alpha)
             greedy = out.logits[0].argmax(-1).tolist()
-            a = 0
-            while a < k and drafts[a] == greedy[a]:
-                a += 1
+            a = accepted_length(drafts, greedy)
             crop_cache(cache, len(tokens) + a)  # the committed positions: the prompt, ..., the root, a drafts
             commit_rate.update(a, k)
             logprobs.append(torch.log_softmax(out.logits[0, :a + 1].float(), dim=-1).cpu())
@@ -280,15 +278,10 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
             started = time.perf_counter()
             features = _features(out, drafter)
             drafter.commit(a, greedy[a], None if features is None else features[:a + 1])
-            draft_s += _drafting_time(drafter, started, count_fixed=False)
+            draft_s += drafting_time(drafter, started, count_fixed=False)
             roots.append(len(tokens) - 1)
             accepted.append(a)
-            committed = drafts[:a] + [greedy[a]]
-            tokens += committed
-            new += committed
-            stops = [i for i, t in enumerate(committed) if t in config.stop_tokens]
-            if stops:
-                del new[len(new) - len(committed) + stops[0] + 1:]
+            if commit_block(tokens, new, drafts, a, greedy[a], config.stop_tokens):
                 break
     del new[config.max_new_tokens:]
     totals = pool.totals()
@@ -301,7 +294,21 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     return result
 
 
-def _drafting_time(drafter: Drafter, started: float, count_fixed: bool = True) -> float:
+def commit_block(tokens: list[int], new: list[int], drafts: list[int], accepted: int, bonus: int,
+                 stop_tokens) -> bool:
+    """Append a block's committed tokens (the accepted drafts and the bonus) to the sequence `tokens` and the
+    request's output `new`; a stop token among them ends the request (the tokens after it are dropped from
+    `new`): returns whether it did."""
+    committed = drafts[:accepted] + [bonus]
+    tokens += committed
+    new += committed
+    stops = [i for i, t in enumerate(committed) if t in stop_tokens]
+    if stops:
+        del new[len(new) - len(committed) + stops[0] + 1:]
+    return bool(stops)
+
+
+def drafting_time(drafter: Drafter, started: float, count_fixed: bool = True) -> float:
     """Drafting time since `started`, or the drafter's fixed cost per block (charged once, at propose)."""
     if drafter.fixed_cost_s is not None:
         return drafter.fixed_cost_s if count_fixed else 0.0

@@ -50,9 +50,10 @@ class CopyStats:
     issued: int = 0  # copies transferred while decoding (demand + issued prefetches)
     skipped: int = 0  # copies not transferred in copies-skipped mode
     warm: int = 0  # copies of the warm set at sequence start (prompt processing)
+    moved: int = 0  # device-to-device slot moves (speculative decoding's pool refill), not over the link
 
     FIELDS = ("demand", "prefetch", "prefetch_in_time", "prefetch_late", "prefetch_unused", "dropped", "issued",
-              "skipped", "warm")
+              "skipped", "warm", "moved")
 
     def as_array(self) -> np.ndarray:
         return np.array([getattr(self, f) for f in self.FIELDS], dtype=np.int64)
@@ -373,6 +374,45 @@ class CopyStream:
                 self.queue.append((layer, slot, int(self.gen[layer, slot])))
             else:
                 self.inflight.append(self._issue(layer, np.array([slot])))
+
+    def move(self, layer: int, src_slots: np.ndarray, dst_slots: np.ndarray) -> int:
+        """Device-to-device moves of whole slots of `layer`, src_slots[i] -> dst_slots[i] (disjoint sets):
+        speculative decoding's pool refill, where experts entering the pool leave their union slot for a freed
+        pool slot (`ExpertPool.end_block`). The bytes really move, so the slot buffer keeps following the
+        pool's slot table. On CUDA the moves go out on the copy stream as one batch, ordered after every
+        earlier copy (the ones that filled the union slots) and before every later one (the next block's
+        copies into those union slots); the caller must have finished the computation that reads the
+        destination slots (the engine waits for the block's head first). On the CPU the sources are waited
+        for (simulated link) and the moves are synchronous. Copies-skipped mode moves the bookkeeping only.
+        Returns the batch number (0: none or CPU/skipped); counted in `stats.moved`, not in `issued`."""
+        src = np.asarray(src_slots, dtype=np.int64)
+        dst = np.asarray(dst_slots, dtype=np.int64)
+        if src.shape != dst.shape or src.ndim != 1 or np.intersect1d(src, dst).size:
+            raise ValueError(f"move needs equal-length disjoint slot lists, got {src.tolist()} -> {dst.tolist()}")
+        if src.size == 0:
+            return 0
+        self.stats.moved += int(src.size)
+        number = 0
+        if not self.skip:
+            if self.cuda:
+                self.last_batch = number = self.last_batch + 1
+                with torch.cuda.stream(self.stream):
+                    data = self.slots.data[layer]
+                    data[torch.as_tensor(dst, device=data.device)] = data[torch.as_tensor(src, device=data.device)]
+                    self.events[number % self.RING].record(self.stream)
+                self.batch[layer, dst] = number
+                self.pending[layer] = True
+            else:
+                self.wait(layer, int(self.batch[layer, src].max()))
+                data = self.slots.data[layer]
+                data[torch.from_numpy(dst)] = data[torch.from_numpy(src)]
+                self.batch[layer, dst] = self.batch[layer, src]
+        self.owner[layer, dst] = self.owner[layer, src]
+        self.content[layer, dst] = self.content[layer, src]
+        self.gen[layer, dst] += 1
+        self.queued[layer, dst] = False
+        self.fresh[layer, dst] = False
+        return number
 
     def in_flight(self) -> int:
         """Prefetch copies issued and not yet complete (retiring the completed ones, oldest first)."""

@@ -1,0 +1,312 @@
+"""The speculative engine: greedy speculative decoding at batch 1 over an `ExpertResidency` unit (in progress:
+runs and is tested on the CPU; the same code drives CUDA graphs through `StepRunner`, untested there).
+
+Semantics are the harness loop's (`specmoe.harness.speculative`), on the engine's decoder instead of a
+transformers forward. One verification block of D = k + 1 positions (the root and k drafts), layer by layer:
+`StepRunner.attention` (attention over the static KV cache, router logits of the D positions) -> host:
+`select_block_into` on the pool's residency with the selector's position weights alpha, `ExpertPool.use`
+(the block's missing experts take union slots P, P+1, ...), demand copies of the missing experts into their
+union slots on the copy stream, the route rows (slot ids from the pool's slot table, the selection's weights)
+-> the layer waits only on the copy batches of the slots it executes -> `StepRunner.moe` -> next layer. Then
+greedy acceptance (`accepted_length`), the bonus token, rollback by position (the next block's root sits at
+the committed length; the KV rows above it are overwritten), the drafter's commit, and the pool refill
+(`ExpertPool.end_block`), whose entering experts move from their union slot to a freed pool slot on the copy
+stream (`CopyStream.move`), so that the slot buffer always follows the pool's slot table.
+
+Choices:
+- prefill: the prompt without its last token runs token by token (D = 1) under exact routing, each token one
+  pool block; the pool's recency order after it is the harness's one-forward prefill's (later positions are
+  more recent either way), so the first block starts from the same pool. Its copies and moves are not
+  counted (prompt processing, as in the harness), and it is not timed.
+- union slots: U (default E - P) must hold the root's missing experts, min(K, E - P); a block that misses
+  more than U experts in a layer is an error (`ExpertPool.use` raises ValueError, re-raised here with the
+  block), never a silent fallback.
+- drafters that need the target's hidden states (DFlash: `target_layer_ids`) are refused: the decoder does
+  not expose them yet.
+- routing reads only the logits and the token history: copy timing (`RunSettings.copy_delay`,
+  `max_in_flight`) changes latency, never a token or a selection; `skip_copies` gives the compute-only time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from specmoe.drafters import Drafter, DrafterError
+from specmoe.drafters.base import accepted_length
+from specmoe.harness.speculative import (EXACT, SpeculativeConfig, block_weights, commit_block, drafting_time,
+                                         summarize)
+from specmoe.models.decoder import Decoder
+from specmoe.offload import ExpertResidency, ExpertStore
+from specmoe.routing import Calibration, validate
+from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, select_block_into
+
+from .ar import EngineConfig, RunSettings
+from .runner import StepRunner
+
+
+@dataclass(frozen=True)
+class SpecConfig(SpeculativeConfig):
+    """The harness loop's settings (selector, k, pool P, max_new_tokens, stop tokens) plus U union slots per
+    layer for a block's missing experts (None: E - P, always enough)."""
+
+    union_slots: int | None = None
+
+    def union(self, num_experts: int) -> int:
+        return num_experts - self.pool_size if self.union_slots is None else self.union_slots
+
+    def check(self, geometry, drafter: Drafter | None = None) -> None:
+        """ValueError unless K <= P <= E, min(K, E - P) <= U <= E - P, k + 1 fits the KV cache and the drafter
+        drafts k tokens without the target's hidden states."""
+        super().check(geometry, drafter)
+        g, u = geometry, self.union(geometry.num_experts)
+        low = min(g.top_k, g.num_experts - self.pool_size)
+        if not low <= u <= g.num_experts - self.pool_size:
+            raise ValueError(f"union slots U={u} must be in [min(K, E - P) = {low}, E - P = "
+                             f"{g.num_experts - self.pool_size}] (the root alone may miss K experts)")
+        if self.k + 1 > g.max_seq_len:
+            raise ValueError(f"a block of k + 1 = {self.k + 1} positions does not fit the static KV cache of "
+                             f"{g.max_seq_len} positions")
+        if drafter is not None and drafter.target_layer_ids:
+            raise DrafterError(f"the {drafter.name} drafter needs the target's hidden states of layers "
+                               f"{list(drafter.target_layer_ids)}; the engine's decoder does not provide them yet")
+
+
+@dataclass
+class SpecResult:
+    """One request: the committed tokens, each block's root position and accepted drafts, the pool's copies
+    and moves over the blocks (the prefill's excluded), per-block drafting / verification seconds and exposed
+    copy wait (CPU: simulated link), and with record=True each block's selections [D, L, K]."""
+
+    tokens: list[int]
+    k: int
+    num_layers: int
+    roots: list[int]
+    accepted: list[int]
+    copies: int
+    moves: int
+    displaced: float
+    draft_s: list[float]
+    verify_s: list[float]
+    wait_s: list[float]
+    prefill_s: float
+    selected: list[np.ndarray] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per verification (accepted drafts + 1 per block, blocks cut by a stop count whole)."""
+        return sum(a + 1 for a in self.accepted) / max(len(self.accepted), 1)
+
+    def counts(self) -> dict:
+        """The sums `specmoe.harness.summarize` pools (no divergence: KL is NaN)."""
+        return {"requests": 1, "verifications": len(self.accepted), "block_tokens": sum(a + 1 for a in self.accepted),
+                "committed": len(self.tokens), "accepted_hist": np.bincount(self.accepted, minlength=self.k + 1),
+                "copies": self.copies, "moves": self.moves, "displaced": self.displaced,
+                "num_layers": self.num_layers, "draft_s": sum(self.draft_s), "verify_s": sum(self.verify_s),
+                "prefill_s": self.prefill_s, "kl_sum": 0.0, "excess_nll_sum": 0.0, "positions": 0}
+
+    def summary(self) -> dict:
+        """The harness's per-token figures, plus p50 / p99 over blocks of drafting, verification and copy-wait ms
+        and the exposed copy wait per committed token."""
+        out = summarize([self.counts()])
+        for name in ("draft_s", "verify_s", "wait_s"):
+            ms = 1e3 * np.asarray(getattr(self, name) or [0.0])
+            out[f"{name[:-2]}_ms_p50"], out[f"{name[:-2]}_ms_p99"] = np.percentile(ms, [50, 99]).tolist()
+        out["wait_ms_per_token"] = 1e3 * sum(self.wait_s) / max(len(self.tokens), 1)
+        return out
+
+
+class SpecEngine:
+    """Greedy speculative decoding of `decoder` with `drafter` over `residency` (module docstring). The unit
+    needs P + U slots per layer and may be shared with an `ArEngine` used alternately."""
+
+    def __init__(self, decoder: Decoder, residency: ExpertResidency, drafter: Drafter, calibration: Calibration,
+                 config: SpecConfig, engine_config: EngineConfig = EngineConfig(),
+                 settings: RunSettings = RunSettings(), fingerprint: str | None = None):
+        g = self.geometry = decoder.geometry
+        config.check(g, drafter)
+        calibration.check(g.num_layers, g.num_experts)
+        if engine_config.max_seq_len != g.max_seq_len:
+            raise ValueError(f"engine_config.max_seq_len={engine_config.max_seq_len} but the decoder's KV cache "
+                             f"has {g.max_seq_len} positions")
+        if settings.cache_mode != "logical":
+            raise ValueError("the speculative engine routes logically (outputs never depend on copy timing); "
+                             f"cache_mode={settings.cache_mode!r} is the AR engine's")
+        if decoder.scoring.kind != "softmax" or decoder.scoring.scale != 1.0:
+            raise ValueError("block selection reads softmax router logits with unit scale; this decoder routes "
+                             f"with {decoder.scoring.kind} scoring, scale {decoder.scoring.scale}")
+        self.union_slots = config.union(g.num_experts)
+        residency.check_fits(g.num_layers, g.num_experts, g.expert_width, decoder.dtype,
+                             config.pool_size + self.union_slots)
+        self.decoder, self.residency, self.copies = decoder, residency, residency.copies
+        self.drafter, self.calibration, self.config, self.settings = drafter, calibration, config, settings
+        self.fingerprint = fingerprint
+        self.pool = ExpertPool(g.num_layers, g.num_experts, g.top_k, config.pool_size, calibration, self.union_slots)
+        self.commit_rate = CommitRate()
+        self.buffers = SelectionBuffers(config.k + 1, g.num_experts, g.top_k, np.float32)
+        self.renormalise = decoder.scoring.renormalise
+        self.cuda = residency.device.type == "cuda"
+        self.compute = torch.cuda.Stream(device=residency.device) if self.cuda else None
+        with torch.no_grad():
+            self._load_warm()
+            with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
+                self.kernels = decoder.use_kernels(engine_config.backend, engine_config.attention, engine_config.moe,
+                                                   residency.slots.layer(0), engine_config.tune)
+            self.verifier = StepRunner(decoder, config.k + 1, residency, self.compute, engine_config.cuda_graphs)
+            self.prefiller = StepRunner(decoder, 1, residency, self.compute, engine_config.cuda_graphs)
+        self.notes = decoder.notes + self.verifier.notes + self.prefiller.notes
+
+    def configure(self, **settings) -> None:
+        """Change RunSettings fields (copy delay, max_in_flight, skip_copies) for the next runs."""
+        settings = replace(self.settings, **settings)
+        if settings.cache_mode != "logical":
+            raise ValueError(f"cache_mode={settings.cache_mode!r}: the speculative engine routes logically")
+        self.settings = settings
+
+    # -- the pool and its slots ------------------------------------------------------------------------
+    def _load_warm(self) -> int:
+        s = self.settings
+        self.residency.configure(s.max_in_flight, s.skip_copies, s.copy_delay, s.delay_seed)
+        self.pool.reset()
+        warm = []
+        for layer in range(self.geometry.num_layers):
+            table = self.pool.slot_table(layer)
+            members = np.flatnonzero(table >= 0)
+            warm.append(members[np.argsort(table[members])])  # the pool's experts in slot order 0 .. P-1
+        return self.residency.load_warm(np.stack(warm))
+
+    def _end_block(self) -> None:
+        """Pool refill; the slot buffer follows: each expert entering the pool moves from its union slot to
+        the pool slot the refill gives it (read from the slot tables before and after)."""
+        before = [self.pool.slot_table(l).copy() for l in range(self.geometry.num_layers)]
+        self.pool.end_block()
+        for layer, old in enumerate(before):
+            new = self.pool.slot_table(layer)
+            moved = np.flatnonzero((new >= 0) & (new != old))
+            if moved.size:
+                self.copies.move(layer, old[moved], new[moved])
+
+    # -- one step of D positions -----------------------------------------------------------------------
+    def _forward(self, run: StepRunner, ids: list[int], position: int, selector, alpha: np.ndarray,
+                 displaced: np.ndarray | None = None, selected: np.ndarray | None = None) -> list[int]:
+        """Tokens `ids` at `position`.. through the target with block selection at every layer (module
+        docstring); returns the greedy token after each position. displaced [D] accumulates the displaced
+        router mass over layers; selected [D, L, K] receives the selections."""
+        step, pool, copies, b = run.step, self.pool, self.copies, self.buffers
+        g, d = self.geometry, len(ids)
+        step.set_input(ids, position, g.max_seq_len)
+        run.attention(0)
+        for layer in range(g.num_layers):
+            run.wait_logits(layer)
+            z = np.ascontiguousarray(step.router_logits(layer))
+            select_block_into(selector, z, pool.resident(layer), alpha, g.top_k, self.renormalise, b)
+            try:
+                missing, slots = pool.use(layer, b.selected[:d])
+            except ValueError as exc:
+                raise ValueError(f"verification block at position {position}: {exc}") from None
+            if missing.size:
+                copies.assign(layer, slots.astype(np.int64), missing.astype(np.int64), prefetch=False)
+            route = step.slots_np[layer]
+            route[:] = pool.slot_table(layer)[b.selected[:d]]
+            step.weights_np[layer] = b.weights[:d]
+            copies.wait(layer, copies.need(layer, np.unique(route)), self.compute)
+            if displaced is not None:
+                displaced += b.displaced[:d]
+            if selected is not None:
+                selected[:, layer] = b.selected[:d]
+            run.moe(layer)
+            if layer + 1 < g.num_layers:
+                run.attention(layer + 1)
+            else:
+                run.head()
+        run.wait_head()
+        return step.next_np[:d].tolist()
+
+    # -- a request -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt, record: bool = False) -> SpecResult:
+        """Decode `prompt` (token ids) greedily with the drafter; record: keep each block's selections."""
+        g, config, drafter, k = self.geometry, self.config, self.drafter, self.config.k
+        tokens = validate.token_ids(prompt, None, g.vocab_size, "prompt", ValueError).tolist()
+        if not tokens:
+            raise ValueError("generate needs a non-empty prompt")
+        if len(tokens) + config.max_new_tokens + k - 1 > g.max_seq_len:
+            raise ValueError(f"a prompt of {len(tokens)} tokens, {config.max_new_tokens} new tokens and blocks of "
+                             f"k + 1 = {k + 1} positions need {len(tokens) + config.max_new_tokens + k - 1} positions; "
+                             f"the static KV cache has {g.max_seq_len}")
+        self.calibration.check(g.num_layers, g.num_experts, g.vocab_size, self.fingerprint)
+        self._load_warm()
+        self.decoder.reset()
+        self.commit_rate.reset()
+        if self.cuda:
+            torch.cuda.synchronize()
+        ones = np.ones(1)
+        roots, accepted, selected, new = [], [], [], []
+        draft_s, verify_s, wait_s, displaced = [], [], [], 0.0
+        with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
+            started = time.perf_counter()
+            for position, token in enumerate(tokens[:-1]):
+                self._forward(self.prefiller, [token], position, EXACT, ones)
+                self._end_block()
+            drafter.reset(torch.tensor(tokens), None)
+            prefill_s = time.perf_counter() - started
+            base = self.pool.totals()
+            while len(new) < config.max_new_tokens:
+                started = time.perf_counter()
+                drafts, confidences = drafter.propose(k)
+                drafted = drafting_time(drafter, started)
+                drafts = [int(t) for t in drafts]
+                started, waited = time.perf_counter(), self.copies.wait_s
+                alpha = block_weights(config.selector, k, self.commit_rate, confidences)
+                block_displaced = np.zeros(k + 1)
+                block_selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
+                root = len(tokens) - 1
+                greedy = self._forward(self.verifier, [tokens[-1]] + drafts, root, config.selector, alpha,
+                                       block_displaced, block_selected)
+                a = accepted_length(drafts, greedy)
+                self.commit_rate.update(a, k)
+                self._end_block()
+                verify_s.append(time.perf_counter() - started)
+                wait_s.append(self.copies.wait_s - waited)
+                started = time.perf_counter()
+                drafter.commit(a, greedy[a], None)
+                draft_s.append(drafted + drafting_time(drafter, started, count_fixed=False))
+                displaced += float(block_displaced[:a + 1].sum())
+                roots.append(root)
+                accepted.append(a)
+                if record:
+                    selected.append(block_selected)
+                if commit_block(tokens, new, drafts, a, greedy[a], config.stop_tokens):
+                    break
+        del new[config.max_new_tokens:]
+        totals = self.pool.totals()
+        info = {"kernels": self.kernels, "cuda_graphs": self.verifier.graphs is not None,
+                "skip_copies": self.settings.skip_copies, "max_in_flight": self.settings.max_in_flight,
+                "notes": list(self.notes)}
+        return SpecResult(new, k, g.num_layers, roots, accepted, totals["copies"] - base["copies"],
+                          totals["moves"] - base["moves"], displaced, draft_s, verify_s, wait_s, prefill_s,
+                          selected, info)
+
+
+def build_spec_engine(model, drafter: Drafter, config: SpecConfig, calibration: Calibration,
+                      engine_config: EngineConfig = EngineConfig(), settings: RunSettings = RunSettings(), *,
+                      residency: ExpertResidency | None = None, store: ExpertStore | None = None,
+                      host_memory_limit: int | None = None, device_memory_limit: int | None = None) -> SpecEngine:
+    """A SpecEngine for a transformers MoE model (like `build_engine`): the decoder's weights from the model;
+    experts from the given `residency` unit (share one with an ArEngine: it needs P + U slots per layer), else
+    a new unit of P + U slots over `store`, else over a new pinned ExpertStore copied from the model."""
+    from specmoe.models import adapter_for, decoder_for
+
+    decoder = decoder_for(model.config).from_model(model, engine_config.max_seq_len)
+    config.check(decoder.geometry, drafter)  # the config's errors before any allocation
+    if residency is None:
+        store = store or ExpertStore.from_model(model, host_memory_limit=host_memory_limit)
+        residency = ExpertResidency(store, config.pool_size + config.union(store.num_experts),
+                                    next(model.parameters()).device, memory_limit=device_memory_limit)
+    fingerprint = adapter_for(model.config).fingerprint(model)
+    return SpecEngine(decoder, residency, drafter, calibration, config, engine_config, settings, fingerprint)

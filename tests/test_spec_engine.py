@@ -1,0 +1,180 @@
+"""The speculative engine on the CPU (float32, the shipped family's target and AR drafter): exact selection
+reproduces the AR engine's greedy output, agreement with the harness loop (tokens, accepted lengths,
+selections, copies, moves), independence of copy timing, slots that follow the pool, an ArEngine and a
+SpecEngine alternating on one residency unit, the copy stream's moves, and bad input."""
+
+import numpy as np
+import pytest
+import torch
+
+from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
+from specmoe.engines.ar import EngineConfig, RunSettings, build_engine
+from specmoe.engines.sd import SpecConfig, build_spec_engine
+from specmoe.harness import SpeculativeConfig, speculative_generate
+from specmoe.offload import ExpertResidency, ExpertStore
+from specmoe.routing import Calibration, preset
+from specmoe.verifiers import selector_preset
+
+SEQ, NEW, K_DRAFTS, POOL = 64, 12, 4, 32
+
+
+@pytest.fixture(scope="module")
+def drafter(family):
+    return build_drafter(DrafterConfig("ar"), family[0])
+
+
+@pytest.fixture(scope="module")
+def store(family):
+    return ExpertStore.from_model(family[0], family[1])
+
+
+@pytest.fixture(scope="module")
+def calibration(family):
+    adapter = family[1]
+    return Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def prompt(family_text):
+    return family_text[:16]
+
+
+@pytest.fixture(scope="module")
+def residency(family, store):
+    return ExpertResidency(store, family[1].num_experts, "cpu")
+
+
+def spec(family, drafter, calibration, residency, selector="acceptmoe", settings=RunSettings(), **kw):
+    config = SpecConfig(selector_preset(selector), **{"k": K_DRAFTS, "pool_size": POOL, "max_new_tokens": NEW, **kw})
+    return build_spec_engine(family[0], drafter, config, calibration, EngineConfig(max_seq_len=SEQ), settings,
+                             residency=residency)
+
+
+def test_exact_selection_equals_ar_engine_greedy(family, drafter, calibration, residency, prompt):
+    model, adapter = family
+    ar = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration,
+                      EngineConfig(max_seq_len=SEQ), residency=residency)
+    expected = ar.generate(prompt, NEW).generated
+    result = spec(family, drafter, calibration, residency, "exact").generate(prompt)
+    assert result.tokens == expected
+    assert len(result.accepted) >= 1 and result.tau >= 1.0
+
+
+@pytest.mark.parametrize("selector", ["acceptmoe", "confidence_top1"])
+def test_agrees_with_the_harness_loop(family, drafter, calibration, residency, prompt, selector):
+    model, adapter = family
+    config = SpeculativeConfig(selector_preset(selector), k=K_DRAFTS, pool_size=POOL, max_new_tokens=NEW)
+    harness = speculative_generate(model, adapter, drafter, torch.tensor(prompt), config, calibration=calibration,
+                                   record=True, divergence=False)
+    result = spec(family, drafter, calibration, residency, selector).generate(prompt, record=True)
+    assert harness.copies > 0 and 0 < sum(harness.accepted) < K_DRAFTS * len(harness.accepted)  # not trivial
+    assert result.tokens == harness.tokens.tolist()
+    assert result.accepted == harness.accepted and result.roots == harness.roots
+    assert (result.copies, result.moves) == (harness.copies, harness.moves)
+    for mine, theirs in zip(result.selected, harness.blocks, strict=True):
+        np.testing.assert_array_equal(mine, theirs["selected"])
+    assert result.displaced == pytest.approx(harness.displaced, rel=1e-4)
+    assert result.summary()["tau"] == pytest.approx(harness.summary()["tau"])
+
+
+def test_copy_timing_changes_no_token_or_selection(family, drafter, calibration, residency, prompt):
+    engine = spec(family, drafter, calibration, residency)
+    reference = engine.generate(prompt, record=True)
+    for in_flight in (1, 4):
+        engine.configure(copy_delay=(0.0, 0.001), max_in_flight=in_flight, delay_seed=in_flight)
+        delayed = engine.generate(prompt, record=True)
+        assert delayed.tokens == reference.tokens and delayed.accepted == reference.accepted
+        for a, b in zip(delayed.selected, reference.selected, strict=True):
+            np.testing.assert_array_equal(a, b)
+    # copies-skipped (compute-only time): nothing goes over the link; the slots keep stale bytes, so the
+    # tokens are not the model's (as in the AR engine's mode)
+    engine.configure(copy_delay=None, skip_copies=True)
+    stats = residency.copies.stats
+    issued, skipped = stats.issued, stats.skipped
+    engine.generate(prompt)
+    assert stats.issued == issued and stats.skipped > skipped
+    engine.configure(skip_copies=False)
+
+
+def test_slots_follow_the_pool(family, drafter, calibration, residency, store, prompt):
+    engine = spec(family, drafter, calibration, residency)
+    engine.generate(prompt)
+    assert residency.copies.stats.moved > 0
+    for layer in range(store.num_layers):
+        table = engine.pool.slot_table(layer)
+        for expert in np.flatnonzero(engine.pool.resident(layer)):
+            assert torch.equal(residency.slots.data[layer, table[expert]], store.layers[layer][expert])
+
+
+def test_ar_and_spec_engines_alternate_on_one_residency(family, drafter, calibration, store, prompt):
+    model, adapter = family
+    shared = ExpertResidency(store, POOL + 16, "cpu")
+    ar = build_engine(model, preset("psr", 24, adapter.top_k), calibration, EngineConfig(max_seq_len=SEQ),
+                      residency=shared)
+    sd = spec(family, drafter, calibration, shared, union_slots=16)
+    first_ar, first_sd = ar.generate(prompt, NEW).generated, sd.generate(prompt, record=True)
+    for _ in range(2):
+        assert ar.generate(prompt, NEW).generated == first_ar
+        again = sd.generate(prompt, record=True)
+        assert again.tokens == first_sd.tokens and again.copies == first_sd.copies
+        for a, b in zip(again.selected, first_sd.selected, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_copy_stream_move(store):
+    unit = ExpertResidency(store, 8, "cpu")
+    copies = unit.copies
+    copies.assign(0, np.array([5, 6]), np.array([3, 9]), prefetch=False)
+    copies.move(0, np.array([5, 6]), np.array([1, 2]))
+    assert torch.equal(unit.slots.data[0, 1], store.layers[0][3]) and torch.equal(unit.slots.data[0, 2],
+                                                                                   store.layers[0][9])
+    assert copies.owner[0, 1] == 3 and copies.owner[0, 2] == 9 and copies.stats.moved == 2
+    with pytest.raises(ValueError, match="disjoint"):
+        copies.move(0, np.array([1, 2]), np.array([2, 3]))
+
+
+def test_bad_input(family, drafter, calibration, residency, prompt):
+    model, adapter = family
+    with pytest.raises(ValueError, match="does not fit the static KV cache"):
+        spec(family, drafter, calibration, residency, k=SEQ)
+    for pool_size in (adapter.top_k - 1, adapter.num_experts + 1):
+        with pytest.raises(ValueError, match="K <= P <= E"):
+            spec(family, drafter, calibration, residency, pool_size=pool_size)
+    with pytest.raises(ValueError, match="union slots"):
+        spec(family, drafter, calibration, residency, union_slots=adapter.top_k - 1)
+    with pytest.raises(ValueError, match="union slots"):  # U > E - P: before any allocation
+        spec(family, drafter, calibration, None, union_slots=adapter.num_experts - POOL + 1)
+    with pytest.raises(ValueError, match="logically"):
+        spec(family, drafter, calibration, residency, settings=RunSettings(cache_mode="physical"))
+    with pytest.raises(ValueError, match="positions"):  # the request does not fit the cache
+        spec(family, drafter, calibration, residency, max_new_tokens=SEQ).generate(prompt)
+    # U = K: enough for the root, not for a block whose drafts miss more: a clear error, not a fallback
+    with pytest.raises(ValueError, match="union slots' worth"):
+        spec(family, drafter, calibration, residency, "exact", union_slots=adapter.top_k).generate(prompt)
+    dflash = build_drafter(DrafterConfig("dflash"), model)
+    with pytest.raises(DrafterError, match="hidden states"):
+        spec(family, dflash, calibration, residency)
+
+
+def test_rollback_leaves_the_kv_cache_of_a_fresh_run(family, drafter, calibration, residency, prompt):
+    """After a request with rejections, the KV rows of the committed positions are those of a fresh exact run
+    over the committed prefix (rejected drafts' rows above them are simply overwritten by later blocks)."""
+    model, adapter = family
+    engine = spec(family, drafter, calibration, residency, "exact")
+    result = engine.generate(prompt)
+    assert any(a < K_DRAFTS for a in result.accepted)  # at least one rejection to roll back
+    processed = len(prompt) + len(result.tokens) - 1  # the last bonus token was never fed
+    ar = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration,
+                      EngineConfig(max_seq_len=SEQ), residency=residency)
+    ar.teacher_forced((list(prompt) + result.tokens)[:processed])
+    for name in ("k_cache", "v_cache"):
+        mine, fresh = getattr(engine.decoder, name), getattr(ar.decoder, name)  # OLMoE decoder internals
+        torch.testing.assert_close(mine[:, :, :processed], fresh[:, :, :processed], atol=1e-4, rtol=1e-4)
+
+
+def test_stop_token_ends_the_request(family, drafter, calibration, residency, prompt):
+    engine = spec(family, drafter, calibration, residency)
+    full = engine.generate(prompt).tokens
+    stop = full[5]
+    cut = spec(family, drafter, calibration, residency, stop_tokens=(stop,)).generate(prompt).tokens
+    assert cut == full[:full.index(stop) + 1]
