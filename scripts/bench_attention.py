@@ -168,7 +168,7 @@ def run(args, report) -> None:
         qs = [torch.randn(num_q, num_heads, head_dim, device=DEVICE, dtype=dtype) for _ in range(layers)]
         outs = [torch.empty(num_q, num_heads * head_dim, device=DEVICE, dtype=dtype) for _ in range(layers)]
         floor = {n: sk.split_kv_bytes(num_q, num_heads, num_kv, head_dim, n, item) for n in args.lengths}
-        # SDPA over the whole masked cache (the engine's path now)
+        # SDPA over the whole masked cache (the reference; the engine's default before split-KV)
         mask = torch.zeros(num_q, max_seq, device=DEVICE, dtype=dtype)
         sdpa_ms = {}
         try:

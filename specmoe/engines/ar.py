@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from specmoe.kernels import ATTENTIONS, BACKENDS, MOE_KERNELS
+from specmoe.kernels import check_kernel_choice
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, PolicyError, router_fingerprint
@@ -57,10 +57,19 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_seq_len", validate.integer(self.max_seq_len, "max_seq_len", minimum=1))
-        for value, known, what in ((self.backend, BACKENDS, "backend"), (self.attention, ATTENTIONS, "attention"),
-                                   (self.moe, MOE_KERNELS, "moe")):
-            if value not in known:
-                raise ValueError(f"{what} must be one of {known}, got {value!r}")
+        check_kernel_choice(self.backend, self.attention, self.moe)
+
+    def check_decoder(self, decoder: Decoder) -> None:
+        """ValueError unless the decoder's KV cache has this config's max_seq_len positions."""
+        if self.max_seq_len != decoder.geometry.max_seq_len:
+            raise ValueError(f"max_seq_len={self.max_seq_len} but the decoder's KV cache has "
+                             f"{decoder.geometry.max_seq_len} positions")
+
+    def prepare(self, decoder: Decoder, residency: ExpertResidency, stream) -> dict:
+        """Choose and check the decoder's kernels (`Decoder.use_kernels`) on the compute stream `stream` (None
+        on the CPU); the slots must hold real experts (the checks read them). Returns what is used."""
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return decoder.use_kernels(self.backend, self.attention, self.moe, residency.slots.layer(0), self.tune)
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,18 @@ class RunSettings:
         if self.copy_delay is not None and not 0 <= self.copy_delay[0] <= self.copy_delay[1]:
             raise ValueError(f"copy_delay must be (lo, hi) with 0 <= lo <= hi, got {self.copy_delay}")
 
+    def updated(self, **changes) -> "RunSettings":
+        """These settings with `changes`; a name that is not a run setting is a ValueError."""
+        unknown = set(changes) - set(RunSettings.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{', '.join(sorted(unknown))}: not a run setting (EngineConfig fields are fixed "
+                             f"when the engine is built); run settings: {', '.join(RunSettings.__dataclass_fields__)}")
+        return replace(self, **changes)
+
+    def apply(self, residency: ExpertResidency) -> None:
+        """Hand the copy settings to the residency unit's copy stream (at the start of every run)."""
+        residency.configure(self.max_in_flight, self.skip_copies, self.copy_delay, self.delay_seed)
+
 
 class ArEngine:
     """Batch-1 autoregressive decoding of an MoE model whose experts live in an `ExpertResidency` unit."""
@@ -101,9 +122,7 @@ class ArEngine:
         g = self.geometry = decoder.geometry
         self.fingerprint = fingerprint
         calibration.check(g.num_layers, g.num_experts)
-        if config.max_seq_len != g.max_seq_len:
-            raise ValueError(f"config.max_seq_len={config.max_seq_len} but the decoder's KV cache has "
-                             f"{g.max_seq_len} positions")
+        config.check_decoder(decoder)
         self.num_layers, self.num_experts, self.top_k = g.num_layers, g.num_experts, g.top_k
         self._check_policy(policy)
         residency.check_fits(g.num_layers, g.num_experts, g.expert_width, decoder.dtype, policy.capacity)
@@ -118,10 +137,8 @@ class ArEngine:
         self.compute = torch.cuda.Stream(device=self.device) if self.cuda else None
         with torch.no_grad():
             self._load_warm()  # the kernel checks read real expert bytes from the slots
-            with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
-                self.kernels = decoder.use_kernels(config.backend, config.attention, config.moe, self.slots.layer(0),
-                                                   config.tune)
-            self.runner = StepRunner(decoder, 1, residency, self.compute, config.cuda_graphs)
+        self.kernels = config.prepare(decoder, residency, self.compute)
+        self.runner = StepRunner(decoder, 1, residency, self.compute, config.cuda_graphs)
         self.step = self.runner.step
         self.feed = ModelFeed(self.step)
         self._slots = [self.step.slots_np[l, 0] for l in range(g.num_layers)]
@@ -152,16 +169,11 @@ class ArEngine:
             self.policy, self.calibration = policy, calibration or self.calibration
             self.cache = LogicalCache(policy, self.calibration, self.num_layers, self.num_experts)
         if settings:
-            unknown = set(settings) - set(RunSettings.__dataclass_fields__)
-            if unknown:
-                raise ValueError(f"{', '.join(sorted(unknown))}: not a run setting (EngineConfig fields are fixed "
-                                 f"when the engine is built); run settings: {', '.join(RunSettings.__dataclass_fields__)}")
-            self.settings = replace(self.settings, **settings)
+            self.settings = self.settings.updated(**settings)
 
     # -- runs ----------------------------------------------------------------------------------------
     def _load_warm(self) -> int:
-        s = self.settings
-        self.residency.configure(s.max_in_flight, s.skip_copies, s.copy_delay, s.delay_seed)
+        self.settings.apply(self.residency)
         self.cache.reset()
         return self.residency.load_warm(np.stack([self.cache.resident(l) for l in range(self.num_layers)]))
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -131,9 +131,7 @@ class SpecEngine:
         g = self.geometry = decoder.geometry
         config.check(g, drafter)
         calibration.check(g.num_layers, g.num_experts)
-        if engine_config.max_seq_len != g.max_seq_len:
-            raise ValueError(f"engine_config.max_seq_len={engine_config.max_seq_len} but the decoder's KV cache "
-                             f"has {g.max_seq_len} positions")
+        engine_config.check_decoder(decoder)
         if settings.cache_mode != "logical":
             raise ValueError("the speculative engine routes logically (outputs never depend on copy timing); "
                              f"cache_mode={settings.cache_mode!r} is the AR engine's")
@@ -153,25 +151,22 @@ class SpecEngine:
         self.cuda = residency.device.type == "cuda"
         self.compute = torch.cuda.Stream(device=residency.device) if self.cuda else None
         with torch.no_grad():
-            self._load_warm()
-            with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
-                self.kernels = decoder.use_kernels(engine_config.backend, engine_config.attention, engine_config.moe,
-                                                   residency.slots.layer(0), engine_config.tune)
-            self.verifier = StepRunner(decoder, config.k + 1, residency, self.compute, engine_config.cuda_graphs)
-            self.prefiller = StepRunner(decoder, 1, residency, self.compute, engine_config.cuda_graphs)
+            self._load_warm()  # the kernel checks read real expert bytes from the slots
+        self.kernels = engine_config.prepare(decoder, residency, self.compute)
+        self.verifier = StepRunner(decoder, config.k + 1, residency, self.compute, engine_config.cuda_graphs)
+        self.prefiller = StepRunner(decoder, 1, residency, self.compute, engine_config.cuda_graphs)
         self.notes = decoder.notes + self.verifier.notes + self.prefiller.notes
 
     def configure(self, **settings) -> None:
         """Change RunSettings fields (copy delay, max_in_flight, skip_copies) for the next runs."""
-        settings = replace(self.settings, **settings)
+        settings = self.settings.updated(**settings)
         if settings.cache_mode != "logical":
             raise ValueError(f"cache_mode={settings.cache_mode!r}: the speculative engine routes logically")
         self.settings = settings
 
     # -- the pool and its slots ------------------------------------------------------------------------
     def _load_warm(self) -> int:
-        s = self.settings
-        self.residency.configure(s.max_in_flight, s.skip_copies, s.copy_delay, s.delay_seed)
+        self.settings.apply(self.residency)
         self.pool.reset()
         warm = []
         for layer in range(self.geometry.num_layers):

@@ -16,7 +16,16 @@ BACKENDS = ("auto", "triton", "torch")  # our Triton kernels or their torch vers
 ATTENTIONS = ("auto", "split_kv", "sdpa", "flash_attn")
 MOE_KERNELS = ("slot", "vllm")
 
-__all__ = ["ATTENTIONS", "BACKENDS", "MOE_DEFAULTS", "MOE_KERNELS", "SplitKVWorkspace", "causal_step_mask", "checks",
+
+def check_kernel_choice(backend: str, attention: str, moe: str) -> None:
+    """ValueError unless each choice is one of BACKENDS, ATTENTIONS, MOE_KERNELS."""
+    for value, known, what in ((backend, BACKENDS, "backend"), (attention, ATTENTIONS, "attention"),
+                               (moe, MOE_KERNELS, "moe")):
+        if value not in known:
+            raise ValueError(f"{what} must be one of {known}, got {value!r}")
+
+__all__ = ["ATTENTIONS", "BACKENDS", "MOE_DEFAULTS", "MOE_KERNELS", "SplitKVWorkspace", "causal_step_mask", "check_kernel_choice",
+           "checks",
            "decode_attention", "decode_attention_flash", "load_flash_attn", "load_fused_experts",
            "make_split_kv_workspace", "norm_rope", "qkv_prologue_torch", "rmsnorm_torch", "slot_moe", "slot_moe_torch",
            "slot_moe_vllm", "split_kv_attention", "split_kv_attention_reference", "split_kv_bytes", "split_route",

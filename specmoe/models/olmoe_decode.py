@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels import (ATTENTIONS, BACKENDS, MOE_KERNELS, causal_step_mask, checks, decode_attention,
+from specmoe.kernels import (causal_step_mask, check_kernel_choice, checks, decode_attention,
                              decode_attention_flash, load_flash_attn, load_fused_experts, make_split_kv_workspace,
                              norm_rope, slot_moe, slot_moe_vllm, split_kv_attention, triton_available, tune_moe)
 
@@ -138,62 +138,53 @@ class OlmoeDecoder:
                                    self.geometry.max_seq_len, c.eps, c.clip_qkv, self.dtype, self.device)
 
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune: bool) -> dict:
-        for value, known, what in ((backend, BACKENDS, "backend"), (attention, ATTENTIONS, "attention"),
-                                   (moe, MOE_KERNELS, "moe")):
-            if value not in known:
-                raise ValueError(f"{what} must be one of {known}, got {value!r}")
+        check_kernel_choice(backend, attention, moe)
         # a missing optional package is an ImportError here, before anything runs
         flash_attn = load_flash_attn() if attention == "flash_attn" else None
         fused_experts = load_fused_experts() if moe == "vllm" else None
         cuda = self.device.type == "cuda"
-        where = torch.cuda.get_device_name(self.device) if cuda else "the CPU"
         shapes = self.kernel_shapes()
-        self.backend = "triton" if backend == "triton" or (backend == "auto" and cuda and triton_available()) \
-            else "torch"
-        self.flash_attn = self.fused_experts = None
+        self.flash_attn = self.fused_experts = self.moe_params = None
         self.attention = "sdpa"
         if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
-            try:
-                checks.check_attention(shapes, "split-KV attention kernel", self._split_kv_check)
+            if self._verified("split-KV attention", "SDPA", lambda: checks.check_attention(
+                    shapes, "split-KV attention kernel", self._split_kv_check)):
                 self.attention = "split_kv"
-                self.notes.append(f"split-KV attention checked against SDPA on {where}; used")
-            except Exception as exc:  # a compile error, a CUDA error, a wrong result: SDPA instead
-                if cuda:
-                    torch.cuda.synchronize()
-                self.notes.append(f"split-KV attention unusable ({type(exc).__name__}: {exc}); SDPA used")
-        for fn, check, attr, name, default in (
-                (flash_attn, lambda s, f: checks.check_attention(s, "flash_attn_with_kvcache", self._flash_check(f)),
-                 "flash_attn", "flash-attn's flash_attn_with_kvcache", "SDPA"),
-                (fused_experts, lambda s, f: checks.check_fused_experts(s, slot_buf, f), "fused_experts",
-                 "vLLM's fused_experts", "the slot MoE kernel")):
-            if fn is None:
-                continue
-            try:
-                check(shapes, fn)
-            except Exception as exc:  # an assertion, a CUDA error, a wrong result: all mean "do not use it"
-                if cuda:
-                    torch.cuda.synchronize()
-                self.notes.append(f"{name} unusable ({type(exc).__name__}: {exc}); {default} used")
-                continue
-            setattr(self, attr, fn)
-            if attr == "flash_attn":
-                self.attention = "flash_attn"
-            self.notes.append(f"{name} checked against torch on {where}; used")
-        if self.backend == "triton":
-            try:
-                if tune and self.fused_experts is None:  # vLLM's kernel runs the MoE otherwise
-                    self.moe_params, times = tune_moe(slot_buf, self.shapes.top_k, self.shapes.hidden,
-                                                      self.shapes.inter, self.dtype)
-                    self.notes.append(f"MoE kernel tuned: {self.moe_params} (candidate ms: {times})")
-                checks.check_triton(shapes, slot_buf, self.moe_params)
-                self.notes.append(f"Triton kernels checked against torch on {where}")
-            except Exception as exc:  # never let a kernel problem cost the run: fall back, and say so
-                self.notes.append(f"Triton kernels unusable ({type(exc).__name__}: {exc}); torch fallback used")
-                if cuda:
-                    torch.cuda.synchronize()
-                self.backend, self.moe_params = "torch", None
+        if flash_attn is not None and self._verified("flash-attn's flash_attn_with_kvcache", "SDPA", lambda: (
+                checks.check_attention(shapes, "flash_attn_with_kvcache", self._flash_check(flash_attn)))):
+            self.flash_attn, self.attention = flash_attn, "flash_attn"
+        if fused_experts is not None and self._verified("vLLM's fused_experts", "the slot MoE kernel", lambda: (
+                checks.check_fused_experts(shapes, slot_buf, fused_experts))):
+            self.fused_experts = fused_experts
+        self.backend = "torch"
+        if backend == "triton" or (backend == "auto" and cuda and triton_available()):
+            if self._verified("Triton kernels", "torch fallback", lambda: self._tune_and_check(
+                    shapes, slot_buf, tune and self.fused_experts is None)):  # vLLM's kernel runs the MoE otherwise
+                self.backend = "triton"
+            else:
+                self.moe_params = None
         return {"backend": self.backend, "attention": self.attention,
                 "moe": "slot" if self.fused_experts is None else "vllm"}
+
+    def _verified(self, name: str, fallback: str, check) -> bool:
+        """Run a kernel's self-check; a failure of any kind (compile error, CUDA error, wrong result) must not
+        cost the run: the fallback is used and `notes` says why."""
+        where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "the CPU"
+        try:
+            check()
+        except Exception as exc:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.notes.append(f"{name} unusable ({type(exc).__name__}: {exc}); {fallback} used")
+            return False
+        self.notes.append(f"{name} checked against torch on {where}; used")
+        return True
+
+    def _tune_and_check(self, shapes: checks.KernelShapes, slot_buf: torch.Tensor, tune: bool) -> None:
+        if tune:
+            self.moe_params, times = tune_moe(slot_buf, shapes.top_k, shapes.hidden, shapes.inter, self.dtype)
+            self.notes.append(f"MoE kernel tuned: {self.moe_params} (candidate ms: {times})")
+        checks.check_triton(shapes, slot_buf, self.moe_params)
 
     def _split_kv_check(self, q, k_cache, v_cache, seq_len, scale):
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
