@@ -328,11 +328,13 @@ def test_pool_refill_by_recency_and_copies():
     # refill keeps {4, 5}: 1 and 3 leave slots 0, 1; 4 and 5 move there (2 moves)
     assert pool.end_block() == (4, 2)
     assert pool.slot_table(0).tolist() == [-1, -1, -1, -1, 0, 1]
+    assert [m.tolist() for m in pool.refill_moves(0)] == [[4, 5], [0, 1]]  # union slots 4, 5 -> pool slots 0, 1
     # block 1: missing 1 -> slot 2; recency 5@0, 1@1, 4@1 -> keep {1, 4}: 4 stays in slot 0, 1 takes 5's slot 1
     missing, slots = pool.use(0, [[5, 1], [1, 4]])
     assert missing.tolist() == [1] and slots.tolist() == [2]
     assert pool.end_block() == (1, 1)
     assert pool.slot_table(0).tolist() == [-1, 1, -1, -1, 0, -1]
+    assert [m.tolist() for m in pool.refill_moves(0)] == [[2], [1]]
     # block 2: the root alone executes 4 and 1, both resident: no copy, no move
     missing, _ = pool.use(0, [[4, 1]])
     assert missing.size == 0

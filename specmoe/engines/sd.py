@@ -177,14 +177,12 @@ class SpecEngine:
 
     def _end_block(self) -> None:
         """Pool refill; the slot buffer follows: each expert entering the pool moves from its union slot to
-        the pool slot the refill gives it (read from the slot tables before and after)."""
-        before = [self.pool.slot_table(l).copy() for l in range(self.geometry.num_layers)]
+        the pool slot the refill gives it (`ExpertPool.refill_moves`)."""
         self.pool.end_block()
-        for layer, old in enumerate(before):
-            new = self.pool.slot_table(layer)
-            moved = np.flatnonzero((new >= 0) & (new != old))
-            if moved.size:
-                self.copies.move(layer, old[moved], new[moved])
+        for layer in range(self.geometry.num_layers):
+            src, dst = self.pool.refill_moves(layer)
+            if src.size:
+                self.copies.move(layer, src, dst)
 
     # -- one step of D positions -----------------------------------------------------------------------
     def _forward(self, run: StepRunner, ids: list[int], position: int, selector, alpha: np.ndarray,

@@ -89,6 +89,7 @@ class ExpertPool:
         self.blocks = 0
         self._missing = np.empty(num_experts, dtype=np.int64)
         self._missing_slots = np.empty(num_experts, dtype=np.int64)
+        self._refill_moves = [(np.empty(0, np.int64), np.empty(0, np.int64))] * num_layers
         self.reset()
 
     def reset(self) -> None:
@@ -157,6 +158,7 @@ class ExpertPool:
             # every entering expert sits in a union slot: the P most recent were all on the GPU (pool.py docstring)
             assert np.all(slot[entering] >= self.pool_size)
             freed = np.sort(slot[old & ~keep])
+            self._refill_moves[layer] = (slot[entering].copy(), freed)
             slot[~keep] = -1
             slot[entering] = freed
             old[:] = keep
@@ -167,6 +169,11 @@ class ExpertPool:
         self.block += 1
         self.blocks += 1
         return copies, moves
+
+    def refill_moves(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The last `end_block`'s moves in `layer`: (union slots the entering experts leave, pool slots they
+        take), aligned; what the physical slot buffer must copy to follow the slot table."""
+        return self._refill_moves[layer]
 
     def totals(self) -> dict:
         """Counters summed over layers since construction: blocks, copies (host to device, one per missing
