@@ -144,3 +144,27 @@ def test_attention_reading_only_written_positions_decodes_like_sdpa(tiny, tokens
     assert [runs[n].info["attention"] for n in ("sdpa", "split_kv", "auto")] == ["sdpa", "split_kv", "sdpa"]
     np.testing.assert_allclose(runs["split_kv"].logits, runs["sdpa"].logits, rtol=1e-5, atol=1e-5)
     assert engines["split_kv"].decoder.bytes_per_token(3) < engines["sdpa"].decoder.bytes_per_token(3)
+
+
+def test_bad_input_to_the_new_seams(tiny, tokens):
+    """A residency unit without room, an unknown router scoring, a kernel choice outside the known ones, a
+    window placed outside the cache: one clear error each, before anything runs."""
+    from specmoe.routing import RouterScoring
+
+    model, adapter, store = tiny
+    for slots in (0, adapter.num_experts + 1):
+        with pytest.raises(ValueError, match=f"{slots} slots per layer: need 1 .. E=64"):
+            ExpertResidency(store, slots, "cpu")
+    with pytest.raises(ValueError, match="router scoring kind must be one of"):
+        RouterScoring("tanh")
+    with pytest.raises(ValueError, match="router scoring scale must be a positive number"):
+        RouterScoring("sigmoid", scale=0.0)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        OlmoeDecoder.from_model(model, SEQ).use_kernels("torch", "paged", "slot", store.layers[0][:16], tune=False)
+    engine = build_engine(model, preset("exact_lru", 16, adapter.top_k),
+                          Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size),
+                          EngineConfig(max_seq_len=SEQ), store=store)
+    with pytest.raises(ValueError, match="first_position must be >= 0"):
+        engine.teacher_forced(tokens, first_position=-1)
+    with pytest.raises(ValueError, match="from position 40 do not fit the static KV cache of 48"):
+        engine.teacher_forced(tokens, first_position=40)
