@@ -168,3 +168,16 @@ def test_bad_input_to_the_new_seams(tiny, tokens):
         engine.teacher_forced(tokens, first_position=-1)
     with pytest.raises(ValueError, match="from position 40 do not fit the static KV cache of 48"):
         engine.teacher_forced(tokens, first_position=40)
+
+
+def test_a_window_at_a_later_position_attends_to_what_the_cache_holds(tiny, tokens):
+    """`teacher_forced(first_position=p)` (the position sweep's way to time long contexts): right after a run
+    that wrote tokens[:p] into the KV cache, decoding tokens[p:] from position p gives that run's logits."""
+    model, adapter, store = tiny
+    engine = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k),
+                          Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size),
+                          EngineConfig(max_seq_len=SEQ), store=store)
+    full = engine.teacher_forced(tokens, return_logits=True)
+    later = engine.teacher_forced(tokens[12:], first_position=12, return_logits=True)
+    np.testing.assert_allclose(later.logits, full.logits[12:], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(engine.teacher_forced(tokens[12:], return_logits=True).logits, full.logits[12:])
