@@ -5,9 +5,10 @@ Full-size OLMoE-1B-7B config, bf16, seeded random weights drawn on the device, a
 (default 256, decoded through the same path but not timed) then --tokens timed tokens (random weights route
 without temporal locality, so copy counts are those of a worst case, not of a trained model).
 Configurations run in one process, rounds interleaved (A B C ... A B C ...):
-- all experts resident (C = E = 64), exact routing: this engine vs transformers' own generate on the same
-  weights (eager and batched_mm experts), and vs the memory-bandwidth floor (bytes read per token / measured
-  device bandwidth);
+- all experts resident (C = E = 64), exact routing: this engine (routing on the device, one launch per token)
+  vs the same engine routing on the host (`all_resident_host_routing`, `EngineConfig(device_routing="off")`:
+  one host round trip per layer), vs transformers' own generate on the same weights (eager and batched_mm
+  experts), and vs the memory-bandwidth floor (bytes read per token / measured device bandwidth);
 - C = 32 and C = 16: exact LRU, exact + A priority + prefetch (exact_prefetch), Cache-Prior lambda 0.2, PSR
   lambda 0.3 (C=32) / 0.25 (C=16) n=1, speculative execution;
 - with --trace (a `specmoe trace` of a trained model with the same L, E, K) and --trace-calibration, the same
@@ -258,12 +259,13 @@ def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int
     """Decode time by position: all-resident and PSR at each capacity, --sweep-tokens timed tokens from each
     position over a KV cache of random values, rounds interleaved; ratios to the first position (paired t on log
     latency over rounds) and the all-resident bandwidth floor at each position."""
-    E = max(engines)
+    E = max(c for c in engines if isinstance(c, int))
     positions = [p for p in args.positions if p + args.sweep_tokens <= args.max_seq_len]
     if len(positions) < len(args.positions):
         report["errors"].append(f"sweep positions beyond --max-seq-len - --sweep-tokens skipped: "
                                 f"{sorted(set(args.positions) - set(positions))}")
-    configs = [("all_resident", E, preset("exact_lru", E, top_k))]
+    configs = [("all_resident", E, preset("exact_lru", E, top_k)),
+               ("all_resident_host_routing", "host", preset("exact_lru", E, top_k))]
     configs += [(f"C{c}_psr", c, preset("psr", c, top_k, bonus=PSR_LAMBDA[c], insert_budget=1)) for c in args.capacities]
     with torch.no_grad():
         for engine in engines.values():  # the context below each window: random keys and values
@@ -367,6 +369,9 @@ def main(argv=None) -> int:
     engines[E].configure(calibration=calib)
     for c in args.capacities:
         engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, store=store)
+    engines["host"] = build_engine(model, preset("exact_lru", E, K), calib,  # all resident, routed on the host
+                                   EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention, tune=True,
+                                                device_routing="off"), store=store)
     report["engine_notes"] = {str(c): e.notes for c, e in engines.items()}
     report["kernels"] = engines[E].kernels
     if args.unbatched_copies:
@@ -384,7 +389,8 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(200)
     windows = [rng.integers(0, V, window) for _ in range(args.windows)]
-    configs = [("all_resident", E, preset("exact_lru", E, K))]
+    configs = [("all_resident", E, preset("exact_lru", E, K)),
+               ("all_resident_host_routing", "host", preset("exact_lru", E, K))]
     for c in args.capacities:
         PSR_LAMBDA.setdefault(c, 0.25)
         configs += [(f"C{c}_{name}", c, pol) for name, pol in policies(c, K).items()]
@@ -492,6 +498,9 @@ def main(argv=None) -> int:
                "instrumented": d.get("instrumented"), "copies_skipped_ms": d.get("copies_skipped_ms")}
         table[name] = row
     ratios = {}
+    if rounds.get("all_resident_host_routing") and rounds["all_resident"]:
+        ratios["all-resident: host routing / device routing"] = ratio_ci(rounds["all_resident_host_routing"],
+                                                                         rounds["all_resident"])
     for impl in hf_impls:
         if rounds[f"hf_{impl}"] and rounds["all_resident"]:
             ratios[f"hf_{impl} / engine all-resident"] = ratio_ci(rounds[f"hf_{impl}"], rounds["all_resident"])

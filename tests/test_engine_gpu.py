@@ -189,3 +189,19 @@ def test_gpu_split_kv_engine_matches_transformers_at_a_long_position(full):
         print(f"{name}: relative L2 error of the logits at positions 1504..1535: median {np.median(rel):.4f}, "
               f"max {rel.max():.4f}")
         assert np.median(rel) < 0.03 and rel.max() < 0.15
+
+
+def test_gpu_device_routing_decodes_as_host_routing(full, exact_engine, tokens):
+    """All experts resident: the one-launch token with on-device routing gives the host-routed engine's
+    selections and tokens (and its logits within rounding of the weights' last float32 bit)."""
+    model, adapter, store = full
+    host = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), exact_engine.calibration,
+                        EngineConfig(max_seq_len=SEQ, device_routing="off"), store=store)
+    a = exact_engine.teacher_forced(tokens, prompt_len=4, return_logits=True)
+    b = host.teacher_forced(tokens, prompt_len=4, return_logits=True)
+    assert exact_engine.runner.graph_whole is not None
+    assert a.info["routing"] == "device" and b.info["routing"] == "host"
+    np.testing.assert_array_equal(a.selected, b.selected)
+    np.testing.assert_array_equal(a.output_tokens, b.output_tokens)
+    np.testing.assert_array_equal(a.router_logits, b.router_logits)
+    np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=1e-2 * np.abs(b.logits).max())

@@ -5,11 +5,11 @@ bf16 and fp32, and inside a CUDA graph whose seq_len changes between replays (ma
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from _interpreter import run_in_interpreter
 
 from specmoe.kernels import decode_attention
 from specmoe.kernels.split_kv import (make_split_kv_workspace, split_kv_attention, split_kv_attention_reference,
@@ -154,19 +154,6 @@ def test_launch_depends_on_static_shapes_and_fills_the_gpu():
 
 # -- the Triton kernel in the interpreter (CPU, where Triton is installed) --------------------------------------
 _INTERPRETER_CHECK = r"""
-import numpy as np
-try:
-    int(np.ones(1))
-except TypeError:
-    # NumPy >= 2.4 refuses int() of a 1-element array, which Triton's interpreter uses for tensor loop bounds
-    # (triton-lang/triton#9171); convert through a scalar instead. The compiled kernel is unaffected.
-    import triton.runtime.interpreter as ti
-    if hasattr(ti, "_patch_lang_tensor"):
-        _orig = ti._patch_lang_tensor
-        def _patch(tensor, scope):
-            _orig(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        ti._patch_lang_tensor = _patch
 import torch
 from specmoe.kernels.split_kv import make_split_kv_workspace, split_kv_attention, split_kv_attention_reference
 torch.manual_seed(0)
@@ -194,9 +181,7 @@ print("split-kv ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_triton_kernel_matches_reference_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    done = run_in_interpreter(_INTERPRETER_CHECK)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "split-kv ok" in done.stdout
 

@@ -6,6 +6,10 @@ wait on the copies of the executed slots only, launches graph B_l (MoE over the 
 A_{l+1}, and then, while those run, part 1 of layer l+1 (`LogicalCache.insert_predicted` on the pre-gate)
 and the prefetch pump -> head graph (final norm, LM head, greedy token).
 
+With every expert resident (C = E) and a policy that then routes as the router's own top-K (exact,
+Cache-Prior, PSR), routing runs on the device instead (`specmoe.routing.device`, `EngineConfig.device_routing`)
+and the whole token is one CUDA graph: the same selections, no host round trip per layer.
+
 Routing never reads timing in the default (logical) mode: copies only change latency. Modes:
 - teacher-forced windows (`teacher_forced`) and greedy generation with stop tokens (`generate`); prompt
   positions are decoded through the same path but not timed, after the warm set has been copied;
@@ -30,12 +34,14 @@ from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, PolicyError, router_fingerprint
 from specmoe.routing import validate
+from specmoe.routing.device import device_routing_applies
 
 from .recorder import ATTENTION_DONE, COPY_CHECKS, COPY_ISSUE, MOE_START, ROUTING, WAIT_START, StepRecorder
 from .results import DecodeResult, LogitFeed, ModelFeed
 from .runner import StepRunner
 
 CACHE_MODES = ("logical", "physical")
+DEVICE_ROUTING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,9 @@ class EngineConfig:
     (flash-attn's flash_attn_with_kvcache), or "auto" (split_kv on CUDA with Triton, else sdpa); moe: "slot" (our slot-indexed kernel) or
     "vllm" (vLLM's fused_experts); tune: pick the MoE kernel's launch parameters on the device. Optional
     packages must be installed (else ImportError at build) and are checked against the torch path at build;
-    one that disagrees is not used (see `ArEngine.notes`)."""
+    one that disagrees is not used (see `ArEngine.notes`). device_routing: when every expert is resident and
+    the policy reduces to the router's own top-K, route on the device and run each token as one launch
+    ("auto": on CUDA; "on": on any device, the CPU included; "off": always the host's `LogicalCache.route`)."""
 
     max_seq_len: int = 1024
     cuda_graphs: bool = True
@@ -54,10 +62,13 @@ class EngineConfig:
     attention: str = "auto"
     moe: str = "slot"
     tune: bool = False
+    device_routing: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_seq_len", validate.integer(self.max_seq_len, "max_seq_len", minimum=1))
         check_kernel_choice(self.backend, self.attention, self.moe)
+        if self.device_routing not in DEVICE_ROUTING:
+            raise ValueError(f"device_routing must be one of {DEVICE_ROUTING}, got {self.device_routing!r}")
 
     def check_decoder(self, decoder: Decoder) -> None:
         """ValueError unless the decoder's KV cache has this config's max_seq_len positions."""
@@ -138,7 +149,11 @@ class ArEngine:
         with torch.no_grad():
             self._load_warm()  # the kernel checks read real expert bytes from the slots
         self.kernels = config.prepare(decoder, residency, self.compute)
-        self.runner = StepRunner(decoder, 1, residency, self.compute, config.cuda_graphs)
+        # the whole-token launch, where a policy at C = E could use it
+        whole = (config.device_routing == "on" or (config.device_routing == "auto" and self.cuda)) \
+            and residency.num_slots == g.num_experts and decoder.scoring.kind == "softmax"
+        self.runner = StepRunner(decoder, 1, residency, self.compute, config.cuda_graphs,
+                                 resident_scoring=decoder.scoring if whole else None)
         self.step = self.runner.step
         self.feed = ModelFeed(self.step)
         self._slots = [self.step.slots_np[l, 0] for l in range(g.num_layers)]
@@ -222,6 +237,28 @@ class ArEngine:
         run.wait_head()
         rec.end(t, int(self.step.next_np[0]))
 
+    def device_routing(self, feed: LogitFeed | None = None) -> str | None:
+        """None if the next run routes on the device (one launch per token), else why it routes on the host."""
+        if self.runner.resident_scoring is None:
+            return f"device_routing={self.config.device_routing!r} on {self.device.type} with these slots and router"
+        if feed is not None:
+            return "routing reads a logit feed"
+        if self.settings.instrument:
+            return "instrumented runs time each layer's host gap"
+        return device_routing_applies(self.policy, self.num_experts, self.decoder.scoring)
+
+    def _whole_step(self, t: int, token: int, rec: StepRecorder, position: int) -> None:
+        """Step t with routing on the device: one launch, then the records (routing as the host would see it)."""
+        step, e = self.step, self.num_experts
+        step.set_input((token,), position, self.geometry.max_seq_len)
+        rec.begin(t, token)
+        self.runner.whole_step()
+        self.runner.wait_head()
+        rec.end(t, int(step.next_np[0]))
+        rec.router_logits[t] = step.logits_np[:, 0, :e]
+        rec.pregate_logits[t, 1:] = step.logits_np[:-1, 0, e:]
+        rec.selected[t] = self.runner.experts_np[:, 0]
+
     def _part1(self, layer: int, pregate: np.ndarray, token: int) -> None:
         # physical-cache mode: insert only what can be copied at once, so that routing sees issued copies
         physical = self.settings.cache_mode == "physical"
@@ -253,6 +290,10 @@ class ArEngine:
         logits = np.zeros((num_steps, g.vocab_size), np.float32) if return_logits else None
         warm = self.reset()
         source = self.feed if feed is None else feed
+        host_routing = self.device_routing(feed)
+        if host_routing is None:
+            self.runner.set_slot_map(np.stack([self.cache.slot_of(l, np.arange(self.num_experts))
+                                               for l in range(self.num_layers)]))
         with torch.no_grad(), (torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext()):
             for t in range(num_steps):
                 if feed is not None and feed.tokens is not None:
@@ -261,7 +302,10 @@ class ArEngine:
                     token = int(tokens_in[t])
                 else:
                     token = int(rec.outputs[t - 1])
-                self._step(t, token, source, rec, first_position + t)
+                if host_routing is None:
+                    self._whole_step(t, token, rec, first_position + t)
+                else:
+                    self._step(t, token, source, rec, first_position + t)
                 if logits is not None:
                     logits[t] = self.step.out_logits[0].float().cpu().numpy()
                 if feed_outputs_from is not None and t + 1 >= feed_outputs_from and int(rec.outputs[t]) in stops:
@@ -269,6 +313,7 @@ class ArEngine:
         s = self.settings
         # fingerprint: the routers whose logits routing read (LogitFeed.of carries it on)
         info = {"policy": self.policy.name, "warm_copies": warm, **self.kernels,
+                "routing": "device" if host_routing is None else "host", "host_routing_why": host_routing,
                 "fingerprint": self.fingerprint if feed is None else feed.fingerprint,
                 "cuda_graphs": self.graphs is not None, "cache_mode": s.cache_mode, "max_in_flight": s.max_in_flight,
                 "skip_copies": s.skip_copies, "feed": feed is not None, "notes": list(self.notes)}

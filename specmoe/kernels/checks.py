@@ -121,3 +121,26 @@ def check_fused_experts(s: KernelShapes, slot_buf: torch.Tensor, fused_experts) 
     slot_moe_torch(x, res, slot_buf, route, act, ref, s.hidden, s.inter)
     slot_moe_vllm(x, res, slot_buf, route, out, s.hidden, s.inter, fused_experts)
     _agree("fused_experts", ref, out)
+
+
+def check_resident_routing(num_positions: int, num_experts: int, top_k: int, scoring, device) -> None:
+    """The one-launch resident routing kernel against its torch version on bf16-rounded logits with ties:
+    the same experts and slots, weights within 1e-6 relative (RuntimeError otherwise)."""
+    from specmoe.routing.device import route_resident
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    z = (torch.randn(num_positions, num_experts, generator=gen) * 4).round() / 4
+    z[:, : min(top_k, num_experts)] = 0.0  # ties at the cut
+    z = z.to(torch.bfloat16).float().to(device)
+    slot_of = torch.randperm(num_experts, generator=gen).to(torch.int32).to(device)
+    outs = []
+    for kernel in ("torch", "triton"):
+        experts = torch.zeros(num_positions, top_k, dtype=torch.int64, device=device)
+        route = torch.zeros(num_positions, 2 * top_k, dtype=torch.int32, device=device)
+        route_resident(z, top_k, scoring, slot_of, experts, route, kernel=kernel)
+        outs.append((experts.cpu(), route.cpu()))
+    (e0, r0), (e1, r1) = outs
+    w0, w1 = r0[:, top_k:].view(torch.float32), r1[:, top_k:].view(torch.float32)
+    if not (torch.equal(e0, e1) and torch.equal(r0[:, :top_k], r1[:, :top_k])
+            and torch.allclose(w0, w1, rtol=1e-6, atol=0)):
+        raise RuntimeError("the resident routing kernel disagrees with its torch version")

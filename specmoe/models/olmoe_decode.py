@@ -249,9 +249,10 @@ class OlmoeDecoder:
         if copy_out:
             step.copy_out_logits(layer)
 
-    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor) -> None:
+    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
         c, w = self.shapes, step.work
-        step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
+        if copy_in:  # else the route rows were written on the device (`specmoe.routing.device`)
+            step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
         for i in range(step.num_positions):  # one position at a time (a grouped kernel would read each expert once)
             h, route = w["h"][i], step.route_dev[layer, i]
             if self.fused_experts is not None:

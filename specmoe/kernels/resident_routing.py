@@ -1,0 +1,62 @@
+"""Routing of D positions with every expert resident, as one Triton launch (the torch version is
+`specmoe.routing.device.route_resident_torch`, the reference).
+
+Why our own kernel: the torch version is about twenty small launches per layer (ranking keys, top-K, a
+float64 softmax, gathers); at batch 1 they cost as much as the host round trip they replace. One program per
+position loads the E logits, ranks them K times by an int64 key (float32 bits made monotone in the high
+word, E - 1 - index in the low word: higher logit first, then lower index, the host's order), and computes
+the softmax weights in float64 as the host's `execution_weights` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _route_resident_kernel(z_ptr, z_stride, slot_ptr, experts_ptr, route_ptr, scale, E: tl.constexpr,
+                               BLOCK_E: tl.constexpr, K: tl.constexpr, RENORMALISE: tl.constexpr):
+        d = tl.program_id(0)
+        idx = tl.arange(0, BLOCK_E)
+        valid = idx < E
+        z = tl.load(z_ptr + d * z_stride + idx, mask=valid, other=0.0).to(tl.float32) + 0.0  # -0.0 ties +0.0
+        bits = z.to(tl.int32, bitcast=True)
+        monotone = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        lowest = -9223372036854775807 - 1
+        key = tl.where(valid, (monotone << 32) + (E - 1 - idx).to(tl.int64), lowest)
+        rank = tl.full([BLOCK_E], -1, tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(key, axis=0)
+            chosen = key == best
+            rank = tl.where(chosen, j, rank)
+            key = tl.where(chosen, lowest, key)
+        z64 = z.to(tl.float64)
+        zmax = tl.max(tl.where(valid, z64, float("-inf")), axis=0)
+        p = tl.where(valid, tl.exp(z64 - zmax), 0.0)
+        w = p / tl.sum(p, axis=0)
+        picked = rank >= 0
+        if RENORMALISE:
+            w = w / tl.sum(tl.where(picked, w, 0.0), axis=0)
+        w32 = (w * scale).to(tl.float32)
+        slots = tl.load(slot_ptr + idx, mask=picked, other=0)
+        tl.store(experts_ptr + d * K + rank, idx.to(tl.int64), mask=picked)
+        tl.store(route_ptr + d * 2 * K + rank, slots, mask=picked)
+        tl.store(route_ptr + d * 2 * K + K + rank, w32.to(tl.int32, bitcast=True), mask=picked)
+
+
+def route_resident_triton(z: torch.Tensor, top_k: int, renormalise: bool, scale: float, slot_of: torch.Tensor,
+                          experts_out: torch.Tensor, route_out: torch.Tensor) -> None:
+    """`route_resident` in one launch; z [D, E] float32 with unit stride along E (rows may be strided)."""
+    num_positions, num_experts = z.shape
+    if z.stride(1) != 1 or not route_out.is_contiguous() or not experts_out.is_contiguous():
+        raise ValueError("route_resident_triton needs z rows of unit stride and contiguous outputs")
+    _route_resident_kernel[(num_positions,)](
+        z, z.stride(0), slot_of, experts_out, route_out, float(scale), E=num_experts,
+        BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, RENORMALISE=bool(renormalise), num_warps=1)
