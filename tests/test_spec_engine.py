@@ -178,3 +178,40 @@ def test_stop_token_ends_the_request(family, drafter, calibration, residency, pr
     stop = full[5]
     cut = spec(family, drafter, calibration, residency, stop_tokens=(stop,)).generate(prompt).tokens
     assert cut == full[:full.index(stop) + 1]
+
+
+def test_trace_following_equals_the_cpu_replay_of_the_recorded_blocks(family, drafter, calibration, residency,
+                                                                       prompt):
+    """follow() on a harness run's block records makes the CPU replay's block-level selections and copies
+    (`replay_block_selection`: same blocks, same pool start), whatever the copy timing, and commits the
+    record's tokens."""
+    from specmoe.block_records import BlockRecords
+    from specmoe.replay import blocks_from_records, replay_block_selection
+
+    model, adapter = family
+    config = SpeculativeConfig(selector_preset("acceptmoe"), k=K_DRAFTS, pool_size=POOL, max_new_tokens=NEW)
+    runs = [speculative_generate(model, adapter, drafter, torch.tensor(p), config, calibration=calibration,
+                                 record=True, divergence=False) for p in (prompt, prompt[4:14])]
+    records = BlockRecords.from_requests([r.blocks for r in runs], top_k=adapter.top_k,
+                                         vocab_size=adapter.vocab_size)
+    blocks = blocks_from_records(records)
+    selector = selector_preset("acceptmoe")
+    expected = replay_block_selection(selector, blocks, calibration, POOL, keep_selected=True)
+    engine = spec(family, drafter, calibration, residency)
+    for settings in ({}, {"copy_delay": (0.0, 0.002), "max_in_flight": 1}):
+        engine.configure(**settings)
+        results = engine.follow(blocks, first_position=len(prompt) - 1, record=True)
+        assert len(results) == 2
+        assert sum(r.copies for r in results) == expected.copies > 0
+        committed = np.concatenate([np.concatenate([s[: a + 1] for s, a in zip(r.selected, r.accepted)])
+                                    for r in results])
+        np.testing.assert_array_equal(committed, expected.selected)
+        for r, run in zip(results, runs):
+            assert r.accepted == run.accepted and len(r.tokens) == sum(a + 1 for a in r.accepted)
+            # the record's committed tokens (the harness cut them at max_new_tokens); the last block's bonus
+            # is this model's own token
+            n = min(len(run.tokens), len(r.tokens) - 1)
+            assert r.tokens[:n] == run.tokens.tolist()[:n]
+    engine.configure(copy_delay=None, max_in_flight=2)
+    with pytest.raises(ValueError, match="drafts"):
+        spec(family, drafter, calibration, residency, k=K_DRAFTS + 1).follow(blocks)

@@ -42,6 +42,7 @@ from specmoe.harness.speculative import (EXACT, SpeculativeConfig, block_weights
                                          summarize)
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency, ExpertStore
+from specmoe.replay.blocks import Blocks
 from specmoe.routing import Calibration, validate
 from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, select_block_into
 
@@ -186,17 +187,19 @@ class SpecEngine:
 
     # -- one step of D positions -----------------------------------------------------------------------
     def _forward(self, run: StepRunner, ids: list[int], position: int, selector, alpha: np.ndarray,
-                 displaced: np.ndarray | None = None, selected: np.ndarray | None = None) -> list[int]:
+                 displaced: np.ndarray | None = None, selected: np.ndarray | None = None,
+                 feed: np.ndarray | None = None) -> list[int]:
         """Tokens `ids` at `position`.. through the target with block selection at every layer (module
         docstring); returns the greedy token after each position. displaced [D] accumulates the displaced
-        router mass over layers; selected [D, L, K] receives the selections."""
+        router mass over layers; selected [D, L, K] receives the selections; feed [D, L, E]: router logits
+        that selection reads instead of the model's (trace-following)."""
         step, pool, copies, b = run.step, self.pool, self.copies, self.buffers
         g, d = self.geometry, len(ids)
         step.set_input(ids, position, g.max_seq_len)
         run.attention(0)
         for layer in range(g.num_layers):
             run.wait_logits(layer)
-            z = np.ascontiguousarray(step.router_logits(layer))
+            z = np.ascontiguousarray(step.router_logits(layer) if feed is None else feed[:, layer])
             select_block_into(selector, z, pool.resident(layer), alpha, g.top_k, self.renormalise, b)
             try:
                 missing, slots = pool.use(layer, b.selected[:d])
@@ -284,6 +287,84 @@ class SpecEngine:
         return SpecResult(new, k, g.num_layers, roots, accepted, totals["copies"] - base["copies"],
                           totals["moves"] - base["moves"], displaced, draft_s, verify_s, wait_s, prefill_s,
                           selected, info)
+
+
+    @torch.no_grad()
+    def follow(self, blocks: Blocks, first_position: int = 0, draft_cost_s: float = 0.0, record: bool = False,
+               fingerprint: str | None = None) -> list[SpecResult]:
+        """Trace-following: the verification blocks of a recorded speculative run (`blocks_from_records`) or of
+        a synthetic drafter over a trace (`synthetic_blocks`), one `SpecResult` per request. Each block's
+        input is its recorded root and drafts, selection reads its recorded router logits at every position
+        and layer, and its accepted length is the recorded one; the target's attention, MoE and head run on
+        this engine's weights at those positions, so times and copies are the recorded routing's on this
+        model's shapes (full-size random weights and a small trained model's routing, for instance).
+
+        As in the CPU replay, each request's pool starts at the calibration's warm set and its prompt is not
+        run: the first root sits at `first_position` (the KV cache below holds whatever it holds), later roots
+        follow the committed lengths. draft_cost_s is charged per block as drafting time (no drafter runs).
+        fingerprint: the recorded model's router fingerprint (`BlockRecords.fingerprint`), checked against
+        the calibration's; the calibration must be the recorded model's. A result's tokens are the committed
+        ones: accepted drafts and the next block's root (the last block's bonus is this model's greedy token)."""
+        g, k = self.geometry, self.config.k
+        blocks.check(g.num_layers, g.num_experts, g.top_k)
+        if blocks.k != k:
+            raise ValueError(f"blocks of {blocks.k} drafts, the engine verifies k = {k} (cut records with "
+                             "blocks_from_records(records, k=...))")
+        tokens = blocks.tokens
+        if tokens.min() < 0 or tokens.max() >= g.vocab_size:
+            raise ValueError(f"block tokens outside the target's vocabulary of {g.vocab_size}")
+        self.calibration.check(g.num_layers, g.num_experts, fingerprint=fingerprint)
+        first_position = validate.integer(first_position, "first_position", minimum=0)
+        results = []
+        for request in np.unique(blocks.request):
+            ids = np.flatnonzero(blocks.request == request)
+            span = first_position + int((blocks.accepted[ids] + 1).sum()) + k
+            if span > g.max_seq_len:
+                raise ValueError(f"request {request}: {span} positions from position {first_position} do not fit the "
+                                 f"static KV cache of {g.max_seq_len}")
+            results.append(self._follow_request(blocks, ids, first_position, draft_cost_s, record))
+        return results
+
+    def _follow_request(self, blocks: Blocks, ids: np.ndarray, position: int, draft_cost_s: float,
+                        record: bool) -> SpecResult:
+        g, config, k = self.geometry, self.config, self.config.k
+        self._load_warm()
+        self.decoder.reset()
+        self.commit_rate.reset()
+        if self.cuda:
+            torch.cuda.synchronize()
+        base = self.pool.totals()
+        roots, accepted, selected, new = [], [], [], []
+        verify_s, wait_s, displaced = [], [], 0.0
+        with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
+            for i, b in enumerate(ids):
+                rows = blocks.rows[b]
+                started, waited = time.perf_counter(), self.copies.wait_s
+                a = int(blocks.accepted[b])
+                alpha = block_weights(config.selector, k, self.commit_rate, blocks.confidences[b])
+                block_displaced = np.zeros(k + 1)
+                block_selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
+                greedy = self._forward(self.verifier, blocks.tokens[rows].tolist(), position, config.selector, alpha,
+                                       block_displaced, block_selected, feed=blocks.router_logits[rows])
+                self.commit_rate.update(a, k)
+                self._end_block()
+                verify_s.append(time.perf_counter() - started)
+                wait_s.append(self.copies.wait_s - waited)
+                displaced += float(block_displaced[:a + 1].sum())
+                roots.append(position)
+                accepted.append(a)
+                bonus = int(blocks.tokens[blocks.rows[ids[i + 1], 0]]) if i + 1 < len(ids) else greedy[a]
+                new += blocks.tokens[rows[1:a + 1]].tolist() + [bonus]
+                if record:
+                    selected.append(block_selected)
+                position += a + 1
+        totals = self.pool.totals()
+        info = {"kernels": self.kernels, "cuda_graphs": self.verifier.graphs is not None, "follow": blocks.source,
+                "skip_copies": self.settings.skip_copies, "max_in_flight": self.settings.max_in_flight,
+                "notes": list(self.notes)}
+        return SpecResult(new, k, g.num_layers, roots, accepted, totals["copies"] - base["copies"],
+                          totals["moves"] - base["moves"], displaced, [draft_cost_s] * len(ids), verify_s, wait_s,
+                          0.0, selected, info)
 
 
 def build_spec_engine(model, drafter: Drafter, config: SpecConfig, calibration: Calibration,
