@@ -147,6 +147,7 @@ class SpecEngine:
         self.fingerprint = fingerprint
         self.pool = ExpertPool(g.num_layers, g.num_experts, g.top_k, config.pool_size, calibration, self.union_slots)
         self.commit_rate = CommitRate()
+        self.union_used = 0
         self.buffers = SelectionBuffers(config.k + 1, g.num_experts, g.top_k, np.float32)
         self.renormalise = decoder.scoring.renormalise
         self.cuda = residency.device.type == "cuda"
@@ -207,6 +208,7 @@ class SpecEngine:
                 raise ValueError(f"verification block at position {position}: {exc}") from None
             if missing.size:
                 copies.assign(layer, slots.astype(np.int64), missing.astype(np.int64), prefetch=False)
+                self.union_used = max(self.union_used, int(missing.size))
             route = step.slots_np[layer]
             route[:] = pool.slot_table(layer)[b.selected[:d]]
             step.weights_np[layer] = b.weights[:d]
@@ -242,6 +244,7 @@ class SpecEngine:
         if self.cuda:
             torch.cuda.synchronize()
         ones = np.ones(1)
+        self.union_used = 0  # the most union slots one layer of one block needed (the prefill's included)
         roots, accepted, selected, new = [], [], [], []
         draft_s, verify_s, wait_s, displaced = [], [], [], 0.0
         with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
@@ -281,7 +284,7 @@ class SpecEngine:
                     break
         del new[config.max_new_tokens:]
         totals = self.pool.totals()
-        info = {"kernels": self.kernels, "cuda_graphs": self.verifier.graphs is not None,
+        info = {"kernels": self.kernels, "cuda_graphs": self.verifier.graphs is not None, "union_used": self.union_used,
                 "skip_copies": self.settings.skip_copies, "max_in_flight": self.settings.max_in_flight,
                 "notes": list(self.notes)}
         return SpecResult(new, k, g.num_layers, roots, accepted, totals["copies"] - base["copies"],
@@ -333,6 +336,7 @@ class SpecEngine:
         self.commit_rate.reset()
         if self.cuda:
             torch.cuda.synchronize()
+        self.union_used = 0
         base = self.pool.totals()
         roots, accepted, selected, new = [], [], [], []
         verify_s, wait_s, displaced = [], [], 0.0
@@ -360,6 +364,7 @@ class SpecEngine:
                 position += a + 1
         totals = self.pool.totals()
         info = {"kernels": self.kernels, "cuda_graphs": self.verifier.graphs is not None, "follow": blocks.source,
+                "union_used": self.union_used,
                 "skip_copies": self.settings.skip_copies, "max_in_flight": self.settings.max_in_flight,
                 "notes": list(self.notes)}
         return SpecResult(new, k, g.num_layers, roots, accepted, totals["copies"] - base["copies"],
