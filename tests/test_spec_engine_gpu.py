@@ -1,0 +1,112 @@
+"""The speculative engine on a CUDA device, with CUDA graphs and the Triton kernels (the shipped family's
+target in float32): exact selection reproduces the AR engine's greedy output, agreement with the harness loop
+run on the same device, independence of copy timing, trace-following equal to the CPU replay, and an AR and
+a speculative engine alternating on one residency unit. Skipped without CUDA (tests/conftest.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from specmoe.block_records import BlockRecords
+from specmoe.drafters import DrafterConfig, build_drafter
+from specmoe.engines.ar import EngineConfig, RunSettings, build_engine
+from specmoe.engines.sd import SpecConfig, build_spec_engine
+from specmoe.harness import SpeculativeConfig, speculative_generate, unpatch
+from specmoe.models import load_model
+from specmoe.offload import ExpertResidency, ExpertStore
+from specmoe.replay import blocks_from_records, replay_block_selection
+from specmoe.routing import Calibration, preset
+from specmoe.traces import family_path
+from specmoe.verifiers import selector_preset
+
+pytestmark = pytest.mark.gpu
+SEQ, NEW, K_DRAFTS, POOL = 256, 32, 4, 32
+
+
+@pytest.fixture(scope="module")
+def gpu_family():
+    model, adapter = load_model(str(family_path("target")), device="cuda")
+    store = ExpertStore.from_model(model, adapter)
+    unit = ExpertResidency(store, adapter.num_experts, "cuda")
+    drafter = build_drafter(DrafterConfig("ar"), model)
+    calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    yield model, adapter, unit, drafter, calibration
+    unpatch(model)
+
+
+@pytest.fixture(scope="module")
+def prompt(family_text):
+    return family_text[:24]
+
+
+def spec(gpu_family, selector, settings=RunSettings(), **kw):
+    model, _, unit, drafter, calibration = gpu_family
+    config = SpecConfig(selector_preset(selector), **{"k": K_DRAFTS, "pool_size": POOL, "max_new_tokens": NEW, **kw})
+    return build_spec_engine(model, drafter, config, calibration, EngineConfig(max_seq_len=SEQ), settings,
+                             residency=unit)
+
+
+def test_gpu_exact_selection_equals_ar_engine_greedy(gpu_family, prompt):
+    model, adapter, unit, _, calibration = gpu_family
+    ar = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration,
+                      EngineConfig(max_seq_len=SEQ), residency=unit)
+    expected = ar.generate(prompt, NEW).generated
+    engine = spec(gpu_family, "exact")
+    assert engine.verifier.graphs is not None and engine.kernels["backend"] == "triton", engine.notes
+    result = engine.generate(prompt)
+    assert result.tokens == expected
+    assert result.tau > 1.0  # the family's drafter gets drafts accepted
+
+
+def test_gpu_agrees_with_the_harness_loop(gpu_family, prompt):
+    model, adapter, _, drafter, calibration = gpu_family
+    config = SpeculativeConfig(selector_preset("acceptmoe"), k=K_DRAFTS, pool_size=POOL, max_new_tokens=NEW)
+    harness = speculative_generate(model, adapter, drafter, torch.tensor(prompt, device="cuda"), config,
+                                   calibration=calibration, record=True, divergence=False)
+    result = spec(gpu_family, "acceptmoe").generate(prompt, record=True)
+    assert result.tokens == harness.tokens.tolist()
+    assert result.accepted == harness.accepted
+    same = np.mean([np.mean(np.sort(m, -1) == np.sort(t["selected"], -1))
+                    for m, t in zip(result.selected, harness.blocks, strict=True)])
+    assert same >= 0.99, same  # float32 on one device; rare near-ties may order differently
+    assert abs(result.copies - harness.copies) <= 0.02 * max(harness.copies, 1)
+
+
+def test_gpu_copy_timing_changes_no_token_or_selection(gpu_family, prompt):
+    engine = spec(gpu_family, "acceptmoe")
+    runs = []
+    for settings in ({"max_in_flight": 4}, {"max_in_flight": 1, "copy_delay": (0.0, 0.001), "delay_seed": 3}):
+        engine.configure(**settings)
+        runs.append(engine.generate(prompt, record=True))
+    engine.configure(max_in_flight=2, copy_delay=None)
+    assert runs[0].tokens == runs[1].tokens and runs[0].copies == runs[1].copies
+    for a, b in zip(runs[0].selected, runs[1].selected, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gpu_trace_following_equals_the_cpu_replay(gpu_family, prompt):
+    model, adapter, _, drafter, calibration = gpu_family
+    config = SpeculativeConfig(selector_preset("exact"), k=K_DRAFTS, pool_size=POOL, max_new_tokens=NEW)
+    run = speculative_generate(model, adapter, drafter, torch.tensor(prompt, device="cuda"), config,
+                               calibration=calibration, record=True, divergence=False)
+    blocks = blocks_from_records(BlockRecords.from_requests([run.blocks], top_k=adapter.top_k,
+                                                            vocab_size=adapter.vocab_size))
+    expected = replay_block_selection(selector_preset("acceptmoe"), blocks, calibration, POOL, keep_selected=True)
+    engine = spec(gpu_family, "acceptmoe")
+    for skip in (False, True):
+        engine.configure(skip_copies=skip)
+        (result,) = engine.follow(blocks, first_position=len(prompt) - 1, record=True)
+        assert result.copies == expected.copies
+        committed = np.concatenate([s[: a + 1] for s, a in zip(result.selected, result.accepted)])
+        np.testing.assert_array_equal(committed, expected.selected)
+    engine.configure(skip_copies=False)
+
+
+def test_gpu_ar_and_spec_engines_alternate_on_one_unit(gpu_family, prompt):
+    model, adapter, unit, _, calibration = gpu_family
+    ar = build_engine(model, preset("psr", 16, adapter.top_k), calibration, EngineConfig(max_seq_len=SEQ),
+                      residency=unit)
+    engine = spec(gpu_family, "confidence_top1")
+    first_ar, first_sd = ar.generate(prompt, 16).generated, engine.generate(prompt).tokens
+    again_ar, again_sd = ar.generate(prompt, 16).generated, engine.generate(prompt).tokens
+    assert (first_ar, first_sd) == (again_ar, again_sd)
