@@ -198,7 +198,6 @@ class StaticARDrafter:
         self.cached = 0  # committed positions whose KV rows are in the cache
         self.uploaded = 0  # committed tokens copied to seq_dev
         self._drafts: list[int] = []
-        self.graphed = dev.type == "cuda" and cuda_graphs
         self._step = Launcher(self._draft_step, dev, cuda_graphs, self._neutral)
         self.notes.append("one CUDA graph per drafted token" if self._step.graph is not None else "eager steps")
 
