@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     engine = None
     if not args.no_target:
         engine = build_engine(target, preset("exact_lru", E, K), Calibration.uniform(L, E, V),
-                              EngineConfig(max_seq_len=args.max_seq_len), store=None)
+                              EngineConfig(max_seq_len=args.max_seq_len, tune=True), store=None)
         report["target_notes"] = engine.notes
 
     with torch.device("cuda"):
