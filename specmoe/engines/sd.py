@@ -179,7 +179,7 @@ class SpecEngine:
                 raise DrafterError(f"the {drafter.name} drafter reads the target's hidden states, which this "
                                    f"decoder ({type(decoder).__name__}) does not capture")
             decoder.capture_features(drafter.target_layer_ids)
-        self.features = bool(drafter.target_layer_ids)
+        self.feeds_features = bool(drafter.target_layer_ids)  # hand the drafter the decoder's features
         with torch.no_grad():
             self._load_warm()  # the kernel checks read real expert bytes from the slots
         self.kernels = engine_config.prepare(decoder, residency, self.compute)
@@ -274,7 +274,7 @@ class SpecEngine:
         with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
             started = time.perf_counter()
             prompt_features = None
-            if self.features:
+            if self.feeds_features:
                 rows = self.prefiller.step.work["features"]
                 prompt_features = rows.new_empty(len(tokens) - 1, rows.shape[1])
             for position, token in enumerate(tokens[:-1]):
@@ -303,7 +303,7 @@ class SpecEngine:
                 verify_s.append(time.perf_counter() - started)
                 wait_s.append(self.copies.wait_s - waited)
                 started = time.perf_counter()
-                drafter.commit(a, greedy[a], self.verifier.step.work["features"][:a + 1] if self.features else None)
+                drafter.commit(a, greedy[a], self.verifier.step.work["features"][:a + 1] if self.feeds_features else None)
                 draft_s.append(drafted + drafting_time(drafter, started, count_fixed=False))
                 displaced += float(block_displaced[:a + 1].sum())
                 roots.append(root)
