@@ -303,7 +303,8 @@ class SpecEngine:
                 verify_s.append(time.perf_counter() - started)
                 wait_s.append(self.copies.wait_s - waited)
                 started = time.perf_counter()
-                drafter.commit(a, greedy[a], self.verifier.step.work["features"][:a + 1] if self.feeds_features else None)
+                rows = self.verifier.step.work["features"][:a + 1] if self.feeds_features else None
+                drafter.commit(a, greedy[a], rows)
                 draft_s.append(drafted + drafting_time(drafter, started, count_fixed=False))
                 displaced += float(block_displaced[:a + 1].sum())
                 roots.append(root)
