@@ -1,12 +1,15 @@
 """Drafters for speculative decoding: the `Drafter` protocol, `DrafterConfig` / `build_drafter` (by name:
-``ar``, ``dflash``, ``synthetic``), and the DFlash-format block-diffusion drafter model (`dflash_model`)."""
+``ar``, ``dflash``, ``synthetic``; runtimes ``hf`` and ``static``), the DFlash-format block-diffusion drafter
+model (`dflash_model`), and the static-cache GPU drafters (`static_ar`, `static_dflash`)."""
 
-from .base import DRAFTERS, Drafter, DrafterConfig, DrafterError, build_drafter, crop_cache
+from .base import DRAFTERS, RUNTIMES, Drafter, DrafterConfig, DrafterError, build_drafter, crop_cache
 from .dflash import DFlashDrafter
 from .hf_autoregressive import HFAutoregressiveDrafter
+from .static_ar import StaticARDrafter
+from .static_dflash import StaticDFlashDrafter
 from .synthetic import SyntheticDrafter
 
 __all__ = [
-    "DFlashDrafter", "DRAFTERS", "Drafter", "DrafterConfig", "DrafterError", "HFAutoregressiveDrafter",
-    "SyntheticDrafter", "build_drafter", "crop_cache",
+    "DFlashDrafter", "DRAFTERS", "Drafter", "DrafterConfig", "DrafterError", "HFAutoregressiveDrafter", "RUNTIMES",
+    "StaticARDrafter", "StaticDFlashDrafter", "SyntheticDrafter", "build_drafter", "crop_cache",
 ]

@@ -21,7 +21,11 @@ time (the synthetic drafter's optional cost); the harness measures drafting apar
 
 Drafters are chosen by name (`DRAFTERS`): ``ar`` (a transformers causal LM with the target's vocabulary),
 ``dflash`` (a DFlash block drafter conditioned on the target's features) and ``synthetic`` (exact routing's
-greedy continuation with a set acceptance profile).
+greedy continuation with a set acceptance profile). ``ar`` and ``dflash`` have two runtimes (`RUNTIMES`):
+``hf``, the transformers modules with a DynamicCache (`hf_autoregressive`, `dflash`), and ``static``, our
+own decode step over the same weights with a static KV cache, one CUDA graph per drafted token (AR) or per
+block (DFlash) on a GPU and the same code eagerly on the CPU (`static_ar`, `static_dflash`). ``auto`` picks
+``static`` on a CUDA device where the architecture is supported, else ``hf``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ import numpy as np
 import torch
 
 DRAFTERS = ("ar", "dflash", "synthetic")
+RUNTIMES = ("auto", "hf", "static")
+COST_MODES = ("charge", "spin")
+ATTENTIONS = ("auto", "split_kv", "sdpa")  # the static drafters' ("auto": split_kv on CUDA with Triton, else sdpa)
 
 
 class DrafterError(ValueError):
@@ -65,7 +72,16 @@ class DrafterConfig:
     `acceptance` is the rate of a geometric acceptance profile (draft d is committed with probability
     acceptance^d), or `commit_probs` a table q_1 >= q_2 >= ... of the probability that draft d is committed
     (drafts beyond the table are wrong); `seed` seeds its draws (combined with the prompt, so a request's
-    drafts do not depend on the order of requests); `cost_s` is the drafting time charged per block."""
+    drafts do not depend on the order of requests); `cost_s` is the drafting time per block, which
+    `cost_mode` "charge" only accounts (reported as drafting time, no wall time passes) and "spin" also
+    spends (reported the same, and `propose` busy-waits that long on the host, so a run's wall clock and
+    the copies' overlap see it).
+
+    runtime (``ar``, ``dflash``): "hf" (transformers modules), "static" (static KV cache and CUDA graphs; eager
+    on the CPU) or "auto" (static on a CUDA device where the architecture is supported, else hf);
+    max_seq_len: positions of the static cache (prompt + new tokens + one block); cuda_graphs: capture the
+    static drafter's step (False: eager launches, for debugging); attention: "auto" (split-KV on CUDA with
+    Triton, else SDPA), "split_kv" or "sdpa" for the static drafter."""
 
     name: str
     path: str | None = None
@@ -73,6 +89,11 @@ class DrafterConfig:
     commit_probs: tuple[float, ...] | None = None
     seed: int = 0
     cost_s: float = 0.0
+    cost_mode: str = "charge"
+    runtime: str = "auto"
+    max_seq_len: int = 4096
+    cuda_graphs: bool = True
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.name not in DRAFTERS:
@@ -87,6 +108,14 @@ class DrafterConfig:
             object.__setattr__(self, "commit_probs", probs)
         if not 0.0 <= self.cost_s < math.inf:
             raise DrafterError(f"cost_s must be a finite number >= 0, got {self.cost_s!r}")
+        if self.cost_mode not in COST_MODES:
+            raise DrafterError(f"cost_mode must be one of {COST_MODES}, got {self.cost_mode!r}")
+        if self.runtime not in RUNTIMES:
+            raise DrafterError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            raise DrafterError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
+        if self.attention not in ATTENTIONS:
+            raise DrafterError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,27 +172,45 @@ def family_drafter_path(name: str) -> Path:
 def build_drafter(config: DrafterConfig, target) -> Drafter:
     """The drafter of `config` for `target` (a transformers MoE causal LM, on its device and dtype).
 
-    ``ar`` and ``dflash`` load their checkpoint (refusing one that does not fit the target: DrafterError);
-    ``synthetic`` drafts from exact routing's greedy continuation computed with `target` itself."""
+    ``ar`` and ``dflash`` load their checkpoint (refusing one that does not fit the target: DrafterError) and
+    run with the config's runtime (``auto``: ``static`` on a CUDA device where the architecture is
+    supported, else ``hf``); ``synthetic`` drafts from exact routing's greedy continuation computed with
+    `target` itself."""
     if config.name == "synthetic":
         from .synthetic import SyntheticDrafter, exact_continuation
 
         return SyntheticDrafter(exact_continuation(target), target.config.vocab_size, config.acceptance,
-                                config.commit_probs, config.seed, config.cost_s)
+                                config.commit_probs, config.seed, config.cost_s, config.cost_mode)
     path = Path(config.path) if config.path else family_drafter_path(config.name)
     if not (path / "config.json").is_file():
         raise DrafterError(f"no {config.name} drafter checkpoint at {path} (config.json missing)")
     param = next(target.parameters())
+    static = dict(max_seq_len=config.max_seq_len, cuda_graphs=config.cuda_graphs, attention=config.attention)
     if config.name == "ar":
         from transformers import AutoModelForCausalLM
 
         from .hf_autoregressive import HFAutoregressiveDrafter, check_tokenizer
+        from .static_ar import ARCHITECTURES, StaticARDrafter
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=param.dtype, local_files_only=True)
         check_tokenizer(path, getattr(target, "specmoe_source", None) or target.name_or_path)
-        return HFAutoregressiveDrafter(model.to(param.device).eval(), target)
+        model = model.to(param.device).eval()
+        if _static(config.runtime, param.device, model.config.model_type in ARCHITECTURES):
+            return StaticARDrafter(model, target, **static)
+        return HFAutoregressiveDrafter(model, target)
     from .dflash import DFlashDrafter
     from .dflash_model import DFlashDraftModel
 
     model = DFlashDraftModel.from_pretrained(str(path), dtype=param.dtype, local_files_only=True)
-    return DFlashDrafter(model.to(param.device).eval(), target)
+    model = model.to(param.device).eval()
+    layer_types = getattr(model.config, "layer_types", None) or []
+    if _static(config.runtime, param.device, all(t == "full_attention" for t in layer_types)):
+        from .static_dflash import StaticDFlashDrafter
+
+        return StaticDFlashDrafter(model, target, **static)
+    return DFlashDrafter(model, target)
+
+
+def _static(runtime: str, device: torch.device, supported: bool) -> bool:
+    """Whether a drafter runs on the static runtime: asked for, or "auto" on CUDA for a supported model."""
+    return runtime == "static" or (runtime == "auto" and device.type == "cuda" and supported)

@@ -49,6 +49,7 @@ class DFlashDrafter:
         self.head = target.get_output_embeddings()
         self.target_layer_ids = tuple(int(i) for i in model.target_layer_ids)
         self.max_drafts = model.block_size - 1
+        self.hidden_size, self.vocab_size = model.config.hidden_size, model.config.vocab_size
         self.device = next(model.parameters()).device
         self.tokens: list[int] = []
         self.cache = None

@@ -52,6 +52,7 @@ class HFAutoregressiveDrafter:
 
     def __init__(self, model, target):
         check_vocabulary(model, target)
+        self.vocab_size = model.config.vocab_size
         self.model = model
         self.device = next(model.parameters()).device
         self.tokens: list[int] = []

@@ -11,18 +11,24 @@ so prod_{i<=d} c_i = q_d: a calibrated drafter.
 
 When the committed sequence leaves the reference (a lossy selector committed another token), the reference
 is recomputed from the committed sequence. Computing it is not drafting: the drafter's time is its fixed
-cost per block (`cost_s`, default 0). Draws are seeded by the seed and the prompt's tokens.
+cost per block (`cost_s`, default 0), reported as the block's drafting time (`fixed_cost_s`). `cost_mode`
+says whether that time also passes: "charge" (default) only accounts it; "spin" busy-waits `cost_s` on the
+host at the end of `propose` (after the reference, which is not counted), so an engine's wall clock and the
+copies in flight see a drafter of that cost. The spin occupies the host thread, not the GPU's compute
+stream: it stands for a drafter whose GPU work the copy stream overlaps, as the engine's drafters' does.
+Draws are seeded by the seed and the prompt's tokens.
 """
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Callable
 
 import numpy as np
 import torch
 
-from .base import advance, prompt_tokens
+from .base import COST_MODES, DrafterError, advance, prompt_tokens
 
 LOOKAHEAD = 32  # reference tokens computed per call beyond those a block needs
 
@@ -41,20 +47,25 @@ def exact_continuation(target) -> Callable[[list[int], int], list[int]]:
 
 class SyntheticDrafter:
     """Drafts from `continuation` (see the module docstring) with geometric rate `acceptance` or the table
-    `commit_probs`, over a vocabulary of `vocab_size` tokens."""
+    `commit_probs`, over a vocabulary of `vocab_size` tokens; `cost_s` per block, charged or also spent
+    (`cost_mode`)."""
 
     name = "synthetic"
     target_layer_ids: tuple[int, ...] = ()
     max_drafts = None
 
     def __init__(self, continuation: Callable[[list[int], int], list[int]], vocab_size: int,
-                 acceptance: float = 0.8, commit_probs=None, seed: int = 0, cost_s: float = 0.0):
+                 acceptance: float = 0.8, commit_probs=None, seed: int = 0, cost_s: float = 0.0,
+                 cost_mode: str = "charge"):
+        if cost_mode not in COST_MODES:
+            raise DrafterError(f"cost_mode must be one of {COST_MODES}, got {cost_mode!r}")
         self.continuation = continuation
         self.vocab_size = int(vocab_size)
         self.acceptance = float(acceptance)
         self.commit_probs = None if commit_probs is None else np.asarray(commit_probs, dtype=np.float64)
         self.seed = int(seed)
         self.fixed_cost_s = float(cost_s)
+        self.cost_mode = cost_mode
         self.tokens: list[int] = []
         self.reference: list[int] = []
         self._drafts: list[int] = []
@@ -94,8 +105,17 @@ class SyntheticDrafter:
         previous = np.concatenate(([1.0], q[:-1]))
         confidences = np.divide(q, previous, out=np.zeros(k), where=previous > 0)
         self._drafts = drafts.tolist()
+        if self.cost_mode == "spin":
+            spin(self.fixed_cost_s)
         return torch.from_numpy(drafts), confidences
 
     def commit(self, accepted: int, bonus_token: int, features=None) -> None:
         self.tokens = advance(self.tokens, self._drafts, accepted, bonus_token)
         self._drafts = []
+
+
+def spin(seconds: float) -> None:
+    """Busy-wait `seconds` on the host (time.sleep overshoots by up to a scheduler tick at these lengths)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

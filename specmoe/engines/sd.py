@@ -21,8 +21,12 @@ Choices:
 - union slots: U (default E - P) must hold the root's missing experts, min(K, E - P); a block that misses
   more than U experts in a layer is an error (`ExpertPool.use` raises ValueError, re-raised here with the
   block), never a silent fallback.
-- drafters that need the target's hidden states (DFlash: `target_layer_ids`) are refused: the decoder does
-  not expose them yet.
+- drafters that read the target's hidden states (DFlash: `target_layer_ids`): the decoder writes the hidden
+  state after each named layer for the step's positions into `work["features"]` inside its graphs
+  (`OlmoeDecoder.capture_features`, transformers' hidden_states[l + 1] convention, as the harness reads
+  them); the drafter gets the prompt's rows (gathered from the D = 1 prefill steps) at `reset` and the root's
+  and accepted drafts' rows of each verified block at `commit` (a device view, copied by the drafter before
+  the next block). A drafter whose layers, hidden size or vocabulary do not fit the target is a DrafterError.
 - routing reads only the logits and the token history: copy timing (`RunSettings.copy_delay`,
   `max_in_flight`) changes latency, never a token or a selection; `skip_copies` gives the compute-only time.
 """
@@ -62,7 +66,7 @@ class SpecConfig(SpeculativeConfig):
 
     def check(self, geometry, drafter: Drafter | None = None) -> None:
         """ValueError unless K <= P <= E, min(K, E - P) <= U <= E - P, k + 1 fits the KV cache and the drafter
-        drafts k tokens without the target's hidden states."""
+        drafts k tokens; DrafterError unless the drafter fits the target (`check_drafter_fits`)."""
         super().check(geometry, drafter)
         g, u = geometry, self.union(geometry.num_experts)
         low = min(g.top_k, g.num_experts - self.pool_size)
@@ -72,9 +76,29 @@ class SpecConfig(SpeculativeConfig):
         if self.k + 1 > g.max_seq_len:
             raise ValueError(f"a block of k + 1 = {self.k + 1} positions does not fit the static KV cache of "
                              f"{g.max_seq_len} positions")
-        if drafter is not None and drafter.target_layer_ids:
-            raise DrafterError(f"the {drafter.name} drafter needs the target's hidden states of layers "
-                               f"{list(drafter.target_layer_ids)}; the engine's decoder does not provide them yet")
+        if drafter is not None:
+            check_drafter_fits(drafter, geometry)
+
+
+def check_drafter_fits(drafter: Drafter, geometry) -> None:
+    """DrafterError unless the drafter's vocabulary is the target's and, for a drafter that reads the target's
+    hidden states, every layer it names exists in the target and its hidden size is the target's (drafters
+    say what they know: `vocab_size`, `hidden_size`)."""
+    g, problems = geometry, []
+    vocab = getattr(drafter, "vocab_size", None)
+    if vocab is not None and vocab != g.vocab_size:
+        problems.append(f"vocabulary {vocab} (target {g.vocab_size})")
+    layers = list(drafter.target_layer_ids)
+    if layers:
+        missing = [i for i in layers if not 0 <= i < g.num_layers]
+        if missing:
+            problems.append(f"needs the hidden states after target layers {missing}, the target has layers "
+                            f"0..{g.num_layers - 1}")
+        hidden = getattr(drafter, "hidden_size", None)
+        if hidden is not None and hidden != g.hidden:
+            problems.append(f"hidden size {hidden} (target {g.hidden})")
+    if problems:
+        raise DrafterError(f"the {drafter.name} drafter does not fit the target: " + "; ".join(problems))
 
 
 @dataclass
@@ -152,6 +176,12 @@ class SpecEngine:
         self.renormalise = decoder.scoring.renormalise
         self.cuda = residency.device.type == "cuda"
         self.compute = torch.cuda.Stream(device=residency.device) if self.cuda else None
+        if drafter.target_layer_ids:  # before the runners make the decoder's steps
+            if not hasattr(decoder, "capture_features"):
+                raise DrafterError(f"the {drafter.name} drafter reads the target's hidden states, which this "
+                                   f"decoder ({type(decoder).__name__}) does not capture")
+            decoder.capture_features(drafter.target_layer_ids)
+        self.feeds_features = bool(drafter.target_layer_ids)  # hand the drafter the decoder's features
         with torch.no_grad():
             self._load_warm()  # the kernel checks read real expert bytes from the slots
         self.kernels = engine_config.prepare(decoder, residency, self.compute)
@@ -249,10 +279,16 @@ class SpecEngine:
         draft_s, verify_s, wait_s, displaced = [], [], [], 0.0
         with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
             started = time.perf_counter()
+            prompt_features = None
+            if self.feeds_features:
+                rows = self.prefiller.step.work["features"]
+                prompt_features = rows.new_empty(len(tokens) - 1, rows.shape[1])
             for position, token in enumerate(tokens[:-1]):
                 self._forward(self.prefiller, [token], position, EXACT, ones)
+                if prompt_features is not None:
+                    prompt_features[position].copy_(rows[0])
                 self._end_block()
-            drafter.reset(torch.tensor(tokens), None)
+            drafter.reset(torch.tensor(tokens), prompt_features)
             prefill_s = time.perf_counter() - started
             base = self.pool.totals()
             while len(new) < config.max_new_tokens:
@@ -273,7 +309,8 @@ class SpecEngine:
                 verify_s.append(time.perf_counter() - started)
                 wait_s.append(self.copies.wait_s - waited)
                 started = time.perf_counter()
-                drafter.commit(a, greedy[a], None)
+                rows = self.verifier.step.work["features"][:a + 1] if self.feeds_features else None
+                drafter.commit(a, greedy[a], rows)
                 draft_s.append(drafted + drafting_time(drafter, started, count_fixed=False))
                 displaced += float(block_displaced[:a + 1].sum())
                 roots.append(root)

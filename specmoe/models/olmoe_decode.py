@@ -6,6 +6,12 @@ experts); rounding points follow transformers' modules so that all-resident exac
 Attention, router and pre-gate of a layer are one step function: RMSNorm, QKV, QK-norm + rotary + KV write,
 attention, output projection + residual, post-attention RMSNorm (the MoE input), then router l and router
 l+1 (the pre-gate) on that MoE input in one [2E, H] product.
+
+Feature capture (`capture_features`, for drafters that read the target's hidden states, e.g. DFlash): the
+hidden state after each named layer, for the step's D positions, lands in the step's `work["features"]`
+[D, n * H] (in the order of the layer ids, as `dflash_model.extract_context_feature` concatenates them),
+written inside the captured graphs: layer l's by graph A_{l+1} before it changes the residual stream, the last
+layer's by the head graph after the final norm (transformers' hidden_states[L] is the normed last state).
 """
 
 from __future__ import annotations
@@ -104,6 +110,8 @@ class OlmoeDecoder:
         self.sin = freqs.sin().to(dev).contiguous()
         self.scale = c.head_dim ** -0.5
         self._steps: dict[int, DecodeStep] = {}
+        self.feature_layers: tuple[int, ...] = ()  # capture_features
+        self._feature_slots: dict[int, list[int]] = {}
 
     @classmethod
     def from_model(cls, model, max_seq_len: int) -> "OlmoeDecoder":
@@ -197,6 +205,26 @@ class OlmoeDecoder:
         return lambda q, k, v, seq_len, scale: decode_attention_flash(q, k, v, seq_len, scale, flash_attn)
 
     # -- buffers ---------------------------------------------------------------------------------------
+    def capture_features(self, layer_ids) -> None:
+        """Write the hidden state after each of `layer_ids` (transformers' hidden_states[l + 1]) into every
+        step's work["features"] [D, len(layer_ids) * H] (module docstring). Call before the first `step()`:
+        graphs captured earlier would not write them."""
+        ids = tuple(int(i) for i in layer_ids)
+        if any(not 0 <= i < self.shapes.num_layers for i in ids):
+            raise ValueError(f"feature layers {list(ids)} outside the target's layers 0..{self.shapes.num_layers - 1}")
+        if self._steps and ids != self.feature_layers:
+            raise RuntimeError("capture_features must come before the decoder's steps are made")
+        self.feature_layers = ids
+        self._feature_slots = {}
+        for slot, layer in enumerate(ids):
+            self._feature_slots.setdefault(layer, []).append(slot)
+
+    def _write_features(self, step: DecodeStep, layer: int, hidden: torch.Tensor) -> None:
+        """Copy `hidden` [D, H], the state after `layer`, into its feature slots (if the layer is named)."""
+        width = self.shapes.hidden
+        for slot in self._feature_slots.get(layer, ()):
+            step.work["features"][:, slot * width:(slot + 1) * width].copy_(hidden)
+
     def step(self, num_positions: int) -> DecodeStep:
         if num_positions not in self._steps:
             c, d, dev, dt = self.shapes, num_positions, self.device, self.dtype
@@ -208,6 +236,8 @@ class OlmoeDecoder:
                              seqlens=torch.zeros(1, dtype=torch.int32, device=dev))
             step.work["split_kv"] = make_split_kv_workspace(d, c.num_heads, c.head_dim, self.geometry.max_seq_len, dev,
                                                     num_kv_heads=c.num_kv_heads)
+            if self.feature_layers:
+                step.work["features"] = zeros(d, len(self.feature_layers) * c.hidden)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
@@ -231,6 +261,8 @@ class OlmoeDecoder:
                 causal_step_mask(self.positions, first, w["mask"])
             else:  # positions written, the step's own included
                 w["seqlens"].copy_(first + d)
+        else:
+            self._write_features(step, layer - 1, w["h"])
         x = self._rmsnorm(w["h"], self.input_ln[layer], w["xn"])
         qkv = F.linear(x, self.wqkv[layer])
         prologue = norm_rope.qkv_prologue_triton if self.backend == "triton" else norm_rope.qkv_prologue_torch
@@ -263,6 +295,7 @@ class OlmoeDecoder:
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = self._rmsnorm(step.work["h"], self.final_norm, step.work["xn"])
+        self._write_features(step, self.shapes.num_layers - 1, x)
         step.out_logits.copy_(F.linear(x, self.lm_head))
         step.next_dev.copy_(step.out_logits.argmax(dim=-1))
         if copy_out:

@@ -1,0 +1,265 @@
+"""The ``ar`` drafter on a static KV cache: a dense OLMo / OLMo-2 causal LM as its own decoder, one CUDA graph
+per drafted token (the engine's runtime for the AR drafter; `hf_autoregressive` is the transformers one).
+
+Why our own decode step rather than transformers' model over its StaticCache: the StaticCache API is not
+the same in the transformers releases we run (5.17 on the GPU machine writes at a `cache_position` the
+caller passes; 5.23 keeps a device counter in the cache and takes no position), and a CUDA graph needs every
+position and length read from a device tensor, which the mask and rotary code of either release does not
+promise. The step below is a few dozen lines over transformers' weights (gpt-fast's style) and captures
+the same way in both; its rounding points follow transformers' modules (norms in float32, rotary in float32
+for OLMo / OLMo-2), so in float32 on the CPU it drafts what `HFAutoregressiveDrafter` drafts.
+
+Architectures (`config.model_type`): ``olmo`` (non-parametric LayerNorm before attention and MLP, optional
+clip_qkv; OLMo-1B-0724 and the family's drafter) and ``olmo2`` (RMSNorm after attention and MLP, QK-norm
+over all heads). Anything else is a DrafterError naming what is missing.
+
+Drafting (`StaticARDrafter`, the `Drafter` protocol): the committed tokens live in a device buffer; one
+graph step reads its input token at the device position `pos` (the committed token there, or the draft
+the previous step wrote), writes the KV rows of `pos`, and writes the greedy token after it and the
+drafter's probability of that token at `pos + 1`, then advances `pos`. `propose(k)` feeds the one or two
+committed tokens the cache lacks and k - 1 drafts: (1 or 2) + k - 1 replays, one host synchronisation at the
+end. `commit` only moves lengths (rollback by position: the KV rows of rejected drafts are overwritten by
+the next block before anything attends to them). The prompt is prefilled by chunked eager forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .base import DrafterError, advance, prompt_tokens
+from .hf_autoregressive import check_vocabulary
+from .static import (Launcher, WrittenAttention, chunk_attention, default_rope_theta, pinned_pair, rope_tables,
+                     rotate, sync)
+
+ARCHITECTURES = ("olmo", "olmo2")
+PREFILL_CHUNK = 256  # positions per eager prefill forward
+
+
+@dataclass(frozen=True)
+class DenseShapes:
+    """The shapes and constants of a dense OLMo / OLMo-2 drafter (from its transformers config)."""
+
+    kind: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    inter: int
+    vocab_size: int
+    eps: float
+    rope_theta: float
+    clip_qkv: float | None
+
+    @classmethod
+    def from_hf(cls, config) -> "DenseShapes":
+        kind = getattr(config, "model_type", None)
+        problems = []
+        if kind not in ARCHITECTURES:
+            problems.append(f"model_type {kind!r} (supported: {', '.join(ARCHITECTURES)})")
+        if getattr(config, "attention_bias", False):
+            problems.append("attention biases")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            problems.append(f"activation {config.hidden_act!r} (SiLU only)")
+        try:
+            theta = default_rope_theta(config)
+        except DrafterError as exc:
+            problems.append(str(exc))
+            theta = 0.0
+        if problems:
+            raise DrafterError("the static-cache AR drafter cannot run this model: " + "; ".join(problems)
+                               + " (DrafterConfig(runtime='hf') runs it through transformers)")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        eps = 1e-5 if kind == "olmo" else float(config.rms_norm_eps)  # OlmoLayerNorm's eps is fixed
+        return cls(kind, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                   config.num_key_value_heads or config.num_attention_heads, head_dim, config.intermediate_size,
+                   config.vocab_size, eps, theta, getattr(config, "clip_qkv", None))
+
+
+def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """OLMo's LayerNorm without weight or bias, in float32, rounded to x's dtype."""
+    return F.layer_norm(x.float(), (x.shape[-1],), None, None, eps=eps).to(x.dtype)
+
+
+def rms_norm_olmo2(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """OLMo-2's RMSNorm: normalised in float32, times the weight, then rounded (unlike OLMoE's order)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+class DenseDecoder:
+    """A dense OLMo / OLMo-2 causal LM over a static KV cache [L, NKV, S, HD]: weights of a transformers
+    model, `forward(ids, first, attend)` for D positions from the device position `first`, `greedy(h)`."""
+
+    def __init__(self, model, max_seq_len: int):
+        c = self.shapes = DenseShapes.from_hf(model.config)
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        if "lm_head.weight" not in params:  # tied embeddings
+            params["lm_head.weight"] = params["model.embed_tokens.weight"]
+        self.embed, self.lm_head = params["model.embed_tokens.weight"], params["lm_head.weight"]
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        self.max_seq_len = int(max_seq_len)
+        if self.max_seq_len < 2:
+            raise DrafterError(f"the drafter's static cache needs at least 2 positions, got {max_seq_len}")
+        self.final_norm = params.get("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = lambda name, i=i: params[f"model.layers.{i}.{name}.weight"]  # noqa: E731
+            layer = {"wqkv": torch.cat([p("self_attn.q_proj"), p("self_attn.k_proj"), p("self_attn.v_proj")]),
+                     "wo": p("self_attn.o_proj"), "gate_up": torch.cat([p("mlp.gate_proj"), p("mlp.up_proj")]),
+                     "down": p("mlp.down_proj")}
+            if c.kind == "olmo2":
+                layer.update(q_norm=p("self_attn.q_norm"), k_norm=p("self_attn.k_norm"),
+                             post_attn=p("post_attention_layernorm"), post_ff=p("post_feedforward_layernorm"))
+            self.layers.append(layer)
+        shape = (c.num_layers, c.num_kv_heads, self.max_seq_len, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.cos, self.sin = rope_tables(c.head_dim, c.rope_theta, self.max_seq_len, self.device)
+        self.offsets = torch.arange(max(self.max_seq_len, PREFILL_CHUNK), device=self.device)
+
+    def _layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        c, w = self.shapes, self.layers[i]
+        d = h.shape[0]
+        x = layer_norm(h, c.eps) if c.kind == "olmo" else h
+        q, k, v = F.linear(x, w["wqkv"]).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                                 c.num_kv_heads * c.head_dim], dim=-1)
+        if c.kind == "olmo2":
+            q, k = rms_norm_olmo2(q, w["q_norm"], c.eps), rms_norm_olmo2(k, w["k_norm"], c.eps)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q = rotate(q.reshape(d, c.num_heads, c.head_dim), self.cos, self.sin, positions, table_dtype=False)
+        k = rotate(k.reshape(d, c.num_kv_heads, c.head_dim), self.cos, self.sin, positions, table_dtype=False)
+        self.k_cache[i].index_copy_(1, positions, k.transpose(0, 1))
+        self.v_cache[i].index_copy_(1, positions, v.reshape(d, c.num_kv_heads, c.head_dim).transpose(0, 1))
+        o = F.linear(attend(q, i), w["wo"])
+        h = h + (rms_norm_olmo2(o, w["post_attn"], c.eps) if c.kind == "olmo2" else o)
+        gate, up = F.linear(layer_norm(h, c.eps) if c.kind == "olmo" else h, w["gate_up"]).chunk(2, dim=-1)
+        m = F.linear(F.silu(gate) * up, w["down"])
+        return h + (rms_norm_olmo2(m, w["post_ff"], c.eps) if c.kind == "olmo2" else m)
+
+    def forward(self, ids: torch.Tensor, first: torch.Tensor, attend) -> torch.Tensor:
+        """Hidden states [D, H] of tokens ids [D] at positions first [1] + 0 .. D - 1 (their KV rows written);
+        attend(q [D, NH, HD], layer) -> [D, NH * HD] over the cache."""
+        positions = first + self.offsets[:ids.shape[0]]
+        h = self.embed.index_select(0, ids)
+        for i in range(self.shapes.num_layers):
+            h = self._layer(i, h, positions, attend)
+        return h
+
+    def prefill(self, ids: torch.Tensor, start: int) -> None:
+        """Eager forwards over ids [n] at positions start .. start + n - 1, PREFILL_CHUNK at a time (KV rows only)."""
+        for a in range(0, ids.shape[0], PREFILL_CHUNK):
+            chunk = ids[a:a + PREFILL_CHUNK]
+            first = torch.tensor([start + a], device=self.device)
+            self.forward(chunk, first, lambda q, i, s=start + a: chunk_attention(q, self.k_cache[i],
+                                                                                 self.v_cache[i], s))
+
+    def greedy(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy tokens of hidden states h [D, H] and the drafter's probability of each (float32)."""
+        c = self.shapes
+        x = layer_norm(h, c.eps) if c.kind == "olmo" else rms_norm_olmo2(h, self.final_norm, c.eps)
+        probs = torch.softmax(F.linear(x, self.lm_head).float(), dim=-1)
+        tokens = probs.argmax(-1)
+        return tokens, probs.gather(-1, tokens[:, None])[:, 0]
+
+
+class StaticARDrafter:
+    """The ``ar`` drafter over `DenseDecoder`: one CUDA graph per drafted token on a GPU, the same step
+    eagerly on the CPU (module docstring). max_seq_len: positions of the static cache (prompt, new tokens
+    and one block's drafts)."""
+
+    name = "ar"
+    runtime = "static"
+    target_layer_ids: tuple[int, ...] = ()
+    max_drafts = None
+    fixed_cost_s = None
+
+    def __init__(self, model, target, max_seq_len: int = 4096, cuda_graphs: bool = True, attention: str = "auto"):
+        check_vocabulary(model, target)
+        self.vocab_size = model.config.vocab_size
+        dec = self.decoder = DenseDecoder(model, max_seq_len)
+        c, s, dev = dec.shapes, dec.max_seq_len, dec.device
+        self.max_seq_len, self.device = s, dev
+        self.attention = WrittenAttention(1, c.num_heads, c.num_kv_heads, c.head_dim, s, True, dec.dtype, dev)
+        self.notes = [self.attention.choose(attention)]
+        self.ctrl_host, self.ctrl_dev = pinned_pair(2, torch.int64, dev)  # [pos, number of committed tokens]
+        self.seq_host, self.seq_dev = pinned_pair(s, torch.int64, dev)  # committed tokens by position
+        self.out_tok = torch.zeros(s + 1, dtype=torch.int64, device=dev)  # greedy token after position p - 1, at p
+        self.out_conf = torch.zeros(s + 1, dtype=torch.float32, device=dev)
+        self.tok_host, _ = pinned_pair(s, torch.int64, dev)
+        self.conf_host, _ = pinned_pair(s, torch.float32, dev)
+        self.tokens: list[int] = []
+        self.cached = 0  # committed positions whose KV rows are in the cache
+        self.uploaded = 0  # committed tokens copied to seq_dev
+        self._drafts: list[int] = []
+        self._step = Launcher(self._draft_step, dev, cuda_graphs, self._neutral)
+        self.notes.append("one CUDA graph per drafted token" if self._step.graph is not None else "eager steps")
+
+    def _neutral(self) -> None:
+        self.ctrl_dev.zero_()
+
+    def _attend(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.attention(q, self.decoder.k_cache[layer], self.decoder.v_cache[layer], self._written)
+
+    def _draft_step(self) -> None:
+        """One token at the device position pos (graph body): its KV rows, the greedy token after it and its
+        probability at pos + 1, then pos += 1."""
+        pos, committed = self.ctrl_dev[0:1], self.ctrl_dev[1:2]
+        token = torch.where(pos < committed, self.seq_dev.index_select(0, pos), self.out_tok.index_select(0, pos))
+        self._written = pos + 1
+        h = self.decoder.forward(token, pos, self._attend)
+        nxt, conf = self.decoder.greedy(h)
+        self.out_tok.index_copy_(0, self._written, nxt)
+        self.out_conf.index_copy_(0, self._written, conf)
+        pos.add_(1)
+
+    @torch.no_grad()
+    def reset(self, prompt: torch.Tensor, features=None) -> None:
+        tokens = prompt_tokens(prompt)
+        n = len(tokens)
+        if n + 1 > self.max_seq_len:
+            raise DrafterError(f"a prompt of {n} tokens does not fit the drafter's static cache of "
+                               f"{self.max_seq_len} positions (DrafterConfig.max_seq_len)")
+        self.tokens, self._drafts = tokens, []
+        self.seq_host[:n] = torch.tensor(tokens)
+        self.seq_dev[:n].copy_(self.seq_host[:n], non_blocking=True)
+        self.uploaded = n
+        if n > 1:
+            self.decoder.prefill(self.seq_dev[:n - 1], 0)
+        self.cached = n - 1
+
+    @torch.no_grad()
+    def propose(self, k: int) -> tuple[torch.Tensor, np.ndarray]:
+        n = len(self.tokens)
+        if k < 1:
+            raise DrafterError(f"k must be >= 1, got {k}")
+        if n + k > self.max_seq_len:
+            raise DrafterError(f"{n} committed tokens and {k} drafts do not fit the drafter's static cache of "
+                               f"{self.max_seq_len} positions (DrafterConfig.max_seq_len)")
+        if self.uploaded < n:
+            self.seq_dev[self.uploaded:n].copy_(self.seq_host[self.uploaded:n], non_blocking=True)
+            self.uploaded = n
+        self.ctrl_host[0], self.ctrl_host[1] = self.cached, n
+        self.ctrl_dev.copy_(self.ctrl_host, non_blocking=True)
+        for _ in range(n - self.cached + k - 1):
+            self._step()
+        self.tok_host[:k].copy_(self.out_tok[n:n + k], non_blocking=True)
+        self.conf_host[:k].copy_(self.out_conf[n:n + k], non_blocking=True)
+        sync(self.device)
+        self.cached = n + k - 1
+        drafts = self.tok_host[:k].clone()
+        self._drafts = drafts.tolist()
+        return drafts, self.conf_host[:k].double().numpy()
+
+    def commit(self, accepted: int, bonus_token: int, features=None) -> None:
+        n = len(self.tokens)
+        self.tokens = advance(self.tokens, self._drafts, accepted, bonus_token)
+        self.seq_host[n:len(self.tokens)] = torch.tensor(self.tokens[n:])  # uploaded at the next propose
+        self.cached = min(self.cached, len(self.tokens) - 1)
+        self._drafts = []
