@@ -111,6 +111,16 @@ def test_loglikelihood_equals_token_by_token_routing(family, calibration, docs):
     assert context.totals()["tokens"] > 0
 
 
+def test_loglikelihood_rolling_scores_every_token_once(family, calibration, docs):
+    text = docs[0]["context"] + docs[0]["target"]
+    lm = _lm(family, calibration, policy="psr", capacity=16)
+    whole = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,)]), disable_tqdm=True)[0]
+    assert whole == pytest.approx(lm.loglikelihood(_requests("loglikelihood", [("", text)]), disable_tqdm=True)[0][0])
+    short = _lm(family, calibration, policy="psr", capacity=16, max_length=16)
+    windows = short.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,)]), disable_tqdm=True)[0]
+    assert whole < 0 and windows < 0 and windows != pytest.approx(whole)  # less context per token
+
+
 def test_generate_until_equals_the_harness_greedy_decode(family, calibration, docs):
     model, adapter = family
     lm = _lm(family, calibration, policy="cache_prior", capacity=16, bonus=0.5)

@@ -183,8 +183,9 @@ class SpecmoeLM(TemplateLM):
         self._refuse_speculative("loglikelihood")
         results = []
         for request, context_enc, continuation_enc in requests:
-            if not continuation_enc:
-                raise ValueError(f"empty continuation for context {request[0][-40:]!r}")
+            if not 0 < len(continuation_enc) <= self.max_length:
+                raise ValueError(f"a continuation of {len(continuation_enc)} tokens: need 1 to max_length="
+                                 f"{self.max_length}")
             tokens = (list(context_enc) + list(continuation_enc))[-(self.max_length + 1):]
             n = len(continuation_enc)
             started = time.perf_counter()
