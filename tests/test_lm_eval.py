@@ -161,6 +161,8 @@ def test_bad_model_arguments(family, calibration):
         _lm(family, calibration, policy="psr", capacity=16, nonsense=1)
     with pytest.raises(ValueError, match="batch 1"):
         _lm(family, calibration, batch_size=8)
+    with pytest.raises(ValueError, match="alternatives"):
+        _lm(family, calibration, selector="exact", policy="psr", capacity=16)
 
 
 _TASK = """\

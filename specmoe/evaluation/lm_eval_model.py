@@ -103,6 +103,9 @@ class SpecmoeLM(TemplateLM):
             raise ValueError(f"{source}: neither the config nor the tokenizer names an eos token")
 
         adapter = self.adapter
+        if selector is not None and (policy != "exact_lru" or capacity is not None or policy_fields):
+            raise ValueError("selector= (speculative decoding, with its pool of pool= experts) and a routing policy "
+                             "(policy=, capacity=, policy fields) are alternatives: give one")
         if capacity is None and policy not in ("exact_lru", "exact_a"):
             raise ValueError(f"policy {policy} needs capacity=C (expert slots per layer)")
         overrides = [f"{key}={value}" for key, value in policy_fields.items()]
