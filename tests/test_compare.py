@@ -39,8 +39,8 @@ def _two_runs(tmp_path, seed=0):
     items_b = [list(rng.random(s) < 0.6) for s in sizes]
     order = rng.permutation(n)  # B's file lists the questions in another order
     run_a, run_b = tmp_path / "a" / "model", tmp_path / "b" / "model"
-    _write_run(run_a, "qa", {i: {"acc": int(acc_a[i]), "score": float(score_a[i]), "inst": [bool(x) for x in items_a[i]],
-                                 "bleu": ["ref", "pred"]} for i in range(n)})
+    _write_run(run_a, "qa", {i: {"acc": int(acc_a[i]), "score": float(score_a[i]),
+                                 "inst": [bool(x) for x in items_a[i]], "bleu": ["ref", "pred"]} for i in range(n)})
     _write_run(run_b, "qa", {int(i): {"acc": int(acc_b[i]), "score": float(score_b[i]),
                                       "inst": [bool(x) for x in items_b[i]], "bleu": ["ref", "pred"]} for i in order})
     other_a, other_b = np.ones(20, int), np.r_[np.zeros(8, int), np.ones(12, int)]

@@ -265,7 +265,8 @@ def add_parser(sub) -> None:
     from specmoe.arguments import int_at_least
 
     parser = sub.add_parser("compare", help="paired per-question comparison of two lm-eval runs (McNemar, "
-                            "sign flip, Holm)", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                            "sign flip, Holm)", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_a", metavar="RUN_A", help="lm-eval output (directory or samples file) of configuration A")
     parser.add_argument("run_b", metavar="RUN_B", help="lm-eval output of configuration B, the reference")
     parser.add_argument("--metrics", default=None, help="comma-separated metrics to compare (default: all)")

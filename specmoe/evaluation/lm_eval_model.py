@@ -17,18 +17,19 @@ What it runs (batch 1, one request at a time, greedy):
 
 Model arguments (``--model_args`` / ``model_args=``): ``pretrained`` (checkpoint directory or named config;
 default the shipped family's target; from Python also a model loaded by `specmoe.models.load_model`, which
-the policy then patches: one `SpecmoeLM` per model at a time), ``tokenizer`` (directory; default ``pretrained``), ``policy`` (a preset
-of `specmoe.routing.PRESETS`, default exact_lru), ``capacity`` (C; default E, all experts resident; needed by
-every other policy), any policy field as an override (``bonus=0.25``, ``window=4``, ...), ``calibration``
-(a calibration file; default: `calibration_windows` x `calibration_length` tokens sampled from the model under
-exact routing, seed + 1, as `specmoe sd` does), ``selector``, ``drafter`` (ar, dflash, synthetic),
-``drafter_path``, ``k``, ``pool``, ``synthetic_acceptance``, ``max_length``, ``max_gen_toks`` (default 256),
-``add_bos_token``, ``dtype`` (float32), ``device`` (cpu), ``seed``, ``threads``.
+the policy then patches: one `SpecmoeLM` per model at a time), ``tokenizer`` (directory; default
+``pretrained``), ``policy`` (a preset of `specmoe.routing.PRESETS`, default exact_lru), ``capacity`` (C;
+default E, all experts resident; needed by every other policy), any policy field as an override
+(``bonus=0.25``, ``window=4``, ...), ``calibration`` (a calibration file; default: `calibration_windows` x
+`calibration_length` tokens sampled from the model under exact routing, seed + 1, as `specmoe sd` does),
+``selector`` (instead of a policy), ``drafter`` (ar, dflash, synthetic), ``drafter_path``, ``k``, ``pool``,
+``synthetic_acceptance``, ``max_length``, ``max_gen_toks`` (default 256), ``add_bos_token``, ``dtype``
+(float32), ``device`` (cpu), ``seed``, ``threads``.
 
 Run it with lm-eval's command line through `python3 -m specmoe.evaluation`, which registers the model first:
 
     python3 -m specmoe.evaluation run --model specmoe \\
-        --model_args policy=psr,capacity=32,bonus=0.3,calibration=cal.safetensors --tasks gsm8k \\
+        --model_args policy=psr capacity=32 bonus=0.3 calibration=cal.safetensors --tasks gsm8k \\
         --log_samples --output_path runs/lm_eval/psr
 
 or from Python: ``import specmoe.evaluation.lm_eval_model`` then ``lm_eval.simple_evaluate(model="specmoe",
@@ -73,7 +74,8 @@ class SpecmoeLM(TemplateLM):
         from specmoe.models import load_model
 
         if str(batch_size) not in ("1", "None"):
-            raise ValueError(f"the specmoe model runs batch 1 (one logical cache per request), got batch_size={batch_size}")
+            raise ValueError(f"the specmoe model runs batch 1 (one logical cache per request), "
+                             f"got batch_size={batch_size}")
         if int(max_gen_toks) < 1:
             raise ValueError(f"max_gen_toks must be >= 1, got {max_gen_toks}")
         if threads:
