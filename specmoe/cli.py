@@ -49,6 +49,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .evaluation import compare
     from .experiments import calibrate, demo, sd
     from .replay import command as replay_sd
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_parser(sub)
     sd.add_parser(sub)
     replay_sd.add_parser(sub)
+    compare.add_parser(sub)
 
     replay_parser = sub.add_parser("replay", help="run a policy over a recorded routing trace (no model)")
     replay_parser.add_argument("--trace", required=True, help="trace file written by `specmoe trace`")
