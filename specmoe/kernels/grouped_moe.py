@@ -1,0 +1,370 @@
+"""Grouped slot-indexed MoE for the D positions of a step: each distinct slot's expert is read once per layer.
+
+A verification block sends D = k + 1 positions through a layer at once, each routed to K slots of the layer's
+slot buffer [C, W] (row = [gate (I x H) | up (I x H) | down (H x I)]); positions of a block share many
+experts. The per-token kernel (`moe.slot_moe_triton`) run once per position reads a shared expert once per
+position that uses it; this one reads it once for all of them. For every position i it computes
+
+    out_i = residual_i + sum_j w_ij * down_{s_ij}(silu(gate_{s_ij} x_i) * up_{s_ij} x_i)
+
+with the per-token kernel's rounding points: gate and up projections rounded to the model dtype, silu(gate)
+rounded, times up, rounded (the activation); the down projection rounded, times the rounded weight, rounded;
+those K terms summed in float32 in route order j = 0 .. K - 1, plus the residual, rounded once.
+
+Four launches, all of static shape for a given D and slot buffer (a CUDA graph captures them; nothing is read
+on the host, so the number of distinct slots is never known there):
+1. grouping, one program: which of the C slots the D * K (position, slot) pairs of `route` use, compacted in
+   ascending order into `groups` [G], G = min(D * K, C); entries past the n distinct slots are -1. (A
+   counting pass over the slots, not a sort: within a group the positions are simply the rows of a tile.)
+2. gate/up, grid (G, I / BLOCK_N, D / BLOCK_M): program (g, n, m) takes slot groups[g] (exits if -1) and the
+   positions of chunk m routed to it (found by comparing the route rows with the slot; exits if none), and
+   computes their activations for its BLOCK_N rows as one [BLOCK_M, H] x [H, BLOCK_N] product per
+   projection (tl.dot, float32 accumulation): the weight rows are loaded once for all those positions. The
+   activation of pair (i, j) goes to the scratch `act` [D, K, I] at the first j of position i on that slot.
+3. down, grid (G, H / BLOCK_H, D / BLOCK_M): likewise y = act @ down^T, rounded, written to the scratch `y`
+   [D, K, H] at every pair (i, j) on that slot.
+4. combine, grid (D, H / BLOCK_C): out_i = residual_i + sum_j round(y_ij * round(w_ij)) in j order, exactly
+   the per-token kernel's combine; grouping by slot changes no summation order over experts.
+The tile products sum each dot product in another order than the per-token kernel's elementwise sums
+(tensor-core tiles vs. tl.sum), so the two agree to float32 accumulation noise before the same roundings:
+occasionally one unit in the last place of the model dtype, not bitwise (bitwise wherever the dot products
+are exact, as the tests check). Slot ids must lie in [0, C); a position may repeat a slot (its pairs then
+share one activation, as they would share the value).
+
+`slot_moe_grouped_torch` is the reference and the CPU path: `moe.slot_moe_torch` once per position.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .moe import slot_moe_torch
+
+try:  # Triton is optional: CPU machines run the torch reference
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+# Launch parameters (block_m is chosen from D unless given: positions per tile, 16 .. 64); `tune_grouped_moe`
+# may pick others on the device.
+GROUPED_DEFAULTS = dict(block_n=32, block_k=128, block_h=32, block_k2=128, warps=4, stages=3, block_c=256)
+GROUPED_CANDIDATES = (
+    dict(block_n=32, block_k=128, block_h=32, block_k2=128, warps=4, stages=3),
+    dict(block_n=16, block_k=256, block_h=16, block_k2=256, warps=4, stages=3),
+    dict(block_n=64, block_k=64, block_h=64, block_k2=64, warps=4, stages=4),
+    dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3),
+    dict(block_n=32, block_k=256, block_h=32, block_k2=256, warps=4, stages=2),
+    dict(block_n=16, block_k=128, block_h=16, block_k2=128, warps=2, stages=4),
+    dict(block_n=32, block_k=64, block_h=32, block_k2=64, warps=4, stages=5),
+    dict(block_n=128, block_k=64, block_h=128, block_k2=64, warps=8, stages=3),
+)
+_OPTIONS = frozenset(GROUPED_DEFAULTS) | {"block_m"}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_block_m(num_positions: int) -> int:
+    """Positions per tile: D rounded up to a power of two, at least 16 (tl.dot's minimum), at most 64."""
+    return min(64, max(16, _next_pow2(num_positions)))
+
+
+@dataclass
+class GroupedMoEWorkspace:
+    """Scratch of one (D, K, H, I, dtype): the compacted distinct slots `groups` [D * K] int32, the activations
+    `act` [D, K, I] and the weighted-sum inputs `y` [D, K, H] in the model dtype. Made once per step shape
+    (`make_grouped_workspace`) and reused by every call; G = min(D * K, C) entries of `groups` are used."""
+
+    num_positions: int
+    top_k: int
+    hidden: int
+    inter: int
+    groups: torch.Tensor
+    act: torch.Tensor
+    y: torch.Tensor
+
+
+def make_grouped_workspace(num_positions: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+                           device) -> GroupedMoEWorkspace:
+    if min(num_positions, top_k, hidden, inter) < 1:
+        raise ValueError("num_positions, top_k, hidden and inter must be positive")
+    d, k = num_positions, top_k
+    return GroupedMoEWorkspace(d, k, hidden, inter, torch.full((d * k,), -1, dtype=torch.int32, device=device),
+                               torch.zeros(d, k, inter, dtype=dtype, device=device),
+                               torch.zeros(d, k, hidden, dtype=dtype, device=device))
+
+
+def _check_inputs(x, residual, slot_buf, route, out, hidden, inter, ws: GroupedMoEWorkspace | None) -> None:
+    """Shapes, dtypes, devices and layout; nothing read from the device (safe during graph capture)."""
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be [D, H={hidden}], got {tuple(x.shape)}")
+    d = x.shape[0]
+    for name, t in (("residual", residual), ("out", out)):
+        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"{name} must be [{d}, {hidden}] {x.dtype} on {x.device} like x, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if route.dim() != 2 or route.shape[0] != d or route.shape[1] % 2 or route.dtype != torch.int32:
+        raise ValueError(f"route must be int32 [D={d}, 2K], got {tuple(route.shape)} {route.dtype}")
+    if route.device != x.device or slot_buf.device != x.device:
+        raise ValueError("x, route and the slot buffer must be on one device")
+    if slot_buf.dim() != 2 or slot_buf.shape[1] < 3 * hidden * inter or slot_buf.dtype != x.dtype:
+        raise ValueError(f"the slot buffer must be [C, >= 3 * H * I] in x's dtype, got {tuple(slot_buf.shape)} "
+                         f"{slot_buf.dtype}")
+    if not all(t.is_contiguous() for t in (x, residual, route, out)) or slot_buf.stride(1) != 1:
+        raise ValueError("x, residual, route and out must be contiguous, and the slot buffer's rows too")
+    if ws is not None:
+        shape = (ws.num_positions, ws.top_k, ws.hidden, ws.inter)
+        if shape != (d, route.shape[1] // 2, hidden, inter):
+            raise ValueError(f"the workspace is for (D, K, H, I) = {shape}, the call is "
+                             f"{(d, route.shape[1] // 2, hidden, inter)}")
+        if ws.act.dtype != x.dtype or ws.act.device != x.device:
+            raise ValueError(f"the workspace holds {ws.act.dtype} on {ws.act.device}, x is {x.dtype} on {x.device}")
+
+
+def slot_moe_grouped_torch(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Tensor, route: torch.Tensor,
+                           out: torch.Tensor, hidden: int, inter: int,
+                           workspace: GroupedMoEWorkspace | None = None) -> torch.Tensor:
+    """Reference: `slot_moe_torch` for each position i (x [D, H], residual and out [D, H], route [D, 2K]);
+    out may alias residual. Uses the workspace's `act` as the per-position activation buffer if given."""
+    _check_inputs(x, residual, slot_buf, route, out, hidden, inter, workspace)
+    top_k = route.shape[1] // 2
+    for i in range(x.shape[0]):
+        act = workspace.act[i] if workspace is not None else torch.empty(top_k, inter, dtype=x.dtype,
+                                                                          device=x.device)
+        slot_moe_torch(x[i], residual[i], slot_buf, route[i], act, out[i], hidden, inter)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _group_slots_kernel(route_ptr, groups_ptr, P: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                            C_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+        """groups[0 .. n) = the n distinct slots of the P = D * K pairs, ascending; groups[n .. G) = -1."""
+        c = tl.arange(0, C_PAD)
+        used = tl.zeros([C_PAD], dtype=tl.int32)
+        for p0 in tl.static_range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            s = tl.load(route_ptr + (p // K) * (2 * K) + p % K, mask=p < P, other=-1)
+            used = tl.maximum(used, tl.max((s[None, :] == c[:, None]).to(tl.int32), axis=1))
+        used = tl.where(c < C, used, 0)
+        index = tl.cumsum(used, axis=0) - 1
+        tl.store(groups_ptr + index, c, mask=(used > 0) & (index < G))
+        n = tl.sum(used, axis=0)
+        g = tl.arange(0, G_PAD)
+        tl.store(groups_ptr + g, tl.full([G_PAD], -1, tl.int32), mask=(g >= n) & (g < G))
+
+    @triton.jit
+    def _first_pair(route_ptr, slot, pos, D: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr):
+        """For each position of `pos`, the first j with route[pos, j] == slot, else K."""
+        first = tl.full([BLOCK_M], K, tl.int32)
+        for jj in tl.static_range(K):
+            j = K - 1 - jj
+            s = tl.load(route_ptr + pos * (2 * K) + j, mask=pos < D, other=-1)
+            first = tl.where(s == slot, j, first)
+        return first
+
+    @triton.jit
+    def _grouped_gate_up_kernel(x_ptr, buf_ptr, route_ptr, groups_ptr, act_ptr, D: tl.constexpr,
+                                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, W: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                PRECISION: tl.constexpr):
+        """act[i, first j on slot, rows] = silu(gate x_i) * (up x_i) for the positions i of this chunk on this
+        program's slot, rows of this program."""
+        slot = tl.load(groups_ptr + tl.program_id(0))
+        if slot < 0:
+            return  # fewer distinct slots than programs
+        pos = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        first = _first_pair(route_ptr, slot, pos, D, K, BLOCK_M)
+        on_slot = first < K
+        if tl.max(on_slot.to(tl.int32), axis=0) == 0:
+            return  # no position of this chunk uses the slot
+        dt = act_ptr.dtype.element_ty
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < I
+        base = buf_ptr + slot.to(tl.int64) * W
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < H
+            xt = tl.load(x_ptr + pos[:, None] * H + cols[None, :], mask=on_slot[:, None] & cmask[None, :], other=0.0)
+            m2 = cmask[:, None] & rmask[None, :]
+            wg = tl.load(base + rows[None, :] * H + cols[:, None], mask=m2, other=0.0)  # gate^T tile [BLOCK_K, BLOCK_N]
+            wu = tl.load(base + (rows[None, :] + I) * H + cols[:, None], mask=m2, other=0.0)
+            acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u  # as the per-token kernel
+        tl.store(act_ptr + (pos[:, None] * K + first[:, None]) * I + rows[None, :], a.to(dt),
+                 mask=on_slot[:, None] & rmask[None, :])
+
+    @triton.jit
+    def _grouped_down_kernel(act_ptr, buf_ptr, route_ptr, groups_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr,
+                             H: tl.constexpr, I: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """y[i, j, rows] = down(act_i) for every pair (i, j) of this chunk on this program's slot."""
+        slot = tl.load(groups_ptr + tl.program_id(0))
+        if slot < 0:
+            return
+        pos = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        first = _first_pair(route_ptr, slot, pos, D, K, BLOCK_M)
+        on_slot = first < K
+        if tl.max(on_slot.to(tl.int32), axis=0) == 0:
+            return
+        dt = y_ptr.dtype.element_ty
+        rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        rmask = rows < H
+        base = buf_ptr + slot.to(tl.int64) * W + 2 * I * H
+        acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < I
+            a = tl.load(act_ptr + (pos[:, None] * K + first[:, None]) * I + cols[None, :],
+                        mask=on_slot[:, None] & cmask[None, :], other=0.0)
+            wd = tl.load(base + rows[None, :] * I + cols[:, None], mask=cmask[:, None] & rmask[None, :],
+                         other=0.0)  # down^T tile [BLOCK_K, BLOCK_H]
+            acc = tl.dot(a, wd, acc, input_precision=PRECISION)
+        y = acc.to(dt)
+        for j in tl.static_range(K):  # every pair of the position on this slot (a repeated slot: each copy)
+            s = tl.load(route_ptr + pos * (2 * K) + j, mask=pos < D, other=-1)
+            tl.store(y_ptr + (pos[:, None] * K + j) * H + rows[None, :], y,
+                     mask=(s == slot)[:, None] & rmask[None, :])
+
+    @triton.jit
+    def _combine_kernel(y_ptr, route_ptr, res_ptr, out_ptr, K: tl.constexpr, H: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        """out[i, rows] = residual[i, rows] + sum_j round(y[i, j, rows] * round(w_ij)), j in order (the
+        per-token kernel's combine)."""
+        i = tl.program_id(0)
+        dt = out_ptr.dtype.element_ty
+        rows = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        rmask = rows < H
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(K):
+            w = tl.load(route_ptr + i * (2 * K) + K + j).to(tl.float32, bitcast=True).to(dt).to(tl.float32)
+            y = tl.load(y_ptr + (i * K + j) * H + rows, mask=rmask, other=0.0).to(tl.float32)
+            acc += (y * w).to(dt).to(tl.float32)
+        res = tl.load(res_ptr + i * H + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i * H + rows, (res + acc).to(dt), mask=rmask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def grouped_params(num_positions: int, params: dict | None = None) -> dict:
+    """The launch parameters of a call: GROUPED_DEFAULTS, block_m from D, then `params` (ValueError for an
+    unknown option or a tile below tl.dot's 16)."""
+    unknown = set(params or {}) - _OPTIONS
+    if unknown:
+        raise ValueError(f"unknown grouped MoE options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    p = {**GROUPED_DEFAULTS, "block_m": default_block_m(num_positions), **(params or {})}
+    for key in ("block_m", "block_n", "block_k", "block_h", "block_k2"):
+        if p[key] < 16 or p[key] & (p[key] - 1):
+            raise ValueError(f"{key} must be a power of two >= 16, got {p[key]}")
+    return p
+
+
+def slot_moe_grouped_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Tensor, route: torch.Tensor,
+                            out: torch.Tensor, hidden: int, inter: int, workspace: GroupedMoEWorkspace,
+                            params: dict | None = None) -> torch.Tensor:
+    """The Triton kernels (module doc) for x [D, H], residual and out [D, H] (out may alias residual), the
+    slot buffer [C, W] and route [D, 2K] int32 on one device; workspace from `make_grouped_workspace` for
+    (D, K, H, I). Allocates nothing and reads nothing on the host: captures into a CUDA graph."""
+    _check_inputs(x, residual, slot_buf, route, out, hidden, inter, workspace)
+    if triton is None:
+        raise ImportError("slot_moe_grouped_triton needs Triton (pip install triton)")
+    p = grouped_params(x.shape[0], params)
+    d, top_k = x.shape[0], route.shape[1] // 2
+    num_slots, width = slot_buf.shape[0], slot_buf.stride(0)
+    pairs = d * top_k
+    g = min(pairs, num_slots)
+    c_pad = _next_pow2(num_slots)
+    _group_slots_kernel[(1,)](route, workspace.groups, P=pairs, K=top_k, C=num_slots, C_PAD=c_pad, G=g,
+                              G_PAD=_next_pow2(g), BLOCK_P=min(_next_pow2(pairs), max(16, 8192 // c_pad)),
+                              num_warps=4)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16 operands
+    m_chunks = triton.cdiv(d, p["block_m"])
+    _grouped_gate_up_kernel[(g, triton.cdiv(inter, p["block_n"]), m_chunks)](
+        x, slot_buf, route, workspace.groups, workspace.act, D=d, K=top_k, H=hidden, I=inter, W=width,
+        BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], PRECISION=precision,
+        num_warps=p["warps"], num_stages=p["stages"])
+    _grouped_down_kernel[(g, triton.cdiv(hidden, p["block_h"]), m_chunks)](
+        workspace.act, slot_buf, route, workspace.groups, workspace.y, D=d, K=top_k, H=hidden, I=inter, W=width,
+        BLOCK_M=p["block_m"], BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], PRECISION=precision,
+        num_warps=p["warps"], num_stages=p["stages"])
+    _combine_kernel[(d, triton.cdiv(hidden, p["block_c"]))](workspace.y, route, residual, out, K=top_k, H=hidden,
+                                                           BLOCK_C=p["block_c"], num_warps=4)
+    return out
+
+
+def slot_moe_grouped(x, residual, slot_buf, route, out, hidden, inter, workspace, backend: str = "torch",
+                     params=None) -> torch.Tensor:
+    """out = residual + MoE(x) for D positions; backend "triton" (the CPU without the Triton interpreter
+    computes the reference) or "torch"."""
+    if backend == "triton" and (x.is_cuda or _interpreting()):
+        return slot_moe_grouped_triton(x, residual, slot_buf, route, out, hidden, inter, workspace, params)
+    return slot_moe_grouped_torch(x, residual, slot_buf, route, out, hidden, inter, workspace)
+
+
+def zipf_routes(num_routes: int, num_positions: int, top_k: int, num_slots: int, exponent: float,
+                generator: torch.Generator, device="cpu") -> torch.Tensor:
+    """Routes [R, D, 2K] int32 whose positions share experts as a trained model's do: each position's K
+    distinct slots drawn without replacement from a Zipf-like popularity (slot of rank r: 1 / (r + 1)^a, the
+    ranking a random permutation per route; a = 0 is uniform), softmax execution weights."""
+    routes = torch.zeros(num_routes, num_positions, 2 * top_k, dtype=torch.int32)
+    ranks = torch.arange(1, num_slots + 1, dtype=torch.float64) ** -float(exponent)
+    for r in range(num_routes):
+        popularity = ranks[torch.randperm(num_slots, generator=generator)]
+        routes[r, :, :top_k] = torch.multinomial(popularity.expand(num_positions, num_slots), top_k,
+                                                 replacement=False, generator=generator).int()
+        routes[r, :, top_k:].view(torch.float32)[:] = torch.softmax(
+            torch.randn(num_positions, top_k, generator=generator), -1)
+    return routes.to(device)
+
+
+def grouped_moe_bytes(route: torch.Tensor, hidden: int, inter: int, itemsize: int) -> int:
+    """Expert bytes the grouped kernel must read for `route` [D, 2K] (host-side, for benchmarks): distinct
+    slots x 3 * H * I * itemsize."""
+    top_k = route.shape[-1] // 2
+    return int(torch.unique(route[:, :top_k].cpu()).numel()) * 3 * hidden * inter * itemsize
+
+
+def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hidden: int, inter: int,
+                     exponent: float = 1.2, seed: int = 0) -> tuple[dict, dict]:
+    """Pick the fastest of GROUPED_CANDIDATES for D = num_positions on this device (CUDA only), on Zipf-like
+    routes (`zipf_routes`). Returns (params, {candidate index: median ms}); candidates that fail to compile
+    are skipped."""
+    from triton.testing import do_bench
+
+    device, dtype = slot_buf.device, slot_buf.dtype
+    g = torch.Generator().manual_seed(seed)
+    route = zipf_routes(1, num_positions, top_k, slot_buf.shape[0], exponent, g, device)[0]
+    x = torch.randn(num_positions, hidden, generator=g).to(device=device, dtype=dtype)
+    res = torch.zeros_like(x)
+    out = torch.empty_like(x)
+    ws = make_grouped_workspace(num_positions, top_k, hidden, inter, dtype, device)
+    times = {}
+    for i, cand in enumerate(GROUPED_CANDIDATES):
+        try:
+            fn = lambda: slot_moe_grouped_triton(x, res, slot_buf, route, out, hidden, inter, ws, cand)  # noqa: E731
+            fn()
+            times[i] = float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
+        except Exception:  # a candidate the compiler rejects on this device is simply not used
+            continue
+    if not times:
+        raise RuntimeError("no grouped Triton MoE configuration compiled on this device")
+    best = min(times, key=times.get)
+    return dict(GROUPED_CANDIDATES[best]), times
+
+
+__all__ = ["GROUPED_CANDIDATES", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", "default_block_m", "grouped_moe_bytes",
+           "grouped_params", "make_grouped_workspace", "slot_moe_grouped", "slot_moe_grouped_torch",
+           "slot_moe_grouped_triton", "tune_grouped_moe", "zipf_routes"]
