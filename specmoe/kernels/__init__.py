@@ -1,10 +1,13 @@
-"""Kernels of the decode engines: slot-indexed MoE (Triton + torch; vLLM's fused_experts where installed), fused
+"""Kernels of the decode engines: slot-indexed MoE (Triton + torch; vLLM's fused_experts where installed) for one
+token and grouped for the D positions of a step (each distinct slot's expert read once), fused
 RMSNorm and attention prologue, attention over a static KV cache (a split-KV Triton kernel that reads only the
 written positions, for one query or a causal block of D; torch SDPA as the reference and CPU path; flash-attn
 where installed), and their self-checks on the device (`checks`)."""
 
 from . import checks, norm_rope
 from .attention import causal_step_mask, decode_attention, decode_attention_flash, load_flash_attn
+from .grouped_moe import (GroupedMoEWorkspace, make_grouped_workspace, slot_moe_grouped, slot_moe_grouped_torch,
+                          slot_moe_grouped_triton)
 from .moe import (MOE_DEFAULTS, load_fused_experts, slot_moe, slot_moe_torch, slot_moe_vllm, split_route,
                   triton_available, tune_moe)
 from .norm_rope import qkv_prologue_torch, rmsnorm_torch
@@ -24,9 +27,10 @@ def check_kernel_choice(backend: str, attention: str, moe: str) -> None:
         if value not in known:
             raise ValueError(f"{what} must be one of {known}, got {value!r}")
 
-__all__ = ["ATTENTIONS", "BACKENDS", "MOE_DEFAULTS", "MOE_KERNELS", "SplitKVWorkspace", "causal_step_mask", "check_kernel_choice",
-           "checks",
+__all__ = ["ATTENTIONS", "BACKENDS", "GroupedMoEWorkspace", "MOE_DEFAULTS", "MOE_KERNELS", "SplitKVWorkspace",
+           "causal_step_mask", "check_kernel_choice", "checks",
            "decode_attention", "decode_attention_flash", "load_flash_attn", "load_fused_experts",
-           "make_split_kv_workspace", "norm_rope", "qkv_prologue_torch", "rmsnorm_torch", "slot_moe", "slot_moe_torch",
+           "make_grouped_workspace", "make_split_kv_workspace", "norm_rope", "qkv_prologue_torch", "rmsnorm_torch",
+           "slot_moe", "slot_moe_grouped", "slot_moe_grouped_torch", "slot_moe_grouped_triton", "slot_moe_torch",
            "slot_moe_vllm", "split_kv_attention", "split_kv_attention_reference", "split_kv_bytes", "split_route",
            "triton_available", "tune_moe"]

@@ -51,6 +51,19 @@ def _random_route(s: KernelShapes, num_slots: int, g: torch.Generator) -> torch.
     return route
 
 
+def _random_routes(s: KernelShapes, num_slots: int, num_positions: int, g: torch.Generator) -> torch.Tensor:
+    """Routes [D, 2K] int32 of a verification block: K distinct slots per position drawn from a skewed
+    popularity over the slots (1 / rank, random ranking), so that positions share slots; softmax weights."""
+    popularity = 1.0 / torch.arange(1, num_slots + 1, device=s.device, dtype=torch.float32)
+    popularity = popularity[torch.randperm(num_slots, device=s.device, generator=g)]
+    route = torch.zeros(num_positions, 2 * s.top_k, dtype=torch.int32, device=s.device)
+    route[:, : s.top_k] = torch.multinomial(popularity.expand(num_positions, num_slots), s.top_k,
+                                            replacement=False, generator=g).int()
+    route[:, s.top_k:].view(torch.float32)[:] = torch.softmax(
+        torch.randn(num_positions, s.top_k, device=s.device, generator=g), -1)
+    return route
+
+
 def check_triton(s: KernelShapes, slot_buf: torch.Tensor, moe_params: dict | None) -> None:
     """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
     from . import moe as kmoe
@@ -83,6 +96,24 @@ def check_triton(s: KernelShapes, slot_buf: torch.Tensor, moe_params: dict | Non
         fn(qkv, q_norm, k_norm, freqs.cos(), freqs.sin(), pos, q, kc, vc, s.eps, s.clip_qkv)
         outs.append(torch.cat([q.flatten(), kc.flatten(), vc.flatten()]))
     _agree("attention prologue kernel", *outs)
+
+
+def check_grouped_moe(s: KernelShapes, slot_buf: torch.Tensor, params: dict | None = None,
+                      num_positions: int = 17) -> None:
+    """The grouped slot MoE kernel (D positions, each distinct slot read once) against the torch path, one
+    position at a time: random inputs, a block of D positions sharing slots (`_random_routes`)."""
+    from .grouped_moe import make_grouped_workspace, slot_moe_grouped_torch, slot_moe_grouped_triton
+
+    g = torch.Generator(device=s.device).manual_seed(3)
+    d = num_positions
+    x = torch.randn(d, s.hidden, device=s.device, generator=g).to(s.dtype)
+    res = torch.zeros(d, s.hidden, device=s.device, dtype=s.dtype)  # compare the MoE output alone
+    route = _random_routes(s, slot_buf.shape[0], d, g)
+    ws = make_grouped_workspace(d, s.top_k, s.hidden, s.inter, s.dtype, s.device)
+    ref = slot_moe_grouped_torch(x, res, slot_buf, route, torch.empty_like(res), s.hidden, s.inter, ws)
+    out = slot_moe_grouped_triton(x, res, slot_buf, route, torch.empty_like(res), s.hidden, s.inter, ws, params)
+    for i in range(d):
+        _agree(f"grouped slot MoE kernel (position {i} of {d})", ref[i], out[i])
 
 
 def check_attention(s: KernelShapes, name: str, attend) -> None:

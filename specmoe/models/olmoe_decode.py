@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, checks, decode_attention,
-                             decode_attention_flash, load_flash_attn, load_fused_experts, make_split_kv_workspace,
-                             norm_rope, slot_moe, slot_moe_vllm, split_kv_attention, triton_available, tune_moe)
+                             decode_attention_flash, load_flash_attn, load_fused_experts, make_grouped_workspace,
+                             make_split_kv_workspace, norm_rope, slot_moe, slot_moe_grouped_triton, slot_moe_vllm,
+                             split_kv_attention, triton_available, tune_moe)
 
 from .decoder import DecoderGeometry, DecodeStep
 
@@ -83,6 +84,7 @@ class OlmoeDecoder:
         self.scoring = adapter_for(config).router_scoring(weight)
         self.backend, self.attention, self.moe_params, self.notes = "torch", "sdpa", None, []
         self.flash_attn = self.fused_experts = None  # set by use_kernels once checked
+        self.grouped_moe, self.grouped_params = False, None  # the grouped MoE kernel for D > 1 (use_kernels)
         w = lambda name: weight(name).to(device=self.device, dtype=dtype)  # noqa: E731 (no copy if already so)
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = w("lm_head.weight")
@@ -153,7 +155,7 @@ class OlmoeDecoder:
         cuda = self.device.type == "cuda"
         shapes = self.kernel_shapes()
         self.flash_attn = self.fused_experts = self.moe_params = None
-        self.attention = "sdpa"
+        self.grouped_moe, self.attention = False, "sdpa"
         if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
             if self._verified("split-KV attention", "SDPA", lambda: checks.check_attention(
                     shapes, "split-KV attention kernel", self._split_kv_check)):
@@ -171,6 +173,10 @@ class OlmoeDecoder:
                 self.backend = "triton"
             else:
                 self.moe_params = None
+        if self.backend == "triton" and self.fused_experts is None:
+            self.grouped_moe = self._verified("grouped slot MoE kernel (steps of D > 1 positions)",
+                                              "the slot MoE kernel once per position", lambda: (
+                                                  checks.check_grouped_moe(shapes, slot_buf, self.grouped_params)))
         return {"backend": self.backend, "attention": self.attention,
                 "moe": "slot" if self.fused_experts is None else "vllm"}
 
@@ -238,6 +244,8 @@ class OlmoeDecoder:
                                                     num_kv_heads=c.num_kv_heads)
             if self.feature_layers:
                 step.work["features"] = zeros(d, len(self.feature_layers) * c.hidden)
+            if d > 1:  # the grouped MoE kernel's scratch (distinct slots, activations, expert outputs per pair)
+                step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
@@ -285,7 +293,11 @@ class OlmoeDecoder:
         c, w = self.shapes, step.work
         if copy_in:  # else the route rows were written on the device (`specmoe.routing.device`)
             step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
-        for i in range(step.num_positions):  # one position at a time (a grouped kernel would read each expert once)
+        if self.grouped_moe and step.num_positions > 1:  # each distinct slot's expert read once for the D positions
+            slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,
+                                    w["grouped"], self.grouped_params)
+            return
+        for i in range(step.num_positions):  # one position at a time (D = 1, the torch path and vLLM's kernel)
             h, route = w["h"][i], step.route_dev[layer, i]
             if self.fused_experts is not None:
                 slot_moe_vllm(w["moe_in"][i], h, slot_buf, route, h, c.hidden, c.inter, self.fused_experts)
