@@ -50,13 +50,14 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 # Launch parameters (block_m is chosen from D unless given: positions per tile, 16 .. 64); `tune_grouped_moe`
-# may pick others on the device.
-GROUPED_DEFAULTS = dict(block_n=32, block_k=128, block_h=32, block_k2=128, warps=4, stages=3, block_c=256)
+# may pick others on the device. The defaults were the fastest of GROUPED_CANDIDATES on the H200 for D = 9 and 17
+# at OLMoE's size (scripts/bench_grouped_moe.py --tune; within 1% of the fastest at D = 1).
+GROUPED_DEFAULTS = dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3, block_c=256)
 GROUPED_CANDIDATES = (
-    dict(block_n=32, block_k=128, block_h=32, block_k2=128, warps=4, stages=3),
+    dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3),
     dict(block_n=16, block_k=256, block_h=16, block_k2=256, warps=4, stages=3),
     dict(block_n=64, block_k=64, block_h=64, block_k2=64, warps=4, stages=4),
-    dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3),
+    dict(block_n=32, block_k=128, block_h=32, block_k2=128, warps=4, stages=3),
     dict(block_n=32, block_k=256, block_h=32, block_k2=256, warps=4, stages=2),
     dict(block_n=16, block_k=128, block_h=16, block_k2=128, warps=2, stages=4),
     dict(block_n=32, block_k=64, block_h=32, block_k2=64, warps=4, stages=5),
