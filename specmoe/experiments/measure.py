@@ -332,7 +332,8 @@ class Session:
         n = max(len(token_ms), 1)
         p = max(positions, 1)
         mean = float(np.mean(token_ms))
-        return {"requests": len(self.sequences), "tokens": len(token_ms), "verifications": len(token_ms), "tau": 1.0,
+        tokens = len(token_ms) if tf else positions  # generation: the first new token's step is the prompt's
+        return {"requests": len(self.sequences), "tokens": tokens, "verifications": tokens, "tau": 1.0,
                 "copies_per_token": (totals["demand"] + totals["prefetch"]) / n,
                 "demand_per_token": totals["demand"] / n, "prefetch_per_token": totals["prefetch"] / n,
                 "prefetch_in_time_per_token": totals["prefetch_in_time"] / n,

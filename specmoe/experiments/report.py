@@ -40,7 +40,8 @@ def paired_log_ratio(a, b) -> tuple[float, float, float]:
     ratio = float(np.exp(np.mean(a - b)))
     if a.size < 2:
         return ratio, math.nan, math.nan
-    if np.all(a - b == (a - b)[0]):  # no spread: the interval is the point
+    d = a - b
+    if np.ptp(d) <= 1e-12 * max(1.0, float(np.abs(d).max())):  # no spread (but rounding): the interval is the point
         return ratio, ratio, ratio
     lo, hi = stats.ttest_rel(a, b).confidence_interval(0.95)
     return ratio, float(np.exp(lo)), float(np.exp(hi))
