@@ -174,6 +174,8 @@ class Session:
         for c in self.configurations:  # every engine now: one that cannot run fails before any cell
             if c.kind == "sd":
                 self._spec_engine(c.drafter, c.k, c.pool, c.selector)
+            elif "ar" not in self.engines:
+                self._ar_engine(c.policy)
 
     def _ar_engine(self, policy):
         from specmoe.engines import build_engine
