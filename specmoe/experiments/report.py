@@ -72,6 +72,21 @@ def summary_table(table: pd.DataFrame) -> pd.DataFrame:
     return out[[c for c in out.columns if c == "configuration" or out[c].notna().any()]]
 
 
+def spread_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration, the minimum and maximum over rounds of the quality figures (perplexity exp(nll)
+    where there is an NLL) and of copies and ms per token."""
+    rows = []
+    for config, group in table.groupby("config", sort=True):
+        row = {"configuration": group.label.iloc[0], "rounds": len(group)}
+        figures = {"ppl": np.exp(group["nll"]), "excess_nll": group["excess_nll"], "kl": group["kl"],
+                   "copies/token": group["copies_per_token"], "ms/token": group["ms_per_token"]}
+        for name, values in figures.items():
+            row[f"{name} min"], row[f"{name} max"] = values.min(), values.max()
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    return out[[c for c in out.columns if c in ("configuration", "rounds") or out[c].notna().any()]]
+
+
 def _markdown(frame: pd.DataFrame, digits: int = 3) -> str:
     def cell(v):
         if isinstance(v, float):
@@ -255,6 +270,11 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
         on = frontier(m["copies_per_token"], m[quality])
         lines += [_markdown(m.iloc[on][["config", "label", "copies_per_token", "ms_per_token", quality]]
                             .rename(columns={"label": "on the copies frontier"})), ""]
+    if table["round"].nunique() > 1:
+        lines += ["## Spread over rounds", "",
+                  "Minimum and maximum over rounds: a figure that moves between repeated runs of one configuration "
+                  "depends on something other than the configuration (timing, for routing on the physical cache).",
+                  "", _markdown(spread_table(table), 4), ""]
     latencies = [np.asarray(v, float) for v in table.token_ms]
     if any(v.size for v in latencies):
         rows = []
