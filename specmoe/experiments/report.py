@@ -6,8 +6,9 @@ Written to RUN_DIR/report/ (or --out): report.md with
 - the run (config, command, commit, versions, hardware);
 - per configuration, means over rounds: tau, copies per committed token, KL and excess NLL against exact
   routing, ms per committed token split into drafting, verification compute and exposed copy wait (AR vs SD);
-- the latency-divergence frontier (frontier.png: KL, or the excess NLL where there is no KL, against ms per
-  token and against copies per token; the frontier joins the points no other point beats on both axes);
+- the latency-divergence frontier (frontier.png: KL, or the excess NLL where there is no KL, or the displaced
+  router mass in a replay, against ms per token and against copies per token; the frontier joins the points
+  no other point beats on both axes);
 - per-token latency percentiles (latency_cdf.png: the distribution of every committed token's latency);
 - copies by class (copies.png): demand, prefetch in time, late, unused prefetches, and the pool's moves;
 - paired ratios of ms per token against a baseline configuration with 95% intervals: a paired t-test on log
@@ -26,7 +27,7 @@ import pandas as pd
 
 from specmoe.files import write_file_atomic, write_text_atomic
 
-QUALITY = ("kl", "excess_nll")
+QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a value is the frontier's y
 
 
 def paired_log_ratio(a, b) -> tuple[float, float, float]:
@@ -164,7 +165,8 @@ def _plot_frontier(m: pd.DataFrame, quality: str, path: Path) -> bool:
                 ax.annotate(str(row.config), (getattr(row, x), getattr(row, quality)), fontsize=7,
                             xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel({"ms_per_token": "ms per committed token", "copies_per_token": "copies per committed token"}[x])
-        ax.set_ylabel(f"{quality} against exact routing (nats per token)")
+        ax.set_ylabel("displaced router mass per token-layer" if quality == "displaced_per_token_layer"
+                      else f"{quality} against exact routing (nats per token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("latency-divergence frontier (numbers: configuration #)")
@@ -262,8 +264,8 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
     written = []
     if quality:
         lines += ["## Latency-divergence frontier", "",
-                  f"{quality} against exact routing (nats per committed token) against ms and copies per token; "
-                  "frontier: no other configuration is lower on both.", ""]
+                  f"{quality} ({'per committed token-layer' if quality.startswith('displaced') else 'against exact routing, nats per committed token'}) "
+                  "against ms and copies per token; frontier: no other configuration is lower on both.", ""]
         if _plot_frontier(m, quality, out / "frontier.png"):
             lines += ["![frontier](frontier.png)", ""]
             written.append("frontier.png")

@@ -215,7 +215,10 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
     cells = [(c, r) for r in range(config.rounds) for c in grid]
     todo = [(c, r) for c, r in cells if (c.index, r) not in done]
     started = time.time()
-    invocation = {"command": list(command if command is not None else sys.argv),
+    argv = list(command if command is not None else sys.argv)
+    if argv and argv[0].endswith("__main__.py"):
+        argv[0:1] = ["python3", "-m", "specmoe"]
+    invocation = {"command": argv,
                   "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "git": git_state(), "versions": versions(), "hardware": hardware(), "cells_run": 0}
     manifest = run_dir.manifest() or {"name": config.name, "description": config.description,
