@@ -474,6 +474,8 @@ def _check_combination(config: ExperimentConfig, top: _Table) -> None:
     if config.mode == "teacher_forced" and sd_grid:
         top.fail("sd", "speculative decoding needs mode = 'generation' (or 'replay'); teacher-forced windows "
                        "have no drafts")
+    if replay and sd.drafters:
+        top.fail("sd.drafters", "mode = 'replay' drafts synthetically at each replay.tau: expected no sd.drafters")
     if config.mode == "replay" and config.engine != "harness":
         top.fail("engine", "mode = 'replay' is the CPU replay of recorded logits: expected engine = 'harness'")
     if config.mode == "replay" and config.device != "cpu":
