@@ -46,7 +46,7 @@ def write(tmp_path, text, name="x.toml"):
     return path
 
 
-@pytest.mark.parametrize("text,message", [
+BAD = [
     ("mode = 'generation'\n[ar\ncapacity = 16", "TOML syntax error"),
     (MICRO + "\nspeed = 1\n", "speed: unknown key"),
     (MICRO.replace("[workload]", "[workload]\ncolour = 1"), "workload.colour: unknown key"),
@@ -61,7 +61,10 @@ def write(tmp_path, text, name="x.toml"):
     (MICRO.replace("mode = 'generation'", "").replace('mode = "generation"', 'mode = "sampling"'), "mode: expected one of"),
     (MICRO + "\n[run_settings]\nmax_in_flight = 2\n", "run_settings: engine settings need engine = 'engine'"),
     (MICRO.replace('"olmoe-micro"', '"no/such/model"'), "model.source: 'no/such/model' is not a checkpoint directory"),
-])
+]
+
+
+@pytest.mark.parametrize("text,message", BAD, ids=[message.split(":")[0] for _, message in BAD])
 def test_bad_config_is_one_line_naming_file_and_key_exit_2(tmp_path, capsys, text, message):
     path = write(tmp_path, text)
     assert main(["run", str(path), "--dry-run"]) == 2
