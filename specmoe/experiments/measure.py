@@ -156,7 +156,7 @@ class Session:
         w, k = self.config.workload, max(self.config.sd.k or (0,))
         longest = max(len(s) for s in self.sequences)
         need = longest + (w.new_tokens + k + 1 if self.config.mode == "generation" else 0)
-        return self.config.model.max_seq_len or need
+        return self.config.model.max_seq_len or -(-need // 64) * 64  # a multiple of 64, as the benchmarks use
 
     def _build_engines(self) -> None:
         """One expert residency unit with enough slots for every configuration, and the engines on it."""
