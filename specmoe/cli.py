@@ -1,4 +1,5 @@
-"""The `specmoe` command. With no subcommand (or only options) it runs the main job (`specmoe demo`).
+"""The `specmoe` command. With no subcommand (or only options) it runs the main job: `specmoe run` of
+experiments/quickstart.toml (`specmoe demo` is the earlier main job).
 
 Every fault a user can cause (a bad argument or value, a missing, unreadable or unwritable file, a file of
 another model) ends in one line on stderr naming the file or argument, and exit status 2."""
@@ -50,7 +51,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .evaluation import compare
-    from .experiments import calibrate, demo, sd
+    from .experiments import calibrate, demo, report, run, sd
     from .replay import command as replay_sd
 
     parser = _Parser(prog="specmoe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_parser(sub)
     replay_sd.add_parser(sub)
     compare.add_parser(sub)
+    run.add_parser(sub)
+    report.add_parser(sub)
 
     replay_parser = sub.add_parser("replay", help="run a policy over a recorded routing trace (no model)")
     replay_parser.add_argument("--trace", required=True, help="trace file written by `specmoe trace`")
@@ -93,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # one line per result, not a bar per checkpoint load
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv = ["demo", *argv]  # `specmoe [options]` is `specmoe demo [options]`
+        from .experiments.run import quickstart_config
+
+        try:
+            argv = ["run", str(quickstart_config()), *argv]  # `specmoe [options]`: the quickstart config
+        except FileNotFoundError as exc:
+            print(f"specmoe: error: {exc}", file=sys.stderr)
+            return 2
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:

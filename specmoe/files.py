@@ -39,6 +39,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return _write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
+def write_file_atomic(path: str | os.PathLike, write) -> Path:
+    """Call write(temporary path) to make the file (a parquet table, say), then rename it to `path`."""
+    return _write_atomic(path, write)
+
+
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> Path:
     """Write `tensors` with `metadata` to `path` through a temporary file and a rename."""
     from safetensors.numpy import save_file

@@ -416,11 +416,10 @@ def test_8_values_that_depend_on_the_model_fail_before_sampling(tmp_path, capsys
     assert not (tmp_path / "d").exists()
 
 
-def test_9_specmoe_with_options_only_is_the_demo(tmp_path, capsys):
+def test_9_specmoe_with_options_only_is_the_quickstart_run(tmp_path, capsys):
     from specmoe.cli import main
 
-    out = tmp_path / "demo"
-    assert main(["--model", "olmoe-micro", "--windows", "1", "--length", "8", "--capacities", "8",
-                 "--out", str(out)]) == 0
-    assert "exact(C=8, lru)" in capsys.readouterr().out
-    assert sorted(os.listdir(out)) == ["results.csv", "results.json"]
+    out = tmp_path / "quickstart"
+    assert main(["--dry-run", "--out", str(out)]) == 0  # `specmoe [options]` = `specmoe run quickstart.toml [options]`
+    assert "AR psr(C=32, lambda=0.3, n=1, A)" in capsys.readouterr().out and not out.exists()
+    one_line_error(capsys, ["--capacities", "8"], "unrecognized arguments: --capacities 8")  # demo's: `specmoe demo`

@@ -1,4 +1,4 @@
-"""The main job (`specmoe` / `specmoe demo`): the paper's policies on a small OLMoE-architecture model.
+"""`specmoe demo` (the main job before `specmoe run`): the paper's policies on a small OLMoE-architecture model.
 
 It calibrates on held-out text, runs exact routing with LRU, Cache-Prior, PSR and speculative execution at
 two residencies in the harness, and prints one table per policy and capacity: logical copies per token
@@ -85,7 +85,7 @@ def run_demo(model_source: str, capacities: tuple[int, ...], *, windows: int = 1
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("demo", help="the main job: copies and excess NLL of the paper's policies on a small model",
+    parser = sub.add_parser("demo", help="copies and excess NLL of the paper's policies on a small model",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory or named config "
                         "(default: the shipped trained model, else olmoe-tiny)")

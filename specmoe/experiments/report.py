@@ -1,0 +1,336 @@
+"""`specmoe report RUN_DIR`: markdown tables and png plots of a `specmoe run` directory, from its
+results.parquet and manifest.json alone (nothing is re-run).
+
+Written to RUN_DIR/report/ (or --out): report.md with
+
+- the run (config, command, commit, versions, hardware);
+- per configuration, means over rounds: tau, copies per committed token, KL and excess NLL against exact
+  routing, ms per committed token split into drafting, verification compute and exposed copy wait (AR vs SD);
+- the latency-divergence frontier (frontier.png: KL, or the excess NLL where there is no KL, or the displaced
+  router mass in a replay, against ms per token and against copies per token; the frontier joins the points
+  no other point beats on both axes);
+- per-token latency percentiles (latency_cdf.png: the distribution of every committed token's latency);
+- copies by class (copies.png): demand, prefetch in time, late, unused prefetches, and the pool's moves;
+- paired ratios of ms per token against a baseline configuration with 95% intervals: a paired t-test on log
+  latency over (round, request) pairs, which needs the same requests in every configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from specmoe.files import write_file_atomic, write_text_atomic
+
+QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a value is the frontier's y
+
+
+def paired_log_ratio(a, b) -> tuple[float, float, float]:
+    """The geometric-mean ratio of paired positive values a / b and its 95% interval, from a paired t-test on
+    their logarithms (scipy.stats.ttest_rel): (ratio, lo, hi); the interval is NaN with fewer than two pairs."""
+    from scipy import stats
+
+    a, b = np.log(np.asarray(a, dtype=np.float64)), np.log(np.asarray(b, dtype=np.float64))
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"paired_log_ratio needs two 1-D arrays of the same non-zero length, got {a.shape}, {b.shape}")
+    ratio = float(np.exp(np.mean(a - b)))
+    if a.size < 2:
+        return ratio, math.nan, math.nan
+    d = a - b
+    if np.ptp(d) <= 1e-12 * max(1.0, float(np.abs(d).max())):  # no spread (but rounding): the interval is the point
+        return ratio, ratio, ratio
+    lo, hi = stats.ttest_rel(a, b).confidence_interval(0.95)
+    return ratio, float(np.exp(lo)), float(np.exp(hi))
+
+
+def _means(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration: the identifying columns and the means over rounds of the figures."""
+    numeric = [c for c in table.columns if c not in ("token_ms", "request_ms", "round") and
+               pd.api.types.is_numeric_dtype(table[c]) and c != "config"]
+    ident = ["config", "label", "kind"]
+    means = table.groupby("config", sort=True)[numeric].mean()
+    first = table.groupby("config", sort=True)[["label", "kind"]].first()
+    out = first.join(means).reset_index()
+    out["rounds"] = table.groupby("config", sort=True).size().to_numpy()
+    out["verify_compute_ms_per_token"] = out["verify_ms_per_token"] - out["wait_ms_per_token"].fillna(0.0)
+    return out[ident + [c for c in out.columns if c not in ident]]
+
+
+def summary_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The main table: per configuration tau, copies per committed token, KL, excess NLL, ms per token and its
+    split (columns without any value left out)."""
+    m = _means(table)
+    columns = {"label": "configuration", "tau": "tau", "copies_per_token": "copies/token", "kl": "kl",
+               "excess_nll": "excess_nll", "displaced_per_token_layer": "displaced", "ms_per_token": "ms/token",
+               "draft_ms_per_token": "draft_ms", "verify_compute_ms_per_token": "verify_ms",
+               "wait_ms_per_token": "wait_ms"}
+    out = m[list(columns)].rename(columns=columns)
+    return out[[c for c in out.columns if c == "configuration" or out[c].notna().any()]]
+
+
+def spread_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration, the minimum and maximum over rounds of the quality figures (perplexity exp(nll)
+    where there is an NLL) and of copies and ms per token."""
+    rows = []
+    for config, group in table.groupby("config", sort=True):
+        row = {"configuration": group.label.iloc[0], "rounds": len(group)}
+        figures = {"ppl": np.exp(group["nll"]), "excess_nll": group["excess_nll"], "kl": group["kl"],
+                   "copies/token": group["copies_per_token"], "ms/token": group["ms_per_token"]}
+        for name, values in figures.items():
+            row[f"{name} min"], row[f"{name} max"] = values.min(), values.max()
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    return out[[c for c in out.columns if c in ("configuration", "rounds") or out[c].notna().any()]]
+
+
+def _markdown(frame: pd.DataFrame, digits: int = 3) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return "–" if math.isnan(v) else f"{v:.{digits}f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _quality(m: pd.DataFrame) -> str | None:
+    return next((q for q in QUALITY if m[q].notna().any()), None)
+
+
+def frontier(x, y) -> np.ndarray:
+    """Indices of the points not dominated in (x, y), both lower-is-better, by increasing x."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    keep = [i for i in range(len(x)) if np.isfinite(x[i]) and np.isfinite(y[i]) and not any(
+        (x[j] <= x[i] and y[j] <= y[i]) and (x[j] < x[i] or y[j] < y[i]) for j in range(len(x))
+        if np.isfinite(x[j]) and np.isfinite(y[j]))]
+    return np.asarray(sorted(keep, key=lambda i: x[i]), dtype=int)
+
+
+def paired_ratios(table: pd.DataFrame, baseline: int) -> pd.DataFrame:
+    """ms per token of every configuration over the baseline's, paired by (round, request)."""
+    rows = []
+    base = {r.round: np.asarray(r.request_ms, float) for r in table[table.config == baseline].itertuples()}
+    for config, group in table.groupby("config", sort=True):
+        if config == baseline:
+            continue
+        a, b = [], []
+        for r in group.itertuples():
+            ours = np.asarray(r.request_ms, float)
+            if r.round in base and base[r.round].shape == ours.shape and ours.size:
+                a.append(ours)
+                b.append(base[r.round])
+        if not a:
+            continue
+        a, b = np.concatenate(a), np.concatenate(b)
+        ok = (a > 0) & (b > 0)
+        if not ok.any():
+            continue
+        ratio, lo, hi = paired_log_ratio(a[ok], b[ok])
+        rows.append({"configuration": group.label.iloc[0], "ratio": ratio, "lo95": lo, "hi95": hi,
+                     "pairs": int(ok.sum())})
+    return pd.DataFrame(rows, columns=["configuration", "ratio", "lo95", "hi95", "pairs"])
+
+
+# -- plots ------------------------------------------------------------------------------------------------------
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    write_file_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
+    plt.close(fig)
+
+
+def _plot_frontier(m: pd.DataFrame, quality: str, path: Path) -> bool:
+    import matplotlib.pyplot as plt
+
+    axes_x = [x for x in ("ms_per_token", "copies_per_token") if m[x].notna().any()]
+    if not axes_x:
+        return False
+    fig, axes = plt.subplots(1, len(axes_x), figsize=(6.5 * len(axes_x), 4.5), squeeze=False)
+    for ax, x in zip(axes[0], axes_x):
+        for kind, marker in (("ar", "o"), ("sd", "s"), ("rollback", "^"), ("ar_replay", "v"), ("block", "D")):
+            part = m[m.kind == kind]
+            if len(part):
+                ax.scatter(part[x], part[quality], marker=marker, label=kind, alpha=0.8)
+        best = frontier(m[x], m[quality])
+        if best.size:
+            ax.plot(m[x].to_numpy()[best], m[quality].to_numpy()[best], "k--", lw=1, label="frontier")
+        for row in m.itertuples():
+            if np.isfinite(getattr(row, x)) and np.isfinite(getattr(row, quality)):
+                ax.annotate(str(row.config), (getattr(row, x), getattr(row, quality)), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel({"ms_per_token": "ms per committed token", "copies_per_token": "copies per committed token"}[x])
+        ax.set_ylabel("displaced router mass per token-layer" if quality == "displaced_per_token_layer"
+                      else f"{quality} against exact routing (nats per token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("latency-divergence frontier (numbers: configuration #)")
+    _save(fig, path)
+    return True
+
+
+def _plot_cdf(table: pd.DataFrame, m: pd.DataFrame, path: Path) -> bool:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    drawn = False
+    for config, group in table.groupby("config", sort=True):
+        ms = np.sort(np.concatenate([np.asarray(v, float) for v in group.token_ms]))
+        if ms.size:
+            ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, label=f"{config}: {group.label.iloc[0]}"[:70])
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return False
+    ax.set_xscale("log")
+    ax.set_xlabel("ms per committed token")
+    ax.set_ylabel("fraction of tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, loc="lower right")
+    _save(fig, path)
+    return True
+
+
+COPY_CLASSES = {"demand_per_token": "demand", "prefetch_in_time_per_token": "prefetch in time",
+                "prefetch_late_per_token": "prefetch late", "unused_per_token": "prefetch unused",
+                "moves_per_token": "pool moves (device to device)"}
+
+
+def _copy_classes(m: pd.DataFrame) -> pd.DataFrame:
+    return m[["config", "label", "copies_per_token", "prefetch_per_token", *COPY_CLASSES]]
+
+
+def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
+    import matplotlib.pyplot as plt
+
+    if not c["copies_per_token"].notna().any():
+        return False
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(c) + 2), 4.5))
+    bottom = np.zeros(len(c))
+    x = np.arange(len(c))
+    for key, name in (("demand_per_token", "demand"), ("prefetch_in_time_per_token", "prefetch in time"),
+                      ("prefetch_late_per_token", "prefetch late"), ("unused_per_token", "prefetch unused")):
+        values = c[key].fillna(0.0).to_numpy()
+        if key == "prefetch_in_time_per_token":  # harness and replay: executed prefetches, class unknown
+            known = c[key].notna().to_numpy()
+            executed = (c["prefetch_per_token"] - c["unused_per_token"].fillna(0.0)).fillna(0.0).to_numpy()
+            values = np.where(known, values, executed)
+            name = "prefetch executed (in time where known)"
+        if values.any():
+            ax.bar(x, values, bottom=bottom, label=name)
+            bottom += values
+    ax.set_xticks(x, [str(i) for i in c["config"]])
+    ax.set_xlabel("configuration #")
+    ax.set_ylabel("copies per committed token")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    _save(fig, path)
+    return True
+
+
+# -- the report -------------------------------------------------------------------------------------------------
+def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | None = None) -> Path:
+    """Write report.md and the plots for `run_dir` into `out` (default RUN_DIR/report); returns report.md."""
+    from .run import MANIFEST, read_table
+
+    run_dir = Path(run_dir)
+    table = read_table(run_dir)
+    manifest = json.loads((run_dir / MANIFEST).read_text()) if (run_dir / MANIFEST).is_file() else {}
+    out = Path(out) if out is not None else run_dir / "report"
+    m = _means(table)
+    quality = _quality(m)
+    lines = [f"# {manifest.get('name', run_dir.name)}", ""]
+    if manifest.get("description"):
+        lines += [manifest["description"], ""]
+    config = manifest.get("config", {})
+    git = manifest.get("git", {})
+    lines += [f"- config: `{manifest.get('config_file', '?')}` (digest {manifest.get('digest', '?')}); mode "
+              f"{config.get('mode', '?')}, engine {config.get('engine', '?')}, device {config.get('device', '?')}, "
+              f"{config.get('rounds', '?')} rounds; cells {manifest.get('cells_done', len(table))} of "
+              f"{manifest.get('cells_total', '?')} ({manifest.get('status', '?')})",
+              f"- command: `{' '.join(manifest.get('command', []))}`; commit {git.get('commit')}"
+              + (" (with local changes)" if git.get("dirty") else ""),
+              f"- versions: {', '.join(f'{k} {v}' for k, v in manifest.get('versions', {}).items() if v)}",
+              f"- hardware: {json.dumps(manifest.get('hardware', {}))}", ""]
+    lines += ["## Configurations (means over rounds)", "",
+              "ms per committed token = drafting + verification compute + exposed copy wait; harness times are "
+              "CPU wall times of transformers' eager expert loop (no copies), not latencies.", "",
+              _markdown(summary_table(table)), ""]
+    written = []
+    if quality:
+        lines += ["## Latency-divergence frontier", "",
+                  f"{quality} ({'per committed token-layer' if quality.startswith('displaced') else 'against exact routing, nats per committed token'}) "
+                  "against ms and copies per token; frontier: no other configuration is lower on both.", ""]
+        if _plot_frontier(m, quality, out / "frontier.png"):
+            lines += ["![frontier](frontier.png)", ""]
+            written.append("frontier.png")
+        on = frontier(m["copies_per_token"], m[quality])
+        lines += [_markdown(m.iloc[on][["config", "label", "copies_per_token", "ms_per_token", quality]]
+                            .rename(columns={"label": "on the copies frontier"})), ""]
+    if table["round"].nunique() > 1:
+        lines += ["## Spread over rounds", "",
+                  "Minimum and maximum over rounds: a figure that moves between repeated runs of one configuration "
+                  "depends on something other than the configuration (timing, for routing on the physical cache).",
+                  "", _markdown(spread_table(table), 4), ""]
+    latencies = [np.asarray(v, float) for v in table.token_ms]
+    if any(v.size for v in latencies):
+        rows = []
+        for config, group in table.groupby("config", sort=True):
+            ms = np.concatenate([np.asarray(v, float) for v in group.token_ms])
+            if ms.size:
+                p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+                rows.append({"configuration": group.label.iloc[0], "tokens": ms.size, "mean": ms.mean(), "p50": p50,
+                             "p90": p90, "p99": p99})
+        lines += ["## Per-token latency (ms per committed token)", "", _markdown(pd.DataFrame(rows)), ""]
+        if _plot_cdf(table, m, out / "latency_cdf.png"):
+            lines += ["![latency CDF](latency_cdf.png)", ""]
+            written.append("latency_cdf.png")
+    copies = _copy_classes(m)
+    if copies["copies_per_token"].notna().any():
+        shown = copies[["config", "label", "copies_per_token", "demand_per_token", "prefetch_per_token",
+                        "prefetch_in_time_per_token", "prefetch_late_per_token", "unused_per_token", "moves_per_token"]]
+        shown = shown[[c for c in shown.columns if shown[c].notna().any()]]
+        lines += ["## Copies by class (per committed token)", "",
+                  "The harness and the replay count logical copies (no timing: in time / late unknown); the "
+                  "speculative pool's copies are all demand copies into union slots, its refill moves stay on the "
+                  "device.", "", _markdown(shown), ""]
+        if _plot_copies(copies, out / "copies.png"):
+            lines += ["![copies](copies.png)", ""]
+            written.append("copies.png")
+    timed = table[table.request_ms.map(len) > 0]
+    if len(timed):
+        base = baseline if baseline is not None else int(timed.config.min())
+        if base not in set(table.config):
+            raise ValueError(f"--baseline {base}: no configuration # {base} in {run_dir}")
+        ratios = paired_ratios(table, base)
+        label = table[table.config == base].label.iloc[0]
+        lines += [f"## ms per token against #{base} {label}", "",
+                  "Geometric-mean ratio over (round, request) pairs and its 95% interval (paired t-test on log ms "
+                  "per token); an interval that holds 1 is no evidence of a difference.", "", _markdown(ratios), ""]
+    write_text_atomic(out / "report.md", "\n".join(lines))
+    return out / "report.md"
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("report", help="markdown tables and png plots of a `specmoe run` directory",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a run directory of `specmoe run` (holds results.parquet)")
+    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    parser.add_argument("--baseline", type=int, default=None,
+                        help="configuration # the paired ratios compare against (default: the first timed one)")
+    parser.set_defaults(func=main)
+
+
+def main(args) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    path = render(args.run_dir, args.out, args.baseline)
+    print(path.read_text())
+    print(f"report: {path}")
+    return 0

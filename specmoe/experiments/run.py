@@ -1,0 +1,313 @@
+"""`specmoe run CONFIG`: every configuration of a config file, interleaved over rounds in one process.
+
+Round r measures configuration 0, 1, ..., N-1 in turn (A B C A B C ...), so slow drifts of the machine hit
+every configuration alike. Each finished (configuration, round) cell is written at once, atomically, as one
+small file (RUN_DIR/cells/cNNNN_rRRR.json); a run that was killed, or stopped by `--max-cells`, resumes where it
+stopped when the same command runs again: finished cells are not redone. RUN_DIR (default runs/NAME) holds:
+
+- results.parquet: one row per finished cell (the cells combined, rewritten after each invocation);
+- manifest.json: the resolved config and its digest, the grid, the model's geometry, and per invocation the
+  command line, git commit, package versions, hardware, set-up time and the cells it ran;
+- config.toml: the config file as read; calibration.safetensors: the calibration every cell uses (sampled once,
+  reused on resume unless the config names a file).
+
+A run directory resumes only a run of the same config (same digest); `--dry-run` prints the grid and what is
+done, without loading the model. `specmoe report RUN_DIR` renders tables and plots from results.parquet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pandas as pd
+
+from specmoe.arguments import int_at_least
+from specmoe.files import write_file_atomic, write_text_atomic
+
+from .config import ConfigError, ExperimentConfig, load_config
+from .grid import Configuration, Geometry, expand, geometry
+
+RESULTS = "results.parquet"
+MANIFEST = "manifest.json"
+CELL = re.compile(r"^c(\d{4})_r(\d{3})\.json$")
+PACKAGES = ("specmoe", "torch", "transformers", "numpy", "numba", "pandas", "pyarrow", "scipy", "matplotlib",
+            "safetensors", "tokenizers", "tqdm")
+
+
+def quickstart_config() -> Path:
+    """experiments/quickstart.toml of the source checkout this package runs from."""
+    path = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.toml"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path}: the main job runs the quickstart config of a source checkout "
+                                "(specmoe run CONFIG runs any other)")
+    return path
+
+
+# -- provenance -------------------------------------------------------------------------------------------------
+def git_state() -> dict:
+    """The commit of the checkout the package runs from, and whether its tracked files differ from it."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None}
+    return {"commit": commit or None, "dirty": bool(status)}
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def hardware() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    out = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
+    try:
+        out["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    if out["cuda"]:
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return out
+
+
+# -- the run directory ------------------------------------------------------------------------------------------
+class RunDir:
+    """A run's directory: the cell files, the combined table and the manifest (module docstring)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.cells = self.path / "cells"
+
+    def manifest(self) -> dict | None:
+        try:
+            return json.loads((self.path / MANIFEST).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{self.path / MANIFEST} is not a readable manifest ({exc})") from None
+
+    def check(self, config: ExperimentConfig) -> None:
+        """ValueError unless this directory is new, empty, or a run of the same config (to resume)."""
+        if self.path.exists() and not self.path.is_dir():
+            raise NotADirectoryError(f"run directory {self.path} is an existing file")
+        manifest = self.manifest()
+        if manifest is None:
+            if self.path.is_dir() and any(self.path.iterdir()):
+                raise FileExistsError(f"run directory {self.path} holds files but no {MANIFEST}: give a new --out")
+            return
+        if manifest.get("digest") != config.digest():
+            raise ValueError(f"run directory {self.path} holds a run of another config (digest "
+                             f"{manifest.get('digest')}, this config {config.digest()}): give a new --out, or remove "
+                             "it to start again")
+
+    def done(self) -> set[tuple[int, int]]:
+        if not self.cells.is_dir():
+            return set()
+        return {(int(m[1]), int(m[2])) for m in map(CELL.match, os.listdir(self.cells)) if m}
+
+    def cell_path(self, index: int, round_: int) -> Path:
+        return self.cells / f"c{index:04d}_r{round_:03d}.json"
+
+    def write_cell(self, row: dict) -> None:
+        write_text_atomic(self.cell_path(row["config"], row["round"]), json.dumps(row))
+
+    def rows(self) -> list[dict]:
+        rows = []
+        for index, round_ in sorted(self.done(), key=lambda cell: (cell[1], cell[0])):
+            rows.append(json.loads(self.cell_path(index, round_).read_text()))
+        return rows
+
+    def write_table(self) -> pd.DataFrame:
+        table = pd.DataFrame(self.rows())
+        write_file_atomic(self.path / RESULTS, lambda tmp: table.to_parquet(tmp, index=False, engine="pyarrow"))
+        return table
+
+
+def read_table(run_dir: str | Path) -> pd.DataFrame:
+    """The results table of a run directory (FileNotFoundError naming it if there is none)."""
+    path = Path(run_dir) / RESULTS
+    if not path.is_file():
+        raise FileNotFoundError(f"no {RESULTS} in {run_dir}: not a run directory of `specmoe run`, or no cell "
+                                "finished yet")
+    return pd.read_parquet(path)
+
+
+def _check_pyarrow() -> None:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ValueError("the results table is parquet, which needs pyarrow (pip install pyarrow; a dependency of "
+                         "specmoe)") from None
+
+
+# -- running ----------------------------------------------------------------------------------------------------
+def describe_grid(config: ExperimentConfig, geo: Geometry, grid: list[Configuration], done: set, out: Path) -> str:
+    w = config.workload
+    lines = [f"{config.name}: mode {config.mode}, engine {config.engine}, device {config.device}, "
+             f"{config.rounds} round{'s' * (config.rounds > 1)}, seed {config.seed}; model {config.model.source} "
+             f"(L={geo.num_layers}, E={geo.num_experts}, K={geo.top_k})",
+             f"workload: {w.source}, {w.count} x {w.length} tokens"
+             + (f", {w.new_tokens} new tokens each" if config.mode == "generation" else "")]
+    width = max(len(c.label) for c in grid)
+    lines.append(f"{'#':>4}  {'configuration':<{width}}  done")
+    for c in grid:
+        finished = sum((c.index, r) in done for r in range(config.rounds))
+        lines.append(f"{c.index:>4}  {c.label:<{width}}  {finished}/{config.rounds}")
+    total = len(grid) * config.rounds
+    lines.append(f"{len(grid)} configurations x {config.rounds} rounds = {total} cells "
+                 f"({len(done & {(c.index, r) for c in grid for r in range(config.rounds)})} done in {out})")
+    return "\n".join(lines)
+
+
+def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, max_cells: int | None = None,
+                   dry_run: bool = False, on_cell=None, progress: bool = True, command: list[str] | None = None,
+                   log=None) -> tuple[pd.DataFrame | None, dict]:
+    """Run (or resume) `config` into `out` (default runs/NAME); returns the results table and the manifest.
+
+    max_cells: run at most this many new cells, then stop (rerun to resume). on_cell(row): called after each
+    cell is written (tests use it to interrupt a run). dry_run: print the grid, run nothing."""
+    from tqdm import tqdm
+
+    log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+    geo = geometry(config)
+    grid = expand(config, geo)
+    run_dir = RunDir(out if out is not None else Path("runs") / config.name)
+    run_dir.check(config)
+    done = run_dir.done()
+    if dry_run:
+        print(describe_grid(config, geo, grid, done, run_dir.path))
+        return None, {}
+    from .measure import Session, check_device
+
+    _check_pyarrow()
+    check_device(config)  # before anything is written
+    cells = [(c, r) for r in range(config.rounds) for c in grid]
+    todo = [(c, r) for c, r in cells if (c.index, r) not in done]
+    started = time.time()
+    argv = list(command if command is not None else sys.argv)
+    if argv and argv[0].endswith("__main__.py"):
+        argv[0:1] = ["python3", "-m", "specmoe"]
+    invocation = {"command": argv,
+                  "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "git": git_state(), "versions": versions(), "hardware": hardware(), "cells_run": 0}
+    manifest = run_dir.manifest() or {"name": config.name, "description": config.description,
+                                      "config_file": str(config.path), "digest": config.digest(),
+                                      "config": config.resolved(), "geometry": asdict(geo),
+                                      "grid": [c.describe() for c in grid], "rounds": config.rounds,
+                                      "cells_total": len(cells), "invocations": []}
+    manifest["invocations"].append(invocation)
+    manifest.update({k: invocation[k] for k in ("command", "git", "versions", "hardware")})
+
+    def save_manifest(status: str) -> None:
+        manifest.update(status=status, cells_done=len(run_dir.done()))
+        invocation["seconds"] = round(time.time() - started, 1)
+        write_text_atomic(run_dir.path / MANIFEST, json.dumps(manifest, indent=1))
+
+    save_manifest("running")
+    write_text_atomic(run_dir.path / "config.toml", config.text)
+    if not todo:
+        log(f"all {len(cells)} cells of {config.name} are done in {run_dir.path} (give another --out to run again)")
+        table = run_dir.write_table()
+        save_manifest("complete")
+        return table, manifest
+    try:
+        session = Session(config, geo, grid, run_dir.path, log)
+    except BaseException as exc:
+        save_manifest(f"set-up failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
+        raise
+    invocation["setup_seconds"] = session.setup_seconds
+    invocation["hardware"]["torch_threads"] = config.threads
+    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=config.name, unit="cell", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    stopped = False
+    try:
+        for c, r in todo:
+            if max_cells is not None and invocation["cells_run"] >= max_cells:
+                stopped = True
+                break
+            bar.set_postfix_str(f"round {r}: {c.label}"[:60])
+            row = session.measure(c, r)
+            run_dir.write_cell(row)
+            invocation["cells_run"] += 1
+            bar.update(1)
+            if on_cell is not None:
+                on_cell(row)
+    finally:
+        bar.close()
+        table = run_dir.write_table()
+        complete = run_dir.done() >= {(c.index, r) for c, r in cells}
+        save_manifest("complete" if complete else "partial")
+    if stopped:
+        log(f"stopped after {max_cells} cells ({len(run_dir.done())} of {len(cells)} done): run the same command "
+            "again to resume")
+    return table, manifest
+
+
+# -- command line -----------------------------------------------------------------------------------------------
+def add_parser(sub) -> None:
+    parser = sub.add_parser("run", help="run an experiment config (TOML): a grid of configurations over rounds",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="config file (e.g. experiments/quickstart.toml)")
+    add_options(parser)
+    parser.set_defaults(func=main)
+
+
+def add_options(parser) -> None:
+    parser.add_argument("--out", default=None, help="run directory (default runs/NAME, NAME from the config)")
+    parser.add_argument("--dry-run", action="store_true", help="print the grid and what is done; run nothing")
+    parser.add_argument("--max-cells", type=int_at_least(1), default=None,
+                        help="run at most this many new cells, then stop (run again to resume)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args) -> int:
+    from .report import summary_table
+
+    config = load_config(args.config)
+    table, manifest = run_experiment(config, args.out, max_cells=args.max_cells, dry_run=args.dry_run,
+                                     progress=not args.no_progress)
+    if table is None:
+        return 0
+    out = args.out or Path("runs") / config.name
+    print(f"{config.name}: {manifest['cells_done']} of {manifest['cells_total']} cells done; model "
+          f"{config.model.source}, workload {config.workload.source} ({config.workload.count} x "
+          f"{config.workload.length} tokens), {config.rounds} round(s); means over rounds")
+    if len(table):
+        with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60):
+            print(summary_table(table).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"results: {Path(out) / RESULTS}; tables and plots: specmoe report {out}")
+    return 0
+
+
+__all__ = ["ConfigError", "RunDir", "quickstart_config", "read_table", "run_experiment"]
