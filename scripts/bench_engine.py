@@ -50,6 +50,7 @@ from specmoe.engines.results import LogitFeed
 from specmoe.files import write_text_atomic
 from specmoe.offload import ExpertStore
 from specmoe.routing import Calibration, preset
+from specmoe.stats import log_ratio_ttest
 
 PSR_LAMBDA = {32: 0.3, 16: 0.25}
 
@@ -65,22 +66,12 @@ def policies(capacity: int, top_k: int) -> dict:
 
 
 def ratio_ci(a: list[float], b: list[float]) -> dict:
-    """Ratio mean(a)/mean(b) from a paired t-test on log latency over rounds: point and 95% interval."""
-    d = np.log(np.asarray(a)) - np.log(np.asarray(b))
-    n = len(d)
-    point = float(np.exp(d.mean()))
-    if n < 2:
-        return {"ratio": point, "lo": math.nan, "hi": math.nan, "p": math.nan}
-    try:
-        from scipy import stats
-
-        tcrit = float(stats.t.ppf(0.975, n - 1))
-        sd = d.std(ddof=1)
-        p = float(2 * stats.t.sf(abs(d.mean()) / (sd / math.sqrt(n)), n - 1)) if sd > 0 else 0.0
-    except ImportError:
-        tcrit, sd, p = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776}.get(n, 2.0), d.std(ddof=1), math.nan
-    half = tcrit * sd / math.sqrt(n)
-    return {"ratio": point, "lo": float(np.exp(d.mean() - half)), "hi": float(np.exp(d.mean() + half)), "p": p}
+    """a / b over paired rounds (`specmoe.stats.log_ratio_ttest`: paired t on log latency): point, 95% interval,
+    p; the interval and p are NaN with one round."""
+    if len(a) < 2:
+        return {"ratio": float(np.exp(np.mean(np.log(a) - np.log(b)))), "lo": math.nan, "hi": math.nan, "p": math.nan}
+    r = log_ratio_ttest(a, b)
+    return {"ratio": r.ratio, "lo": r.low, "hi": r.high, "p": r.p_value}
 
 
 class _Timer:

@@ -7,7 +7,7 @@ import pytest
 from specmoe.block_records import BlockRecords
 from specmoe.replay import (AcceptanceProfile, Blocks, BlockSourceError, blocks_from_records, replay_ar,
                             replay_block_selection, replay_rollback, synthetic_blocks)
-from specmoe.routing import Calibration, LogicalCache, PolicyConfig, preset, replay
+from specmoe.routing import Calibration, LogicalCache, PolicyConfig, preset
 from specmoe.traces import Trace
 from specmoe.verifiers import ExpertPool, select_block, selector_preset
 

@@ -26,26 +26,22 @@ import numpy as np
 import pandas as pd
 
 from specmoe.files import write_file_atomic, write_text_atomic
+from specmoe.stats import log_ratio_ttest
 
 QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a value is the frontier's y
 
 
 def paired_log_ratio(a, b) -> tuple[float, float, float]:
-    """The geometric-mean ratio of paired positive values a / b and its 95% interval, from a paired t-test on
-    their logarithms (scipy.stats.ttest_rel): (ratio, lo, hi); the interval is NaN with fewer than two pairs."""
-    from scipy import stats
-
-    a, b = np.log(np.asarray(a, dtype=np.float64)), np.log(np.asarray(b, dtype=np.float64))
+    """The geometric-mean ratio of paired positive values a / b and its 95% interval (`specmoe.stats.
+    log_ratio_ttest`, a paired t-test on their logarithms): (ratio, lo, hi); the interval is NaN with fewer than
+    two pairs."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
         raise ValueError(f"paired_log_ratio needs two 1-D arrays of the same non-zero length, got {a.shape}, {b.shape}")
-    ratio = float(np.exp(np.mean(a - b)))
     if a.size < 2:
-        return ratio, math.nan, math.nan
-    d = a - b
-    if np.ptp(d) <= 1e-12 * max(1.0, float(np.abs(d).max())):  # no spread (but rounding): the interval is the point
-        return ratio, ratio, ratio
-    lo, hi = stats.ttest_rel(a, b).confidence_interval(0.95)
-    return ratio, float(np.exp(lo)), float(np.exp(hi))
+        return float(np.exp(np.mean(np.log(a) - np.log(b)))), math.nan, math.nan
+    r = log_ratio_ttest(a, b)
+    return r.ratio, r.low, r.high
 
 
 def _means(table: pd.DataFrame) -> pd.DataFrame:
