@@ -34,6 +34,7 @@ Choices:
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -105,7 +106,8 @@ def check_drafter_fits(drafter: Drafter, geometry) -> None:
 class SpecResult:
     """One request: the committed tokens, each block's root position and accepted drafts, the pool's copies
     and moves over the blocks (the prefill's excluded), per-block drafting / verification seconds and exposed
-    copy wait (CPU: simulated link), and with record=True each block's selections [D, L, K]."""
+    copy wait (CPU: simulated link; NaN on a GPU, where the host does not see it: compare with a copies-skipped
+    run), and with record=True each block's selections [D, L, K]."""
 
     tokens: list[int]
     k: int
@@ -307,7 +309,7 @@ class SpecEngine:
                 self.commit_rate.update(a, k)
                 self._end_block()
                 verify_s.append(time.perf_counter() - started)
-                wait_s.append(self.copies.wait_s - waited)
+                wait_s.append(math.nan if self.cuda else self.copies.wait_s - waited)  # GPU: not seen by the host
                 started = time.perf_counter()
                 rows = self.verifier.step.work["features"][:a + 1] if self.feeds_features else None
                 drafter.commit(a, greedy[a], rows)
@@ -390,7 +392,7 @@ class SpecEngine:
                 self.commit_rate.update(a, k)
                 self._end_block()
                 verify_s.append(time.perf_counter() - started)
-                wait_s.append(self.copies.wait_s - waited)
+                wait_s.append(math.nan if self.cuda else self.copies.wait_s - waited)  # GPU: not seen by the host
                 displaced += float(block_displaced[:a + 1].sum())
                 roots.append(position)
                 accepted.append(a)
