@@ -29,61 +29,15 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import GraphTimer, measure_bandwidth  # noqa: E402
+
 DEVICE = "cuda"
 HIDDEN, INTER, SLOTS, TOP_K = 2048, 1024, 64, 8
-
-
-def measure_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Device memory bandwidth, bytes read + written per second, of a large device-to-device copy (median)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 255)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * nbytes / statistics.median(times)
-
-
-class GraphTimer:
-    """One CUDA graph of `calls` (closures), captured once; `ms_per_call()` replays it and returns the median
-    replay time divided by the number of calls."""
-
-    def __init__(self, calls, replays: int):
-        self.replays = replays
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile and warm up outside the capture
-            for call in calls[:2]:
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            for call in calls:
-                call()
-        self.n = len(calls)
-
-    def ms_per_call(self) -> float:
-        for _ in range(3):
-            self.graph.replay()
-        times = []
-        for _ in range(self.replays):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            self.graph.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times) / self.n
 
 
 def per_position(x, res, buf, route, act, out):

@@ -7,11 +7,10 @@ and against the per-token kernel."""
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _interpreter import run_in_interpreter
 
 from specmoe.kernels.grouped_moe import (default_block_m, grouped_moe_bytes, grouped_params, make_grouped_workspace,
                                          slot_moe_grouped, slot_moe_grouped_torch, zipf_routes)
@@ -118,32 +117,7 @@ def test_zipf_routes_share_slots_across_positions():
     assert grouped_moe_bytes(routes[0], 4, 2, 2) == distinct[0] * 3 * 4 * 2 * 2
 
 
-# -- the Triton kernels in the interpreter (CPU, where Triton is installed) --------------------------------------
-# NumPy >= 2.4 refuses int() of a 1-element array, which Triton's interpreter uses for tensor loop bounds
-# (triton-lang/triton#9171); and the interpreter multiplies the bit patterns of bfloat16 operands of tl.dot
-# (it stores bfloat16 as uint16 and converts only 8-bit floats before np.matmul; triton-lang/triton#11584):
-# convert them to float32 as its casts do. Both patch the interpreter only; compiled kernels are unaffected.
-INTERPRETER_PATCHES = r"""
-import numpy as np
-import triton.language as tl
-import triton.runtime.interpreter as ti
-try:
-    int(np.ones(1))
-except TypeError:
-    if hasattr(ti, "_patch_lang_tensor"):
-        _orig = ti._patch_lang_tensor
-        def _patch(tensor, scope):
-            _orig(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        ti._patch_lang_tensor = _patch
-_dot = ti.InterpreterBuilder.create_dot
-def _f32(h):
-    if h.dtype == tl.bfloat16:
-        return ti.TensorHandle(ti._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
-    return h
-ti.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: _dot(self, _f32(a), _f32(b), d, *args)
-"""
-
+# -- the Triton kernels in the interpreter (CPU, where Triton is installed; tests/_interpreter.py) --------
 _KERNEL_CHECK = r"""
 import torch
 from specmoe.kernels.grouped_moe import (make_grouped_workspace, slot_moe_grouped_torch, slot_moe_grouped_triton,
@@ -233,9 +207,7 @@ print("grouped ok")
 
 
 def run_interpreted(script: str, marker: str, timeout: int = 600) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", INTERPRETER_PATCHES + script], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+    done = run_in_interpreter(script, timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     assert marker in done.stdout
 
