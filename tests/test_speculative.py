@@ -179,6 +179,21 @@ def test_stop_tokens_end_a_request(family, prompt, reference):
     assert result.logprobs.shape == (first + 1, adapter.vocab_size)
 
 
+def test_a_stop_callback_ends_the_request_after_its_block(family, prompt, reference):
+    model, adapter = family
+    seen = []
+
+    def stop(new):
+        seen.append(len(new))
+        return len(new) >= 5
+
+    result = speculative_generate(model, adapter, build_drafter(DrafterConfig("ar"), model), prompt, config(),
+                                  divergence=False, stop=stop)
+    n = len(result.tokens)
+    assert 5 <= n < NEW and seen[-1] == n and all(x < 5 for x in seen[:-1])  # called after every block
+    assert result.tokens.tolist() == reference[:n].tolist()
+
+
 def test_sd_command_prints_the_table_and_refuses_bad_input(tmp_path, capsys):
     out = tmp_path / "sd"
     small = ["--prompts", "1", "--prompt-length", "24", "--new-tokens", "8", "--calibration-windows", "2",

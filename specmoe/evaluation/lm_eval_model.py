@@ -11,8 +11,8 @@ What it runs (batch 1, one request at a time, greedy):
   `specmoe.harness.greedy_decode` does) until a stop string, the eos token or max_gen_toks.
 - speculative decoding (``selector=exact|acceptmoe|confidence_top1``): `generate_until` runs
   `specmoe.harness.speculative_generate` with the drafter, k drafts per block and a pool of P experts per
-  layer, then cuts the text at the first stop string (the loop stops only at eos or max_gen_toks, so it may
-  decode past a stop string; the text is the same, only time is lost). Loglikelihood requests are refused:
+  layer, stopping after the block in which a stop string appears (or at eos or max_gen_toks), then cuts the
+  text at the first stop string. Loglikelihood requests are refused:
   speculative decoding defines generated text, not a teacher-forced score.
 
 Model arguments (``--model_args`` / ``model_args=``): ``pretrained`` (checkpoint directory or named config;
@@ -231,7 +231,7 @@ class SpecmoeLM(TemplateLM):
                 raise ValueError(f"max_gen_toks={max_new} must be in [1, max_length={self.max_length})")
             prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
             started = time.perf_counter()
-            new = self._speculative_decode(prompt, max_new) if self.speculative else \
+            new = self._speculative_decode(prompt, max_new, until) if self.speculative else \
                 self._greedy_decode(prompt, max_new, until)
             self.seconds += time.perf_counter() - started
             text = postprocess_generated_text(self.tok_decode(new), until, None)
@@ -259,7 +259,7 @@ class SpecmoeLM(TemplateLM):
                 break
         return new
 
-    def _speculative_decode(self, prompt: list[int], max_new: int) -> list[int]:
+    def _speculative_decode(self, prompt: list[int], max_new: int, until: list[str] = ()) -> list[int]:
         """The harness's speculative loop on one request (its own pool and commitment rates)."""
         import dataclasses
 
@@ -268,8 +268,9 @@ class SpecmoeLM(TemplateLM):
         drafter, config = self.speculative
         if config.max_new_tokens != max_new:
             config = dataclasses.replace(config, max_new_tokens=max_new)
+        stop = (lambda new: any(s in self.tok_decode(new) for s in until)) if until else None
         result = speculative_generate(self.model, self.adapter, drafter, prompt, config, calibration=self.calibration,
-                                      divergence=False)
+                                      divergence=False, stop=stop)
         self.counts.append(result.counts())
         return result.tokens.tolist()
 

@@ -36,6 +36,7 @@ routing of the committed positions' next-token distributions (`divergence_from_e
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -219,13 +220,15 @@ def _features(out, drafter: Drafter) -> torch.Tensor | None:
 @torch.no_grad()
 def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter, prompt, config: SpeculativeConfig,
                          *, calibration: Calibration | None = None, commit_rate: CommitRate | None = None,
-                         record: bool = False, divergence: bool = True) -> SpeculativeResult:
+                         record: bool = False, divergence: bool = True,
+                         stop: Callable[[list[int]], bool] | None = None) -> SpeculativeResult:
     """Decode `prompt` (token ids) greedily with `drafter` and block-level selection (module docstring).
 
     calibration: its warm set is the pool's start (default: the neutral calibration, experts by index);
     commit_rate: the acceptmoe weights' estimator, reset here (default `CommitRate()`); record: keep every
     block (`result.blocks`, see `specmoe.block_records`); divergence: compare the committed positions with
-    exact routing (`divergence_from_exact`, one extra forward)."""
+    exact routing (`divergence_from_exact`, one extra forward); stop: called with the new tokens after every
+    block, True ends the request there (e.g. a stop string in their text; the block's tokens are kept)."""
     from transformers import DynamicCache
 
     config.check(adapter, drafter)
@@ -281,7 +284,7 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
             draft_s += drafting_time(drafter, started, count_fixed=False)
             roots.append(len(tokens) - 1)
             accepted.append(a)
-            if commit_block(tokens, new, drafts, a, greedy[a], config.stop_tokens):
+            if commit_block(tokens, new, drafts, a, greedy[a], config.stop_tokens) or (stop is not None and stop(new)):
                 break
     del new[config.max_new_tokens:]
     totals = pool.totals()
