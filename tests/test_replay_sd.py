@@ -168,7 +168,6 @@ def test_hand_worked_block_selection_matches_select_block(name):
 
 def test_counterfactual_counts_changed_sets():
     # block 0 rejects its second draft (row 2); the true continuation of that position is row 3 (block 1's root)
-    z = np.full((6, 1, 6), -5.0, dtype=np.float32)
     blocks = hand_blocks(accepted=(1, 0))
     true_rows = np.array([[0, 1, 3], [3, -1, -1]])
     blocks.true_rows = true_rows
