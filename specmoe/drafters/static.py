@@ -12,27 +12,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels import decode_attention, triton_available
+from specmoe.kernels import decode_attention, norm_rope, triton_available
 from specmoe.kernels.checks import TOLERANCE, relative_error
 from specmoe.kernels.split_kv import make_split_kv_workspace, split_kv_attention
 
 from .base import ATTENTIONS, DrafterError
 
 
-def rope_tables(head_dim: int, theta: float, max_seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [S, HD/2] float32 of the default rotary embedding (float32 positions, as transformers)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.arange(max_seq_len).float()[:, None] * inv_freq[None, :]
-    return freqs.cos().to(device).contiguous(), freqs.sin().to(device).contiguous()
-
-
 def default_rope_theta(config) -> float:
-    """The rope theta of a config with default rotary embeddings; DrafterError for any other rope type."""
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    kind = rope.get("rope_type", "default")
-    if kind != "default":
-        raise DrafterError(f"the static-cache drafter supports default rotary embeddings only, got {kind!r}")
-    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    """`norm_rope.default_rope_theta` with the static drafters' error (DrafterError)."""
+    return norm_rope.default_rope_theta(config, "the static-cache drafter", DrafterError)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

@@ -30,10 +30,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specmoe.kernels.norm_rope import rope_tables
+
 from .base import DrafterError, advance, prompt_tokens
 from .hf_autoregressive import check_vocabulary
-from .static import (Launcher, WrittenAttention, chunk_attention, default_rope_theta, pinned_pair, rope_tables,
-                     rotate, sync)
+from .static import Launcher, WrittenAttention, chunk_attention, default_rope_theta, pinned_pair, rotate, sync
 
 ARCHITECTURES = ("olmo", "olmo2")
 PREFILL_CHUNK = 256  # positions per eager prefill forward

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels.norm_rope import rmsnorm_torch
+from specmoe.kernels.norm_rope import rmsnorm_torch, rope_tables
 
 from .base import DrafterError, advance, prompt_tokens
 from .dflash import check_fits_target
-from .static import Launcher, WrittenAttention, default_rope_theta, pinned_pair, rope_tables, rotate, sync
+from .static import Launcher, WrittenAttention, default_rope_theta, pinned_pair, rotate, sync
 
 CONTEXT_CHUNK = 512  # feature rows per eager write at reset
 

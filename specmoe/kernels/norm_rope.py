@@ -19,6 +19,23 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
+def default_rope_theta(config, who: str, error: type[Exception] = ValueError) -> float:
+    """The rope theta of a transformers config with default rotary embeddings; `error` naming `who` for any
+    other rope type (the decode paths implement the default one only)."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        raise error(f"{who} supports default rotary embeddings only, got {kind!r}")
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def rope_tables(head_dim: int, theta: float, max_seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, HD/2] float32 of the default rotary embedding (float32 positions, as transformers)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.arange(max_seq_len).float()[:, None] * inv_freq[None, :]
+    return freqs.cos().to(device).contiguous(), freqs.sin().to(device).contiguous()
+
+
 def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' OlmoeRMSNorm over the last dimension of x [..., N]."""
     h = x.float()

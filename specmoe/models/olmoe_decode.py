@@ -48,11 +48,7 @@ class OlmoeShapes:
 
     @classmethod
     def from_hf(cls, config) -> "OlmoeShapes":
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"the OLMoE decoder supports default rotary embeddings only, got {rope_type!r}")
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        theta = norm_rope.default_rope_theta(config, "the OLMoE decoder")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
                    config.num_key_value_heads, head_dim, config.intermediate_size, config.num_experts,
@@ -106,10 +102,7 @@ class OlmoeDecoder:
         self.k_cache = torch.zeros(c.num_layers, c.num_kv_heads, s, c.head_dim, dtype=dtype, device=dev)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.positions = torch.arange(s, device=dev)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-        freqs = torch.arange(s).float()[:, None] * inv_freq[None, :]  # as transformers: float32 positions
-        self.cos = freqs.cos().to(dev).contiguous()
-        self.sin = freqs.sin().to(dev).contiguous()
+        self.cos, self.sin = norm_rope.rope_tables(c.head_dim, c.rope_theta, s, dev)
         self.scale = c.head_dim ** -0.5
         self._steps: dict[int, DecodeStep] = {}
         self.feature_layers: tuple[int, ...] = ()  # capture_features
