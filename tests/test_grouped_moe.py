@@ -412,3 +412,26 @@ def test_decoder_self_check_passes_at_full_size(gpu_buffers):
 
     shapes = checks.KernelShapes(H, I, K, 16, 16, 128, 256, 1e-5, None, torch.bfloat16, torch.device("cuda"))
     checks.check_grouped_moe(shapes, gpu_buffers[torch.bfloat16])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_tuning_picks_the_fastest_candidate_that_compiles(monkeypatch):
+    """`fastest` (both MoE kernels' tuning): the candidate with the lowest timing wins, one that raises is
+    skipped, none compiling is an error naming the kernel. Timings come from a stand-in for do_bench."""
+    import triton.testing
+
+    from specmoe.kernels.moe import fastest
+
+    candidates = ({"n": 1}, {"n": 2}, {"n": 3})
+    last = {}
+
+    def run(params):
+        if params["n"] == 2:
+            raise RuntimeError("does not compile")
+        last["n"] = params["n"]
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), {1: 0.5, 3: 0.2}[last["n"]])[1])
+    params, times = fastest(candidates, run, "test")
+    assert params == {"n": 3} and times == {0: 0.5, 2: 0.2}
+    with pytest.raises(RuntimeError, match="no test configuration compiled"):
+        fastest(candidates[1:2], run, "test")

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .moe import slot_moe_torch
+from .moe import fastest, slot_moe_torch
 
 try:  # Triton is optional: CPU machines run the torch reference
     import triton
@@ -343,8 +343,6 @@ def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hid
     """Pick the fastest of GROUPED_CANDIDATES for D = num_positions on this device (CUDA only), on Zipf-like
     routes (`zipf_routes`). Returns (params, {candidate index: median ms}); candidates that fail to compile
     are skipped."""
-    from triton.testing import do_bench
-
     device, dtype = slot_buf.device, slot_buf.dtype
     g = torch.Generator().manual_seed(seed)
     route = zipf_routes(1, num_positions, top_k, slot_buf.shape[0], exponent, g, device)[0]
@@ -352,18 +350,8 @@ def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hid
     res = torch.zeros_like(x)
     out = torch.empty_like(x)
     ws = make_grouped_workspace(num_positions, top_k, hidden, inter, dtype, device)
-    times = {}
-    for i, cand in enumerate(GROUPED_CANDIDATES):
-        try:
-            fn = lambda: slot_moe_grouped_triton(x, res, slot_buf, route, out, hidden, inter, ws, cand)  # noqa: E731
-            fn()
-            times[i] = float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
-        except Exception:  # a candidate the compiler rejects on this device is simply not used
-            continue
-    if not times:
-        raise RuntimeError("no grouped Triton MoE configuration compiled on this device")
-    best = min(times, key=times.get)
-    return dict(GROUPED_CANDIDATES[best]), times
+    return fastest(GROUPED_CANDIDATES, lambda cand: slot_moe_grouped_triton(x, res, slot_buf, route, out, hidden, inter,
+                                                                            ws, cand), "grouped Triton MoE")
 
 
 __all__ = ["GROUPED_CANDIDATES", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", "default_block_m", "grouped_moe_bytes",

@@ -175,8 +175,6 @@ def tune_moe(slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int, dtype:
     """Pick the fastest of MOE_CANDIDATES on this device for one layer's slot buffer (CUDA only).
 
     Returns (params, {candidate index: median ms}). Candidates that fail to compile are skipped."""
-    from triton.testing import do_bench
-
     device = slot_buf.device
     num_slots = slot_buf.shape[0]
     x = torch.randn(hidden, device=device, dtype=dtype)
@@ -186,15 +184,23 @@ def tune_moe(slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int, dtype:
     route = torch.zeros(2 * top_k, dtype=torch.int32, device=device)
     route[:top_k] = torch.randperm(num_slots, device=device)[:top_k].int()
     route[top_k:].view(torch.float32)[:] = 1.0 / top_k
+    return fastest(MOE_CANDIDATES, lambda cand: slot_moe_triton(x, res, slot_buf, route, act, out, hidden, inter,
+                                                                   cand), "Triton MoE")
+
+
+def fastest(candidates, run, what: str) -> tuple[dict, dict]:
+    """The candidate launch parameters with which `run(params)` is fastest on this device (triton's do_bench,
+    median): (params, {candidate index: median ms}). Candidates the compiler rejects are skipped."""
+    from triton.testing import do_bench
+
     times = {}
-    for i, cand in enumerate(MOE_CANDIDATES):
+    for i, cand in enumerate(candidates):
         try:
-            fn = lambda: slot_moe_triton(x, res, slot_buf, route, act, out, hidden, inter, cand)  # noqa: E731
-            fn()
-            times[i] = float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
+            run(cand)
+            times[i] = float(do_bench(lambda: run(cand), warmup=5, rep=20, return_mode="median"))  # noqa: B023
         except Exception:  # a candidate the compiler rejects on this device is simply not used
             continue
     if not times:
-        raise RuntimeError("no Triton MoE configuration compiled on this device")
+        raise RuntimeError(f"no {what} configuration compiled on this device")
     best = min(times, key=times.get)
-    return dict(MOE_CANDIDATES[best]), times
+    return dict(candidates[best]), times
