@@ -258,6 +258,48 @@ class SpecEngine:
         return step.next_np[:d].tolist()
 
     # -- a request -------------------------------------------------------------------------------------
+    def _start_request(self) -> None:
+        """The pool at the warm set (its slots copied), positions from 0, the commitment rates reset."""
+        self._load_warm()
+        self.decoder.reset()
+        self.commit_rate.reset()
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.union_used = 0  # the most union slots one layer of one block needed (the prefill's included)
+
+    def _verify(self, tally: "_Tally", ids: list[int], root: int, confidences, record: bool,
+                feed: np.ndarray | None = None, accepted: int | None = None) -> list[int]:
+        """One verification block (root token and drafts `ids` at position `root`), its acceptance (greedy, or
+        the recorded `accepted`), the commitment rates' update and the pool refill, recorded in `tally`;
+        returns the target's greedy tokens."""
+        g, config, k = self.geometry, self.config, self.config.k
+        started, waited = time.perf_counter(), self.copies.wait_s
+        alpha = block_weights(config.selector, k, self.commit_rate, confidences)
+        displaced = np.zeros(k + 1)
+        selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
+        greedy = self._forward(self.verifier, ids, root, config.selector, alpha, displaced, selected, feed)
+        a = accepted_length(ids[1:], greedy) if accepted is None else accepted
+        self.commit_rate.update(a, k)
+        self._end_block()
+        tally.verify_s.append(time.perf_counter() - started)
+        tally.wait_s.append(math.nan if self.cuda else self.copies.wait_s - waited)  # GPU: not seen by the host
+        tally.displaced += float(displaced[:a + 1].sum())
+        tally.roots.append(root)
+        tally.accepted.append(a)
+        if record:
+            tally.selected.append(selected)
+        return greedy
+
+    def _result(self, tally: "_Tally", tokens: list[int], draft_s: list[float], prefill_s: float,
+                **info) -> SpecResult:
+        totals = self.pool.totals()
+        info = {"kernels": self.kernels, "cuda_graphs": self.verifier.graphs is not None, **info,
+                "union_used": self.union_used, "skip_copies": self.settings.skip_copies,
+                "max_in_flight": self.settings.max_in_flight, "notes": list(self.notes)}
+        return SpecResult(tokens, self.config.k, self.geometry.num_layers, tally.roots, tally.accepted,
+                          totals["copies"] - tally.base["copies"], totals["moves"] - tally.base["moves"],
+                          tally.displaced, draft_s, tally.verify_s, tally.wait_s, prefill_s, tally.selected, info)
+
     @torch.no_grad()
     def generate(self, prompt, record: bool = False) -> SpecResult:
         """Decode `prompt` (token ids) greedily with the drafter; record: keep each block's selections."""
@@ -270,15 +312,9 @@ class SpecEngine:
                              f"k + 1 = {k + 1} positions need {len(tokens) + config.max_new_tokens + k - 1} positions; "
                              f"the static KV cache has {g.max_seq_len}")
         self.calibration.check(g.num_layers, g.num_experts, g.vocab_size, self.fingerprint)
-        self._load_warm()
-        self.decoder.reset()
-        self.commit_rate.reset()
-        if self.cuda:
-            torch.cuda.synchronize()
+        self._start_request()
         ones = np.ones(1)
-        self.union_used = 0  # the most union slots one layer of one block needed (the prefill's included)
-        roots, accepted, selected, new = [], [], [], []
-        draft_s, verify_s, wait_s, displaced = [], [], [], 0.0
+        new, draft_s = [], []
         with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
             started = time.perf_counter()
             prompt_features = None
@@ -292,44 +328,22 @@ class SpecEngine:
                 self._end_block()
             drafter.reset(torch.tensor(tokens), prompt_features)
             prefill_s = time.perf_counter() - started
-            base = self.pool.totals()
+            tally = _Tally(self.pool.totals())  # the prefill's copies are prompt processing: not counted
             while len(new) < config.max_new_tokens:
                 started = time.perf_counter()
                 drafts, confidences = drafter.propose(k)
                 drafted = drafting_time(drafter, started)
                 drafts = [int(t) for t in drafts]
-                started, waited = time.perf_counter(), self.copies.wait_s
-                alpha = block_weights(config.selector, k, self.commit_rate, confidences)
-                block_displaced = np.zeros(k + 1)
-                block_selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
-                root = len(tokens) - 1
-                greedy = self._forward(self.verifier, [tokens[-1]] + drafts, root, config.selector, alpha,
-                                       block_displaced, block_selected)
-                a = accepted_length(drafts, greedy)
-                self.commit_rate.update(a, k)
-                self._end_block()
-                verify_s.append(time.perf_counter() - started)
-                wait_s.append(math.nan if self.cuda else self.copies.wait_s - waited)  # GPU: not seen by the host
+                greedy = self._verify(tally, [tokens[-1]] + drafts, len(tokens) - 1, confidences, record)
+                a = tally.accepted[-1]
                 started = time.perf_counter()
                 rows = self.verifier.step.work["features"][:a + 1] if self.feeds_features else None
                 drafter.commit(a, greedy[a], rows)
                 draft_s.append(drafted + drafting_time(drafter, started, count_fixed=False))
-                displaced += float(block_displaced[:a + 1].sum())
-                roots.append(root)
-                accepted.append(a)
-                if record:
-                    selected.append(block_selected)
                 if commit_block(tokens, new, drafts, a, greedy[a], config.stop_tokens):
                     break
         del new[config.max_new_tokens:]
-        totals = self.pool.totals()
-        info = {"kernels": self.kernels, "cuda_graphs": self.verifier.graphs is not None, "union_used": self.union_used,
-                "skip_copies": self.settings.skip_copies, "max_in_flight": self.settings.max_in_flight,
-                "notes": list(self.notes)}
-        return SpecResult(new, k, g.num_layers, roots, accepted, totals["copies"] - base["copies"],
-                          totals["moves"] - base["moves"], displaced, draft_s, verify_s, wait_s, prefill_s,
-                          selected, info)
-
+        return self._result(tally, new, draft_s, prefill_s)
 
     @torch.no_grad()
     def follow(self, blocks: Blocks, first_position: int = 0, draft_cost_s: float = 0.0, record: bool = False,
@@ -369,46 +383,31 @@ class SpecEngine:
 
     def _follow_request(self, blocks: Blocks, ids: np.ndarray, position: int, draft_cost_s: float,
                         record: bool) -> SpecResult:
-        g, config, k = self.geometry, self.config, self.config.k
-        self._load_warm()
-        self.decoder.reset()
-        self.commit_rate.reset()
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.union_used = 0
-        base = self.pool.totals()
-        roots, accepted, selected, new = [], [], [], []
-        verify_s, wait_s, displaced = [], [], 0.0
+        self._start_request()
+        tally, new = _Tally(self.pool.totals()), []
         with torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext():
             for i, b in enumerate(ids):
-                rows = blocks.rows[b]
-                started, waited = time.perf_counter(), self.copies.wait_s
-                a = int(blocks.accepted[b])
-                alpha = block_weights(config.selector, k, self.commit_rate, blocks.confidences[b])
-                block_displaced = np.zeros(k + 1)
-                block_selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
-                greedy = self._forward(self.verifier, blocks.tokens[rows].tolist(), position, config.selector, alpha,
-                                       block_displaced, block_selected, feed=blocks.router_logits[rows])
-                self.commit_rate.update(a, k)
-                self._end_block()
-                verify_s.append(time.perf_counter() - started)
-                wait_s.append(math.nan if self.cuda else self.copies.wait_s - waited)  # GPU: not seen by the host
-                displaced += float(block_displaced[:a + 1].sum())
-                roots.append(position)
-                accepted.append(a)
+                rows, a = blocks.rows[b], int(blocks.accepted[b])
+                greedy = self._verify(tally, blocks.tokens[rows].tolist(), position, blocks.confidences[b], record,
+                                      feed=blocks.router_logits[rows], accepted=a)
                 bonus = int(blocks.tokens[blocks.rows[ids[i + 1], 0]]) if i + 1 < len(ids) else greedy[a]
                 new += blocks.tokens[rows[1:a + 1]].tolist() + [bonus]
-                if record:
-                    selected.append(block_selected)
                 position += a + 1
-        totals = self.pool.totals()
-        info = {"kernels": self.kernels, "cuda_graphs": self.verifier.graphs is not None, "follow": blocks.source,
-                "union_used": self.union_used,
-                "skip_copies": self.settings.skip_copies, "max_in_flight": self.settings.max_in_flight,
-                "notes": list(self.notes)}
-        return SpecResult(new, k, g.num_layers, roots, accepted, totals["copies"] - base["copies"],
-                          totals["moves"] - base["moves"], displaced, [draft_cost_s] * len(ids), verify_s, wait_s,
-                          0.0, selected, info)
+        return self._result(tally, new, [draft_cost_s] * len(ids), 0.0, follow=blocks.source)
+
+
+@dataclass
+class _Tally:
+    """What a request's verification blocks add up to (`SpecEngine._verify`); base: the pool's totals at the
+    first block."""
+
+    base: dict
+    roots: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    selected: list[np.ndarray] = field(default_factory=list)
+    verify_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    displaced: float = 0.0
 
 
 def build_spec_engine(model, drafter: Drafter, config: SpecConfig, calibration: Calibration,
