@@ -18,6 +18,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specmoe.drafters import DrafterConfig
+
 MODES = ("teacher_forced", "generation", "replay")
 ENGINES = ("harness", "engine")
 WORKLOADS = ("family_eval", "selfgen", "text", "jsonl", "humaneval")
@@ -106,19 +108,6 @@ class SdSpec:
 
 
 @dataclass(frozen=True)
-class DrafterSpec:
-    """How to build one drafter (`specmoe.drafters.DrafterConfig`): a checkpoint `path` for ar and dflash
-    (None: the shipped family's), the acceptance profile and cost of the synthetic drafter."""
-
-    name: str
-    path: str | None = None
-    acceptance: float = 0.8
-    commit_probs: tuple[float, ...] | None = None
-    seed: int = 0
-    cost_s: float = 0.0
-
-
-@dataclass(frozen=True)
 class ReplaySpec:
     """Rollback replay (mode "replay"): blocks of a synthetic drafter with each tau over a trace of the
     workload's windows, at each k of [sd]; `methods` of `specmoe.replay` to run."""
@@ -146,14 +135,15 @@ class ExperimentConfig:
     workload: WorkloadSpec = WorkloadSpec()
     ar: ArSpec = ArSpec()
     sd: SdSpec = SdSpec()
-    drafters: tuple[DrafterSpec, ...] = ()
+    drafters: tuple[DrafterConfig, ...] = ()  # [drafters.NAME] tables: path, or the synthetic profile and cost
     engine_config: tuple[tuple[str, object], ...] = ()
     run_settings: tuple[tuple[str, tuple], ...] = ()
     replay: ReplaySpec = ReplaySpec()
     text: str = field(default="", compare=False, repr=False)
 
-    def drafter(self, name: str) -> DrafterSpec:
-        return next((d for d in self.drafters if d.name == name), DrafterSpec(name))
+    def drafter(self, name: str) -> DrafterConfig:
+        """How to build the drafter `name` (`build_drafter`): its [drafters.NAME] table, or the defaults."""
+        return next((d for d in self.drafters if d.name == name), DrafterConfig(name))
 
     def resolved(self) -> dict:
         """The checked config as plain data (defaults filled in), as the manifest records it."""
@@ -368,7 +358,7 @@ def _engine_config(t: _Table) -> tuple[tuple[str, object], ...]:
     return tuple(out)
 
 
-def _drafters(t: _Table) -> tuple[DrafterSpec, ...]:
+def _drafters(t: _Table) -> tuple[DrafterConfig, ...]:
     from specmoe.drafters import DRAFTERS
 
     specs = []
@@ -385,10 +375,10 @@ def _drafters(t: _Table) -> tuple[DrafterSpec, ...]:
             acceptance = d.number("acceptance", 0.8)
             if acceptance > 1:
                 d.fail("acceptance", "expected a number in [0, 1]", acceptance)
-            spec = DrafterSpec(name, None, acceptance, commit, d.integer("seed", 0, minimum=0),
-                               d.number("cost_s", 0.0))
+            spec = DrafterConfig(name, None, acceptance, commit, d.integer("seed", 0, minimum=0),
+                                 d.number("cost_s", 0.0))
         else:
-            spec = DrafterSpec(name, d.string("path", optional=True))
+            spec = DrafterConfig(name, d.string("path", optional=True))
         d.done()
         specs.append(spec)
     t.done()

@@ -146,11 +146,9 @@ class Session:
         return load_sequences(self.config.workload, self.model, tokenizer, self.config.seed, prompts=prompts)
 
     def _drafter(self, name: str):
-        from specmoe.drafters import DrafterConfig, build_drafter
+        from specmoe.drafters import build_drafter
 
-        d = self.config.drafter(name)
-        return build_drafter(DrafterConfig(name, path=d.path, acceptance=d.acceptance, commit_probs=d.commit_probs,
-                                           seed=d.seed, cost_s=d.cost_s), self.model)
+        return build_drafter(self.config.drafter(name), self.model)
 
     def _max_seq_len(self) -> int:
         w, k = self.config.workload, max(self.config.sd.k or (0,))
