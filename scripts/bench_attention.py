@@ -279,19 +279,29 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     report = {"argv": sys.argv[1:], "check": [], "sdpa": [], "flash_attn": [], "split_kv": [], "notes": [],
               "errors": []}
+    bad = None
+    if any(not 1 <= n <= args.max_seq for n in args.lengths) or args.layers < 1:
+        bad = f"--lengths must lie in 1 .. --max-seq ({args.max_seq}) and --layers be positive"
+    return run_reported("bench_attention", run, args, report, bad)
+
+
+def run_reported(name: str, run, args, report: dict, bad_arguments: str | None) -> int:
+    """A GPU benchmark's main: refuse a machine without CUDA or bad arguments (exit 2), run `run(args, report)`
+    with its failure as one line (exit 1) and the traceback's tail in the report, and write the report as JSON
+    to --out (atomically) whatever happened."""
     code = 0
     if not torch.cuda.is_available():
-        print("bench_attention needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        print(f"{name} needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         report["errors"].append("no CUDA device")
         code = 2
-    elif any(not 1 <= n <= args.max_seq for n in args.lengths) or args.layers < 1:
-        print(f"--lengths must lie in 1 .. --max-seq ({args.max_seq}) and --layers be positive", file=sys.stderr)
+    elif bad_arguments:
+        print(bad_arguments, file=sys.stderr)
         code = 2
     else:
         try:
             run(args, report)
         except Exception as exc:  # a clear line, the traceback's tail in the report
-            print(f"bench_attention failed: {exc!r} (traceback in the report's errors)", file=sys.stderr)
+            print(f"{name} failed: {exc!r} (traceback in the report's errors)", file=sys.stderr)
             report["errors"].append(f"{exc!r}\n{traceback.format_exc()[-3000:]}")
             code = 1
     if report["errors"] and code == 0:

@@ -23,7 +23,6 @@ time). `--check` first compares the grouped kernel with the torch reference and 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import GraphTimer, measure_bandwidth  # noqa: E402
+from bench_attention import GraphTimer, measure_bandwidth, run_reported  # noqa: E402
 
 DEVICE = "cuda"
 HIDDEN, INTER, SLOTS, TOP_K = 2048, 1024, 64, 8
@@ -176,28 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip further candidates after this many seconds")
     args = ap.parse_args(argv)
     report = {"argv": sys.argv[1:], "check": [], "rows": [], "candidates": [], "notes": [], "errors": []}
-    code = 0
-    if not torch.cuda.is_available():
-        print("bench_grouped_moe needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
-        report["errors"].append("no CUDA device")
-        code = 2
-    elif args.layers < 1 or any(d < 1 for d in args.positions):
-        print("--layers and --positions must be positive", file=sys.stderr)
-        code = 2
-    else:
-        try:
-            run(args, report)
-        except Exception as exc:  # a clear line, the traceback's tail in the report
-            print(f"bench_grouped_moe failed: {exc!r} (traceback in the report's errors)", file=sys.stderr)
-            report["errors"].append(f"{exc!r}\n{traceback.format_exc()[-3000:]}")
-            code = 1
-    if report["errors"] and code == 0:
-        print(f"{len(report['errors'])} part(s) failed; see the report's errors", file=sys.stderr)
-    if args.out:
-        from specmoe.files import write_text_atomic
-        write_text_atomic(args.out, json.dumps(report, indent=1, default=str))
-        print(f"wrote {args.out}")
-    return code
+    bad = "--layers and --positions must be positive" if args.layers < 1 or any(d < 1 for d in args.positions) else None
+    return run_reported("bench_grouped_moe", run, args, report, bad)
 
 
 if __name__ == "__main__":
