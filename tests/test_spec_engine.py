@@ -219,3 +219,9 @@ def test_trace_following_equals_the_cpu_replay_of_the_recorded_blocks(family, dr
     engine.configure(copy_delay=None, max_in_flight=2)
     with pytest.raises(ValueError, match="drafts"):
         spec(family, drafter, calibration, residency, k=K_DRAFTS + 1).follow(blocks)
+    with pytest.raises(ValueError, match="do not fit the static KV cache"):
+        engine.follow(blocks, first_position=SEQ - 2)
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        engine.follow(replace(blocks, tokens=blocks.tokens + adapter.vocab_size))
