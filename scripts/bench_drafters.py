@@ -41,7 +41,7 @@ from bench_engine import measure_bandwidth, ratio_ci  # noqa: E402
 
 from specmoe.drafters import DFlashDrafter, HFAutoregressiveDrafter, StaticARDrafter, StaticDFlashDrafter  # noqa: E402
 from specmoe.drafters.dflash_model import DFlashDraftModel, build_target_layer_ids, dflash_config  # noqa: E402
-from specmoe.engines.ar import EngineConfig, build_engine  # noqa: E402
+from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.helpers import random_olmoe_on_device  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.routing import Calibration, preset  # noqa: E402

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specmoe.engines.ar import EngineConfig, build_engine
+from specmoe.engines import EngineConfig, build_engine
 from specmoe.engines.helpers import calibration_from_engine, random_olmoe_on_device, weight_bytes_per_token
 from specmoe.engines.results import LogitFeed
 from specmoe.files import write_text_atomic

@@ -3,7 +3,7 @@
 Full-size OLMoE-1B-7B config target (bf16, seeded random weights drawn on the device), a static KV cache of
 --max-seq-len positions (default 4096), blocks rooted from --first-position (default 256: a prompt of a few
 hundred tokens). Routing follows a trained model (random weights route without locality): every speculative
-configuration is trace-following (`SpecEngine.follow`) of
+configuration is trace-following (`Engine.follow`) of
 - synthetic blocks over a routing trace of the shipped family target (`--trace`, `make_bench_trace.py`): a
   synthetic drafter at tau about --taus (default 3 5 7) for each --k (default 8 16), acceptance profile
   `AcceptanceProfile.for_tau`;
@@ -44,11 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import measure_bandwidth, measure_copy_ms, ratio_ci  # noqa: E402
 
 from specmoe.block_records import BlockRecords  # noqa: E402
-from specmoe.drafters import DrafterConfig, build_drafter  # noqa: E402
-from specmoe.engines.ar import EngineConfig, build_engine  # noqa: E402
+from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.helpers import random_olmoe_on_device  # noqa: E402
 from specmoe.engines.results import LogitFeed  # noqa: E402
-from specmoe.engines.sd import SpecConfig, SpecEngine  # noqa: E402
+from specmoe.engines import Engine, SpecConfig  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
@@ -95,12 +94,12 @@ def committed_feeds(blocks, fingerprint) -> list[LogitFeed]:
                       blocks.tokens[rows[lo:hi]], fingerprint) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-def spec_pass(engine: SpecEngine, blocks, first_position: int) -> dict:
+def spec_pass(engine: Engine, blocks, first_position: int) -> dict:
     results = engine.follow(blocks, first_position=first_position)
     committed = sum(len(r.tokens) for r in results)
-    block_ms = 1e3 * np.concatenate([r.verify_s for r in results])
+    block_ms = np.concatenate([r.ms for r in results])
     return {"ms_per_token": float(block_ms.sum() / committed), "block_ms": block_ms,
-            "copies_per_token": sum(r.copies for r in results) / committed,
+            "copies_per_token": sum(r.counts()["copies"] for r in results) / committed,
             "moves_per_token": sum(r.moves for r in results) / committed,
             "tau": committed / sum(len(r.accepted) for r in results), "blocks": len(block_ms),
             "committed": committed, "union_used": max(r.info["union_used"] for r in results)}
@@ -172,8 +171,8 @@ def main(argv=None) -> int:
         for name in args.selectors:
             config = SpecConfig(selector_preset(name), k=k, pool_size=args.pool)
             decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
-            drafter = build_drafter(DrafterConfig("synthetic"), model)  # follow() runs no drafter
-            engines[(k, name)] = SpecEngine(decoder, unit, drafter, calibration, config, cfg, fingerprint=fingerprint)
+            engines[(k, name)] = Engine(decoder, unit, None, calibration, cfg, fingerprint=fingerprint,
+                                        speculative=config)
     report["notes"] = engines[(args.k[0], args.selectors[0])].notes
     report["sources"] = {n: {"k": k, "blocks": b.num_blocks, "tau": b.tau, "source": b.source}
                          for n, (k, b) in sources.items()}

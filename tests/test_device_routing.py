@@ -9,7 +9,7 @@ import pytest
 import torch
 from _interpreter import run_in_interpreter
 
-from specmoe.engines.ar import EngineConfig, build_engine
+from specmoe.engines import EngineConfig, build_engine
 from specmoe.models import load_model
 from specmoe.offload import ExpertStore
 from specmoe.routing import Calibration, EngineScoring, LogicalCache, RouterScoring, preset

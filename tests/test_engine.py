@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.engines.ar import ArEngine, EngineConfig, RunSettings, build_engine, build_engine_from_checkpoint
+from specmoe.engines import Engine, EngineConfig, RunSettings, build_engine, build_engine_from_checkpoint
 from specmoe.engines.helpers import calibration_from_engine
 from specmoe.engines.results import LogitFeed
 from specmoe.models import load_model
@@ -103,10 +103,10 @@ def test_slots_follow_the_logical_cache(make_engine, tokens):
     engine = make_engine("psr", 16)
     engine.teacher_forced(tokens)
     for layer in range(engine.num_layers):
-        np.testing.assert_array_equal(engine.copies.owner[layer], engine.cache.resident(layer))
+        np.testing.assert_array_equal(engine.copies.owner[layer], engine.router.cache.resident(layer))
     engine.copies.synchronize()
     for layer in range(engine.num_layers):  # and the bytes are those experts'
-        for slot, expert in enumerate(engine.cache.resident(layer)):
+        for slot, expert in enumerate(engine.router.cache.resident(layer)):
             assert torch.equal(engine.slots.data[layer, slot], engine.store.expert(layer, int(expert)))
 
 
@@ -304,7 +304,7 @@ def test_mismatched_store_is_rejected(tiny, store, calibration):
     decoder = OlmoeDecoder.from_model(model, SEQ)
     half = ExpertStore(store.layers[:8], ExpertGeometry(8, 64, 64, 32, tuple(range(8))))
     with pytest.raises(ValueError, match="does not match the decoder"):
-        ArEngine(decoder, ExpertResidency(half, 16, "cpu"), preset("psr", 16, adapter.top_k), calibration,
+        Engine(decoder, ExpertResidency(half, 16, "cpu"), preset("psr", 16, adapter.top_k), calibration,
                  EngineConfig(max_seq_len=SEQ))
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.engines.ar import EngineConfig, RunSettings, build_engine
+from specmoe.engines import EngineConfig, RunSettings, build_engine
 from specmoe.engines.helpers import calibration_from_engine, random_olmoe_on_device
 from specmoe.engines.results import LogitFeed
 from specmoe.offload import ExpertStore

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.engines.ar import EngineConfig, build_engine
+from specmoe.engines import EngineConfig, build_engine
 from specmoe.models import ModelSourceError, decoder_for, load_model
 from specmoe.models.decoder import Decoder, DecodeStep
 from specmoe.models.olmoe_decode import OlmoeDecoder

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specmoe.engines.ar import EngineConfig, build_engine
+from specmoe.engines import EngineConfig, build_engine
 from specmoe.engines.results import LogitFeed
 from specmoe.models import load_model
 from specmoe.offload import ExpertStore

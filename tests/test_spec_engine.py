@@ -1,7 +1,7 @@
 """The speculative engine on the CPU (float32, the shipped family's target and AR drafter): exact selection
 reproduces the AR engine's greedy output, agreement with the harness loop (tokens, accepted lengths,
-selections, copies, moves), independence of copy timing, slots that follow the pool, an ArEngine and a
-SpecEngine alternating on one residency unit, the copy stream's moves, and bad input."""
+selections, copies, moves), independence of copy timing, slots that follow the pool, autoregressive and
+speculative engines alternating on one residency unit, the copy stream's moves, and bad input."""
 
 from types import SimpleNamespace
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
-from specmoe.engines.ar import EngineConfig, RunSettings, build_engine
-from specmoe.engines.sd import SpecConfig, build_spec_engine
+from specmoe.engines import EngineConfig, RunSettings, build_engine
+from specmoe.engines import SpecConfig
 from specmoe.harness import SpeculativeConfig, speculative_generate
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration, preset
@@ -47,9 +47,18 @@ def residency(family, store):
 
 
 def spec(family, drafter, calibration, residency, selector="acceptmoe", settings=RunSettings(), **kw):
+    """A speculative engine with `drafter` (the config's request length and stop tokens: `sd`)."""
     config = SpecConfig(selector_preset(selector), **{"k": K_DRAFTS, "pool_size": POOL, "max_new_tokens": NEW, **kw})
-    return build_spec_engine(family[0], drafter, config, calibration, EngineConfig(max_seq_len=SEQ), settings,
-                             residency=residency)
+    engine = build_engine(family[0], None, calibration, EngineConfig(max_seq_len=SEQ), settings, speculative=config,
+                          residency=residency)
+    engine.drafter = drafter
+    return engine
+
+
+def sd(engine, prompt, **kw):
+    """engine.generate with its drafter, as configured by `spec`."""
+    c = engine.speculative
+    return engine.generate(prompt, c.max_new_tokens, c.stop_tokens, drafter=engine.drafter, **kw)
 
 
 def test_exact_selection_equals_ar_engine_greedy(family, drafter, calibration, residency, prompt):
@@ -57,7 +66,7 @@ def test_exact_selection_equals_ar_engine_greedy(family, drafter, calibration, r
     ar = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration,
                       EngineConfig(max_seq_len=SEQ), residency=residency)
     expected = ar.generate(prompt, NEW).generated
-    result = spec(family, drafter, calibration, residency, "exact").generate(prompt)
+    result = sd(spec(family, drafter, calibration, residency, "exact"), prompt)
     assert result.tokens == expected
     assert len(result.accepted) >= 1 and result.tau >= 1.0
 
@@ -68,12 +77,12 @@ def test_agrees_with_the_harness_loop(family, drafter, calibration, residency, p
     config = SpeculativeConfig(selector_preset(selector), k=K_DRAFTS, pool_size=POOL, max_new_tokens=NEW)
     harness = speculative_generate(model, adapter, drafter, torch.tensor(prompt), config, calibration=calibration,
                                    record=True, divergence=False)
-    result = spec(family, drafter, calibration, residency, selector).generate(prompt, record=True)
+    result = sd(spec(family, drafter, calibration, residency, selector), prompt, record=True)
     assert harness.copies > 0 and 0 < sum(harness.accepted) < K_DRAFTS * len(harness.accepted)  # not trivial
     assert result.tokens == harness.tokens.tolist()
-    assert result.accepted == harness.accepted and result.roots == harness.roots
-    assert (result.copies, result.moves) == (harness.copies, harness.moves)
-    for mine, theirs in zip(result.selected, harness.blocks, strict=True):
+    assert list(result.accepted) == harness.accepted and list(result.roots) == harness.roots
+    assert (result.counts()["copies"], result.moves) == (harness.copies, harness.moves)
+    for mine, theirs in zip(result.block_selected, harness.blocks, strict=True):
         np.testing.assert_array_equal(mine, theirs["selected"])
     assert result.displaced == pytest.approx(harness.displaced, rel=1e-4)
     assert result.summary()["tau"] == pytest.approx(harness.summary()["tau"])
@@ -81,30 +90,30 @@ def test_agrees_with_the_harness_loop(family, drafter, calibration, residency, p
 
 def test_copy_timing_changes_no_token_or_selection(family, drafter, calibration, residency, prompt):
     engine = spec(family, drafter, calibration, residency)
-    reference = engine.generate(prompt, record=True)
+    reference = sd(engine, prompt, record=True)
     for in_flight in (1, 4):
         engine.configure(copy_delay=(0.0, 0.001), max_in_flight=in_flight, delay_seed=in_flight)
-        delayed = engine.generate(prompt, record=True)
-        assert delayed.tokens == reference.tokens and delayed.accepted == reference.accepted
-        for a, b in zip(delayed.selected, reference.selected, strict=True):
+        delayed = sd(engine, prompt, record=True)
+        assert delayed.tokens == reference.tokens and list(delayed.accepted) == list(reference.accepted)
+        for a, b in zip(delayed.block_selected, reference.block_selected, strict=True):
             np.testing.assert_array_equal(a, b)
     # copies-skipped (compute-only time): nothing goes over the link; the slots keep stale bytes, so the
     # tokens are not the model's (as in the AR engine's mode)
     engine.configure(copy_delay=None, skip_copies=True)
     stats = residency.copies.stats
     issued, skipped = stats.issued, stats.skipped
-    engine.generate(prompt)
+    sd(engine, prompt)
     assert stats.issued == issued and stats.skipped > skipped
     engine.configure(skip_copies=False)
 
 
 def test_slots_follow_the_pool(family, drafter, calibration, residency, store, prompt):
     engine = spec(family, drafter, calibration, residency)
-    engine.generate(prompt)
+    sd(engine, prompt)
     assert residency.copies.stats.moved > 0
     for layer in range(store.num_layers):
-        table = engine.pool.slot_table(layer)
-        for expert in np.flatnonzero(engine.pool.resident(layer)):
+        table = engine.block_router.pool.slot_table(layer)
+        for expert in np.flatnonzero(engine.block_router.pool.resident(layer)):
             assert torch.equal(residency.slots.data[layer, table[expert]], store.layers[layer][expert])
 
 
@@ -113,13 +122,13 @@ def test_ar_and_spec_engines_alternate_on_one_residency(family, drafter, calibra
     shared = ExpertResidency(store, POOL + 16, "cpu")
     ar = build_engine(model, preset("psr", 24, adapter.top_k), calibration, EngineConfig(max_seq_len=SEQ),
                       residency=shared)
-    sd = spec(family, drafter, calibration, shared, union_slots=16)
-    first_ar, first_sd = ar.generate(prompt, NEW).generated, sd.generate(prompt, record=True)
+    spec_engine = spec(family, drafter, calibration, shared, union_slots=16)
+    first_ar, first_sd = ar.generate(prompt, NEW).generated, sd(spec_engine, prompt, record=True)
     for _ in range(2):
         assert ar.generate(prompt, NEW).generated == first_ar
-        again = sd.generate(prompt, record=True)
-        assert again.tokens == first_sd.tokens and again.copies == first_sd.copies
-        for a, b in zip(again.selected, first_sd.selected, strict=True):
+        again = sd(spec_engine, prompt, record=True)
+        assert again.tokens == first_sd.tokens and again.counts()["copies"] == first_sd.counts()["copies"]
+        for a, b in zip(again.block_selected, first_sd.block_selected, strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -149,15 +158,15 @@ def test_bad_input(family, drafter, calibration, residency, prompt):
     with pytest.raises(ValueError, match="logically"):
         spec(family, drafter, calibration, residency, settings=RunSettings(cache_mode="physical"))
     with pytest.raises(ValueError, match="positions"):  # the request does not fit the cache
-        spec(family, drafter, calibration, residency, max_new_tokens=SEQ).generate(prompt)
+        sd(spec(family, drafter, calibration, residency, max_new_tokens=SEQ), prompt)
     # U = K: enough for the root, not for a block whose drafts miss more: a clear error, not a fallback
     with pytest.raises(ValueError, match="union slots' worth"):
-        spec(family, drafter, calibration, residency, "exact", union_slots=adapter.top_k).generate(prompt)
+        sd(spec(family, drafter, calibration, residency, "exact", union_slots=adapter.top_k), prompt)
     # a drafter that reads a target layer the target does not have (DFlash drafters are otherwise welcome:
     # tests/test_static_drafters.py)
     missing = SimpleNamespace(name="dflash", target_layer_ids=(1, adapter.num_moe_layers), max_drafts=None)
     with pytest.raises(DrafterError, match="hidden states after target layers"):
-        spec(family, missing, calibration, residency)
+        sd(spec(family, missing, calibration, residency), prompt)
 
 
 def test_rollback_leaves_the_kv_cache_of_a_fresh_run(family, drafter, calibration, residency, prompt):
@@ -165,7 +174,7 @@ def test_rollback_leaves_the_kv_cache_of_a_fresh_run(family, drafter, calibratio
     over the committed prefix (rejected drafts' rows above them are simply overwritten by later blocks)."""
     model, adapter = family
     engine = spec(family, drafter, calibration, residency, "exact")
-    result = engine.generate(prompt)
+    result = sd(engine, prompt)
     assert any(a < K_DRAFTS for a in result.accepted)  # at least one rejection to roll back
     processed = len(prompt) + len(result.tokens) - 1  # the last bonus token was never fed
     ar = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration,
@@ -178,9 +187,9 @@ def test_rollback_leaves_the_kv_cache_of_a_fresh_run(family, drafter, calibratio
 
 def test_stop_token_ends_the_request(family, drafter, calibration, residency, prompt):
     engine = spec(family, drafter, calibration, residency)
-    full = engine.generate(prompt).tokens
+    full = sd(engine, prompt).tokens
     stop = full[5]
-    cut = spec(family, drafter, calibration, residency, stop_tokens=(stop,)).generate(prompt).tokens
+    cut = sd(spec(family, drafter, calibration, residency, stop_tokens=(stop,)), prompt).tokens
     assert cut == full[:full.index(stop) + 1]
 
 
@@ -206,12 +215,12 @@ def test_trace_following_equals_the_cpu_replay_of_the_recorded_blocks(family, dr
         engine.configure(**settings)
         results = engine.follow(blocks, first_position=len(prompt) - 1, record=True)
         assert len(results) == 2
-        assert sum(r.copies for r in results) == expected.copies > 0
-        committed = np.concatenate([np.concatenate([s[: a + 1] for s, a in zip(r.selected, r.accepted)])
+        assert sum(r.counts()["copies"] for r in results) == expected.copies > 0
+        committed = np.concatenate([np.concatenate([s[: a + 1] for s, a in zip(r.block_selected, r.accepted)])
                                     for r in results])
         np.testing.assert_array_equal(committed, expected.selected)
         for r, run in zip(results, runs):
-            assert r.accepted == run.accepted and len(r.tokens) == sum(a + 1 for a in r.accepted)
+            assert list(r.accepted) == run.accepted and len(r.tokens) == sum(a + 1 for a in r.accepted)
             # the record's committed tokens (the harness cut them at max_new_tokens); the last block's bonus
             # is this model's own token
             n = min(len(run.tokens), len(r.tokens) - 1)

@@ -9,8 +9,8 @@ import torch
 
 from specmoe.block_records import BlockRecords
 from specmoe.drafters import DrafterConfig, build_drafter
-from specmoe.engines.ar import EngineConfig, RunSettings, build_engine
-from specmoe.engines.sd import SpecConfig, build_spec_engine
+from specmoe.engines import EngineConfig, RunSettings, build_engine
+from specmoe.engines import SpecConfig
 from specmoe.harness import SpeculativeConfig, speculative_generate, unpatch
 from specmoe.models import load_model
 from specmoe.offload import ExpertResidency, ExpertStore
@@ -42,8 +42,16 @@ def prompt(family_text):
 def spec(gpu_family, selector, settings=RunSettings(), **kw):
     model, _, unit, drafter, calibration = gpu_family
     config = SpecConfig(selector_preset(selector), **{"k": K_DRAFTS, "pool_size": POOL, "max_new_tokens": NEW, **kw})
-    return build_spec_engine(model, drafter, config, calibration, EngineConfig(max_seq_len=SEQ), settings,
-                             residency=unit)
+    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=SEQ), settings, speculative=config,
+                          residency=unit)
+    engine.drafter = drafter
+    return engine
+
+
+def sd(engine, prompt, **kw):
+    """engine.generate with its drafter, as configured by `spec`."""
+    c = engine.speculative
+    return engine.generate(prompt, c.max_new_tokens, c.stop_tokens, drafter=engine.drafter, **kw)
 
 
 def test_gpu_exact_selection_equals_ar_engine_greedy(gpu_family, prompt):
@@ -52,8 +60,8 @@ def test_gpu_exact_selection_equals_ar_engine_greedy(gpu_family, prompt):
                       EngineConfig(max_seq_len=SEQ), residency=unit)
     expected = ar.generate(prompt, NEW).generated
     engine = spec(gpu_family, "exact")
-    assert engine.verifier.graphs is not None and engine.kernels["backend"] == "triton", engine.notes
-    result = engine.generate(prompt)
+    result = sd(engine, prompt)
+    assert engine._runners[K_DRAFTS + 1].graphs is not None and engine.kernels["backend"] == "triton", engine.notes
     assert result.tokens == expected
     assert result.tau > 1.0  # the family's drafter gets drafts accepted
 
@@ -63,13 +71,13 @@ def test_gpu_agrees_with_the_harness_loop(gpu_family, prompt):
     config = SpeculativeConfig(selector_preset("acceptmoe"), k=K_DRAFTS, pool_size=POOL, max_new_tokens=NEW)
     harness = speculative_generate(model, adapter, drafter, torch.tensor(prompt, device="cuda"), config,
                                    calibration=calibration, record=True, divergence=False)
-    result = spec(gpu_family, "acceptmoe").generate(prompt, record=True)
+    result = sd(spec(gpu_family, "acceptmoe"), prompt, record=True)
     assert result.tokens == harness.tokens.tolist()
-    assert result.accepted == harness.accepted
+    assert list(result.accepted) == harness.accepted
     same = np.mean([np.mean(np.sort(m, -1) == np.sort(t["selected"], -1))
-                    for m, t in zip(result.selected, harness.blocks, strict=True)])
+                    for m, t in zip(result.block_selected, harness.blocks, strict=True)])
     assert same >= 0.99, same  # float32 on one device; rare near-ties may order differently
-    assert abs(result.copies - harness.copies) <= 0.02 * max(harness.copies, 1)
+    assert abs(result.counts()["copies"] - harness.copies) <= 0.02 * max(harness.copies, 1)
 
 
 def test_gpu_copy_timing_changes_no_token_or_selection(gpu_family, prompt):
@@ -77,10 +85,10 @@ def test_gpu_copy_timing_changes_no_token_or_selection(gpu_family, prompt):
     runs = []
     for settings in ({"max_in_flight": 4}, {"max_in_flight": 1, "copy_delay": (0.0, 0.001), "delay_seed": 3}):
         engine.configure(**settings)
-        runs.append(engine.generate(prompt, record=True))
+        runs.append(sd(engine, prompt, record=True))
     engine.configure(max_in_flight=2, copy_delay=None)
-    assert runs[0].tokens == runs[1].tokens and runs[0].copies == runs[1].copies
-    for a, b in zip(runs[0].selected, runs[1].selected, strict=True):
+    assert runs[0].tokens == runs[1].tokens and runs[0].counts()["copies"] == runs[1].counts()["copies"]
+    for a, b in zip(runs[0].block_selected, runs[1].block_selected, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -96,8 +104,8 @@ def test_gpu_trace_following_equals_the_cpu_replay(gpu_family, prompt):
     for skip in (False, True):
         engine.configure(skip_copies=skip)
         (result,) = engine.follow(blocks, first_position=len(prompt) - 1, record=True)
-        assert result.copies == expected.copies
-        committed = np.concatenate([s[: a + 1] for s, a in zip(result.selected, result.accepted)])
+        assert result.counts()["copies"] == expected.copies
+        committed = np.concatenate([s[: a + 1] for s, a in zip(result.block_selected, result.accepted)])
         np.testing.assert_array_equal(committed, expected.selected)
     engine.configure(skip_copies=False)
 
@@ -107,6 +115,6 @@ def test_gpu_ar_and_spec_engines_alternate_on_one_unit(gpu_family, prompt):
     ar = build_engine(model, preset("psr", 16, adapter.top_k), calibration, EngineConfig(max_seq_len=SEQ),
                       residency=unit)
     engine = spec(gpu_family, "confidence_top1")
-    first_ar, first_sd = ar.generate(prompt, 16).generated, engine.generate(prompt).tokens
-    again_ar, again_sd = ar.generate(prompt, 16).generated, engine.generate(prompt).tokens
+    first_ar, first_sd = ar.generate(prompt, 16).generated, sd(engine, prompt).tokens
+    again_ar, again_sd = ar.generate(prompt, 16).generated, sd(engine, prompt).tokens
     assert (first_ar, first_sd) == (again_ar, again_sd)

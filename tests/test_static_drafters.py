@@ -15,8 +15,7 @@ import torch
 from specmoe.drafters import (DFlashDrafter, DrafterConfig, DrafterError, HFAutoregressiveDrafter, StaticARDrafter,
                               StaticDFlashDrafter, SyntheticDrafter, build_drafter)
 from specmoe.drafters.dflash_model import extract_context_feature
-from specmoe.engines.ar import EngineConfig
-from specmoe.engines.sd import SpecConfig, build_spec_engine, check_drafter_fits
+from specmoe.engines import EngineConfig, SpecConfig, build_engine, check_drafter_fits
 from specmoe.harness import SpeculativeConfig, exact_routing, speculative_generate
 from specmoe.models.decoder import DecoderGeometry
 from specmoe.offload import ExpertResidency, ExpertStore
@@ -181,8 +180,10 @@ def test_the_decoder_captures_the_harness_features(family, prompt):
     decoder.head(step)
     expected = _features(model, tokens, layer_ids)
     torch.testing.assert_close(step.work["features"], expected, atol=1e-4, rtol=1e-4)
-    with pytest.raises(RuntimeError, match="before"):
-        decoder.capture_features([1])
+    assert decoder.features(step) is step.work["features"]
+    decoder.capture_features([1])  # other layers: the steps made so far are dropped (their graphs would not write)
+    again = decoder.step(len(tokens))
+    assert again is not step and decoder.features(again).shape == (len(tokens), model.config.hidden_size)
     with pytest.raises(ValueError, match="outside"):
         decoder_for(model.config).from_model(model, 32).capture_features([adapter.num_moe_layers])
 
@@ -198,12 +199,12 @@ def test_spec_engine_hands_features_and_agrees_with_the_harness_loop(family, pro
                                    SpeculativeConfig(selector_preset("confidence_top1"), **settings),
                                    calibration=calibration, divergence=False)
     residency = ExpertResidency(ExpertStore.from_model(model, adapter), adapter.num_experts, "cpu")
-    engine = build_spec_engine(model, drafter, SpecConfig(selector_preset("confidence_top1"), **settings),
-                               calibration, EngineConfig(max_seq_len=48), residency=residency)
-    result = engine.generate(prompt[:12])
+    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=48),
+                          speculative=SpecConfig(selector_preset("confidence_top1"), **settings), residency=residency)
+    result = engine.generate(prompt[:12], settings["max_new_tokens"], drafter=drafter)
     assert sum(harness.accepted) > 0 and len(harness.accepted) > 1  # not trivial
     assert result.tokens == harness.tokens.tolist()
-    assert result.accepted == harness.accepted and result.copies == harness.copies
+    assert list(result.accepted) == harness.accepted and result.counts()["copies"] == harness.copies
 
 
 def test_spec_engine_refuses_a_drafter_that_does_not_fit_the_target():

@@ -11,8 +11,7 @@ import torch
 
 from specmoe.drafters import DrafterConfig, StaticARDrafter, StaticDFlashDrafter, build_drafter
 from specmoe.drafters.dflash_model import extract_context_feature
-from specmoe.engines.ar import EngineConfig
-from specmoe.engines.sd import SpecConfig, build_spec_engine
+from specmoe.engines import EngineConfig, SpecConfig, build_engine
 from specmoe.harness import SpeculativeConfig, exact_routing, speculative_generate
 from specmoe.models import load_model
 from specmoe.offload import ExpertResidency, ExpertStore
@@ -119,14 +118,15 @@ def test_spec_engine_with_static_drafters_on_the_gpu(prompt, name):
                                    SpeculativeConfig(selector_preset("acceptmoe"), **settings),
                                    calibration=calibration, divergence=False)
     residency = ExpertResidency(ExpertStore.from_model(model, adapter), adapter.num_experts, "cuda")
-    engine = build_spec_engine(model, drafter, SpecConfig(selector_preset("acceptmoe"), **settings), calibration,
-                               EngineConfig(max_seq_len=128), residency=residency)
-    assert engine.verifier.graphs is not None
-    result = engine.generate(prompt)
-    assert result.tokens == harness.tokens.tolist() and result.accepted == harness.accepted
-    assert result.copies == harness.copies
+    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=128),
+                          speculative=SpecConfig(selector_preset("acceptmoe"), **settings), residency=residency)
+    new = settings["max_new_tokens"]
+    result = engine.generate(prompt, new, drafter=drafter)
+    assert engine._runners[settings["k"] + 1].graphs is not None
+    assert result.tokens == harness.tokens.tolist() and list(result.accepted) == harness.accepted
+    assert result.counts()["copies"] == harness.copies
     for in_flight in (1, 4):
         engine.configure(copy_delay=(0.0, 0.002), max_in_flight=in_flight, delay_seed=in_flight)
-        again = engine.generate(prompt)
-        assert again.tokens == result.tokens and again.accepted == result.accepted
-    assert min(result.draft_s) > 0
+        again = engine.generate(prompt, new, drafter=drafter)
+        assert again.tokens == result.tokens and list(again.accepted) == list(result.accepted)
+    assert min(result.draft_ms) > 0

@@ -1,8 +1,13 @@
-"""Decoding engines built on specmoe.offload: the autoregressive engine (`ar`); the speculative one follows.
-Both receive an `ExpertResidency` unit and a `Decoder`, and launch its steps through a `StepRunner`."""
+"""The offloading engine (`Engine`): autoregressive and speculative decoding through one decode loop, with a
+router behind a small protocol (`routers`: the logical-cache router of the autoregressive policies, the block
+router of speculative decoding). It receives an `ExpertResidency` unit and a `Decoder`, and launches the
+decoder's steps through a `StepRunner` per static number of positions."""
 
-from .ar import ArEngine, EngineConfig, RunSettings, build_engine, build_engine_from_checkpoint
+from .config import EngineConfig, RunSettings
+from .engine import Engine, build_engine, build_engine_from_checkpoint
 from .results import DecodeResult, LogitFeed
+from .routers import BlockRouter, CacheRouter, Router
+from .sd import SpecConfig, check_drafter_fits
 
-__all__ = ["ArEngine", "DecodeResult", "EngineConfig", "LogitFeed", "RunSettings", "build_engine",
-           "build_engine_from_checkpoint"]
+__all__ = ["BlockRouter", "CacheRouter", "DecodeResult", "Engine", "EngineConfig", "LogitFeed", "Router",
+           "RunSettings", "SpecConfig", "build_engine", "build_engine_from_checkpoint", "check_drafter_fits"]

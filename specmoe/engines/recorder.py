@@ -1,7 +1,7 @@
-"""What an engine records while it decodes, kept out of the decode loop: per step the routing it saw
-(logits, selections), the output token, wall time, host time on the critical path split into its parts,
-copies by class and the exposed copy wait; per layer, with instrumentation, GPU events around the copy
-wait. `result()` assembles the `DecodeResult`."""
+"""What an engine records while it decodes, kept out of the decode loop: per step the output token, wall time,
+host time on the critical path split into its parts, copies by class, the exposed copy wait, the step's first
+position and accepted drafts; per position of an autoregressive run the routing it saw (logits, selections);
+per layer, with instrumentation, GPU events around the copy wait. `result()` assembles the `DecodeResult`."""
 
 from __future__ import annotations
 
@@ -22,17 +22,24 @@ def _noop(*args) -> None:
 
 class StepRecorder:
     """Records of a run of up to `num_steps` steps over an `L x E x K` model; `copies` is the engine's copy
-    stream (its counters are read at the start and end of every step)."""
+    stream (its counters are read at the start and end of every step). positions: keep the routing of each
+    step's position (autoregressive runs, one position per step)."""
 
     def __init__(self, num_steps: int, num_layers: int, num_experts: int, top_k: int, copies,
-                 instrument: bool = False, cuda_stream=None):
-        n, shape = num_steps, (num_steps, num_layers, num_experts)
+                 instrument: bool = False, cuda_stream=None, positions: bool = True):
+        n = num_steps
+        shape = (n if positions else 0, num_layers, num_experts)
+        self.num_layers = num_layers
         self.copies = copies
         self.router_logits = np.zeros(shape, np.float32)
         self.pregate_logits = np.zeros(shape, np.float32)
-        self.selected = np.zeros((n, num_layers, top_k), np.int64)
+        self.selected = np.zeros(shape[:2] + (top_k,), np.int64)
+        self.positions = positions
         self.inputs = np.zeros(n, np.int64)
         self.outputs = np.zeros(n, np.int64)
+        self.roots = np.zeros(n, np.int64)
+        self.accepted = np.zeros(n, np.int64)
+        self.draft_ms = np.zeros(n)
         self.ms = np.zeros(n)
         self.host_ns = np.zeros((n, len(HOST_PARTS)), np.int64)
         self.copy_counts = np.zeros((n, len(COPY_FIELDS)), np.int64)
@@ -40,6 +47,7 @@ class StepRecorder:
         self.steps = 0
         self._parts = np.zeros(len(HOST_PARTS), np.int64)
         self._last = 0
+        self._t = 0
         self.stream = cuda_stream
         self.events = None
         self.gpu_mark = _noop
@@ -49,8 +57,10 @@ class StepRecorder:
             self.gpu_mark = self._gpu_mark
 
     # -- inside a step -----------------------------------------------------------------------------------
-    def begin(self, t: int, token: int) -> None:
+    def begin(self, t: int, token: int, position: int) -> None:
+        self._t = t
         self.inputs[t] = token
+        self.roots[t] = position
         self._parts[:] = 0
         self._stats = self.copies.stats.as_array()
         self._wait = self.copies.wait_s
@@ -63,32 +73,39 @@ class StepRecorder:
             self._parts[part] += now - self._last
         self._last = now
 
-    def _gpu_mark(self, t: int, layer: int, which: int) -> None:
-        self.events[t][layer][which].record(self.stream)
+    def _gpu_mark(self, layer: int, which: int) -> None:
+        self.events[self._t][layer][which].record(self.stream)
 
-    def end(self, t: int, output_token: int) -> None:
+    def end(self, t: int, output_token: int, accepted: int = 0) -> None:
         self.ms[t] = (time.perf_counter() - self._start) * 1e3
         self.host_ns[t] = self._parts
         self.copy_counts[t] = self.copies.stats.as_array() - self._stats
         self.wait_ms[t] = (self.copies.wait_s - self._wait) * 1e3
         self.outputs[t] = output_token
+        self.accepted[t] = accepted
         self.steps = t + 1
 
     # -- after the run -----------------------------------------------------------------------------------
-    def result(self, timed_from: int, logits: np.ndarray | None, info: dict) -> DecodeResult:
+    def result(self, timed_from: int, logits: np.ndarray | None, info: dict, k: int = 0,
+               wait_seen: bool | None = None, **fields) -> DecodeResult:
+        """The run's `DecodeResult`; steps before `timed_from` are not timed. wait_seen: whether the host sees
+        the copy wait (default: on the CPU only)."""
         n = self.steps
         host_parts = self.host_ns[:n] / 1e3
+        seen = self.stream is None if wait_seen is None else wait_seen
+        p = n if self.positions else 0
         result = DecodeResult(
-            input_tokens=self.inputs[:n], output_tokens=self.outputs[:n].copy(), selected=self.selected[:n],
-            router_logits=self.router_logits[:n], pregate_logits=self.pregate_logits[:n],
-            timed=np.arange(n) >= timed_from, ms=self.ms[:n], host_us=host_parts.sum(axis=1),
-            copies=self.copy_counts[:n], wait_ms=None if self.stream is not None else self.wait_ms[:n],
-            logits=None if logits is None else logits[:n], unused_at_end=int(self.copies.fresh.sum()),
-            host_parts_us=host_parts, info=info)
+            ms=self.ms[:n], copies=self.copy_counts[:n], timed=np.arange(n) >= timed_from, roots=self.roots[:n],
+            accepted=self.accepted[:n], draft_ms=self.draft_ms[:n], host_us=host_parts.sum(axis=1),
+            num_layers=self.num_layers, k=k, wait_ms=self.wait_ms[:n] if seen else None,
+            host_parts_us=host_parts if self.positions else None,
+            input_tokens=self.inputs[:p], output_tokens=self.outputs[:p].copy(), selected=self.selected[:p],
+            router_logits=self.router_logits[:p], pregate_logits=self.pregate_logits[:p],
+            logits=None if logits is None else logits[:n], unused_at_end=int(self.copies.fresh.sum()), info=info,
+            **fields)
         if self.events is not None:  # GPU idle time between graph A's end and graph B's start, and its wait
             torch.cuda.synchronize()
-            num_layers = len(self.events[0])
-            gap, wait = np.zeros((n, num_layers)), np.zeros((n, num_layers))
+            gap, wait = np.zeros((n, self.num_layers)), np.zeros((n, self.num_layers))
             for t in range(n):
                 for layer, (done, wait_start, moe_start) in enumerate(self.events[t]):
                     gap[t, layer] = done.elapsed_time(moe_start) * 1e3

@@ -16,37 +16,72 @@ HOST_PARTS = ("routing", "copy_issue", "copy_checks")  # routing + slots + weigh
 
 @dataclass
 class DecodeResult:
-    """Per decode step t (one position of the sequence): input token, routing and timing.
+    """One run of the engine: a request (`Engine.generate`), a teacher-forced window, or one request of a
+    followed trace. A run is a sequence of decode steps, each one forward of the target: one position for
+    autoregressive decoding (k = 0; every step commits one token, tau = 1) or a verification block of the root
+    and k drafts (D = k + 1; the step commits the accepted drafts and the bonus token).
 
-    router_logits [T, L, E] float32: z as routing saw it (from the model or a logit feed); pregate_logits
-    [T, L, E]: g (row 0 zero: no pre-gate for the first MoE layer); selected [T, L, K]; output_tokens [T]:
-    the greedy token after step t; timed [T]: decode steps (not prompt processing); ms [T]: wall time of the
-    step; host_us [T]: host time on the critical path (routing, copy issue, waits set up), summed over
-    layers; copies [T, F] per COPY_FIELDS; wait_ms [T]: exposed copy wait (CPU: measured; GPU: only with
-    instrumentation); gap_us / wait_us [T, L]: GPU idle time between graph A's end and graph B's start and
-    the part of it spent waiting for copies (instrumented GPU runs only)."""
+    Per step (N; the prefill of a `generate` excluded, a teacher-forced window's prompt steps included with
+    timed False): roots [N] the first position; accepted [N] the accepted drafts (0 for autoregressive steps);
+    ms [N] wall time; draft_ms [N] drafting time charged to the step; copies [N, F] per COPY_FIELDS (the
+    block's moves included); wait_ms [N]: exposed copy wait (CPU: measured; GPU: with instrumentation only,
+    else None); host_us [N]: host time on the critical path (routing, copy issue, waits set up) and
+    host_parts_us [N, 3] its parts (host-routed autoregressive steps); gap_us / wait_us [N, L]: GPU idle time
+    between graph A's end and graph B's start and the part spent waiting for copies (instrumented GPU runs).
 
-    input_tokens: np.ndarray
-    output_tokens: np.ndarray
-    selected: np.ndarray
-    router_logits: np.ndarray
-    pregate_logits: np.ndarray
-    timed: np.ndarray
+    Per position of an autoregressive run (T = N): input_tokens, output_tokens (the greedy token after each),
+    selected [T, L, K], router_logits [T, L, E] (z as routing saw it, from the model or a logit feed),
+    pregate_logits [T, L, E] (row 0 zero), logits [T, V] with return_logits. A speculative run recorded with
+    record=True keeps each block's selections [D, L, K] in `block_selected` (rejected positions included).
+
+    tokens: the new tokens the run committed (`generate`; `generated` is the same list); displaced: displaced
+    router mass summed over layers and committed positions (speculative runs); prefill_ms: the prompt's time
+    (time to first token is prefill_ms plus the first step's ms)."""
+
     ms: np.ndarray
-    host_us: np.ndarray
     copies: np.ndarray
+    timed: np.ndarray
+    roots: np.ndarray
+    accepted: np.ndarray
+    draft_ms: np.ndarray
+    host_us: np.ndarray
+    num_layers: int
+    k: int = 0
     wait_ms: np.ndarray | None = None
     gap_us: np.ndarray | None = None
     wait_us: np.ndarray | None = None
+    host_parts_us: np.ndarray | None = None  # [N, 3]: host_us split into HOST_PARTS
+    input_tokens: np.ndarray | None = None
+    output_tokens: np.ndarray | None = None
+    selected: np.ndarray | None = None
+    router_logits: np.ndarray | None = None
+    pregate_logits: np.ndarray | None = None
     logits: np.ndarray | None = None
-    generated: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    block_selected: list[np.ndarray] = field(default_factory=list)
+    displaced: float = 0.0
+    prefill_ms: float = 0.0
     unused_at_end: int = 0  # prefetches never executed when the run ended (counted unused at the next reset)
-    host_parts_us: np.ndarray | None = None  # [T, 3]: host_us split into HOST_PARTS
     info: dict = field(default_factory=dict)
 
     @property
-    def num_layers(self) -> int:
-        return self.selected.shape[1]
+    def generated(self) -> list[int]:
+        return self.tokens
+
+    @generated.setter
+    def generated(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per step of the timed steps (accepted drafts + 1; blocks cut by a stop count whole)."""
+        steps = int(self.timed.sum())
+        return float((self.accepted[self.timed] + 1).sum() / steps) if steps else float("nan")
+
+    @property
+    def moves(self) -> int:
+        """Pool refill moves between GPU slots over the timed steps."""
+        return int(self.copies[self.timed, COPY_FIELDS.index("moved")].sum())
 
     def copy_totals(self, timed_only: bool = True) -> dict:
         rows = self.copies[self.timed] if timed_only else self.copies
@@ -54,13 +89,26 @@ class DecodeResult:
         totals["prefetch_unused"] += self.unused_at_end
         return totals
 
+    def counts(self) -> dict:
+        """The sums `specmoe.speculation.summarize` pools over requests (no divergence: KL is NaN)."""
+        timed = self.timed
+        accepted = self.accepted[timed]
+        return {"requests": 1, "verifications": int(timed.sum()), "block_tokens": int((accepted + 1).sum()),
+                "committed": len(self.tokens), "accepted_hist": np.bincount(accepted, minlength=self.k + 1),
+                "copies": int(self.copies[timed][:, [COPY_FIELDS.index("issued"), COPY_FIELDS.index("skipped")]].sum()),
+                "moves": self.moves, "displaced": self.displaced,
+                "num_layers": self.num_layers, "draft_s": float(self.draft_ms[timed].sum()) / 1e3,
+                "verify_s": float(self.ms[timed].sum()) / 1e3, "prefill_s": self.prefill_ms / 1e3,
+                "kl_sum": 0.0, "excess_nll_sum": 0.0, "positions": 0}
+
     def summary(self) -> dict:
-        """Means over the timed steps: ms (mean, p50, p99), copies per token by class, host time per layer,
-        exposed copy wait."""
+        """Means over the timed steps: ms (mean, p50, p99), copies per step by class, host time per layer,
+        exposed copy wait; and per committed token: tau, copies, drafting and verification ms."""
         n = int(self.timed.sum())
         out = {"tokens": n}
         if n == 0:
             return out
+        out["tau"] = self.tau
         ms = self.ms[self.timed]
         out.update(ms_mean=float(ms.mean()), ms_p50=float(np.percentile(ms, 50)), ms_p99=float(np.percentile(ms, 99)))
         totals = self.copy_totals()

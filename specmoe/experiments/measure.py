@@ -12,7 +12,7 @@ per committed token (NaN where a configuration has no such figure). What each pa
   committed positions against exact routing on the same prefix (`divergence_from_exact`). Harness times are
   CPU wall times of transformers' eager expert loop, no latency measurement; the harness makes no copies
   (exposed wait 0).
-- engine (`build_engine`, `ArEngine.teacher_forced` / `generate`; `build_spec_engine`, `SpecEngine.generate`):
+- engine (`build_engine`; `Engine.teacher_forced`, `Engine.generate` without and with a drafter):
   per-token wall time, copies by class (demand, prefetch in time / late / unused), exposed copy wait; NLL
   from the engine's own logits (teacher-forced) against an exact-routing run of the same engine, KL of AR
   generation as in the harness; the speculative engine returns no distributions (KL NaN) and splits its time
@@ -184,14 +184,14 @@ class Session:
         return self.engines["ar"]
 
     def _spec_engine(self, drafter: str, k: int, pool: int, selector):
-        from specmoe.engines.sd import SpecConfig, build_spec_engine
+        from specmoe.engines import SpecConfig, build_engine
 
-        key = ("sd", drafter, k, pool, selector)
+        key = ("sd", drafter, k, pool, selector)  # one engine per drafter: its decoder captures the drafter's features
         config = SpecConfig(selector, k=k, pool_size=pool, max_new_tokens=self.config.workload.new_tokens,
                             stop_tokens=self.stop_tokens, union_slots=self.config.sd.union_slots)
         if key not in self.engines:
-            self.engines[key] = build_spec_engine(self.model, self.drafters[drafter], config, self.calibration,
-                                                  self.engine_config, residency=self.unit)
+            self.engines[key] = build_engine(self.model, None, self.calibration, self.engine_config,
+                                             speculative=config, residency=self.unit)
         return self.engines[key]
 
     # -- cells --------------------------------------------------------------------------------------------
@@ -350,14 +350,16 @@ class Session:
         engine.configure(**{k: v for k, v in self._settings(c).items() if k != "cache_mode"})
         results, token_ms, request_ms = [], [], []
         for prompt in self.sequences:
-            r = engine.generate(np.asarray(prompt))
+            r = engine.generate(np.asarray(prompt), self.config.workload.new_tokens, self.stop_tokens,
+                                drafter=self.drafters[c.drafter])
             results.append(r)
-            for a, d, v in zip(r.accepted, r.draft_s, r.verify_s):
-                token_ms += [1e3 * (d + v) / (a + 1)] * (a + 1)
-            request_ms.append(1e3 * (sum(r.draft_s) + sum(r.verify_s)) / max(len(r.tokens), 1))
+            for a, d, v in zip(r.accepted.tolist(), r.draft_ms, r.ms):
+                token_ms += [(d + v) / (a + 1)] * (a + 1)
+            request_ms.append((r.draft_ms.sum() + r.ms.sum()) / max(len(r.tokens), 1))
         s = summarize([r.counts() for r in results])
         committed = max(s["committed"], 1)
-        wait = 1e3 * sum(sum(r.wait_s) for r in results) / committed
+        # the GPU's copy wait is not seen by the host (NaN; compare with a copies-skipped run)
+        wait = sum(NAN if r.wait_ms is None else r.wait_ms.sum() for r in results) / committed
         return {"requests": len(results), "tokens": s["committed"], "verifications": s["verifications"],
                 "tau": s["tau"], "copies_per_token": s["copies_per_token"], "demand_per_token": s["copies_per_token"],
                 "moves_per_token": s["moves_per_token"], "displaced_per_token_layer": s["displaced_per_token_layer"],

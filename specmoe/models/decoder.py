@@ -143,5 +143,15 @@ class Decoder(Protocol):
     def reset(self) -> None:
         """A new sequence (positions count from 0 again)."""
 
+    feature_layers: tuple[int, ...]  # the layers whose hidden states the steps capture (`capture_features`)
+
+    def capture_features(self, layer_ids) -> None:
+        """Capture the hidden state after each of `layer_ids` (transformers' hidden_states[l + 1]) for every
+        position of every step, for drafters that read the target's hidden states (DFlash). A change of layers
+        drops the steps made so far: the engine makes its runners again."""
+
+    def features(self, step: DecodeStep) -> torch.Tensor | None:
+        """The captured features of the step's positions, [D, len(feature_layers) * H] (None if none)."""
+
     def bytes_per_token(self, position: int) -> int:
         """Bytes of weights and KV cache one decode step reads at `position`, routed experts excluded."""

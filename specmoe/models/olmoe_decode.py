@@ -206,17 +206,21 @@ class OlmoeDecoder:
     # -- buffers ---------------------------------------------------------------------------------------
     def capture_features(self, layer_ids) -> None:
         """Write the hidden state after each of `layer_ids` (transformers' hidden_states[l + 1]) into every
-        step's work["features"] [D, len(layer_ids) * H] (module docstring). Call before the first `step()`:
-        graphs captured earlier would not write them."""
+        step's work["features"] [D, len(layer_ids) * H] (module docstring). A change of layers drops the steps
+        made so far (graphs captured over them would not write the features): make the runners again."""
         ids = tuple(int(i) for i in layer_ids)
         if any(not 0 <= i < self.shapes.num_layers for i in ids):
             raise ValueError(f"feature layers {list(ids)} outside the target's layers 0..{self.shapes.num_layers - 1}")
-        if self._steps and ids != self.feature_layers:
-            raise RuntimeError("capture_features must come before the decoder's steps are made")
+        if ids != self.feature_layers:
+            self._steps.clear()  # steps (and graphs) made before would not write them: new ones are made
         self.feature_layers = ids
         self._feature_slots = {}
         for slot, layer in enumerate(ids):
             self._feature_slots.setdefault(layer, []).append(slot)
+
+    def features(self, step: DecodeStep) -> torch.Tensor | None:
+        """The captured features of the step's D positions [D, n * H] (None without `capture_features`)."""
+        return step.work.get("features")
 
     def _write_features(self, step: DecodeStep, layer: int, hidden: torch.Tensor) -> None:
         """Copy `hidden` [D, H], the state after `layer`, into its feature slots (if the layer is named)."""

@@ -1,0 +1,93 @@
+"""How an engine is built (`EngineConfig`, fixed for its lifetime) and what may change between its runs
+(`RunSettings`)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import torch
+
+from specmoe.kernels import check_kernel_choice
+from specmoe.models.decoder import Decoder
+from specmoe.offload import ExpertResidency
+from specmoe.routing import validate
+
+CACHE_MODES = ("logical", "physical")
+DEVICE_ROUTING = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine is built with (fixed for its lifetime). backend: our Triton kernels (RMSNorm, attention
+    prologue, slot MoE) or their torch versions ("auto": Triton on CUDA where installed); attention: "split_kv"
+    (our Triton kernel, reads only the written positions), "sdpa" (torch, the whole masked cache), "flash_attn"
+    (flash-attn's flash_attn_with_kvcache), or "auto" (split_kv on CUDA with Triton, else sdpa); moe: "slot" (our slot-indexed kernel) or
+    "vllm" (vLLM's fused_experts); tune: pick the MoE kernel's launch parameters on the device. Optional
+    packages must be installed (else ImportError at build) and are checked against the torch path at build;
+    one that disagrees is not used (see `Engine.notes`). device_routing: when every expert is resident and
+    the policy reduces to the router's own top-K, route on the device and run each token as one launch
+    ("auto": on CUDA; "on": on any device, the CPU included; "off": always the host's `LogicalCache.route`)."""
+
+    max_seq_len: int = 1024
+    cuda_graphs: bool = True
+    backend: str = "auto"
+    attention: str = "auto"
+    moe: str = "slot"
+    tune: bool = False
+    device_routing: str = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_seq_len", validate.integer(self.max_seq_len, "max_seq_len", minimum=1))
+        check_kernel_choice(self.backend, self.attention, self.moe)
+        if self.device_routing not in DEVICE_ROUTING:
+            raise ValueError(f"device_routing must be one of {DEVICE_ROUTING}, got {self.device_routing!r}")
+
+    def check_decoder(self, decoder: Decoder) -> None:
+        """ValueError unless the decoder's KV cache has this config's max_seq_len positions."""
+        if self.max_seq_len != decoder.geometry.max_seq_len:
+            raise ValueError(f"max_seq_len={self.max_seq_len} but the decoder's KV cache has "
+                             f"{decoder.geometry.max_seq_len} positions")
+
+    def prepare(self, decoder: Decoder, residency: ExpertResidency, stream) -> dict:
+        """Choose and check the decoder's kernels (`Decoder.use_kernels`) on the compute stream `stream` (None
+        on the CPU); the slots must hold real experts (the checks read them). Returns what is used."""
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return decoder.use_kernels(self.backend, self.attention, self.moe, residency.slots.layer(0), self.tune)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What may change between runs (`Engine.configure`). max_in_flight: prefetch copies in flight at once;
+    cache_mode: "logical" or "physical"; skip_copies: no copy is made (compute-only time); copy_delay: (lo, hi)
+    seconds of random delay before each copy (tests of timing independence), seeded by delay_seed;
+    instrument: GPU events that time the host gap and the copy waits of every layer (costs a few µs per
+    layer: keep it off for latency numbers)."""
+
+    max_in_flight: int = 2
+    cache_mode: str = "logical"
+    skip_copies: bool = False
+    copy_delay: tuple[float, float] | None = None
+    delay_seed: int = 0
+    instrument: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_in_flight", validate.integer(self.max_in_flight, "max_in_flight"))
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
+        if self.copy_delay is not None and not 0 <= self.copy_delay[0] <= self.copy_delay[1]:
+            raise ValueError(f"copy_delay must be (lo, hi) with 0 <= lo <= hi, got {self.copy_delay}")
+
+    def updated(self, **changes) -> "RunSettings":
+        """These settings with `changes`; a name that is not a run setting is a ValueError."""
+        unknown = set(changes) - set(RunSettings.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{', '.join(sorted(unknown))}: not a run setting (EngineConfig fields are fixed "
+                             f"when the engine is built); run settings: {', '.join(RunSettings.__dataclass_fields__)}")
+        return replace(self, **changes)
+
+    def apply(self, residency: ExpertResidency) -> None:
+        """Hand the copy settings to the residency unit's copy stream (at the start of every run)."""
+        residency.configure(self.max_in_flight, self.skip_copies, self.copy_delay, self.delay_seed)

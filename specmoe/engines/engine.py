@@ -1,0 +1,587 @@
+"""The offloading engine: batch-1 greedy decoding of an MoE model whose experts live in an `ExpertResidency` unit,
+autoregressive or speculative, through one decode loop.
+
+One decode step puts D tokens at a position through the decoder, layer by layer (`Engine._forward`): graph A_0
+(embedding, attention, router, pre-gate) -> for each MoE layer l: the host waits for A_l's logits, the router
+decides the layer's experts (`routers.Router.route`) and the engine issues its demand copies at once, makes the
+compute stream wait on the copies of the executed slots only, launches graph B_l (MoE over the slot buffer) and
+graph A_{l+1}, and while those run the router's `predict` on the pre-gate logits (PSR's part 1: prefetch
+insertions) and the prefetch pump -> the head graph (final norm, LM head, greedy tokens).
+
+- Autoregressive decoding (`generate(prompt, n)`, `teacher_forced`): D = 1, the `CacheRouter` of the policy
+  (exact, Cache-Prior, PSR, speculative execution, logical or physical cache mode). With every expert resident
+  and a policy that then routes as the router's own top-K, routing runs on the device instead
+  (`specmoe.routing.device`, `EngineConfig.device_routing`) and a token is one CUDA graph.
+- Speculative decoding (`generate(prompt, n, drafter=d)`): D = k + 1, the `BlockRouter` of the speculative
+  config: block selection over the expert pool and union slots; greedy acceptance, the bonus token, rollback
+  by position (the next block's root sits at the committed length; KV rows above it are overwritten), the
+  drafter's commit, the pool refill (`specmoe.speculation` holds these semantics).
+- Trace-following (`follow`): a recorded autoregressive run (`LogitFeed`) or recorded / synthetic verification
+  blocks (`Blocks`), routed from their recorded logits on this engine's weights.
+- Prefill: the prompt without its last token runs token by token under the router's rule for prompt positions
+  (the policy for autoregressive runs; exact selection through the pool for speculative runs); its copies and
+  time are prompt processing, not counted in the steps.
+
+Routing never reads timing in the default (logical) mode: copies only change latency. `RunSettings` carries the
+copy-timing settings (delay injection, prefetches in flight, copies-skipped mode, instrumentation). On the CPU
+the same code runs eagerly with synchronous (or simulated, see `CopyStream`) copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import torch
+
+from specmoe.drafters import Drafter
+from specmoe.drafters.base import accepted_length
+from specmoe.harness.speculative import EXACT, block_weights, commit_block, drafting_time
+from specmoe.models.decoder import Decoder
+from specmoe.offload import ExpertResidency, ExpertStore
+from specmoe.replay.blocks import Blocks
+from specmoe.routing import Calibration, PolicyConfig, PolicyError, router_fingerprint, validate
+
+from .config import EngineConfig, RunSettings
+from .recorder import ATTENTION_DONE, COPY_CHECKS, COPY_ISSUE, MOE_START, ROUTING, WAIT_START, StepRecorder
+from .results import DecodeResult, LogitFeed, ModelFeed
+from .routers import BlockRouter, CacheRouter
+from .runner import StepRunner
+from .sd import SpecConfig, check_drafter_fits
+
+
+class _NoRecord:
+    """The recorder of a prefill step: nothing is kept."""
+
+    @staticmethod
+    def tick(part: int = -1) -> None:
+        return None
+
+    @staticmethod
+    def gpu_mark(layer: int, which: int) -> None:
+        return None
+
+
+NO_RECORD = _NoRecord()
+
+
+class Engine:
+    """Batch-1 decoding of an MoE model whose experts live in an `ExpertResidency` unit (module docstring).
+
+    policy: the autoregressive router's policy (`generate` without a drafter, `teacher_forced`); speculative: the
+    speculative config (`generate` with a drafter, `follow` of blocks). Either may be None, not both; the unit
+    needs C slots per layer for the policy and P + U for speculative decoding, and may be shared with other
+    engines used alternately. fingerprint: the router fingerprint of the model (`router_fingerprint` of its
+    routers): calibrations are checked against it at every run (or against a logit feed's source)."""
+
+    def __init__(self, decoder: Decoder, residency: ExpertResidency, policy: PolicyConfig | None,
+                 calibration: Calibration, config: EngineConfig = EngineConfig(), settings: RunSettings = RunSettings(),
+                 fingerprint: str | None = None, speculative: SpecConfig | None = None):
+        if policy is None and speculative is None:
+            raise ValueError("an engine needs a policy (autoregressive decoding) or a SpecConfig (speculative "
+                             "decoding), or both")
+        g = self.geometry = decoder.geometry
+        self.num_layers, self.num_experts, self.top_k = g.num_layers, g.num_experts, g.top_k
+        self.fingerprint = fingerprint
+        calibration.check(g.num_layers, g.num_experts)
+        config.check_decoder(decoder)
+        self.decoder, self.residency, self.config, self.settings = decoder, residency, config, settings
+        self.store, self.slots, self.copies = residency.store, residency.slots, residency.copies
+        self.calibration = calibration
+        self.device = residency.device
+        self.cuda = self.device.type == "cuda"
+        self.compute = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.router = self.block_router = None
+        if policy is not None:
+            self._set_policy(policy, calibration)
+        if speculative is not None:
+            self._set_speculative(speculative)
+        if policy is None:
+            self._check_logical(settings)
+        with torch.no_grad():
+            self._load_warm(self.router or self.block_router)  # the kernel checks read real expert bytes
+        self.kernels = config.prepare(decoder, residency, self.compute)
+        self.notes = list(decoder.notes)
+        self._runners: dict[int, StepRunner] = {}
+        self._make_runners()
+
+    # -- configuration -------------------------------------------------------------------------------
+    @property
+    def policy(self) -> PolicyConfig | None:
+        return None if self.router is None else self.router.policy
+
+    @property
+    def speculative(self) -> SpecConfig | None:
+        return None if self.block_router is None else self.block_router.config
+
+    @property
+    def runner(self) -> StepRunner:
+        """The runner of one-position steps."""
+        return self._runners[1]
+
+    @property
+    def step(self):
+        return self.runner.step
+
+    @property
+    def graphs(self):
+        return self.runner.graphs
+
+    @property
+    def union_used(self) -> int:
+        return 0 if self.block_router is None else self.block_router.union_used
+
+    def _set_policy(self, policy: PolicyConfig, calibration: Calibration) -> None:
+        policy.check_experts(self.num_experts)  # C > E: PolicyError with the numbers
+        if policy.top_k != self.top_k:
+            raise PolicyError(f"policy top_k K={policy.top_k} but the model routes to {self.top_k} experts")
+        g = self.geometry
+        if not hasattr(self, "_runners"):  # at build: the unit must fit this policy
+            self.residency.check_fits(g.num_layers, g.num_experts, g.expert_width, self.decoder.dtype,
+                                      policy.capacity)
+        elif policy.capacity > self.residency.num_slots:
+            raise ValueError(f"capacity C={policy.capacity} exceeds the {self.residency.num_slots} slots per layer "
+                             "of the engine's expert residency: build another engine")
+        self.router = CacheRouter(policy, calibration, g, self.decoder.scoring, self.copies)
+
+    def _set_speculative(self, config: SpecConfig) -> None:
+        g = self.geometry
+        config.check(g)
+        router = BlockRouter(config, self.calibration, g, self.decoder.scoring, self.copies)
+        self.residency.check_fits(g.num_layers, g.num_experts, g.expert_width, self.decoder.dtype, router.num_slots)
+        self.block_router = router
+
+    @staticmethod
+    def _check_logical(settings: RunSettings) -> None:
+        if settings.cache_mode != "logical":
+            raise ValueError("speculative decoding routes logically (outputs never depend on copy timing); "
+                             f"cache_mode={settings.cache_mode!r} is for autoregressive decoding")
+
+    def _make_runners(self) -> None:
+        """The runners of every static D this engine steps with (D = 1, and k + 1 for speculative decoding); made
+        before any request, because their warm-up writes KV rows at position 0."""
+        g, config = self.geometry, self.config
+        whole = (config.device_routing == "on" or (config.device_routing == "auto" and self.cuda)) \
+            and self.residency.num_slots == g.num_experts and self.decoder.scoring.kind == "softmax"
+        sizes = {1} | ({self.block_router.config.k + 1} if self.block_router is not None else set())
+        for d in sorted(sizes - set(self._runners)):
+            runner = StepRunner(self.decoder, d, self.residency, self.compute, config.cuda_graphs,
+                                resident_scoring=self.decoder.scoring if whole and d == 1 else None)
+            self._runners[d] = runner
+            self.notes += runner.notes
+
+    def configure(self, policy: PolicyConfig | None = None, calibration: Calibration | None = None,
+                  speculative: SpecConfig | None = None, **settings) -> None:
+        """Switch the policy (at most the unit's slots per layer), the calibration and/or the speculative config,
+        and/or RunSettings fields, for the next runs."""
+        if calibration is not None:
+            calibration.check(self.num_layers, self.num_experts)
+            self.calibration = calibration
+        if policy is not None or (calibration is not None and self.router is not None):
+            self._set_policy(policy or self.router.policy, self.calibration)
+        if speculative is not None or (calibration is not None and self.block_router is not None):
+            self._set_speculative(speculative or self.block_router.config)
+            self._make_runners()
+        if settings:
+            self.settings = self.settings.updated(**settings)
+
+    # -- runs ----------------------------------------------------------------------------------------
+    def _load_warm(self, router) -> int:
+        self.settings.apply(self.residency)
+        router.reset()
+        return self.residency.load_warm(router.warm())
+
+    def _start(self, router) -> int:
+        """A new request on `router`: its state at the warm set, the warm experts copied (waited for), positions
+        from 0. Returns the number of warm copies (prompt processing, never timed)."""
+        with torch.no_grad():
+            copies = self._load_warm(router)
+            self.decoder.reset()
+            if self.cuda:
+                torch.cuda.synchronize()
+        return copies
+
+    def reset(self) -> int:
+        """A new sequence on the autoregressive router (or the block router of a speculative-only engine)."""
+        return self._start(self.router or self.block_router)
+
+    def _stream(self):
+        return torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext()
+
+    def _forward(self, run: StepRunner, ids, position: int, router, rec) -> None:
+        """One decode step: the tokens `ids` at `position`.. through the target, `router` deciding every layer's
+        experts (module docstring); the greedy tokens are in `run.step.next_np` after it."""
+        copies, last = self.copies, self.num_layers - 1
+        run.step.set_input(ids, position, self.geometry.max_seq_len)
+        run.attention(0)
+        rec.gpu_mark(0, ATTENTION_DONE)
+        for layer in range(self.num_layers):
+            run.wait_logits(layer)
+            rec.tick()
+            used, demand = router.route(layer)
+            rec.tick(ROUTING)
+            if demand is not None:
+                copies.assign(layer, demand[0], demand[1], prefetch=False)
+            rec.tick(COPY_ISSUE)
+            rec.gpu_mark(layer, WAIT_START)
+            copies.wait(layer, copies.need(layer, used), self.compute)
+            rec.gpu_mark(layer, MOE_START)
+            rec.tick(COPY_CHECKS)
+            run.moe(layer)
+            if layer < last:
+                run.attention(layer + 1)
+                rec.gpu_mark(layer + 1, ATTENTION_DONE)
+                router.predict(layer + 1)
+            else:
+                run.head()
+            copies.pump()
+        run.wait_head()
+
+    def device_routing(self, feed: LogitFeed | None = None) -> str | None:
+        """None if the next autoregressive run routes on the device (one launch per token), else why it routes
+        on the host."""
+        if self.runner.resident_scoring is None:
+            return f"device_routing={self.config.device_routing!r} on {self.device.type} with these slots and router"
+        if feed is not None:
+            return "routing reads a logit feed"
+        if self.settings.instrument:
+            return "instrumented runs time each layer's host gap"
+        return self.router.device_reason(self.residency.num_slots)
+
+    def _whole_step(self, t: int, token: int, rec: StepRecorder, position: int) -> None:
+        """Step t with routing on the device: one launch, then the records (routing as the host would see it)."""
+        run, e = self.runner, self.num_experts
+        step = run.step
+        step.set_input((token,), position, self.geometry.max_seq_len)
+        rec.begin(t, token, position)
+        run.whole_step()
+        run.wait_head()
+        rec.end(t, int(step.next_np[0]))
+        rec.router_logits[t] = step.logits_np[:, 0, :e]
+        rec.pregate_logits[t, 1:] = step.logits_np[:-1, 0, e:]
+        rec.selected[t] = run.experts_np[:, 0]
+
+    def _need(self, router, what: str):
+        if router is None:
+            raise ValueError(f"{what} needs {'a policy' if what.startswith('auto') else 'a SpecConfig'}: "
+                             f"build the engine with one or set it with configure()")
+        return router
+
+    def _run(self, tokens_in, num_steps: int, timed_from: int, feed: LogitFeed | None, return_logits: bool,
+             stop_tokens=(), feed_outputs_from: int | None = None, first_position: int = 0) -> DecodeResult:
+        """An autoregressive run of `num_steps` one-position steps (the tokens fed, or from `feed_outputs_from`
+        on the previous greedy token)."""
+        router = self._need(self.router, "autoregressive decoding")
+        g = self.geometry
+        first_position = validate.integer(first_position, "first_position", minimum=0)
+        if first_position + num_steps > g.max_seq_len:
+            raise ValueError(f"{num_steps} positions from position {first_position} do not fit the static KV cache "
+                             f"of {g.max_seq_len} (EngineConfig.max_seq_len)")
+        stops = set(validate.token_ids(list(stop_tokens), None, g.vocab_size, "stop_tokens", ValueError).tolist())
+        if feed is None:  # routing reads this model's logits and tokens: the calibration must be this model's
+            self.calibration.check(g.num_layers, g.num_experts, g.vocab_size, self.fingerprint)
+        else:  # the feed's source model's
+            self.calibration.check(g.num_layers, g.num_experts, fingerprint=feed.fingerprint)
+        if feed is not None:
+            if feed.tokens is not None:  # the recorded run's tokens and length
+                num_steps, stops = min(num_steps, len(feed.tokens)), set()
+            feed.check(num_steps, g.num_layers, g.num_experts)
+        rec = StepRecorder(num_steps, g.num_layers, g.num_experts, g.top_k, self.copies, self.settings.instrument,
+                           self.compute)
+        logits = np.zeros((num_steps, g.vocab_size), np.float32) if return_logits else None
+        warm = self._start(router)
+        run = self.runner
+        host_routing = self.device_routing(feed)
+        if host_routing is None:
+            run.set_slot_map(router.slot_map())
+        s = self.settings
+        router.bind(run.step, ModelFeed(run.step) if feed is None else feed, rec, s.cache_mode == "physical",
+                    s.max_in_flight)
+        with torch.no_grad(), self._stream():
+            for t in range(num_steps):
+                if feed is not None and feed.tokens is not None:
+                    token = int(feed.tokens[t])
+                elif feed_outputs_from is None or t < feed_outputs_from:
+                    token = int(tokens_in[t])
+                else:
+                    token = int(rec.outputs[t - 1])
+                position = first_position + t
+                if host_routing is None:
+                    self._whole_step(t, token, rec, position)
+                else:
+                    rec.begin(t, token, position)
+                    router.begin(t, token)
+                    self._forward(run, (token,), position, router, rec)
+                    rec.end(t, int(run.step.next_np[0]))
+                if logits is not None:
+                    logits[t] = run.step.out_logits[0].float().cpu().numpy()
+                if feed_outputs_from is not None and t + 1 >= feed_outputs_from and int(rec.outputs[t]) in stops:
+                    break
+        # fingerprint: the routers whose logits routing read (LogitFeed.of carries it on)
+        info = {"policy": router.policy.name, "warm_copies": warm, **self.kernels,
+                "routing": "device" if host_routing is None else "host", "host_routing_why": host_routing,
+                "fingerprint": self.fingerprint if feed is None else feed.fingerprint,
+                "cuda_graphs": self.graphs is not None, "cache_mode": s.cache_mode, "max_in_flight": s.max_in_flight,
+                "skip_copies": s.skip_copies, "feed": feed is not None, "notes": list(self.notes)}
+        return rec.result(timed_from, logits, info)
+
+    def teacher_forced(self, tokens, prompt_len: int = 0, feed: LogitFeed | None = None,
+                       return_logits: bool = False, first_position: int = 0) -> DecodeResult:
+        """Decode `tokens` [T] token by token (autoregressive router), feeding the given tokens; steps before
+        `prompt_len` are prompt processing (not timed). output_tokens[t] is the greedy prediction after
+        tokens[:t+1].
+
+        first_position > 0 (for timing at long contexts without decoding a prefix): the tokens sit at positions
+        first_position .. first_position + T - 1 and attend to whatever the KV cache holds below them, so the
+        outputs are not the model's on any real text; routing still starts from the warm set."""
+        tokens = validate.token_ids(tokens, None, self.geometry.vocab_size, "tokens", ValueError)
+        prompt_len = validate.integer(prompt_len, "prompt_len", minimum=0, maximum=len(tokens))
+        return self._run(tokens, len(tokens), prompt_len, feed, return_logits, first_position=first_position)
+
+    @torch.no_grad()
+    def generate(self, prompt, max_new_tokens: int, stop_tokens=(), drafter: Drafter | None = None, *,
+                 feed: LogitFeed | None = None, return_logits: bool = False, record: bool = False) -> DecodeResult:
+        """Greedy generation of up to `max_new_tokens` new tokens after `prompt` (token ids); stops after a stop
+        token (kept). Without a drafter: autoregressive decoding with the policy (the timed steps are those that
+        consume a generated token; feed: route from a recorded run's logits). With a drafter: speculative
+        decoding with the speculative config's selector, k and pool (record: keep each block's selections)."""
+        g = self.geometry
+        prompt = validate.token_ids(prompt, None, g.vocab_size, "prompt", ValueError)
+        max_new_tokens = validate.integer(max_new_tokens, "max_new_tokens", minimum=1)
+        if prompt.size == 0:
+            raise ValueError("generate needs a non-empty prompt")
+        if drafter is not None:
+            if feed is not None or return_logits:
+                raise ValueError("speculative generation takes no logit feed and returns no logits")
+            return self._speculate(prompt.tolist(), max_new_tokens, stop_tokens, drafter, record)
+        num_steps = prompt.size + max_new_tokens - 1
+        result = self._run(prompt, num_steps, prompt.size, feed, return_logits, stop_tokens,
+                           feed_outputs_from=prompt.size)
+        result.generated = result.output_tokens[prompt.size - 1:].tolist()
+        return result
+
+    # -- speculative decoding --------------------------------------------------------------------------
+    def _use_drafter(self, drafter: Drafter) -> None:
+        """Check the drafter against the target and make the decoder capture the hidden states it reads."""
+        router = self.block_router
+        if drafter.max_drafts is not None and router.config.k > drafter.max_drafts:
+            raise ValueError(f"the {drafter.name} drafter drafts at most {drafter.max_drafts} tokens per block, "
+                             f"k={router.config.k}")
+        check_drafter_fits(drafter, self.geometry)
+        layers = tuple(drafter.target_layer_ids)
+        if layers == self.decoder.feature_layers:
+            return
+        self.decoder.capture_features(layers)  # new step buffers: the runners are made again
+        self._runners.clear()
+        self._make_runners()
+
+    def _speculate(self, tokens: list[int], max_new_tokens: int, stop_tokens, drafter: Drafter,
+                   record: bool) -> DecodeResult:
+        router = self._need(self.block_router, "speculative decoding")
+        g, k = self.geometry, router.config.k
+        self._check_logical(self.settings)
+        stops = tuple(validate.token_ids(list(stop_tokens), None, g.vocab_size, "stop_tokens", ValueError).tolist())
+        if len(tokens) + max_new_tokens + k - 1 > g.max_seq_len:
+            raise ValueError(f"a prompt of {len(tokens)} tokens, {max_new_tokens} new tokens and blocks of k + 1 = "
+                             f"{k + 1} positions need {len(tokens) + max_new_tokens + k - 1} positions; the static KV "
+                             f"cache has {g.max_seq_len}")
+        self.calibration.check(g.num_layers, g.num_experts, g.vocab_size, self.fingerprint)
+        self._use_drafter(drafter)
+        self._start(router)
+        rec = StepRecorder(max_new_tokens, g.num_layers, g.num_experts, g.top_k, self.copies,
+                           cuda_stream=self.compute, positions=False)
+        new, displaced, blocks = [], 0.0, []
+        verify = self._runners[k + 1]
+        with self._stream():
+            started = time.perf_counter()
+            features = self._prefill_blocks(tokens, drafter)
+            drafter.reset(torch.tensor(tokens), features)
+            prefill_ms = (time.perf_counter() - started) * 1e3
+            t = 0
+            while len(new) < max_new_tokens:
+                started = time.perf_counter()
+                drafts, confidences = drafter.propose(k)
+                drafted = drafting_time(drafter, started)
+                drafts = [int(d) for d in drafts]
+                greedy, a, d_mass, selected = self._verify(rec, t, verify, [tokens[-1]] + drafts, len(tokens) - 1,
+                                                           confidences, record)
+                displaced += d_mass
+                if record:
+                    blocks.append(selected)
+                started = time.perf_counter()
+                rows = self.decoder.features(verify.step)
+                drafter.commit(a, greedy[a], None if rows is None else rows[:a + 1])
+                rec.draft_ms[t] = 1e3 * (drafted + drafting_time(drafter, started, count_fixed=False))
+                t += 1
+                if commit_block(tokens, new, drafts, a, greedy[a], stops):
+                    break
+        del new[max_new_tokens:]
+        return self._speculative_result(rec, new, displaced, blocks, prefill_ms)
+
+    def _prefill_blocks(self, tokens: list[int], drafter: Drafter):
+        """The prompt without its last token, one position per block under exact selection through the pool (its
+        copies and moves are prompt processing); returns the drafter's context features of those positions."""
+        run, ones = self.runner, np.ones(1)
+        router = self.block_router
+        rows = self.decoder.features(run.step) if drafter.target_layer_ids else None
+        features = None if rows is None else rows.new_empty(len(tokens) - 1, rows.shape[1])
+        for position, token in enumerate(tokens[:-1]):
+            router.begin(run.step, EXACT, ones)
+            self._forward(run, (token,), position, router, NO_RECORD)
+            if features is not None:
+                features[position].copy_(rows[0])
+            router.end_step(None)
+        return features
+
+    def _verify(self, rec: StepRecorder, t: int, run: StepRunner, ids: list[int], root: int, confidences,
+                record: bool, feed: np.ndarray | None = None, accepted: int | None = None):
+        """Step t: one verification block (root token and drafts `ids` at position `root`), its acceptance
+        (greedy, or the recorded `accepted`), the commitment rates' update and the pool refill. Returns (the
+        target's greedy tokens, accepted drafts, displaced mass of the committed positions, selections [D, L, K]
+        or None)."""
+        router, g, k = self.block_router, self.geometry, self.block_router.config.k
+        rec.begin(t, ids[0], root)
+        alpha = block_weights(router.config.selector, k, router.commit_rate, confidences)
+        displaced = np.zeros(k + 1)
+        selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
+        router.begin(run.step, router.config.selector, alpha, displaced, selected, feed)
+        self._forward(run, ids, root, router, NO_RECORD)
+        greedy = run.step.next_np[:k + 1].tolist()
+        a = accepted_length(ids[1:], greedy) if accepted is None else accepted
+        router.end_step(a)
+        rec.end(t, greedy[a], a)
+        return greedy, a, float(displaced[:a + 1].sum()), selected
+
+    def _speculative_result(self, rec: StepRecorder, tokens: list[int], displaced: float, blocks: list,
+                            prefill_ms: float, **info) -> DecodeResult:
+        s = self.settings
+        info = {"kernels": self.kernels, "cuda_graphs": self.graphs is not None, **info,
+                "union_used": self.union_used, "skip_copies": s.skip_copies, "max_in_flight": s.max_in_flight,
+                "selector": self.block_router.config.selector.name, "notes": list(self.notes)}
+        return rec.result(0, None, info, k=self.block_router.config.k, tokens=tokens, displaced=displaced,
+                          block_selected=blocks, prefill_ms=prefill_ms)
+
+    # -- trace-following -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def follow(self, source, first_position: int = 0, draft_cost_s: float = 0.0, record: bool = False,
+               fingerprint: str | None = None, return_logits: bool = False):
+        """Trace-following: route from recorded logits on this engine's weights, so times and copies are the
+        recorded routing's on this model's shapes (full-size random weights and a small trained model's
+        routing, for instance).
+
+        source: a `LogitFeed` with tokens (a recorded autoregressive run: one `DecodeResult`, every step timed),
+        or `Blocks` (the verification blocks of a recorded speculative run, `blocks_from_records`, or of a
+        synthetic drafter over a trace, `synthetic_blocks`: one `DecodeResult` per request). Each block's input
+        is its recorded root and drafts, selection reads its recorded router logits at every position and layer,
+        and its accepted length is the recorded one. As in the CPU replay, each request starts at the
+        calibration's warm set and its prompt is not run: the first step sits at `first_position` (the KV cache
+        below holds whatever it holds), later ones follow the committed lengths. draft_cost_s is charged per
+        block as drafting time (no drafter runs). fingerprint: the recorded model's router fingerprint
+        (`BlockRecords.fingerprint`; a LogitFeed carries its own), checked against the calibration's, which must
+        be the recorded model's. A block result's tokens are the committed ones: accepted drafts and the next
+        block's root (the last block's bonus is this model's greedy token)."""
+        if isinstance(source, LogitFeed):
+            if source.tokens is None:
+                raise ValueError("following a logit feed needs its tokens (LogitFeed.of(result) keeps them)")
+            return self.teacher_forced(source.tokens, 0, source, return_logits, first_position)
+        if not isinstance(source, Blocks):
+            raise TypeError(f"follow takes a LogitFeed or Blocks, got {type(source).__name__}")
+        router = self._need(self.block_router, "following verification blocks")
+        g, k, blocks = self.geometry, router.config.k, source
+        blocks.check(g.num_layers, g.num_experts, g.top_k)
+        if blocks.k != k:
+            raise ValueError(f"blocks of {blocks.k} drafts, the engine verifies k = {k} (cut records with "
+                             "blocks_from_records(records, k=...))")
+        tokens = blocks.tokens
+        if tokens.min() < 0 or tokens.max() >= g.vocab_size:
+            raise ValueError(f"block tokens outside the target's vocabulary of {g.vocab_size}")
+        self.calibration.check(g.num_layers, g.num_experts, fingerprint=fingerprint)
+        first_position = validate.integer(first_position, "first_position", minimum=0)
+        results = []
+        for request in np.unique(blocks.request):
+            ids = np.flatnonzero(blocks.request == request)
+            span = first_position + int((blocks.accepted[ids] + 1).sum()) + k
+            if span > g.max_seq_len:
+                raise ValueError(f"request {request}: {span} positions from position {first_position} do not fit the "
+                                 f"static KV cache of {g.max_seq_len}")
+            results.append(self._follow_request(blocks, ids, first_position, draft_cost_s, record))
+        return results
+
+    def _follow_request(self, blocks: Blocks, ids: np.ndarray, position: int, draft_cost_s: float,
+                        record: bool) -> DecodeResult:
+        g, k = self.geometry, self.block_router.config.k
+        self._start(self.block_router)
+        rec = StepRecorder(len(ids), g.num_layers, g.num_experts, g.top_k, self.copies, cuda_stream=self.compute,
+                           positions=False)
+        run, new, displaced, selections = self._runners[k + 1], [], 0.0, []
+        with self._stream():
+            for i, b in enumerate(ids):
+                rows, a = blocks.rows[b], int(blocks.accepted[b])
+                greedy, _, d_mass, selected = self._verify(rec, i, run, blocks.tokens[rows].tolist(), position,
+                                                           blocks.confidences[b], record,
+                                                           feed=blocks.router_logits[rows], accepted=a)
+                displaced += d_mass
+                if record:
+                    selections.append(selected)
+                rec.draft_ms[i] = 1e3 * draft_cost_s
+                bonus = int(blocks.tokens[blocks.rows[ids[i + 1], 0]]) if i + 1 < len(ids) else greedy[a]
+                new += blocks.tokens[rows[1:a + 1]].tolist() + [bonus]
+                position += a + 1
+        return self._speculative_result(rec, new, displaced, selections, 0.0, follow=blocks.source)
+
+
+def build_engine(model, policy: PolicyConfig | None, calibration: Calibration, config: EngineConfig = EngineConfig(),
+                 settings: RunSettings = RunSettings(), *, speculative: SpecConfig | None = None,
+                 residency: ExpertResidency | None = None, store: ExpertStore | None = None,
+                 host_memory_limit: int | None = None, device_memory_limit: int | None = None) -> Engine:
+    """An Engine for a transformers MoE model: the decoder's weights taken from the model (on its device and
+    dtype). Experts: the given `residency` unit (share one between engines), else a new unit of max(C, P + U)
+    slots over `store`, else over a new pinned ExpertStore copied from the model."""
+    from specmoe.models import adapter_for, decoder_for
+
+    decoder = decoder_for(model.config).from_model(model, config.max_seq_len)
+    if speculative is not None:
+        speculative.check(decoder.geometry)  # the config's errors before any allocation
+    if residency is None:
+        store = store or ExpertStore.from_model(model, host_memory_limit=host_memory_limit)
+        residency = ExpertResidency(store, _slots_needed(policy, speculative, store.num_experts),
+                                    next(model.parameters()).device, memory_limit=device_memory_limit)
+    fingerprint = adapter_for(model.config).fingerprint(model)
+    return Engine(decoder, residency, policy, calibration, config, settings, fingerprint, speculative)
+
+
+def _slots_needed(policy: PolicyConfig | None, speculative: SpecConfig | None, num_experts: int) -> int:
+    """Slots per layer for the routers of `policy` (C) and `speculative` (P + U); checks C <= E first."""
+    need = 0
+    if policy is not None:
+        policy.check_experts(num_experts)  # C > E: the policy's error before any allocation
+        need = policy.capacity
+    if speculative is not None:
+        need = max(need, speculative.pool_size + speculative.union(num_experts))
+    return need
+
+
+def build_engine_from_checkpoint(path, policy: PolicyConfig | None, calibration: Calibration,
+                                 config: EngineConfig = EngineConfig(), settings: RunSettings = RunSettings(), *,
+                                 speculative: SpecConfig | None = None, device="cpu",
+                                 dtype: torch.dtype = torch.bfloat16, host_memory_limit: int | None = None,
+                                 device_memory_limit: int | None = None) -> Engine:
+    """An Engine read from a local checkpoint directory without instantiating the transformers model: the
+    experts go straight into the pinned store, the other weights to the device."""
+    from transformers import AutoConfig
+
+    from specmoe.models import adapter_for, decoder_for
+    from specmoe.offload import CheckpointReader, ExpertGeometry
+
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    adapter = adapter_for(hf_config)
+    geometry = ExpertGeometry.of(adapter)
+    slots = _slots_needed(policy, speculative, geometry.num_experts)
+    store = ExpertStore.from_checkpoint(path, geometry, dtype=dtype, host_memory_limit=host_memory_limit)
+    residency = ExpertResidency(store, slots, device, memory_limit=device_memory_limit)
+    decoder = decoder_for(hf_config).from_checkpoint(path, config.max_seq_len, device, dtype)
+    reader = CheckpointReader(path)
+    fingerprint = router_fingerprint([reader.get(adapter.router_weight_name(layer)).float().numpy()
+                                      for layer in range(adapter.num_moe_layers)])
+    return Engine(decoder, residency, policy, calibration, config, settings, fingerprint, speculative)

@@ -1,0 +1,209 @@
+"""Routers: what decides, in one decode step of D positions, which experts each position executes in each MoE
+layer, and keeps the slot buffer in step with those decisions. The engine's loop (`Engine._forward`) is the same
+for every router; a router is called at three points of it:
+
+- `route(layer)`, once the layer's router logits are on the host: the executed experts of the step's positions,
+  written as slot ids and execution weights into the step's route rows; returns the slots the layer executes
+  and the demand insertions (slots, experts) that the engine copies at once;
+- `predict(layer)`, once the layer's attention has run (its pre-gate logits are on the host), before the
+  previous layer's copies are waited for: insertions of predicted experts to prefetch (PSR's part 1);
+- `end_step(accepted)`, after the step's head: what the step's outcome changes (the pool's refill after a
+  verification block) and the slot moves that follow it.
+
+Two routers:
+- `CacheRouter`: the autoregressive policies (exact, Cache-Prior, PSR, speculative execution; logical or
+  physical mode) over the logical cache of Algorithm 1 (`LogicalCache.route`, `insert_predicted`). Where every
+  expert is resident and the policy is the router's own top-K, the engine runs its fast form on the device
+  (`device_reason`).
+- `BlockRouter`: speculative decoding's block-level selection (`select_block_into` with the selector's position
+  weights) over an `ExpertPool` of P experts plus U union slots, refilled by recency after each block.
+
+Adding a router: implement `Router` (and its `warm`, `reset`, `num_slots`) and give the engine a way to build
+it; the engine never looks inside one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from specmoe.models.decoder import DecodeStep, DecoderGeometry
+from specmoe.offload import CopyStream
+from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, RouterScoring
+from specmoe.routing.device import device_routing_applies
+from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, select_block_into
+
+if TYPE_CHECKING:
+    from specmoe.engines.sd import SpecConfig as SpeculativeConfig
+
+NO_DEMAND = None
+
+
+class Router(Protocol):
+    """What the engine's loop needs from a router (module docstring)."""
+
+    num_slots: int  # slots per layer the router assigns
+
+    def warm(self) -> np.ndarray:
+        """[L, n] the experts of slots 0 .. n - 1 at the start of a request (after `reset`)."""
+
+    def reset(self) -> None:
+        """A new request: the router's state at its warm set."""
+
+    def route(self, layer: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]: ...
+
+    def predict(self, layer: int) -> None: ...
+
+    def end_step(self, accepted: int) -> None: ...
+
+
+class CacheRouter:
+    """The logical-cache router of the autoregressive policies, one position per step (`bind` a step, then
+    `begin` each step with its record row and input token)."""
+
+    def __init__(self, policy: PolicyConfig, calibration: Calibration, geometry: DecoderGeometry,
+                 scoring: RouterScoring, copies: CopyStream):
+        g = geometry
+        self.policy, self.calibration, self.scoring_model = policy, calibration, scoring
+        self.cache = LogicalCache(policy, calibration, g.num_layers, g.num_experts)
+        self.scoring = EngineScoring.of(scoring, g.num_layers, g.num_experts)
+        self.copies, self.num_layers, self.num_experts = copies, g.num_layers, g.num_experts
+        self.inserts = policy.insert_budget > 0
+        self.physical, self.max_in_flight = False, 2
+        self.feed = self.rec = None
+        self.t = self.token = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.policy.capacity
+
+    def warm(self) -> np.ndarray:
+        return np.stack([self.cache.resident(layer) for layer in range(self.num_layers)])
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def device_reason(self, num_slots: int) -> str | None:
+        """None if this policy routes as the router's own top-K on a unit of `num_slots` slots (the engine may
+        then route on the device), else why it does not."""
+        if num_slots != self.num_experts:
+            return f"{num_slots} slots < E={self.num_experts}"
+        return device_routing_applies(self.policy, self.num_experts, self.scoring_model)
+
+    def slot_map(self) -> np.ndarray:
+        """[L, E] the slot of every expert (every expert resident), read by device routing."""
+        return np.stack([self.cache.slot_of(layer, np.arange(self.num_experts)) for layer in range(self.num_layers)])
+
+    def bind(self, step: DecodeStep, feed, rec, physical: bool, max_in_flight: int) -> None:
+        """Route the run's steps of `step` (D = 1) from `feed` (router and pre-gate logits), recording in `rec`."""
+        self.feed, self.rec = feed, rec
+        self.physical, self.max_in_flight = physical, max_in_flight
+        self._slots = [step.slots_np[layer, 0] for layer in range(self.num_layers)]
+        self._weights = [step.weights_np[layer, 0] for layer in range(self.num_layers)]
+
+    def begin(self, t: int, token: int) -> None:
+        self.t, self.token = t, token
+
+    def route(self, layer: int):
+        cache, rec, t = self.cache, self.rec, self.t
+        slots = self._slots[layer]
+        d = cache.route(layer, self.feed.router(t, layer), self.token, self.scoring, rec.router_logits[t, layer],
+                        rec.selected[t, layer], slots, self._weights[layer])
+        return slots, ((cache.demand_slots[:d], cache.demand[:d]) if d else NO_DEMAND)
+
+    def predict(self, layer: int) -> None:
+        g = self.rec.pregate_logits[self.t, layer] = self.feed.pregate(self.t, layer)
+        if not self.inserts:
+            return
+        # physical-cache mode: insert only what can be copied at once, so that routing sees issued copies
+        budget = max(self.max_in_flight - self.copies.in_flight(), 0) if self.physical else None
+        # float32 as recorded: part 1 only ranks g, and float32 -> float64 keeps every order and tie
+        inserted = self.cache.insert_predicted(layer, g, self.token, budget=budget)
+        if inserted.size:
+            self.copies.assign(layer, self.cache.slot_of(layer, inserted), inserted, prefetch=True,
+                               issue_now=self.physical)
+
+    def end_step(self, accepted: int) -> None:
+        return None
+
+
+class BlockRouter:
+    """Block-level selection over the expert pool (module docstring), for steps of any D (`begin` each block
+    with its selector and position weights)."""
+
+    def __init__(self, config: SpeculativeConfig, calibration: Calibration, geometry: DecoderGeometry,
+                 scoring: RouterScoring, copies: CopyStream):
+        g = geometry
+        if scoring.kind != "softmax" or scoring.scale != 1.0:
+            raise ValueError("block selection reads softmax router logits with unit scale; this decoder routes "
+                             f"with {scoring.kind} scoring, scale {scoring.scale}")
+        self.config, self.geometry, self.copies = config, g, copies
+        self.union_slots = config.union(g.num_experts)
+        self.pool = ExpertPool(g.num_layers, g.num_experts, g.top_k, config.pool_size, calibration, self.union_slots)
+        self.commit_rate = CommitRate()
+        self.buffers = SelectionBuffers(config.k + 1, g.num_experts, g.top_k, np.float32)
+        self.renormalise = scoring.renormalise
+        self.union_used = 0  # the most union slots one layer of one block needed
+        self.step = self.selector = self.alpha = self.feed = self.displaced = self.selected = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.config.pool_size + self.union_slots
+
+    def warm(self) -> np.ndarray:
+        warm = []
+        for layer in range(self.geometry.num_layers):
+            table = self.pool.slot_table(layer)
+            members = np.flatnonzero(table >= 0)
+            warm.append(members[np.argsort(table[members])])  # the pool's experts in slot order 0 .. P-1
+        return np.stack(warm)
+
+    def reset(self) -> None:
+        self.pool.reset()
+        self.commit_rate.reset()
+        self.union_used = 0
+
+    def begin(self, step: DecodeStep, selector, alpha: np.ndarray, displaced: np.ndarray | None = None,
+              selected: np.ndarray | None = None, feed: np.ndarray | None = None) -> None:
+        """The next step's block: `selector` with position weights `alpha` [D]; displaced [D] accumulates the
+        displaced router mass over layers; selected [D, L, K] receives the selections; feed [D, L, E]: router
+        logits that selection reads instead of the model's (trace-following)."""
+        self.step, self.selector, self.alpha = step, selector, alpha
+        self.displaced, self.selected, self.feed = displaced, selected, feed
+
+    def route(self, layer: int):
+        step, pool, b, d = self.step, self.pool, self.buffers, self.step.num_positions
+        z = np.ascontiguousarray(step.router_logits(layer) if self.feed is None else self.feed[:, layer])
+        select_block_into(self.selector, z, pool.resident(layer), self.alpha, self.geometry.top_k, self.renormalise, b)
+        try:
+            missing, slots = pool.use(layer, b.selected[:d])
+        except ValueError as exc:
+            raise ValueError(f"verification block at position {int(step.input_np[d])}: {exc}") from None
+        demand = NO_DEMAND
+        if missing.size:
+            demand = (slots.astype(np.int64), missing.astype(np.int64))
+            self.union_used = max(self.union_used, int(missing.size))
+        route = step.slots_np[layer]
+        route[:] = pool.slot_table(layer)[b.selected[:d]]
+        step.weights_np[layer] = b.weights[:d]
+        if self.displaced is not None:
+            self.displaced += b.displaced[:d]
+        if self.selected is not None:
+            self.selected[:, layer] = b.selected[:d]
+        return np.unique(route), demand
+
+    def predict(self, layer: int) -> None:
+        return None
+
+    def end_step(self, accepted: int | None) -> None:
+        """The pool refill; the slot buffer follows: each expert entering the pool moves from its union slot to
+        the pool slot the refill gives it (`ExpertPool.refill_moves`). accepted: the block's accepted drafts,
+        which update the commitment rates (None: a prefill block)."""
+        if accepted is not None:
+            self.commit_rate.update(accepted, self.config.k)
+        self.pool.end_block()
+        for layer in range(self.geometry.num_layers):
+            src, dst = self.pool.refill_moves(layer)
+            if src.size:
+                self.copies.move(layer, src, dst)
