@@ -22,7 +22,7 @@ from specmoe.experiments.calibrate import token_windows  # noqa: E402
 from specmoe.harness import collect_calibration  # noqa: E402
 from specmoe.models import load_model  # noqa: E402
 from specmoe.traces import family_path, record_trace  # noqa: E402
-from specmoe.training.corpus import load_corpus  # noqa: E402
+from specmoe_train.corpus import load_corpus  # noqa: E402
 
 
 def main() -> None:
