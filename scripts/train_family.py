@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specmoe.assets import FAMILY as ASSETS  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe_train.configs import FAMILY_PRESETS  # noqa: E402
 
-ASSETS = Path(__file__).resolve().parents[1] / "specmoe" / "assets" / "family"
 BIG = 1 << 20  # files above 1 MiB travel on their own, the rest in one tar
 
 

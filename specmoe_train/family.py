@@ -155,7 +155,7 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
 
 
 def measure_locality(target, stream: np.ndarray, sequences: int, length: int, batch_size: int) -> dict:
-    from specmoe.traces import record_trace
+    from specmoe.records import record_trace
 
     rows = spread_windows(stream, length, sequences)
     trace = record_trace(target, [torch.from_numpy(row) for row in rows], batch_size=batch_size)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from specmoe.routing import CalibrationBuilder, preset, replay
-from specmoe.traces import record_trace
+from specmoe.records import record_trace
 from .corpus import spread_windows
 
 POLICIES = ("exact_lru", "exact_a", "cache_prior", "psr", "spec_exec")

@@ -216,7 +216,7 @@ def test_acceptance_walk_counts_committed_tokens_per_verification():
 
 
 def test_locality_of_a_synthetic_trace():
-    from specmoe.traces import Trace
+    from specmoe.records import Trace
 
     t, layers, experts, k = 6, 2, 8, 2
     z = np.zeros((t, layers, experts), dtype=np.float32)

@@ -47,7 +47,7 @@ from specmoe.harness.speculative import (EXACT, SpeculativeConfig, block_weights
                                          summarize)
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency, ExpertStore
-from specmoe.replay.blocks import Blocks
+from specmoe.records import Blocks
 from specmoe.routing import Calibration, validate
 from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, select_block_into
 
