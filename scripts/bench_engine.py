@@ -207,7 +207,7 @@ def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[
     """The first `count` sequences of a recorded trace, cut to `length` tokens, as engine logit feeds (router and
     pre-gate logits and input tokens), with the traced model's calibration."""
     from specmoe.routing import Calibration
-    from specmoe.traces import Trace as RecordedTrace
+    from specmoe.records import Trace as RecordedTrace
 
     if not calibration_path:
         raise ValueError("--trace needs --trace-calibration (the calibration of the traced model)")

@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from specmoe.replay import AcceptanceProfile, replay_ar, replay_block_selection, replay_rollback, synthetic_blocks
+from specmoe.records import AcceptanceProfile, Trace, synthetic_blocks
+from specmoe.replay import replay_ar, replay_block_selection, replay_rollback
 from specmoe.routing import Calibration, preset
-from specmoe.traces import Trace
 from specmoe.verifiers import selector_preset
 
 

@@ -25,15 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specmoe.assets import FAMILY as ASSETS  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
-from specmoe.training.configs import FAMILY_PRESETS  # noqa: E402
+from specmoe_train.configs import FAMILY_PRESETS  # noqa: E402
 
-ASSETS = Path(__file__).resolve().parents[1] / "specmoe" / "assets" / "family"
 BIG = 1 << 20  # files above 1 MiB travel on their own, the rest in one tar
 
 
 def cmd_prepare(args) -> None:
-    from specmoe.training.corpus import build_corpus
+    from specmoe_train.corpus import build_corpus
 
     split = None
     if args.split:
@@ -44,7 +44,7 @@ def cmd_prepare(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from specmoe.training.family import run_family
+    from specmoe_train.family import run_family
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with open(Path(args.out) / "train.log", "a") as log_file:
@@ -91,9 +91,9 @@ def cmd_install(args) -> None:
 def cmd_evaluate(args) -> None:
     import torch
 
-    from specmoe.training.corpus import load_corpus
-    from specmoe.training.family import EVAL_SETTINGS, evaluate_family, load_family
-    from specmoe.training.replay_metrics import replay_metrics
+    from specmoe_train.corpus import load_corpus
+    from specmoe_train.family import EVAL_SETTINGS, evaluate_family, load_family
+    from specmoe_train.replay_metrics import replay_metrics
 
     family = Path(args.family)
     streams = load_corpus(args.corpus)
@@ -102,7 +102,7 @@ def cmd_evaluate(args) -> None:
     dtype = getattr(torch, args.dtype)
     target, ar, dflash = load_family(family, args.device, dtype)
     if args.slice:  # recompute the fixed slice here (float32) and record its tokens next to the training run's values
-        from specmoe.training.family import slice_metrics
+        from specmoe_train.family import slice_metrics
 
         recomputed = slice_metrics(target, ar, dflash, streams["evaluation"])
         if "slice" not in metrics.get("slice", {}):  # none recorded, or the record of a failed measurement
@@ -114,7 +114,7 @@ def cmd_evaluate(args) -> None:
         metrics[f"slice_{args.device}_{args.dtype}"] = {k: v for k, v in recomputed.items() if k != "slice"}
         print(json.dumps(metrics[f"slice_{args.device}_{args.dtype}"], indent=1))
     if args.locality:
-        from specmoe.training.family import measure_locality
+        from specmoe_train.family import measure_locality
 
         st = EVAL_SETTINGS[args.preset]
         metrics[f"locality_{args.device}_{args.dtype}"] = measure_locality(

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import traces
 from .arguments import int_at_least
+from .records import traces
 from .routing import PRESETS, PolicyConfig, PolicyError, preset
 
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_replay(args) -> int:
     from .routing import Calibration, replay
-    from .traces import Trace
+    from .records import Trace
 
     calibration = Calibration.load(args.calibration)
     trace = Trace.load(args.trace)

@@ -37,7 +37,7 @@ def family():
     """The shipped family's target (float32, CPU) and its adapter, unpatched after the module."""
     from specmoe.harness import unpatch
     from specmoe.models import load_model
-    from specmoe.traces import family_path
+    from specmoe.assets import family_path
 
     model, adapter = load_model(str(family_path("target")))
     yield model, adapter
@@ -49,6 +49,6 @@ def family_text():
     """Token ids of the second sequence of the family's evaluation slice (prompts are its prefixes)."""
     import json
 
-    from specmoe.traces import family_path
+    from specmoe.assets import family_path
 
     return json.loads((family_path().parent / "metrics.json").read_text())["slice"]["slice"]["token_ids"][1]

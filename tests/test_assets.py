@@ -9,9 +9,10 @@ import torch
 
 from specmoe.drafters.dflash_model import DFlashDraftModel
 from specmoe.models import adapter_for
-from specmoe.traces import Trace, family_path, record_trace
-from specmoe.training.evaluate import ar_accept_runs, dflash_accept_lengths, greedy_continuation
-from specmoe.training.family import load_family, slice_metrics, tau_crosscheck
+from specmoe.assets import family_path
+from specmoe.records import Trace, record_trace
+from specmoe_train.evaluate import ar_accept_runs, dflash_accept_lengths, greedy_continuation
+from specmoe_train.family import load_family, slice_metrics, tau_crosscheck
 
 FAMILY = family_path("target").parent
 MiB = 1 << 20

@@ -104,7 +104,7 @@ def test_policy_overrides():
 
 
 def test_trace_calibrate_replay_on_the_shipped_model(tmp_path, capsys):
-    from specmoe.traces import family_path
+    from specmoe.assets import family_path
 
     text = tmp_path / "held_out.txt"
     text.write_text("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 8)

@@ -10,7 +10,7 @@ from specmoe.drafters import (DFlashDrafter, DrafterConfig, DrafterError, HFAuto
                               build_drafter)
 from specmoe.drafters.dflash_model import DFlashDraftModel, dflash_config, extract_context_feature
 from specmoe.models import load_model
-from specmoe.traces import family_path
+from specmoe.assets import family_path
 
 
 @pytest.fixture(scope="module")

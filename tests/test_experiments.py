@@ -251,7 +251,7 @@ def test_harness_teacher_forced(tmp_path):
 def test_text_and_jsonl_workloads(tmp_path, capsys):
     from specmoe.experiments.config import WorkloadSpec
     from specmoe.experiments.workload import load_sequences
-    from specmoe.traces import family_path
+    from specmoe.assets import family_path
 
     text = write(tmp_path, "def add(a, b):\n    return a + b\n" * 20, "t.txt")
     prompts = tmp_path / "p.jsonl"
@@ -277,7 +277,7 @@ def test_humaneval_workload(tmp_path, capsys, monkeypatch):
 
     from specmoe.experiments.config import WorkloadSpec
     from specmoe.experiments.workload import load_sequences
-    from specmoe.traces import family_path
+    from specmoe.assets import family_path
 
     tokenizer = str(family_path("target"))
     found, what = load_sequences(WorkloadSpec("humaneval", 3, 32), None, tokenizer, 0, prompts=True)

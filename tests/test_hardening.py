@@ -16,7 +16,7 @@ from specmoe.files import write_safetensors
 from specmoe.routing import (Calibration, CalibrationBuilder, CalibrationError, LogicalCache, PolicyConfig,
                              RouterScoring,
                              PolicyError, TokenPrior, preset, replay)
-from specmoe.traces import Trace, TraceError
+from specmoe.records import Trace, TraceError
 
 L, E, K, V, T = 2, 8, 2, 10, 6  # a small geometry for hand-made files
 ROOT = Path(__file__).resolve().parents[1]

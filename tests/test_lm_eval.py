@@ -57,7 +57,7 @@ def docs(family):
     continuation against another window's (multiple choice), and its next 12 tokens (generation)."""
     from transformers import AutoTokenizer
 
-    from specmoe.traces import family_path
+    from specmoe.assets import family_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(family_path("target")), local_files_only=True)
     windows = json.loads((family_path().parent / "metrics.json").read_text())["slice"]["slice"]["token_ids"]

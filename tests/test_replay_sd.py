@@ -4,11 +4,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specmoe.block_records import BlockRecords
-from specmoe.replay import (AcceptanceProfile, Blocks, BlockSourceError, blocks_from_records, replay_ar,
-                            replay_block_selection, replay_rollback, synthetic_blocks)
+from specmoe.records import (AcceptanceProfile, BlockRecords, Blocks, BlockSourceError, Trace, blocks_from_records,
+                             synthetic_blocks)
+from specmoe.replay import replay_ar, replay_block_selection, replay_rollback
 from specmoe.routing import Calibration, LogicalCache, PolicyConfig, preset
-from specmoe.traces import Trace
 from specmoe.verifiers import ExpertPool, select_block, selector_preset
 
 L, E, K, V = 3, 12, 2, 20
@@ -300,7 +299,7 @@ def test_frontier_and_interpolation():
 
 
 def test_with_true_continuation():
-    from specmoe.replay import with_true_continuation
+    from specmoe.records import with_true_continuation
 
     blocks = blocks_from_records(make_records(np.random.default_rng(0)))
     true = with_true_continuation(blocks)

@@ -198,8 +198,8 @@ def test_trace_following_equals_the_cpu_replay_of_the_recorded_blocks(family, dr
     """follow() on a harness run's block records makes the CPU replay's block-level selections and copies
     (`replay_block_selection`: same blocks, same pool start), whatever the copy timing, and commits the
     record's tokens."""
-    from specmoe.block_records import BlockRecords
-    from specmoe.replay import blocks_from_records, replay_block_selection
+    from specmoe.records import BlockRecords, blocks_from_records
+    from specmoe.replay import replay_block_selection
 
     model, adapter = family
     config = SpeculativeConfig(selector_preset("acceptmoe"), k=K_DRAFTS, pool_size=POOL, max_new_tokens=NEW)

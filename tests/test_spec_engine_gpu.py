@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.block_records import BlockRecords
+from specmoe.assets import family_path
 from specmoe.drafters import DrafterConfig, build_drafter
 from specmoe.engines import EngineConfig, RunSettings, build_engine
 from specmoe.engines import SpecConfig
 from specmoe.harness import SpeculativeConfig, speculative_generate, unpatch
 from specmoe.models import load_model
 from specmoe.offload import ExpertResidency, ExpertStore
-from specmoe.replay import blocks_from_records, replay_block_selection
+from specmoe.records import BlockRecords, blocks_from_records
+from specmoe.replay import replay_block_selection
 from specmoe.routing import Calibration, preset
-from specmoe.traces import family_path
 from specmoe.verifiers import selector_preset
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,7 @@ from specmoe.harness import SpeculativeConfig, exact_routing, speculative_genera
 from specmoe.models import load_model
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration
-from specmoe.traces import family_path
+from specmoe.assets import family_path
 from specmoe.verifiers import selector_preset
 
 pytestmark = pytest.mark.gpu

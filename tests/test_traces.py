@@ -10,7 +10,8 @@ from transformers import OlmoeConfig, OlmoeForCausalLM
 
 from specmoe.models import adapter_for
 from specmoe.routing import CalibrationBuilder, preset, replay
-from specmoe.traces import Trace, TraceError, add_trace_parser, record_trace
+from specmoe.records import Trace, TraceError, record_trace
+from specmoe.records.traces import add_trace_parser
 
 L, E, K, V, H = 3, 8, 2, 64, 32
 

@@ -13,11 +13,11 @@ import torch
 
 from specmoe.drafters.dflash_model import (DFlashDraftModel, block_attention_mask, block_input_ids,
                                            block_position_ids, build_target_layer_ids, dflash_config)
-from specmoe.training.configs import FAMILY_PRESETS, StageConfig
-from specmoe.training.corpus import (PARTS, BatchSampler, CorpusError, Source, build_corpus, load_corpus, make_split,
-                                     read_part)
-from specmoe.training.evaluate import acceptance_tau, routing_locality, tau_from_runs
-from specmoe.training.train import lr_at
+from specmoe_train.configs import FAMILY_PRESETS, StageConfig
+from specmoe_train.corpus import (PARTS, BatchSampler, CorpusError, Source, build_corpus, load_corpus, make_split,
+                                   read_part)
+from specmoe_train.evaluate import acceptance_tau, routing_locality, tau_from_runs
+from specmoe_train.train import lr_at
 
 
 def _write_sources(root: Path, files: int = 120) -> list[Source]:
@@ -85,8 +85,8 @@ def _tiny(steps=25):
 def test_a_few_cpu_steps_decrease_every_loss(corpus):
     from transformers import AutoTokenizer
 
-    from specmoe.training.family import build_models
-    from specmoe.training.train import train_drafters, train_target
+    from specmoe_train.family import build_models
+    from specmoe_train.train import train_drafters, train_target
 
     torch.manual_seed(0)
     fc = _tiny()
@@ -106,8 +106,8 @@ def test_a_few_cpu_steps_decrease_every_loss(corpus):
 
 
 def test_the_tiny_family_trains_saves_and_measures_end_to_end(corpus, tmp_path):
-    from specmoe.training.family import EVAL_SETTINGS, load_family, slice_metrics
-    from specmoe.training.family import run_family
+    from specmoe_train.family import EVAL_SETTINGS, load_family, slice_metrics
+    from specmoe_train.family import run_family
 
     metrics = run_family(corpus, tmp_path / "family", "tiny", device="cpu", log=lambda m: None)
     names = {p.name for p in (tmp_path / "family").iterdir()}
@@ -216,7 +216,7 @@ def test_acceptance_walk_counts_committed_tokens_per_verification():
 
 
 def test_locality_of_a_synthetic_trace():
-    from specmoe.traces import Trace
+    from specmoe.records import Trace
 
     t, layers, experts, k = 6, 2, 8, 2
     z = np.zeros((t, layers, experts), dtype=np.float32)
@@ -234,9 +234,25 @@ def test_locality_of_a_synthetic_trace():
 
 def test_a_directory_without_the_family_is_a_clear_error(tmp_path):
     from specmoe.models import ModelSourceError
-    from specmoe.training.family import load_family
+    from specmoe_train.family import load_family
 
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text("{}")
     with pytest.raises(ModelSourceError, match="no ar_drafter, dflash_drafter checkpoint"):
         load_family(tmp_path)
+
+
+def test_runtime_never_imports_the_training_package():
+    """specmoe_train imports specmoe; nothing under specmoe/ imports specmoe_train (the runtime reads only the
+    shipped assets)."""
+    import ast
+
+    import specmoe
+
+    offenders = []
+    for path in Path(specmoe.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "specmoe_train"]
+    assert not offenders, offenders

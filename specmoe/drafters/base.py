@@ -164,7 +164,7 @@ def greedy_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def family_drafter_path(name: str) -> Path:
     """The shipped family's checkpoint of drafter `name` ("ar" or "dflash")."""
-    from specmoe.traces import family_path
+    from specmoe.assets import family_path
 
     return family_path({"ar": "ar_drafter", "dflash": "dflash_drafter"}[name])
 

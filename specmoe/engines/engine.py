@@ -40,7 +40,7 @@ from specmoe.drafters.base import accepted_length
 from specmoe.harness.speculative import EXACT, block_weights, commit_block, drafting_time
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency, ExpertStore
-from specmoe.replay.blocks import Blocks
+from specmoe.records import Blocks
 from specmoe.routing import Calibration, PolicyConfig, PolicyError, router_fingerprint, validate
 
 from .config import EngineConfig, RunSettings

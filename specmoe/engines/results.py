@@ -134,7 +134,7 @@ class DecodeResult:
 class LogitFeed:
     """Where the engine's routing reads router logits z and pre-gate logits g: the model's own router
     (`model_feed`, the default) or a recording [T, L, E] (`LogitFeed(...)`: a previous DecodeResult, or the
-    logits of a trained model with the same L, E, K, e.g. from a `specmoe.traces.Trace`). With `tokens` [T],
+    logits of a trained model with the same L, E, K, e.g. from a `specmoe.records.Trace`). With `tokens` [T],
     the engine also feeds these input tokens (also in `generate`), so routing is the recorded run's exactly
     even when this model's outputs differ (copies-skipped mode computes on stale slots). `fingerprint`: the
     router fingerprint of the model the logits come from (the run's calibration is checked against it)."""

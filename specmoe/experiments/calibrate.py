@@ -25,10 +25,8 @@ def token_windows(stream: np.ndarray, length: int, limit: int | None = None) -> 
         raise ValueError(f"window length must be at least 2, got {length}")
     if limit is not None and limit < 1:
         raise ValueError(f"the window limit must be at least 1 (or None for all), got {limit}")
-    from specmoe.training.corpus import windows as full_windows
-
     stream = np.asarray(stream, dtype=np.int64).reshape(-1)
-    windows = list(full_windows(stream, length))
+    windows = [stream[s:s + length].copy() for s in range(0, stream.size - length + 1, length)]
     tail = stream[len(windows) * length:]
     if len(tail) >= 2:
         windows.append(tail)

@@ -22,7 +22,7 @@ import torch
 
 from specmoe.arguments import check_positions, int_at_least, int_list
 from specmoe.files import check_output_dir, write_run_dir
-from specmoe.traces import family_path
+from specmoe.assets import family_path
 
 DEMO_POLICIES = ("exact_lru", "cache_prior", "psr", "spec_exec")
 RESULT_FILES = ("results.csv", "results.json")  # one run's files, written together (files.write_run_dir)

@@ -29,7 +29,7 @@ class Geometry:
 
 def model_source(source: str) -> str:
     """The `[model] source` as `load_model` takes it ("family" is the shipped target's directory)."""
-    from specmoe.traces import family_path
+    from specmoe.assets import family_path
 
     return str(family_path("target")) if source == "family" else source
 

@@ -368,8 +368,8 @@ class Session:
                 "wait_ms_per_token": wait, "token_ms": token_ms, "request_ms": request_ms}
 
     def _replay(self, c: Configuration) -> dict:
-        from specmoe.replay import AcceptanceProfile, replay_ar, replay_block_selection, replay_rollback, synthetic_blocks
-        from specmoe.traces import record_trace
+        from specmoe.records import AcceptanceProfile, record_trace, synthetic_blocks
+        from specmoe.replay import replay_ar, replay_block_selection, replay_rollback
 
         if self.trace is None:
             self.trace = record_trace(self.model, self.sequences, self.geo.source)

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from specmoe.files import write_text_atomic
-from specmoe.traces import family_path
+from specmoe.assets import family_path
 
 from .demo import default_model, psr_bonus
 
@@ -89,7 +89,7 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
            drafter_paths: dict | None = None, synthetic_acceptance: float = 0.8, seed: int = 0,
            threads: int | None = None, records_dir: str | None = None) -> tuple[pd.DataFrame, dict]:
     """Run the comparison; returns the table and a dict describing the run (with per-row acceptance)."""
-    from specmoe.block_records import BlockRecords
+    from specmoe.records import BlockRecords
     from specmoe.drafters import DrafterConfig, build_drafter
     from specmoe.harness import (SpeculativeConfig, collect_calibration, sample_selfgen, speculative_generate,
                                  summarize)

@@ -68,7 +68,7 @@ def load_sequences(spec, model, tokenizer_dir: str | None, seed: int, *, prompts
     """(sequences, a description of their source): `spec.count` prompts (prompts=True) or windows of
     `spec.length` tokens for the model. tokenizer_dir: the checkpoint's directory (None for a named config)."""
     from specmoe.harness import sample_selfgen
-    from specmoe.traces import family_path
+    from specmoe.assets import family_path
 
     count, length = spec.count, spec.length
     if spec.source == "family_eval":

@@ -168,7 +168,7 @@ class SpeculativeResult:
     prefill_s: float
     pool: ExpertPool
     divergence: dict = field(default_factory=dict)
-    blocks: list[dict] = field(default_factory=list)  # with record=True: per block, see specmoe.block_records
+    blocks: list[dict] = field(default_factory=list)  # with record=True: per block, see specmoe.records.block_records
 
     @property
     def verifications(self) -> int:
@@ -226,7 +226,7 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
 
     calibration: its warm set is the pool's start (default: the neutral calibration, experts by index);
     commit_rate: the acceptmoe weights' estimator, reset here (default `CommitRate()`); record: keep every
-    block (`result.blocks`, see `specmoe.block_records`); divergence: compare the committed positions with
+    block (`result.blocks`, see `specmoe.records.block_records`); divergence: compare the committed positions with
     exact routing (`divergence_from_exact`, one extra forward); stop: called with the new tokens after every
     block, True ends the request there (e.g. a stop string in their text; the block's tokens are kept)."""
     from transformers import DynamicCache
@@ -320,7 +320,7 @@ def drafting_time(drafter: Drafter, started: float, count_fixed: bool = True) ->
 
 def _block_record(context: BlockRoutingContext, root: int, ids: list[int], confidences, accepted: int,
                   bonus: int) -> dict:
-    """One verification block as `specmoe.block_records` stores it (without the request index)."""
+    """One verification block as `specmoe.records.block_records` stores it (without the request index)."""
     return {"root_position": root, "tokens": np.asarray(ids), "confidences": np.asarray(confidences),
             "accepted": accepted, "bonus": bonus, "router_logits": context.scores, "pregate_logits": context.pregate,
             "selected": context.selected}

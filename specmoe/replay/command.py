@@ -21,10 +21,10 @@ import numpy as np
 import pandas as pd
 
 from specmoe.files import write_text_atomic
+from specmoe.records import (AcceptanceProfile, BlockSourceError, blocks_from_records, synthetic_blocks,
+                             with_true_continuation)
 
 from . import report
-from .blocks import (AcceptanceProfile, BlockSourceError, blocks_from_records, synthetic_blocks,
-                     with_true_continuation)
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -73,8 +73,7 @@ def add_parser(sub) -> None:
 
 
 def _sources(args, calibration):
-    from specmoe.block_records import BlockRecords
-    from specmoe.traces import Trace
+    from specmoe.records import BlockRecords, Trace
 
     num_layers, num_experts = calibration.warm_ranking.shape
     for path in args.records:

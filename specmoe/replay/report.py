@@ -24,7 +24,7 @@ import pandas as pd
 from specmoe.routing import Calibration, preset
 from specmoe.verifiers import selector_preset
 
-from .blocks import Blocks
+from specmoe.records import Blocks
 from .rollback import replay_ar, replay_block_selection, replay_rollback
 
 LAMBDAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)

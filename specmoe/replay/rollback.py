@@ -41,7 +41,7 @@ from specmoe.routing.cache import LogicalCache
 from specmoe.verifiers import (CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, confidence_weights,
                                position_weights, select_block_into)
 
-from .blocks import Blocks
+from specmoe.records import Blocks
 
 _NO_TRACE = np.zeros((0, 0), dtype=np.int64)
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..drafters.dflash_model import (block_attention_mask, block_input_ids, block_position_ids, block_targets,
+from specmoe.drafters.dflash_model import (block_attention_mask, block_input_ids, block_position_ids, block_targets,
                                      extract_context_feature)
 
 

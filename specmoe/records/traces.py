@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .arguments import check_positions, int_at_least
-from .files import check_output_file, read_safetensors, read_utf8, write_safetensors
-from .routing import validate
-from .routing.replay import valid_sequence_starts
+from ..arguments import check_positions, int_at_least
+from ..files import check_output_file, read_safetensors, read_utf8, write_safetensors
+from ..routing import validate
+from ..routing.replay import valid_sequence_starts
 
 FORMAT, VERSION = "specmoe-trace", "1"
 
@@ -161,8 +161,8 @@ def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) 
     import torch
     import transformers
 
-    from .harness import exact_routing
-    from .models import adapter_for
+    from ..harness import exact_routing
+    from ..models import adapter_for
 
     adapter = adapter_for(model.config)
     device = next(model.parameters()).device
@@ -199,7 +199,7 @@ def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) 
 def add_trace_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``trace`` to an argparse subparsers object (for specmoe.cli)."""
     p = subparsers.add_parser("trace", help="record router and pre-gate logits of exact routing over a text",
-                              description="Record a routing trace (see specmoe.traces for the file format).")
+                              description="Record a routing trace (see specmoe.records.traces for the file format).")
     p.add_argument("--model", default="family",
                    help="a local checkpoint directory, or 'family' for the shipped small OLMoE target")
     p.add_argument("--text", required=True, help="a UTF-8 text file; tokenized with the model's tokenizer")
@@ -217,7 +217,8 @@ def main_trace(args) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from .models import load_model
+    from ..assets import family_path
+    from ..models import load_model
 
     source = family_path("target") if args.model == "family" else Path(args.model)
     if not Path(source).is_dir():
@@ -240,8 +241,3 @@ def main_trace(args) -> int:
     print(f"wrote {args.out}: {trace.num_tokens} tokens in {len(sequences)} sequences, "
           f"L={trace.num_layers} E={trace.num_experts} K={trace.top_k}")
     return 0
-
-
-def family_path(name: str = "target") -> Path:
-    """Directory of a shipped checkpoint of the small family: 'target', 'ar_drafter' or 'dflash_drafter'."""
-    return Path(__file__).resolve().parent / "assets" / "family" / name

@@ -22,8 +22,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..drafters.dflash_model import DFlashDraftModel
-from ..models import ModelSourceError
+from specmoe.drafters.dflash_model import DFlashDraftModel
+from specmoe.models import ModelSourceError
 from .configs import FAMILY_PRESETS, FamilyConfig, ar_drafter_config, dflash_drafter_config, target_config
 from .corpus import load_corpus, spaced_windows, spread_windows, windows
 from .evaluate import (accept_at_function, ar_accept_runs, dflash_accept_lengths, dflash_block_nll,
@@ -122,10 +122,10 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
     """Run the harness's speculative loop (exact selection, every expert in the pool) on a few prompts and
     compare it with the teacher-forced walk: the committed tokens against the greedy continuation, and at every
     root of the loop whose block lies inside the continuation, the accepted length against the walk's."""
-    from ..drafters import DFlashDrafter, HFAutoregressiveDrafter
-    from ..harness import SpeculativeConfig, speculative_generate
-    from ..models import adapter_for
-    from ..verifiers import selector_preset
+    from specmoe.drafters import DFlashDrafter, HFAutoregressiveDrafter
+    from specmoe.harness import SpeculativeConfig, speculative_generate
+    from specmoe.models import adapter_for
+    from specmoe.verifiers import selector_preset
 
     adapter = adapter_for(target.config)
     new = seqs.shape[1] - prompt_len
@@ -155,7 +155,7 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
 
 
 def measure_locality(target, stream: np.ndarray, sequences: int, length: int, batch_size: int) -> dict:
-    from ..traces import record_trace
+    from specmoe.records import record_trace
 
     rows = spread_windows(stream, length, sequences)
     trace = record_trace(target, [torch.from_numpy(row) for row in rows], batch_size=batch_size)

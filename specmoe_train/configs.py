@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from transformers import OlmoConfig, OlmoeConfig
 
-from ..drafters.dflash_model import dflash_config
+from specmoe.drafters.dflash_model import dflash_config
 
 
 @dataclass(frozen=True)

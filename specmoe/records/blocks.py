@@ -6,11 +6,11 @@ without copies. Block b commits its root and its first ``accepted[b]`` drafts (t
 block's root); blocks of one request follow each other in order.
 
 Sources:
-- `blocks_from_records`: the blocks of a speculative run (`specmoe.block_records`); rejected positions carry
+- `blocks_from_records`: the blocks of a speculative run (`specmoe.records.block_records`); rejected positions carry
   the drafter's tokens and the router logits the target computed for them. ``true_rows`` points, where the
   request's committed sequence reaches that far, at the rows of the true continuation (the committed tokens
   at the same positions, recorded as roots or accepted drafts of later blocks).
-- `synthetic_blocks`: a synthetic drafter over an AR trace (`specmoe.traces`). Block roots walk the trace;
+- `synthetic_blocks`: a synthetic drafter over an AR trace (`specmoe.records.traces`). Block roots walk the trace;
   the accepted length comes from an acceptance profile q_d = P(accepted >= d) (`AcceptanceProfile`: geometric
   rate, a per-depth table, or an accepted-length histogram) with one uniform draw per block, as
   `specmoe.drafters.synthetic` draws it. Rejected positions carry the trace's logits at those positions, the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specmoe.block_records import BlockRecords
+from .block_records import BlockRecords
 
 
 class BlockSourceError(ValueError):
@@ -220,7 +220,7 @@ class AcceptanceProfile:
 
 def synthetic_blocks(trace, k: int, profile: AcceptanceProfile, seed: int = 0, max_blocks: int | None = None,
                      source: str = "") -> Blocks:
-    """Blocks of a synthetic drafter over `trace` (a `specmoe.traces.Trace`), see the module docstring. Each
+    """Blocks of a synthetic drafter over `trace` (a `specmoe.records.Trace`), see the module docstring. Each
     recorded sequence is a request; its blocks start at its first position and stop where fewer than k + 1
     positions remain."""
     if k < 1:

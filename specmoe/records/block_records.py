@@ -20,7 +20,7 @@ experts, top-K:
 Metadata (strings): ``format`` = "specmoe-blocks", ``version`` = "1", ``geometry`` = JSON {num_layers,
 num_experts, top_k, vocab_size, k}, ``model``, ``fingerprint`` (the router fingerprint), ``selector`` (JSON
 of the `SelectorConfig`), ``drafter`` (its name), ``pool_size`` (P), ``info`` (JSON: versions, time, ...).
-Router logits of one position sit where a routing trace (`specmoe.traces`) keeps them; a block of the
+Router logits of one position sit where a routing trace (`specmoe.records.traces`) keeps them; a block of the
 family (L = 16, E = 64) at k = 8 takes 74 KiB.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import read_safetensors, write_safetensors
+from ..files import read_safetensors, write_safetensors
 
 FORMAT, VERSION = "specmoe-blocks", "1"
 TENSORS = {"request": np.int64, "root_position": np.int64, "tokens": np.int64, "confidences": np.float32,

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..drafters.dflash_model import block_targets, extract_context_feature
+from specmoe.drafters.dflash_model import block_targets, extract_context_feature
 from .configs import FamilyConfig, StageConfig
 from .corpus import BatchSampler, spaced_windows
 from .evaluate import draft_block_logits
