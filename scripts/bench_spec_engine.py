@@ -43,11 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import measure_bandwidth, measure_copy_ms, ratio_ci  # noqa: E402
 
-from specmoe.records import BlockRecords  # noqa: E402
-from specmoe.engines import EngineConfig, build_engine  # noqa: E402
+from specmoe.engines import Engine, EngineConfig, LogitFeed, SpecConfig, build_engine  # noqa: E402
 from specmoe.engines.helpers import random_olmoe_on_device  # noqa: E402
-from specmoe.engines.results import LogitFeed  # noqa: E402
-from specmoe.engines import Engine, SpecConfig  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
