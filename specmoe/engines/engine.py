@@ -18,9 +18,12 @@ insertions) and the prefetch pump -> the head graph (final norm, LM head, greedy
   drafter's commit, the pool refill (`specmoe.speculation` holds these semantics).
 - Trace-following (`follow`): a recorded autoregressive run (`LogitFeed`) or recorded / synthetic verification
   blocks (`Blocks`), routed from their recorded logits on this engine's weights.
-- Prefill: the prompt without its last token runs token by token under the router's rule for prompt positions
-  (the policy for autoregressive runs; exact selection through the pool for speculative runs); its copies and
-  time are prompt processing, not counted in the steps.
+- Prefill: prompt processing, whose copies and time are not counted in the steps (`prefill_ms` is the time to
+  the first new token). Autoregressive runs decode the prompt one position per step under the policy (each
+  position's logical-cache decisions may reassign a slot that an earlier position of a longer step still
+  reads). Speculative runs put the whole prompt through exact selection in blocks of k + 1 positions; the
+  target's greedy token after it is the first new token (committed, in no block) and the root of the first
+  verification block, as in the public DFlash loop, vLLM and SGLang, so tau is their acceptance length.
 
 Routing never reads timing in the default (logical) mode: copies only change latency. `RunSettings` carries the
 copy-timing settings (delay injection, prefetches in flight, copies-skipped mode, instrumentation). On the CPU
@@ -359,6 +362,7 @@ class Engine:
         result = self._run(prompt, num_steps, prompt.size, feed, return_logits, stop_tokens,
                            feed_outputs_from=prompt.size)
         result.generated = result.output_tokens[prompt.size - 1:].tolist()
+        result.prefill_ms = float(result.ms[~result.timed].sum())  # the prompt's steps, the first token's included
         return result
 
     # -- speculative decoding --------------------------------------------------------------------------
@@ -395,11 +399,15 @@ class Engine:
         verify = self._runners[k + 1]
         with self._stream():
             started = time.perf_counter()
-            features = self._prefill_blocks(tokens, drafter)
-            drafter.reset(torch.tensor(tokens), features)
+            first, features = self._prefill_blocks(tokens, drafter)
+            new.append(first)  # the prefill's greedy token: committed, in no block; the first block's root
+            tokens.append(first)
             prefill_ms = (time.perf_counter() - started) * 1e3
+            done = first in stops or max_new_tokens == 1
+            if not done:
+                drafter.reset(torch.tensor(tokens), features)
             t = 0
-            while len(new) < max_new_tokens:
+            while not done:
                 started = time.perf_counter()
                 drafts, confidences = drafter.propose(k)
                 drafted = drafting_time(drafter, started)
@@ -414,25 +422,35 @@ class Engine:
                 drafter.commit(a, greedy[a], None if rows is None else rows[:a + 1])
                 rec.draft_ms[t] = 1e3 * (drafted + drafting_time(drafter, started, count_fixed=False))
                 t += 1
-                if commit_block(tokens, new, drafts, a, greedy[a], stops):
-                    break
+                done = commit_block(tokens, new, drafts, a, greedy[a], stops) or len(new) >= max_new_tokens
         del new[max_new_tokens:]
         return self._speculative_result(rec, new, displaced, blocks, prefill_ms)
 
     def _prefill_blocks(self, tokens: list[int], drafter: Drafter):
-        """The prompt without its last token, one position per block under exact selection through the pool (its
-        copies and moves are prompt processing); returns the drafter's context features of those positions."""
-        run, ones = self.runner, np.ones(1)
-        router = self.block_router
-        rows = self.decoder.features(run.step) if drafter.target_layer_ids else None
-        features = None if rows is None else rows.new_empty(len(tokens) - 1, rows.shape[1])
-        for position, token in enumerate(tokens[:-1]):
-            router.begin(run.step, EXACT, ones)
-            self._forward(run, (token,), position, router, NO_RECORD)
-            if features is not None:
-                features[position].copy_(rows[0])
+        """The whole prompt under exact selection through the pool, in blocks of k + 1 positions (the verification
+        steps' D; one position at a time where the union slots could not hold such a block's missing experts, and
+        for the remainder); its copies, moves and time are prompt processing. Returns (the target's greedy token
+        after the prompt, the drafter's context features of the prompt positions or None)."""
+        router, g = self.block_router, self.geometry
+        d = router.config.k + 1
+        missing_max = min(g.num_experts - router.config.pool_size, d * g.top_k)
+        chunk = d if router.union_slots >= missing_max else 1
+        features = None
+        at, greedy = 0, None
+        while at < len(tokens):
+            size = chunk if len(tokens) - at >= chunk else 1
+            run = self._runners[size]
+            router.begin(run.step, EXACT, np.ones(size))
+            self._forward(run, tokens[at:at + size], at, router, NO_RECORD)
             router.end_step(None)
-        return features
+            rows = self.decoder.features(run.step) if drafter.target_layer_ids else None
+            if rows is not None:
+                if features is None:
+                    features = rows.new_empty(len(tokens), rows.shape[1])
+                features[at:at + size].copy_(rows[:size])
+            greedy = int(run.step.next_np[size - 1])
+            at += size
+        return greedy, features
 
     def _verify(self, rec: StepRecorder, t: int, run: StepRunner, ids: list[int], root: int, confidences,
                 record: bool, feed: np.ndarray | None = None, accepted: int | None = None):

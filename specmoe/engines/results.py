@@ -35,8 +35,8 @@ class DecodeResult:
     record=True keeps each block's selections [D, L, K] in `block_selected` (rejected positions included).
 
     tokens: the new tokens the run committed (`generate`; `generated` is the same list); displaced: displaced
-    router mass summed over layers and committed positions (speculative runs); prefill_ms: the prompt's time
-    (time to first token is prefill_ms plus the first step's ms)."""
+    router mass summed over layers and committed positions (speculative runs); prefill_ms: the prompt's time,
+    which ends with the first new token (time to first token; `generate` only)."""
 
     ms: np.ndarray
     copies: np.ndarray
@@ -109,6 +109,7 @@ class DecodeResult:
         if n == 0:
             return out
         out["tau"] = self.tau
+        out["prefill_ms"] = self.prefill_ms  # time to the first new token (generate)
         ms = self.ms[self.timed]
         out.update(ms_mean=float(ms.mean()), ms_p50=float(np.percentile(ms, 50)), ms_p99=float(np.percentile(ms, 99)))
         totals = self.copy_totals()
