@@ -149,7 +149,8 @@ def test_kernel_wrappers_key_by_shape_and_call_their_tuner_once(monkeypatch, tmp
     for _ in range(2):
         assert moe.moe_launch_params("auto", buf, 2, 8, 4).params == moe.MOE_CANDIDATES[2]
         for d in (5, 9):
-            assert grouped_moe.grouped_launch_params("auto", buf, d, 2, 8, 4).params == grouped_moe.GROUPED_CANDIDATES[1]
+            choice = grouped_moe.grouped_launch_params("auto", buf, d, 2, 8, 4)
+            assert choice.params == grouped_moe.GROUPED_CANDIDATES[1]
     assert calls == ["moe", 5, 9]
     assert moe.moe_launch_params(False, buf, 2, 8, 4).params == moe.MOE_DEFAULTS
 

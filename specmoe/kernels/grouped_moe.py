@@ -51,8 +51,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 # Launch parameters (block_m is chosen from D unless given: positions per tile, 16 .. 64); on CUDA
-# `grouped_launch_params` picks the fastest of GROUPED_CANDIDATES once per device and shape. The defaults were the fastest of GROUPED_CANDIDATES on the H200 for D = 9 and 17
-# at OLMoE's size (scripts/bench_grouped_moe.py --tune; within 1% of the fastest at D = 1).
+# `grouped_launch_params` picks the fastest of GROUPED_CANDIDATES once per device and shape. The defaults were
+# the fastest of GROUPED_CANDIDATES on the H200 for D = 9 and 17 at OLMoE's size (scripts/bench_grouped_moe.py --tune; within 1% of the fastest at D = 1).
 GROUPED_DEFAULTS = dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3, block_c=256)
 GROUPED_CANDIDATES = (
     dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3),
@@ -366,6 +366,6 @@ def grouped_launch_params(tune, slot_buf: torch.Tensor, num_positions: int, top_
                          GROUPED_DEFAULTS, lambda: tune_grouped_moe(slot_buf, num_positions, top_k, hidden, inter))
 
 
-__all__ = ["GROUPED_CANDIDATES", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", "default_block_m", "grouped_launch_params",
-           "grouped_moe_bytes", "grouped_params", "make_grouped_workspace", "slot_moe_grouped", "slot_moe_grouped_torch",
-           "slot_moe_grouped_triton", "tune_grouped_moe", "zipf_routes"]
+__all__ = ["GROUPED_CANDIDATES", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", "default_block_m",
+           "grouped_launch_params", "grouped_moe_bytes", "grouped_params", "make_grouped_workspace", "slot_moe_grouped",
+           "slot_moe_grouped_torch", "slot_moe_grouped_triton", "tune_grouped_moe", "zipf_routes"]
