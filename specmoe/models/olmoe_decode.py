@@ -182,6 +182,8 @@ class OlmoeDecoder:
             self.grouped_moe = self._verified("grouped slot MoE kernel (steps of D > 1 positions)",
                                               "the slot MoE kernel once per position", lambda: (
                                                   checks.check_grouped_moe(shapes, slot_buf)))
+            for d in [d for d in self._steps if d > 1]:  # steps made before: their params now (later ones: `step`)
+                self._choose_grouped_params(d)
         return {"backend": self.backend, "attention": self.attention,
                 "moe": "slot" if self.fused_experts is None else "vllm", "launch": self.launch}
 
