@@ -166,8 +166,9 @@ def main(argv=None) -> int:
     engine = None
     if not args.no_target:
         engine = build_engine(target, preset("exact_lru", E, K), Calibration.uniform(L, E, V),
-                              EngineConfig(max_seq_len=args.max_seq_len, tune=True), store=None)
+                              EngineConfig(max_seq_len=args.max_seq_len), store=None)
         report["target_notes"] = engine.notes
+        report["target_kernels"] = engine.kernels  # launch parameters and their source (cache, tuned, defaults)
 
     with torch.device("cuda"):
         ar_model = OlmoForCausalLM(OlmoConfig(**OLMO_1B_0724)).to(torch.bfloat16).eval()

@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     if window > args.max_seq_len:
         raise SystemExit(f"--prompt + --tokens = {window} positions do not fit --max-seq-len {args.max_seq_len}")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
-    cfg = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention, tune=True)
+    cfg = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention)
     engines = {E: build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, V), cfg, store=store)}
     rng = np.random.default_rng(100)
     calib = calibration_from_engine(engines[E], [rng.integers(0, V, args.tokens) for _ in range(args.calib_windows)],
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
     for c in args.capacities:
         engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, store=store)
     engines["host"] = build_engine(model, preset("exact_lru", E, K), calib,  # all resident, routed on the host
-                                   EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention, tune=True,
+                                   EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention,
                                                 device_routing="off"), store=store)
     report["engine_notes"] = {str(c): e.notes for c, e in engines.items()}
     report["kernels"] = engines[E].kernels

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
             sources[name] = (k, replace(blocks, tokens=blocks.tokens % adapter.vocab_size))
             report["errors"].append(f"{name}: tokens beyond the target's vocabulary taken modulo {adapter.vocab_size}")
     unit = ExpertResidency(store, E, args.device)  # one unit for every engine, used alternately
-    cfg = EngineConfig(max_seq_len=args.max_seq_len, tune=True)
+    cfg = EngineConfig(max_seq_len=args.max_seq_len)
     fingerprint = adapter_for(model.config).fingerprint(model)
     engines = {}
     for k in args.k:
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
             engines[(k, name)] = Engine(decoder, unit, None, calibration, cfg, fingerprint=fingerprint,
                                         speculative=config)
     report["notes"] = engines[(args.k[0], args.selectors[0])].notes
+    report["kernels"] = {f"k={k} {name}": e.kernels for (k, name), e in engines.items()}  # launch params, sources
     report["sources"] = {n: {"k": k, "blocks": b.num_blocks, "tau": b.tau, "source": b.source}
                          for n, (k, b) in sources.items()}
     print("sources", report["sources"], flush=True)

@@ -1,13 +1,14 @@
 """specmoe.drafters: configuration, fit with the target, rollback to the committed prefix, the synthetic profile."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from specmoe.drafters import (DFlashDrafter, DrafterConfig, DrafterError, HFAutoregressiveDrafter, SyntheticDrafter,
-                              build_drafter)
+from specmoe.drafters import (DRAFTERS, DFlashDrafter, DrafterConfig, DrafterError, HFAutoregressiveDrafter,
+                              SyntheticDrafter, build_drafter, check_drafter_fits)
 from specmoe.drafters.dflash_model import DFlashDraftModel, dflash_config, extract_context_feature
 from specmoe.models import load_model
 from specmoe.assets import family_path
@@ -50,6 +51,42 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused(target, tmp_path):
     narrow, _ = load_model("olmoe-micro")  # hidden size 32, vocabulary 128
     with pytest.raises(DrafterError, match="hidden size"):
         DFlashDrafter(DFlashDraftModel(dflash_config(narrow.config, **config)), target)
+
+
+def test_the_table_lists_every_drafter_and_a_new_one_is_an_entry(monkeypatch):
+    from specmoe.drafters import base
+
+    assert list(DRAFTERS) == ["ar", "dflash", "synthetic"] and all(callable(b) for b in DRAFTERS.values())
+    with pytest.raises(DrafterError, match="unknown drafter 'medusa'; expected one of ar, dflash, synthetic"):
+        DrafterConfig("medusa")
+    built = []
+    monkeypatch.setitem(base.DRAFTERS, "toy", lambda config, target: built.append(config.name) or "a toy drafter")
+    assert build_drafter(DrafterConfig("toy"), _FakeTarget()) == "a toy drafter" and built == ["toy"]
+
+
+def _geometry(model, **changes):
+    """What `check_drafter_fits` reads of a target (its decoder's geometry)."""
+    c = model.config
+    return SimpleNamespace(**{"num_layers": c.num_hidden_layers, "vocab_size": c.vocab_size,
+                              "hidden": c.hidden_size, **changes})
+
+
+@pytest.mark.parametrize("name,runtime", [("ar", "hf"), ("ar", "static"), ("dflash", "hf"), ("dflash", "static"),
+                                          ("synthetic", "auto")])
+def test_every_drafter_declares_its_sizes_and_a_wrong_one_is_refused_naming_both(target, name, runtime):
+    drafter = build_drafter(DrafterConfig(name, runtime=runtime, max_seq_len=64), target)
+    hidden = target.config.hidden_size if drafter.target_layer_ids else None
+    assert (drafter.vocab_size, drafter.hidden_size) == (target.config.vocab_size, hidden)
+    check_drafter_fits(drafter, _geometry(target))
+    vocab = target.config.vocab_size + 3
+    with pytest.raises(DrafterError, match=rf"the {name} drafter does not fit the target: vocabulary "
+                                           rf"{drafter.vocab_size} \(target {vocab}\)"):
+        check_drafter_fits(drafter, _geometry(target, vocab_size=vocab))
+    if hidden is None:  # reads no target features: any hidden size fits
+        check_drafter_fits(drafter, _geometry(target, hidden=7))
+    else:
+        with pytest.raises(DrafterError, match=rf"hidden size {hidden} \(target {hidden * 2}\)"):
+            check_drafter_fits(drafter, _geometry(target, hidden=hidden * 2))
 
 
 def _cache_tensors(cache):

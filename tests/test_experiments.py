@@ -60,6 +60,8 @@ BAD = [
     (MICRO + "\n[sd]\npool = 16\ndrafters = ['ar']\nselectors = ['fastest']\n", "sd.selectors[0].preset: expected a selector"),
     (MICRO.replace("mode = 'generation'", "").replace('mode = "generation"', 'mode = "sampling"'), "mode: expected one of"),
     (MICRO + "\n[run_settings]\nmax_in_flight = 2\n", "run_settings: engine settings need engine = 'engine'"),
+    ("engine = 'engine'\n" + MICRO + "\n[engine_config]\ntune = 'yes'\n",
+     'engine_config.tune: expected "auto", true or false'),
     (MICRO.replace('"olmoe-micro"', '"no/such/model"'), "model.source: 'no/such/model' is not a checkpoint directory"),
 ]
 

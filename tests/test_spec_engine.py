@@ -164,7 +164,8 @@ def test_bad_input(family, drafter, calibration, residency, prompt):
         sd(spec(family, drafter, calibration, residency, "exact", union_slots=adapter.top_k), prompt)
     # a drafter that reads a target layer the target does not have (DFlash drafters are otherwise welcome:
     # tests/test_static_drafters.py)
-    missing = SimpleNamespace(name="dflash", target_layer_ids=(1, adapter.num_moe_layers), max_drafts=None)
+    missing = SimpleNamespace(name="dflash", target_layer_ids=(1, adapter.num_moe_layers), max_drafts=None,
+                              vocab_size=adapter.vocab_size, hidden_size=model.config.hidden_size)
     with pytest.raises(DrafterError, match="hidden states after target layers"):
         sd(spec(family, missing, calibration, residency), prompt)
 

@@ -42,6 +42,7 @@ class Spy:
     def __init__(self, inner, build, target, k):
         self.inner, self.build, self.target, self.k = inner, build, target, k
         self.name, self.target_layer_ids = inner.name, inner.target_layer_ids
+        self.vocab_size, self.hidden_size = inner.vocab_size, inner.hidden_size
         self.max_drafts, self.fixed_cost_s = inner.max_drafts, inner.fixed_cost_s
         self.rejected, self.drafter_checks, self.target_checks = False, 0, 0
         self.expected = self.snapshot = None

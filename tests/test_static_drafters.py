@@ -14,8 +14,9 @@ import torch
 
 from specmoe.drafters import (DFlashDrafter, DrafterConfig, DrafterError, HFAutoregressiveDrafter, StaticARDrafter,
                               StaticDFlashDrafter, SyntheticDrafter, build_drafter)
+from specmoe.drafters.base import check_drafter_fits
 from specmoe.drafters.dflash_model import extract_context_feature
-from specmoe.engines import EngineConfig, SpecConfig, build_engine, check_drafter_fits
+from specmoe.engines import EngineConfig, SpecConfig, build_engine
 from specmoe.harness import SpeculativeConfig, exact_routing, speculative_generate
 from specmoe.models.decoder import DecoderGeometry
 from specmoe.offload import ExpertResidency, ExpertStore
@@ -214,8 +215,10 @@ def test_spec_engine_refuses_a_drafter_that_does_not_fit_the_target():
     with pytest.raises(DrafterError, match=r"target layers \[16\].*0\.\.15.*hidden size 256 \(target 128\)"):
         check_drafter_fits(stub, geometry)
     with pytest.raises(DrafterError, match="vocabulary 100"):
-        check_drafter_fits(SimpleNamespace(name="ar", target_layer_ids=(), vocab_size=100), geometry)
-    check_drafter_fits(SimpleNamespace(name="synthetic", target_layer_ids=()), geometry)  # nothing to check
+        check_drafter_fits(SimpleNamespace(name="ar", target_layer_ids=(), vocab_size=100, hidden_size=None), geometry)
+    # no target features read: the hidden size is not checked
+    check_drafter_fits(SimpleNamespace(name="synthetic", target_layer_ids=(), vocab_size=8192, hidden_size=None),
+                       geometry)
 
 
 # -- runtimes, costs, bad input --------------------------------------------------------------------------

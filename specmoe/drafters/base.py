@@ -12,6 +12,10 @@ the committed sequence of one request:
   target's own token after them (the bonus token) follows; the drafter advances over them and rolls back
   whatever it computed for the rejected drafts. The bonus token is the next root.
 
+Every drafter declares its sizes: `vocab_size` (must be the target's) and `hidden_size` (the hidden size of
+the target features it reads, which must be the target's; None for a drafter that reads no target features);
+`check_drafter_fits` refuses one that does not fit a target.
+
 Drafters that read the target's hidden states (DFlash) name the target layers in `target_layer_ids`; the
 harness then hands them the features of every committed position the target has processed: at `reset`
 the prompt without its last token (the prefill), at `commit` the root and the accepted drafts of the block,
@@ -19,7 +23,9 @@ each as the hidden states after those layers concatenated ([n, len(layer_ids) * 
 None. `fixed_cost_s`, where not None, is the drafting time charged per block instead of the measured wall
 time (the synthetic drafter's optional cost); the harness measures drafting apart from verification.
 
-Drafters are chosen by name (`DRAFTERS`): ``ar`` (a transformers causal LM with the target's vocabulary),
+Drafters are chosen by name from one table, `DRAFTERS` (name -> builder(config, target) -> Drafter; adding a
+drafter is a class that follows the protocol, a builder and an entry): ``ar`` (a transformers causal LM with
+the target's vocabulary),
 ``dflash`` (a DFlash block drafter conditioned on the target's features) and ``synthetic`` (exact routing's
 greedy continuation with a set acceptance profile). ``ar`` and ``dflash`` have two runtimes (`RUNTIMES`):
 ``hf``, the transformers modules with a DynamicCache (`hf_autoregressive`, `dflash`), and ``static``, our
@@ -38,7 +44,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-DRAFTERS = ("ar", "dflash", "synthetic")
 RUNTIMES = ("auto", "hf", "static")
 COST_MODES = ("charge", "spin")
 ATTENTIONS = ("auto", "split_kv", "sdpa")  # the static drafters' ("auto": split_kv on CUDA with Triton, else sdpa)
@@ -53,6 +58,8 @@ class Drafter(Protocol):
     """What the speculative loop needs from a drafter (see the module docstring)."""
 
     name: str
+    vocab_size: int  # the drafter's vocabulary: must be the target's
+    hidden_size: int | None  # of the target features it reads (None: it reads none)
     target_layer_ids: tuple[int, ...]
     max_drafts: int | None  # the largest k one `propose` can give (None: any)
     fixed_cost_s: float | None
@@ -169,46 +176,88 @@ def family_drafter_path(name: str) -> Path:
     return family_path({"ar": "ar_drafter", "dflash": "dflash_drafter"}[name])
 
 
+def check_drafter_fits(drafter: Drafter, geometry) -> None:
+    """DrafterError unless the drafter's vocabulary is the target's and, for a drafter that reads the target's
+    hidden states, every layer it names exists in the target and its hidden size is the target's (geometry:
+    the target decoder's `DecoderGeometry`, or anything with num_layers, vocab_size and hidden)."""
+    g, problems = geometry, []
+    if drafter.vocab_size != g.vocab_size:
+        problems.append(f"vocabulary {drafter.vocab_size} (target {g.vocab_size})")
+    layers = list(drafter.target_layer_ids)
+    if layers:
+        missing = [i for i in layers if not 0 <= i < g.num_layers]
+        if missing:
+            problems.append(f"needs the hidden states after target layers {missing}, the target has layers "
+                            f"0..{g.num_layers - 1}")
+        if drafter.hidden_size != g.hidden:
+            problems.append(f"hidden size {drafter.hidden_size} (target {g.hidden})")
+    if problems:
+        raise DrafterError(f"the {drafter.name} drafter does not fit the target: " + "; ".join(problems))
+
+
 def build_drafter(config: DrafterConfig, target) -> Drafter:
-    """The drafter of `config` for `target` (a transformers MoE causal LM, on its device and dtype).
+    """The drafter of `config` for `target` (a transformers MoE causal LM, on its device and dtype): the
+    builder of `config.name` in `DRAFTERS`."""
+    return DRAFTERS[config.name](config, target)
 
-    ``ar`` and ``dflash`` load their checkpoint (refusing one that does not fit the target: DrafterError) and
-    run with the config's runtime (``auto``: ``static`` on a CUDA device where the architecture is
-    supported, else ``hf``); ``synthetic`` drafts from exact routing's greedy continuation computed with
-    `target` itself."""
-    if config.name == "synthetic":
-        from .synthetic import SyntheticDrafter, exact_continuation
 
-        return SyntheticDrafter(exact_continuation(target), target.config.vocab_size, config.acceptance,
-                                config.commit_probs, config.seed, config.cost_s, config.cost_mode)
+def _checkpoint(config: DrafterConfig) -> Path:
+    """The checkpoint directory of an ``ar`` or ``dflash`` config (None: the shipped family's drafter)."""
     path = Path(config.path) if config.path else family_drafter_path(config.name)
     if not (path / "config.json").is_file():
         raise DrafterError(f"no {config.name} drafter checkpoint at {path} (config.json missing)")
-    param = next(target.parameters())
-    static = dict(max_seq_len=config.max_seq_len, cuda_graphs=config.cuda_graphs, attention=config.attention)
-    if config.name == "ar":
-        from transformers import AutoModelForCausalLM
+    return path
 
-        from .hf_autoregressive import HFAutoregressiveDrafter, check_tokenizer
-        from .static_ar import ARCHITECTURES, StaticARDrafter
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=param.dtype, local_files_only=True)
-        check_tokenizer(path, getattr(target, "specmoe_source", None) or target.name_or_path)
-        model = model.to(param.device).eval()
-        if _static(config.runtime, param.device, model.config.model_type in ARCHITECTURES):
-            return StaticARDrafter(model, target, **static)
-        return HFAutoregressiveDrafter(model, target)
+def _static_options(config: DrafterConfig) -> dict:
+    return dict(max_seq_len=config.max_seq_len, cuda_graphs=config.cuda_graphs, attention=config.attention)
+
+
+def build_ar(config: DrafterConfig, target) -> Drafter:
+    """``ar``: a transformers causal LM checkpoint with the target's tokenizer (DrafterError otherwise), on the
+    static runtime (`static_ar`) or transformers' (`hf_autoregressive`) as `config.runtime` says."""
+    from transformers import AutoModelForCausalLM
+
+    from .hf_autoregressive import HFAutoregressiveDrafter, check_tokenizer
+    from .static_ar import ARCHITECTURES, StaticARDrafter
+
+    path, param = _checkpoint(config), next(target.parameters())
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=param.dtype, local_files_only=True)
+    check_tokenizer(path, getattr(target, "specmoe_source", None) or target.name_or_path)
+    model = model.to(param.device).eval()
+    if _static(config.runtime, param.device, model.config.model_type in ARCHITECTURES):
+        return StaticARDrafter(model, target, **_static_options(config))
+    return HFAutoregressiveDrafter(model, target)
+
+
+def build_dflash(config: DrafterConfig, target) -> Drafter:
+    """``dflash``: a DFlash-format block drafter checkpoint conditioned on the target's features, on the static
+    runtime (`static_dflash`, full-attention layers only) or transformers' (`dflash`)."""
     from .dflash import DFlashDrafter
     from .dflash_model import DFlashDraftModel
 
+    path, param = _checkpoint(config), next(target.parameters())
     model = DFlashDraftModel.from_pretrained(str(path), dtype=param.dtype, local_files_only=True)
     model = model.to(param.device).eval()
     layer_types = getattr(model.config, "layer_types", None) or []
     if _static(config.runtime, param.device, all(t == "full_attention" for t in layer_types)):
         from .static_dflash import StaticDFlashDrafter
 
-        return StaticDFlashDrafter(model, target, **static)
+        return StaticDFlashDrafter(model, target, **_static_options(config))
     return DFlashDrafter(model, target)
+
+
+def build_synthetic(config: DrafterConfig, target) -> Drafter:
+    """``synthetic``: exact routing's greedy continuation computed with `target` itself, drafts committed with
+    the config's acceptance profile."""
+    from .synthetic import SyntheticDrafter, exact_continuation
+
+    return SyntheticDrafter(exact_continuation(target), target.config.vocab_size, config.acceptance,
+                            config.commit_probs, config.seed, config.cost_s, config.cost_mode)
+
+
+# The drafters by name: name -> builder(config, target) -> Drafter. A new drafter is one entry here.
+DRAFTERS = {"ar": build_ar, "dflash": build_dflash, "synthetic": build_synthetic}
 
 
 def _static(runtime: str, device: torch.device, supported: bool) -> bool:

@@ -47,6 +47,7 @@ class HFAutoregressiveDrafter:
 
     name = "ar"
     target_layer_ids: tuple[int, ...] = ()
+    hidden_size = None  # reads no target features (vocab_size: set from the model)
     max_drafts = None
     fixed_cost_s = None
 

@@ -178,6 +178,7 @@ class StaticARDrafter:
     name = "ar"
     runtime = "static"
     target_layer_ids: tuple[int, ...] = ()
+    hidden_size = None  # reads no target features (vocab_size: set from the model)
     max_drafts = None
     fixed_cost_s = None
 

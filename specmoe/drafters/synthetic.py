@@ -52,6 +52,7 @@ class SyntheticDrafter:
 
     name = "synthetic"
     target_layer_ids: tuple[int, ...] = ()
+    hidden_size = None  # reads no target features (vocab_size: the target's, given)
     max_drafts = None
 
     def __init__(self, continuation: Callable[[list[int], int], list[int]], vocab_size: int,

@@ -7,7 +7,7 @@ from .config import EngineConfig, RunSettings
 from .engine import Engine, build_engine, build_engine_from_checkpoint
 from .results import DecodeResult, LogitFeed
 from .routers import BlockRouter, CacheRouter, Router
-from .sd import SpecConfig, check_drafter_fits
+from .sd import SpecConfig
 
 __all__ = ["BlockRouter", "CacheRouter", "DecodeResult", "Engine", "EngineConfig", "LogitFeed", "Router",
-           "RunSettings", "SpecConfig", "build_engine", "build_engine_from_checkpoint", "check_drafter_fits"]
+           "RunSettings", "SpecConfig", "build_engine", "build_engine_from_checkpoint"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specmoe.kernels import check_kernel_choice
+from specmoe.kernels import check_kernel_choice, check_tune
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency
 from specmoe.routing import validate
@@ -23,7 +23,9 @@ class EngineConfig:
     prologue, slot MoE) or their torch versions ("auto": Triton on CUDA where installed); attention: "split_kv"
     (our Triton kernel, reads only the written positions), "sdpa" (torch, the whole masked cache), "flash_attn"
     (flash-attn's flash_attn_with_kvcache), or "auto" (split_kv on CUDA with Triton, else sdpa); moe: "slot" (our slot-indexed kernel) or
-    "vllm" (vLLM's fused_experts); tune: pick the MoE kernel's launch parameters on the device. Optional
+    "vllm" (vLLM's fused_experts); tune: the MoE kernels' launch parameters on CUDA ("auto": read from the
+    tuning cache, else tuned once and cached; True: tuned again now, the cache entry overwritten; False: fixed
+    defaults, for exact reproduction; `specmoe.kernels.tuning`; `kernels["launch"]` says which ran). Optional
     packages must be installed (else ImportError at build) and are checked against the torch path at build;
     one that disagrees is not used (see `Engine.notes`). device_routing: when every expert is resident and
     the policy reduces to the router's own top-K, route on the device and run each token as one launch
@@ -34,12 +36,13 @@ class EngineConfig:
     backend: str = "auto"
     attention: str = "auto"
     moe: str = "slot"
-    tune: bool = False
+    tune: str | bool = "auto"
     device_routing: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_seq_len", validate.integer(self.max_seq_len, "max_seq_len", minimum=1))
         check_kernel_choice(self.backend, self.attention, self.moe)
+        check_tune(self.tune)
         if self.device_routing not in DEVICE_ROUTING:
             raise ValueError(f"device_routing must be one of {DEVICE_ROUTING}, got {self.device_routing!r}")
 

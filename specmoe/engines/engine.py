@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from specmoe.drafters import Drafter
+from specmoe.drafters import Drafter, check_drafter_fits
 from specmoe.drafters.base import accepted_length
 from specmoe.harness.speculative import EXACT, block_weights, commit_block, drafting_time
 from specmoe.models.decoder import Decoder
@@ -51,7 +51,7 @@ from .recorder import ATTENTION_DONE, COPY_CHECKS, COPY_ISSUE, MOE_START, ROUTIN
 from .results import DecodeResult, LogitFeed, ModelFeed
 from .routers import BlockRouter, CacheRouter
 from .runner import StepRunner
-from .sd import SpecConfig, check_drafter_fits
+from .sd import SpecConfig
 
 
 class _NoRecord:

@@ -1,11 +1,10 @@
-"""The speculative engine's configuration (`SpecConfig`: the harness loop's settings plus union slots) and
-the check that a drafter fits the target."""
+"""The speculative engine's configuration (`SpecConfig`: the harness loop's settings plus union slots)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specmoe.drafters import Drafter, DrafterError
+from specmoe.drafters import Drafter, check_drafter_fits
 from specmoe.harness.speculative import SpeculativeConfig
 
 
@@ -33,24 +32,3 @@ class SpecConfig(SpeculativeConfig):
                              f"{g.max_seq_len} positions")
         if drafter is not None:
             check_drafter_fits(drafter, geometry)
-
-
-def check_drafter_fits(drafter: Drafter, geometry) -> None:
-    """DrafterError unless the drafter's vocabulary is the target's and, for a drafter that reads the target's
-    hidden states, every layer it names exists in the target and its hidden size is the target's (drafters
-    say what they know: `vocab_size`, `hidden_size`)."""
-    g, problems = geometry, []
-    vocab = getattr(drafter, "vocab_size", None)
-    if vocab is not None and vocab != g.vocab_size:
-        problems.append(f"vocabulary {vocab} (target {g.vocab_size})")
-    layers = list(drafter.target_layer_ids)
-    if layers:
-        missing = [i for i in layers if not 0 <= i < g.num_layers]
-        if missing:
-            problems.append(f"needs the hidden states after target layers {missing}, the target has layers "
-                            f"0..{g.num_layers - 1}")
-        hidden = getattr(drafter, "hidden_size", None)
-        if hidden is not None and hidden != g.hidden:
-            problems.append(f"hidden size {hidden} (target {g.hidden})")
-    if problems:
-        raise DrafterError(f"the {drafter.name} drafter does not fit the target: " + "; ".join(problems))

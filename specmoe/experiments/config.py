@@ -347,8 +347,11 @@ def _engine_config(t: _Table) -> tuple[tuple[str, object], ...]:
     out = []
     if t.has("cuda_graphs"):
         out.append(("cuda_graphs", t.boolean("cuda_graphs")))
-    if t.has("tune"):
-        out.append(("tune", t.boolean("tune")))
+    if t.has("tune"):  # "auto" (cached, else tuned once on CUDA), true (tune again), false (fixed defaults)
+        value = t.data.pop("tune")
+        if not (isinstance(value, bool) or value == "auto"):
+            t.fail("tune", "expected \"auto\", true or false", value)
+        out.append(("tune", value))
     for name, choices in (("backend", ("auto", "triton", "torch")), ("attention", ("auto", "split_kv", "sdpa",
                                                                                     "flash_attn")),
                           ("moe", ("slot", "vllm"))):

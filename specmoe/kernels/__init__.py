@@ -2,17 +2,19 @@
 token and grouped for the D positions of a step (each distinct slot's expert read once), fused
 RMSNorm and attention prologue, attention over a static KV cache (a split-KV Triton kernel that reads only the
 written positions, for one query or a causal block of D; torch SDPA as the reference and CPU path; flash-attn
-where installed), and their self-checks on the device (`checks`)."""
+where installed), and their self-checks on the device (`checks`); the MoE kernels' launch parameters are tuned
+once per device and shape and cached on disk (`tuning`)."""
 
-from . import checks, norm_rope
+from . import checks, norm_rope, tuning
 from .attention import causal_step_mask, decode_attention, decode_attention_flash, load_flash_attn
-from .grouped_moe import (GroupedMoEWorkspace, make_grouped_workspace, slot_moe_grouped, slot_moe_grouped_torch,
-                          slot_moe_grouped_triton)
-from .moe import (MOE_DEFAULTS, load_fused_experts, slot_moe, slot_moe_torch, slot_moe_vllm, split_route,
-                  triton_available, tune_moe)
+from .grouped_moe import (GROUPED_DEFAULTS, GroupedMoEWorkspace, grouped_launch_params, grouped_params,
+                          make_grouped_workspace, slot_moe_grouped, slot_moe_grouped_torch, slot_moe_grouped_triton)
+from .moe import (MOE_DEFAULTS, load_fused_experts, moe_launch_params, slot_moe, slot_moe_torch, slot_moe_vllm,
+                  split_route, triton_available, tune_moe)
 from .norm_rope import qkv_prologue_torch, rmsnorm_torch
 from .split_kv import (SplitKVWorkspace, make_split_kv_workspace, split_kv_attention, split_kv_attention_reference,
                        split_kv_bytes)
+from .tuning import TUNE_MODES, LaunchChoice, check_tune
 
 BACKENDS = ("auto", "triton", "torch")  # our Triton kernels or their torch versions ("auto": Triton on CUDA)
 # "auto": split_kv on CUDA where Triton is installed, else sdpa
@@ -27,8 +29,9 @@ def check_kernel_choice(backend: str, attention: str, moe: str) -> None:
         if value not in known:
             raise ValueError(f"{what} must be one of {known}, got {value!r}")
 
-__all__ = ["ATTENTIONS", "BACKENDS", "GroupedMoEWorkspace", "MOE_DEFAULTS", "MOE_KERNELS", "SplitKVWorkspace",
-           "causal_step_mask", "check_kernel_choice", "checks",
+__all__ = ["ATTENTIONS", "BACKENDS", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", "LaunchChoice", "MOE_DEFAULTS",
+           "MOE_KERNELS", "SplitKVWorkspace", "TUNE_MODES", "causal_step_mask", "check_kernel_choice", "check_tune",
+           "checks", "grouped_launch_params", "grouped_params", "moe_launch_params", "tuning",
            "decode_attention", "decode_attention_flash", "load_flash_attn", "load_fused_experts",
            "make_grouped_workspace", "make_split_kv_workspace", "norm_rope", "qkv_prologue_torch", "rmsnorm_torch",
            "slot_moe", "slot_moe_grouped", "slot_moe_grouped_torch", "slot_moe_grouped_triton", "slot_moe_torch",

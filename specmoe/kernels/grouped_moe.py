@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .moe import fastest, slot_moe_torch
+from .tuning import LaunchChoice, device_identity, dtype_name, launch_params
 
 try:  # Triton is optional: CPU machines run the torch reference
     import triton
@@ -49,9 +50,9 @@ try:  # Triton is optional: CPU machines run the torch reference
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-# Launch parameters (block_m is chosen from D unless given: positions per tile, 16 .. 64); `tune_grouped_moe`
-# may pick others on the device. The defaults were the fastest of GROUPED_CANDIDATES on the H200 for D = 9 and 17
-# at OLMoE's size (scripts/bench_grouped_moe.py --tune; within 1% of the fastest at D = 1).
+# Launch parameters (block_m is chosen from D unless given: positions per tile, 16 .. 64); on CUDA
+# `grouped_launch_params` picks the fastest of GROUPED_CANDIDATES once per device and shape. The defaults were
+# the fastest of GROUPED_CANDIDATES on the H200 for D = 9 and 17 at OLMoE's size (scripts/bench_grouped_moe.py --tune; within 1% of the fastest at D = 1).
 GROUPED_DEFAULTS = dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3, block_c=256)
 GROUPED_CANDIDATES = (
     dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3),
@@ -354,6 +355,17 @@ def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hid
                                                                             ws, cand), "grouped Triton MoE")
 
 
-__all__ = ["GROUPED_CANDIDATES", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", "default_block_m", "grouped_moe_bytes",
-           "grouped_params", "make_grouped_workspace", "slot_moe_grouped", "slot_moe_grouped_torch",
-           "slot_moe_grouped_triton", "tune_grouped_moe", "zipf_routes"]
+def grouped_launch_params(tune, slot_buf: torch.Tensor, num_positions: int, top_k: int, hidden: int,
+                          inter: int) -> LaunchChoice:
+    """The grouped kernel's launch parameters for D = num_positions on the slot buffer's device
+    (`tuning.launch_params`: cached, tuned now with `tune_grouped_moe`, or GROUPED_DEFAULTS); the key holds
+    the slot count C, which bounds the kernels' grid (G = min(D * K, C))."""
+    shape = {"positions": num_positions, "top_k": top_k, "hidden": hidden, "inter": inter,
+             "slots": slot_buf.shape[0], "dtype": dtype_name(slot_buf.dtype)}
+    return launch_params(tune, "grouped_slot_moe", shape, device_identity(slot_buf.device), GROUPED_CANDIDATES,
+                         GROUPED_DEFAULTS, lambda: tune_grouped_moe(slot_buf, num_positions, top_k, hidden, inter))
+
+
+__all__ = ["GROUPED_CANDIDATES", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", "default_block_m",
+           "grouped_launch_params", "grouped_moe_bytes", "grouped_params", "make_grouped_workspace", "slot_moe_grouped",
+           "slot_moe_grouped_torch", "slot_moe_grouped_triton", "tune_grouped_moe", "zipf_routes"]

@@ -23,13 +23,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .tuning import LaunchChoice, device_identity, dtype_name, launch_params
+
 try:  # Triton is optional: CPU machines and CI run the torch path
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-# Default launch parameters, per kernel; `tune_moe` may pick others on the device.
+# Default launch parameters, per kernel (tune=False, and off CUDA); on CUDA `moe_launch_params` picks the fastest of
+# MOE_CANDIDATES once per device and shape (`specmoe.kernels.tuning`).
 MOE_DEFAULTS = dict(block_n=16, block_k=256, block_h=16, block_k2=256, warps1=4, warps2=4)
 
 
@@ -186,6 +189,15 @@ def tune_moe(slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int, dtype:
     route[top_k:].view(torch.float32)[:] = 1.0 / top_k
     return fastest(MOE_CANDIDATES, lambda cand: slot_moe_triton(x, res, slot_buf, route, act, out, hidden, inter,
                                                                    cand), "Triton MoE")
+
+
+def moe_launch_params(tune, slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int) -> LaunchChoice:
+    """The slot MoE kernel's launch parameters for this shape on the slot buffer's device (`tuning.launch_params`:
+    cached, tuned now with `tune_moe`, or MOE_DEFAULTS). The key has no slot count: the launch does not
+    depend on it."""
+    shape = {"hidden": hidden, "inter": inter, "top_k": top_k, "dtype": dtype_name(slot_buf.dtype)}
+    return launch_params(tune, "slot_moe", shape, device_identity(slot_buf.device), MOE_CANDIDATES, MOE_DEFAULTS,
+                         lambda: tune_moe(slot_buf, top_k, hidden, inter, slot_buf.dtype))
 
 
 def fastest(candidates, run, what: str) -> tuple[dict, dict]:

@@ -126,10 +126,11 @@ class Decoder(Protocol):
     dtype: torch.dtype
     notes: list[str]
 
-    def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune: bool) -> dict:
-        """Choose the kernels ("auto" / "triton" / "torch" backend, attention and MoE implementations), check
-        each against its torch reference on this device (`specmoe.kernels.checks`), fall back where one
-        fails, and return what is used: {"backend", "attention", "moe"}."""
+    def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
+        """Choose the kernels ("auto" / "triton" / "torch" backend, attention and MoE implementations) and their
+        launch parameters (tune: "auto", True or False, `specmoe.kernels.tuning`), check each against its
+        torch reference on this device (`specmoe.kernels.checks`), fall back where one fails, and return what
+        is used: {"backend", "attention", "moe", "launch"} (launch: kernel -> {"params", "source"})."""
 
     def step(self, num_positions: int) -> DecodeStep:
         """The buffers of D = num_positions (made at the first call, then reused)."""

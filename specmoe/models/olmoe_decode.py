@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels import (causal_step_mask, check_kernel_choice, checks, decode_attention,
-                             decode_attention_flash, load_flash_attn, load_fused_experts, make_grouped_workspace,
-                             make_split_kv_workspace, norm_rope, slot_moe, slot_moe_grouped_triton, slot_moe_vllm,
-                             split_kv_attention, triton_available, tune_moe)
+from specmoe.kernels import (GROUPED_DEFAULTS, MOE_DEFAULTS, LaunchChoice, causal_step_mask, check_kernel_choice,
+                             check_tune, checks, decode_attention, decode_attention_flash, grouped_launch_params,
+                             grouped_params, load_flash_attn, load_fused_experts, make_grouped_workspace,
+                             make_split_kv_workspace, moe_launch_params, norm_rope, slot_moe, slot_moe_grouped_triton,
+                             slot_moe_vllm, split_kv_attention, triton_available)
 
 from .decoder import DecoderGeometry, DecodeStep
 
@@ -80,7 +81,9 @@ class OlmoeDecoder:
         self.scoring = adapter_for(config).router_scoring(weight)
         self.backend, self.attention, self.moe_params, self.notes = "torch", "sdpa", None, []
         self.flash_attn = self.fused_experts = None  # set by use_kernels once checked
-        self.grouped_moe, self.grouped_params = False, None  # the grouped MoE kernel for D > 1 (use_kernels)
+        self.grouped_moe, self.grouped_params = False, {}  # the grouped MoE kernel for D > 1, its params per D
+        self.launch: dict[str, dict] = {}  # launch parameters that run and their source, per kernel (use_kernels)
+        self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
         w = lambda name: weight(name).to(device=self.device, dtype=dtype)  # noqa: E731 (no copy if already so)
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = w("lm_head.weight")
@@ -140,15 +143,21 @@ class OlmoeDecoder:
         return checks.KernelShapes(c.hidden, c.inter, c.top_k, c.num_heads, c.num_kv_heads, c.head_dim,
                                    self.geometry.max_seq_len, c.eps, c.clip_qkv, self.dtype, self.device)
 
-    def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune: bool) -> dict:
+    def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
+        """See `Decoder.use_kernels`. Launch parameters (`specmoe.kernels.tuning`): the slot MoE kernel's are
+        chosen here, the grouped kernel's when a step of D > 1 positions is first made (`step`); `launch`
+        (also in the returned dict) records which ran and whether from the cache, a fresh tune or the defaults."""
         check_kernel_choice(backend, attention, moe)
+        tune = check_tune(tune)
         # a missing optional package is an ImportError here, before anything runs
         flash_attn = load_flash_attn() if attention == "flash_attn" else None
         fused_experts = load_fused_experts() if moe == "vllm" else None
         cuda = self.device.type == "cuda"
         shapes = self.kernel_shapes()
         self.flash_attn = self.fused_experts = self.moe_params = None
-        self.grouped_moe, self.attention = False, "sdpa"
+        self.grouped_moe, self.attention, self.grouped_params = False, "sdpa", {}
+        self.launch.clear()
+        self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
             if self._verified("split-KV attention", "SDPA", lambda: checks.check_attention(
                     shapes, "split-KV attention kernel", self._split_kv_check)):
@@ -161,17 +170,22 @@ class OlmoeDecoder:
             self.fused_experts = fused_experts
         self.backend = "torch"
         if backend == "triton" or (backend == "auto" and cuda and triton_available()):
+            # vLLM's kernel runs the MoE otherwise: the slot kernel is checked with its defaults, not tuned
+            slot_tune = tune if self.fused_experts is None else False
             if self._verified("Triton kernels", "torch fallback", lambda: self._tune_and_check(
-                    shapes, slot_buf, tune and self.fused_experts is None)):  # vLLM's kernel runs the MoE otherwise
+                    shapes, slot_buf, slot_tune)):
                 self.backend = "triton"
             else:
                 self.moe_params = None
+                self.launch.clear()
         if self.backend == "triton" and self.fused_experts is None:
             self.grouped_moe = self._verified("grouped slot MoE kernel (steps of D > 1 positions)",
                                               "the slot MoE kernel once per position", lambda: (
-                                                  checks.check_grouped_moe(shapes, slot_buf, self.grouped_params)))
+                                                  checks.check_grouped_moe(shapes, slot_buf)))
+            for d in [d for d in self._steps if d > 1]:  # steps made before: their params now (later ones: `step`)
+                self._choose_grouped_params(d)
         return {"backend": self.backend, "attention": self.attention,
-                "moe": "slot" if self.fused_experts is None else "vllm"}
+                "moe": "slot" if self.fused_experts is None else "vllm", "launch": self.launch}
 
     def _verified(self, name: str, fallback: str, check) -> bool:
         """Run a kernel's self-check; a failure of any kind (compile error, CUDA error, wrong result) must not
@@ -187,11 +201,35 @@ class OlmoeDecoder:
         self.notes.append(f"{name} checked against torch on {where}; used")
         return True
 
-    def _tune_and_check(self, shapes: checks.KernelShapes, slot_buf: torch.Tensor, tune: bool) -> None:
-        if tune:
-            self.moe_params, times = tune_moe(slot_buf, shapes.top_k, shapes.hidden, shapes.inter, self.dtype)
-            self.notes.append(f"MoE kernel tuned: {self.moe_params} (candidate ms: {times})")
+    def _tune_and_check(self, shapes: checks.KernelShapes, slot_buf: torch.Tensor, tune) -> None:
+        choice = moe_launch_params(tune, slot_buf, shapes.top_k, shapes.hidden, shapes.inter)
+        self.notes.extend(choice.notes)
+        self.moe_params = choice.params
         checks.check_triton(shapes, slot_buf, self.moe_params)
+        if self.fused_experts is None:
+            self.launch["slot_moe"] = {"params": {**MOE_DEFAULTS, **choice.params}, "source": choice.source}
+
+    def _choose_grouped_params(self, num_positions: int) -> None:
+        """The grouped kernel's launch parameters for steps of D = num_positions (cached, tuned now, or the
+        defaults; tuned ones checked against torch at this D, the defaults used if they fail)."""
+        tune, slot_buf = self._tuning
+        d, c, cuda = num_positions, self.shapes, self.device.type == "cuda"
+        try:
+            if cuda:  # the slot buffer's experts arrive on other streams
+                torch.cuda.synchronize(self.device)
+            choice = grouped_launch_params(tune, slot_buf, d, c.top_k, c.hidden, c.inter)
+            if choice.source != "defaults":
+                checks.check_grouped_moe(self.kernel_shapes(), slot_buf, choice.params, num_positions=d)
+        except Exception as exc:  # a failed tune or check must not cost the run
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            self.notes.append(f"grouped slot MoE kernel at D = {d}: tuned launch parameters unusable "
+                              f"({type(exc).__name__}: {exc}); its defaults used")
+            choice = LaunchChoice(dict(GROUPED_DEFAULTS), "defaults")
+        self.notes.extend(choice.notes)
+        self.grouped_params[d] = choice.params
+        self.launch[f"grouped_slot_moe D={d}"] = {"params": grouped_params(d, choice.params),
+                                                   "source": choice.source}
 
     def _split_kv_check(self, q, k_cache, v_cache, seq_len, scale):
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
@@ -243,6 +281,8 @@ class OlmoeDecoder:
                 step.work["features"] = zeros(d, len(self.feature_layers) * c.hidden)
             if d > 1:  # the grouped MoE kernel's scratch (distinct slots, activations, expert outputs per pair)
                 step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
+                if self.grouped_moe:
+                    self._choose_grouped_params(d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
@@ -292,7 +332,7 @@ class OlmoeDecoder:
             step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
         if self.grouped_moe and step.num_positions > 1:  # each distinct slot's expert read once for the D positions
             slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,
-                                    w["grouped"], self.grouped_params)
+                                    w["grouped"], self.grouped_params.get(step.num_positions))
             return
         for i in range(step.num_positions):  # one position at a time (D = 1, the torch path and vLLM's kernel)
             h, route = w["h"][i], step.route_dev[layer, i]
