@@ -106,7 +106,7 @@ def test_exact_selection_is_ar_greedy_decoding_and_rollback_restores_both_caches
     assert s["tau"] == pytest.approx(np.mean(np.asarray(result.accepted) + 1))
     assert sum(s["accepted_hist"]) == result.verifications and s["displaced_per_token_layer"] == 0
     assert s["kl"] < 1e-6 and abs(s["excess_nll"]) < 1e-5 and s["copies_per_token"] > 0
-    assert result.roots[0] == prompt.numel() - 1
+    assert result.roots[0] == prompt.numel()  # the first root is the first new token, decoded by the prefill
 
 
 def test_block_selection_cuts_copies_is_deterministic_and_records_its_blocks(family, prompt, tmp_path):
@@ -138,7 +138,7 @@ def test_block_selection_cuts_copies_is_deterministic_and_records_its_blocks(fam
     assert arr["root_position"].tolist() == a.roots and arr["accepted"].tolist() == a.accepted
     committed = np.concatenate([np.append(t[1:1 + n], bonus) for t, n, bonus in
                                 zip(arr["tokens"], arr["accepted"], arr["bonus"])])
-    assert committed[:NEW].tolist() == a.tokens.tolist()
+    assert committed[:NEW - 1].tolist() == a.tokens[1:].tolist()  # the first new token is the prefill's
     assert np.all(arr["pregate_logits"][:, :, 0] == 0) and np.any(arr["pregate_logits"][:, :, 1] != 0)
     # the executed experts of the root are its own top-8 (the root always keeps them)
     own = np.argsort(-arr["router_logits"][:, 0], axis=-1, kind="stable")[..., :8]
@@ -191,7 +191,8 @@ def test_a_stop_callback_ends_the_request_after_its_block(family, prompt, refere
     result = speculative_generate(model, adapter, build_drafter(DrafterConfig("ar"), model), prompt, config(),
                                   divergence=False, stop=stop)
     n = len(result.tokens)
-    assert 5 <= n < NEW and seen[-1] == n and all(x < 5 for x in seen[:-1])  # called after every block
+    assert seen[0] == 1  # called after the first new token (the prefill's), then after every block
+    assert 5 <= n < NEW and seen[-1] == n and all(x < 5 for x in seen[:-1])
     assert result.tokens.tolist() == reference[:n].tolist()
 
 

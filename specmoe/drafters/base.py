@@ -3,8 +3,10 @@
 A drafter proposes the k tokens that one verification block checks (paper, Section 7). Its state follows
 the committed sequence of one request:
 
-- `reset(prompt, features)`: start a request; the prompt is committed and its last token is the root of
-  the first verification block.
+- `reset(prompt, features)`: start a request; `prompt` is the committed sequence so far, and its last
+  token is the root of the first verification block. The speculative loops hand it the prompt followed by
+  the first new token, the target's greedy token after the prompt, which the prefill decoded (as in the
+  public DFlash loop, vLLM and SGLang).
 - `propose(k) -> (tokens [k], confidences [k])`: the k drafts that continue the committed sequence, and
   c_i, the drafter's probability of its own token i (what confidence weighting reads). Proposing does not
   change what is committed.
@@ -18,9 +20,9 @@ the target features it reads, which must be the target's; None for a drafter tha
 
 Drafters that read the target's hidden states (DFlash) name the target layers in `target_layer_ids`; the
 harness then hands them the features of every committed position the target has processed: at `reset`
-the prompt without its last token (the prefill), at `commit` the root and the accepted drafts of the block,
-each as the hidden states after those layers concatenated ([n, len(layer_ids) * H]). Other drafters get
-None. `fixed_cost_s`, where not None, is the drafting time charged per block instead of the measured wall
+every position before the root (the prompt, which the prefill processed), at `commit` the root and the
+accepted drafts of the block, each as the hidden states after those layers concatenated
+([n, len(layer_ids) * H]). Other drafters get None. `fixed_cost_s`, where not None, is the drafting time charged per block instead of the measured wall
 time (the synthetic drafter's optional cost); the harness measures drafting apart from verification.
 
 Drafters are chosen by name from one table, `DRAFTERS` (name -> builder(config, target) -> Drafter; adding a

@@ -11,8 +11,8 @@ What it runs (batch 1, one request at a time, greedy):
   `specmoe.harness.greedy_decode` does) until a stop string, the eos token or max_gen_toks.
 - speculative decoding (``selector=exact|acceptmoe|confidence_top1``): `generate_until` runs
   `specmoe.harness.speculative_generate` with the drafter, k drafts per block and a pool of P experts per
-  layer, stopping after the block in which a stop string appears (or at eos or max_gen_toks), then cuts the
-  text at the first stop string. Loglikelihood requests are refused:
+  layer, stopping after the first new token or the block in which a stop string appears (or at eos or
+  max_gen_toks), then cuts the text at the first stop string. Loglikelihood requests are refused:
   speculative decoding defines generated text, not a teacher-forced score.
 
 Model arguments (``--model_args`` / ``model_args=``): ``pretrained`` (checkpoint directory or named config;

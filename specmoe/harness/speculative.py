@@ -1,18 +1,22 @@
 """Greedy speculative decoding of a transformers MoE target with block-level expert selection in its forward.
 
 One request (batch 1), `speculative_generate`:
-- prefill: the prompt without its last token runs in one forward under exact routing (every position its
-  router's own top-K). It is routed through the pool like a block, so the pool's recency refill leaves the
-  P experts the prompt executed last in it, but its copies are not counted (they belong to the prompt, as
-  in AR decoding, where the prompt is not timed either). Its hidden states give a DFlash drafter its first
-  context features.
-- verification blocks: the root (the last committed token; the first root is the last prompt token) and
-  k drafts go through the target in one forward of D = k + 1 positions. At every MoE layer the patched
-  router hands the router's selection scores of all D positions to `specmoe.verifiers.select_block`, with
-  the pool's residency and the position weights alpha of the selector (ones for ``exact``, `CommitRate`'s
-  per-request commitment rates for ``acceptmoe``, the drafter's confidences for ``confidence_top1``); the
-  pool records the block's union and copies its missing experts; each position executes its selected
-  experts with the model's own weights (`adapter.execution_weights`: the unmodified softmax at them).
+- prefill: the whole prompt runs in one forward under exact routing (every position its router's own
+  top-K). It is routed through the pool like a block, so the pool's recency refill leaves the P experts the
+  prompt executed last in it, but its copies are not counted (they belong to the prompt, as in AR decoding,
+  where the prompt is not timed either). The target's greedy token after the prompt is the first new token
+  (committed, in no block; it counts toward max_new_tokens and, as a stop token, ends the request there).
+  The drafter starts from the prompt and that token, with the prompt's hidden states as a DFlash drafter's
+  first context features. This is the public DFlash decoding loop's (`dflash_generate`), vLLM's and
+  SGLang's first step, so the blocks that follow are theirs.
+- verification blocks: the root (the last committed token; the first root is the first new token, at
+  position len(prompt)) and k drafts go through the target in one forward of D = k + 1 positions. At every
+  MoE layer the patched router hands the router's selection scores of all D positions to
+  `specmoe.verifiers.select_block`, with the pool's residency and the position weights alpha of the
+  selector (ones for ``exact``, `CommitRate`'s per-request commitment rates for ``acceptmoe``, the drafter's
+  confidences for ``confidence_top1``); the pool records the block's union and copies its missing experts;
+  each position executes its selected experts with the model's own weights (`adapter.execution_weights`:
+  the unmodified softmax at them).
 - acceptance (greedy): a = the longest prefix of drafts equal to the target's greedy tokens at positions
   0..a-1; the block commits those a drafts and the bonus token, the target's greedy token at position a.
   The target's KV cache is cropped to the committed positions it has processed, the pool is refilled by
@@ -23,14 +27,16 @@ With the ``exact`` selector the output is AR greedy decoding under exact routing
 floating-point near-ties between a D-position and a one-position forward).
 
 Reported per request (`SpeculativeResult.summary`): tau = committed tokens per verification, counted as
-accepted drafts + 1 per block (the paper's definition, vLLM's and SGLang's mean acceptance length; blocks
-cut by max_new_tokens or a stop token count whole); the acceptance rate of each draft position (blocks whose
-accepted length reaches it); the accepted-length histogram; host-to-device copies per committed token (the
-pool's copies: one per missing expert per block and layer; refills move experts between GPU slots and copy
-nothing); displaced router mass per committed token-layer (mass of a committed position's own top-K that it
-did not execute, committed positions = the root and the accepted drafts); and the divergence from exact
-routing of the committed positions' next-token distributions (`divergence_from_exact`); drafting time
-(measured, or the drafter's fixed cost) apart from verification time.
+accepted drafts + 1 per block (the paper's definition, vLLM's, SGLang's and `dflash_generate`'s mean
+acceptance length: the first new token, from the prefill, is in no block; blocks cut by max_new_tokens or a
+stop token count whole); the acceptance rate of each draft position (blocks whose accepted length reaches
+it); the accepted-length histogram; host-to-device copies per committed token (the pool's copies: one per
+missing expert per block and layer; refills move experts between GPU slots and copy nothing); displaced
+router mass per committed token-layer (mass of a committed position's own top-K that it did not execute,
+committed positions = the root and the accepted drafts); the divergence from exact routing of the
+next-token distributions of every committed token, the first new token's included
+(`divergence_from_exact`); and drafting time (measured, or the drafter's fixed cost) apart from
+verification time.
 """
 
 from __future__ import annotations
@@ -154,15 +160,15 @@ def block_weights(selector: SelectorConfig, k: int, commit_rate: CommitRate, con
 class SpeculativeResult:
     """One request's speculative decoding (see the module docstring)."""
 
-    tokens: torch.Tensor  # the new committed tokens [n]
+    tokens: torch.Tensor  # the new committed tokens [n]: the first new token (the prefill's), then the blocks'
     k: int
     num_layers: int
-    roots: list[int]  # root position of each verification block
+    roots: list[int]  # root position of each verification block (the first: len(prompt), the first new token)
     accepted: list[int]  # accepted drafts of each block
     copies: int  # host-to-device copies of the blocks (the prefill's excluded)
     moves: int  # pool refill moves between GPU slots
     displaced: float  # displaced router mass summed over layers and the blocks' committed positions (a + 1 each)
-    logprobs: torch.Tensor  # [n, V] the block's next-token log-probabilities at the committed positions
+    logprobs: torch.Tensor  # [n, V] the log-probabilities each new token was decoded from (row 0: the prefill's)
     draft_s: float
     verify_s: float
     prefill_s: float
@@ -227,8 +233,9 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     calibration: its warm set is the pool's start (default: the neutral calibration, experts by index);
     commit_rate: the acceptmoe weights' estimator, reset here (default `CommitRate()`); record: keep every
     block (`result.blocks`, see `specmoe.records.block_records`); divergence: compare the committed positions with
-    exact routing (`divergence_from_exact`, one extra forward); stop: called with the new tokens after every
-    block, True ends the request there (e.g. a stop string in their text; the block's tokens are kept)."""
+    exact routing (`divergence_from_exact`, one extra forward); stop: called with the new tokens after the first
+    new token and after every block, True ends the request there (e.g. a stop string in their text; the
+    block's tokens are kept)."""
     from transformers import DynamicCache
 
     config.check(adapter, drafter)
@@ -255,13 +262,16 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
 
     with routed_by(model, context):
         started = time.perf_counter()
-        features = None
-        if prompt_len > 1:
-            features = _features(forward(tokens[:-1], EXACT, np.ones(prompt_len - 1)), drafter)
+        out = forward(tokens, EXACT, np.ones(prompt_len))
         base = pool.totals()
-        drafter.reset(torch.tensor(tokens), features)
+        first = int(out.logits[0, -1].argmax())  # the first new token: the root of the first block
+        logprobs.append(torch.log_softmax(out.logits[0, -1:].float(), dim=-1).cpu())
+        tokens.append(first)
+        new.append(first)
+        drafter.reset(torch.tensor(tokens), _features(out, drafter))
         prefill_s = time.perf_counter() - started
-        while len(new) < config.max_new_tokens:
+        done = first in config.stop_tokens or (stop is not None and stop(new))
+        while not done and len(new) < config.max_new_tokens:
             started = time.perf_counter()
             drafts, confidences = drafter.propose(k)
             draft_s += drafting_time(drafter, started)
@@ -284,8 +294,8 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
             draft_s += drafting_time(drafter, started, count_fixed=False)
             roots.append(len(tokens) - 1)
             accepted.append(a)
-            if commit_block(tokens, new, drafts, a, greedy[a], config.stop_tokens) or (stop is not None and stop(new)):
-                break
+            done = (commit_block(tokens, new, drafts, a, greedy[a], config.stop_tokens)
+                    or (stop is not None and stop(new)))
     del new[config.max_new_tokens:]
     totals = pool.totals()
     result = SpeculativeResult(
@@ -331,9 +341,11 @@ def greedy_decode(model: nn.Module, prompt, max_new_tokens: int, stop_tokens=(),
     """AR greedy decoding of one prompt under the model's current routing: (new tokens [n], next-token
     log-probabilities [n, V] at the positions that produced them).
 
-    As in `speculative_generate`, the prompt without its last token is prefilled in one forward, then every
-    step feeds one token and produces the next, so n new tokens take n routed steps; `after_prefill()` is
-    called between the two (e.g. a routing context's `clear_counters`, so that copies count decoding only).
+    The prompt without its last token is prefilled in one forward, then every step feeds one token (the
+    first: the last prompt token) and produces the next, so n new tokens take n routed steps (unlike
+    `speculative_generate`, whose prefill takes the whole prompt and decodes the first new token);
+    `after_prefill()` is called between the two (e.g. a routing context's `clear_counters`, so that copies
+    count decoding only).
     Stops after max_new_tokens or a stop token (kept)."""
     from transformers import DynamicCache
 

@@ -8,7 +8,7 @@ File format (one safetensors file, version 1). N blocks of D = k + 1 positions o
 experts, top-K:
 - ``request`` int64 [N]: the request (prompt) of each block, 0, 1, ... in the order run;
 - ``root_position`` int64 [N]: the position of the block's root in its request's sequence (the first
-  block's root is the last prompt token);
+  block's root is the first new token, at position len(prompt));
 - ``tokens`` int64 [N, D]: the block's input, the root token then the k drafts;
 - ``confidences`` float32 [N, k]: the drafter's probability of each of its drafts;
 - ``accepted`` int64 [N]: accepted drafts (the block commits tokens[1 : accepted + 1] and the bonus token);
