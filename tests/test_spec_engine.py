@@ -214,7 +214,7 @@ def test_trace_following_equals_the_cpu_replay_of_the_recorded_blocks(family, dr
     engine = spec(family, drafter, calibration, residency)
     for settings in ({}, {"copy_delay": (0.0, 0.002), "max_in_flight": 1}):
         engine.configure(**settings)
-        results = engine.follow(blocks, first_position=len(prompt) - 1, record=True)
+        results = engine.follow(blocks, first_position=len(prompt), record=True)  # the first root: token 1
         assert len(results) == 2
         assert sum(r.counts()["copies"] for r in results) == expected.copies > 0
         committed = np.concatenate([np.concatenate([s[: a + 1] for s, a in zip(r.block_selected, r.accepted)])
@@ -224,8 +224,10 @@ def test_trace_following_equals_the_cpu_replay_of_the_recorded_blocks(family, dr
             assert list(r.accepted) == run.accepted and len(r.tokens) == sum(a + 1 for a in r.accepted)
             # the record's committed tokens (the harness cut them at max_new_tokens); the last block's bonus
             # is this model's own token
-            n = min(len(run.tokens), len(r.tokens) - 1)
-            assert r.tokens[:n] == run.tokens.tolist()[:n]
+            # (tokens[0], the prefill's token, is in no block)
+            committed = run.tokens.tolist()[1:]
+            n = min(len(committed), len(r.tokens) - 1)
+            assert r.tokens[:n] == committed[:n]
     engine.configure(copy_delay=None, max_in_flight=2)
     with pytest.raises(ValueError, match="drafts"):
         spec(family, drafter, calibration, residency, k=K_DRAFTS + 1).follow(blocks)

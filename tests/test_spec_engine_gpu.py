@@ -103,7 +103,7 @@ def test_gpu_trace_following_equals_the_cpu_replay(gpu_family, prompt):
     engine = spec(gpu_family, "acceptmoe")
     for skip in (False, True):
         engine.configure(skip_copies=skip)
-        (result,) = engine.follow(blocks, first_position=len(prompt) - 1, record=True)
+        (result,) = engine.follow(blocks, first_position=len(prompt), record=True)
         assert result.counts()["copies"] == expected.copies
         committed = np.concatenate([s[: a + 1] for s, a in zip(result.block_selected, result.accepted)])
         np.testing.assert_array_equal(committed, expected.selected)
