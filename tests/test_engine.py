@@ -67,6 +67,36 @@ def make_engine(tiny, store, calibration):
     return make
 
 
+# -- prompt chunks ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["psr", "spec_exec", "cache_prior"])
+def test_prompt_chunks_make_the_policys_decisions_and_execute_them(tiny, store, calibration, tokens, name,
+                                                                    monkeypatch):
+    """A prompt in steps of 4 positions: every position's selections and the logical copies are the policy's on
+    the logits the run recorded (as one position per step makes them), the chunk's MoE runs in groups where a
+    later position's insertion takes a slot an earlier one executes (it does here), and a one-position-per-step
+    run that follows the recorded logits computes the same outputs (the groups executed the right bytes)."""
+    from specmoe.engines.routers import CacheRouter
+
+    model, adapter = tiny
+    policy = preset(name, 16, adapter.top_k)
+    engine = build_engine(model, policy, calibration, EngineConfig(max_seq_len=SEQ, prefill_chunk=4), store=store)
+    groups = []
+    real = CacheRouter.next_group
+    monkeypatch.setattr(CacheRouter, "next_group", lambda self, layer: groups.append(layer) or real(self, layer))
+    chunked = engine.teacher_forced(tokens, prompt_len=20, return_logits=True)
+    assert len(groups) > 5 * adapter.num_moe_layers  # 5 chunks x L layers: some of them in several groups
+    pregate = chunked.pregate_logits.astype(np.float64) if policy.insert_budget else None
+    trace = replay(policy, chunked.router_logits.astype(np.float64), pregate, chunked.input_tokens, calibration)
+    np.testing.assert_array_equal(chunked.selected, trace.selected)
+    totals = chunked.copy_totals(timed_only=False)
+    assert (totals["demand"], totals["prefetch"]) == (trace.demand_copies.sum(), trace.prefetch_copies.sum())
+    followed = engine.teacher_forced(tokens, prompt_len=20, return_logits=True, feed=LogitFeed.of(chunked))
+    np.testing.assert_array_equal(followed.selected, chunked.selected)
+    np.testing.assert_allclose(followed.logits, chunked.logits, rtol=1e-4, atol=1e-4)
+    one = build_engine(model, policy, calibration, EngineConfig(max_seq_len=SEQ, prefill_chunk=1), store=store)
+    assert one.teacher_forced(tokens, prompt_len=20).output_tokens.shape == chunked.output_tokens.shape
+
+
 # -- exactness ------------------------------------------------------------------------------------------
 def test_all_resident_exact_matches_transformers(tiny, exact_engine, tokens):
     model, _ = tiny

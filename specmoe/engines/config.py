@@ -22,14 +22,16 @@ class EngineConfig:
     """What an engine is built with (fixed for its lifetime). backend: our Triton kernels (RMSNorm, attention
     prologue, slot MoE) or their torch versions ("auto": Triton on CUDA where installed); attention: "split_kv"
     (our Triton kernel, reads only the written positions), "sdpa" (torch, the whole masked cache), "flash_attn"
-    (flash-attn's flash_attn_with_kvcache), or "auto" (split_kv on CUDA with Triton, else sdpa); moe: "slot" (our slot-indexed kernel) or
-    "vllm" (vLLM's fused_experts); tune: the MoE kernels' launch parameters on CUDA ("auto": read from the
+    (flash-attn's flash_attn_with_kvcache), or "auto" (split_kv on CUDA with Triton, else sdpa); moe: "slot" (our
+    slot-indexed kernel) or "vllm" (vLLM's fused_experts); tune: the MoE kernels' launch parameters on CUDA ("auto": read from the
     tuning cache, else tuned once and cached; True: tuned again now, the cache entry overwritten; False: fixed
     defaults, for exact reproduction; `specmoe.kernels.tuning`; `kernels["launch"]` says which ran). Optional
     packages must be installed (else ImportError at build) and are checked against the torch path at build;
     one that disagrees is not used (see `Engine.notes`). device_routing: when every expert is resident and
     the policy reduces to the router's own top-K, route on the device and run each token as one launch
-    ("auto": on CUDA; "on": on any device, the CPU included; "off": always the host's `LogicalCache.route`)."""
+    ("auto": on CUDA; "on": on any device, the CPU included; "off": always the host's `LogicalCache.route`).
+    prefill_chunk: prompt positions per step of the autoregressive prefill (1: one at a time; the policy's
+    decisions are the same either way, `Engine` module docstring)."""
 
     max_seq_len: int = 1024
     cuda_graphs: bool = True
@@ -38,11 +40,13 @@ class EngineConfig:
     moe: str = "slot"
     tune: str | bool = "auto"
     device_routing: str = "auto"
+    prefill_chunk: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_seq_len", validate.integer(self.max_seq_len, "max_seq_len", minimum=1))
         check_kernel_choice(self.backend, self.attention, self.moe)
         check_tune(self.tune)
+        object.__setattr__(self, "prefill_chunk", validate.integer(self.prefill_chunk, "prefill_chunk", minimum=1))
         if self.device_routing not in DEVICE_ROUTING:
             raise ValueError(f"device_routing must be one of {DEVICE_ROUTING}, got {self.device_routing!r}")
 

@@ -167,7 +167,8 @@ class Engine:
         g, config = self.geometry, self.config
         whole = (config.device_routing == "on" or (config.device_routing == "auto" and self.cuda)) \
             and self.residency.num_slots == g.num_experts and self.decoder.scoring.kind == "softmax"
-        sizes = {1} | ({self.block_router.config.k + 1} if self.block_router is not None else set())
+        sizes = {1} | ({self.block_router.config.k + 1} if self.block_router is not None else set()) \
+            | ({config.prefill_chunk} if self.router is not None else set())
         for d in sorted(sizes - set(self._runners)):
             runner = StepRunner(self.decoder, d, self.residency, self.compute, config.cuda_graphs,
                                 resident_scoring=self.decoder.scoring if whole and d == 1 else None)
@@ -222,16 +223,22 @@ class Engine:
         for layer in range(self.num_layers):
             run.wait_logits(layer)
             rec.tick()
-            used, demand = router.route(layer)
-            rec.tick(ROUTING)
-            if demand is not None:
-                copies.assign(layer, demand[0], demand[1], prefetch=False)
-            rec.tick(COPY_ISSUE)
-            rec.gpu_mark(layer, WAIT_START)
-            copies.wait(layer, copies.need(layer, used), self.compute)
-            rec.gpu_mark(layer, MOE_START)
-            rec.tick(COPY_CHECKS)
-            run.moe(layer)
+            group = router.route(layer)
+            while group is not None:  # one group, but for a prompt chunk whose positions reassign slots
+                used, demand = group
+                rec.tick(ROUTING)
+                if demand is not None:
+                    copies.assign(layer, demand[0], demand[1], prefetch=False)
+                rec.tick(COPY_ISSUE)
+                rec.gpu_mark(layer, WAIT_START)
+                copies.wait(layer, copies.need(layer, used), self.compute)
+                rec.gpu_mark(layer, MOE_START)
+                rec.tick(COPY_CHECKS)
+                run.moe(layer)
+                group = None
+                if router.grouped:
+                    run.synchronize()
+                    group = router.next_group(layer)
             if layer < last:
                 run.attention(layer + 1)
                 rec.gpu_mark(layer + 1, ATTENTION_DONE)
@@ -301,8 +308,15 @@ class Engine:
         s = self.settings
         router.bind(run.step, ModelFeed(run.step) if feed is None else feed, rec, s.cache_mode == "physical",
                     s.max_in_flight)
+        chunk = self.config.prefill_chunk
+        # prompt chunks: the model's own logits, in logical mode (physical mode reads copies in flight per position)
+        prompt = timed_from if feed is None and s.cache_mode == "logical" and chunk > 1 else 0
         with torch.no_grad(), self._stream():
-            for t in range(num_steps):
+            t = 0
+            while t + chunk <= prompt:
+                self._prefill_chunk(t, tokens_in[t:t + chunk], first_position + t, router, rec, logits)
+                t += chunk
+            for t in range(t, num_steps):
                 if feed is not None and feed.tokens is not None:
                     token = int(feed.tokens[t])
                 elif feed_outputs_from is None or t < feed_outputs_from:
@@ -328,6 +342,18 @@ class Engine:
                 "cuda_graphs": self.graphs is not None, "cache_mode": s.cache_mode, "max_in_flight": s.max_in_flight,
                 "skip_copies": s.skip_copies, "feed": feed is not None, "notes": list(self.notes)}
         return rec.result(timed_from, logits, info)
+
+    def _prefill_chunk(self, t: int, tokens, position: int, router: CacheRouter, rec: StepRecorder,
+                       logits: np.ndarray | None) -> None:
+        """Record rows t .. t + D - 1: D prompt tokens at `position` in one step (the policy's decisions for each
+        position as one position per step makes them, the MoE in groups: `CacheRouter.begin_chunk`)."""
+        run = self._runners[len(tokens)]
+        rec.begin_chunk(t, tokens, position)
+        router.begin_chunk(run.step, t, tokens)
+        self._forward(run, tokens, position, router, rec)
+        rec.end_chunk(t, run.step.next_np)
+        if logits is not None:
+            logits[t:t + len(tokens)] = run.step.out_logits.float().cpu().numpy()
 
     def teacher_forced(self, tokens, prompt_len: int = 0, feed: LogitFeed | None = None,
                        return_logits: bool = False, first_position: int = 0) -> DecodeResult:

@@ -66,6 +66,18 @@ class StepRecorder:
         self._wait = self.copies.wait_s
         self._start = time.perf_counter()
 
+    def begin_chunk(self, t: int, tokens, position: int) -> None:
+        """A prompt chunk: rows t .. t + D - 1 (one step; its time and copies go to its last row)."""
+        d = len(tokens)
+        self.inputs[t:t + d] = tokens
+        self.roots[t:t + d] = np.arange(position, position + d)
+        self.begin(t + d - 1, tokens[-1], position + d - 1)
+
+    def end_chunk(self, t: int, outputs: np.ndarray) -> None:
+        d = len(outputs)
+        self.outputs[t:t + d] = outputs
+        self.end(t + d - 1, int(outputs[-1]))
+
     def tick(self, part: int = -1) -> None:
         """Host time since the previous tick goes to `part` (ROUTING, COPY_ISSUE, COPY_CHECKS; -1: none)."""
         now = time.perf_counter_ns()

@@ -71,8 +71,9 @@ class CacheRouter:
         self.copies, self.num_layers, self.num_experts = copies, g.num_layers, g.num_experts
         self.inserts = policy.insert_budget > 0
         self.physical, self.max_in_flight = False, 2
-        self.feed = self.rec = None
+        self.feed = self.rec = self.chunk = None
         self.t = self.token = 0
+        self.grouped = False  # a prompt chunk: `next_group` after each group's MoE
 
     @property
     def num_slots(self) -> int:
@@ -103,9 +104,18 @@ class CacheRouter:
         self._weights = [step.weights_np[layer, 0] for layer in range(self.num_layers)]
 
     def begin(self, t: int, token: int) -> None:
-        self.t, self.token = t, token
+        """The next step: one position, record row t, input `token`."""
+        self.t, self.token, self.grouped = t, token, False
+
+    def begin_chunk(self, step: DecodeStep, t: int, tokens) -> None:
+        """The next step: a prompt chunk of D positions of `step` (record rows t .., input `tokens`), routed from
+        the model's own logits (`route` / `next_group`)."""
+        self.chunk, self.t, self.tokens, self.grouped = step, t, list(tokens), True
 
     def route(self, layer: int):
+        if self.grouped:
+            self._groups = self._chunk_groups(layer)
+            return next(self._groups)
         cache, rec, t = self.cache, self.rec, self.t
         slots = self._slots[layer]
         d = cache.route(layer, self.feed.router(t, layer), self.token, self.scoring, rec.router_logits[t, layer],
@@ -113,6 +123,8 @@ class CacheRouter:
         return slots, ((cache.demand_slots[:d], cache.demand[:d]) if d else NO_DEMAND)
 
     def predict(self, layer: int) -> None:
+        if self.grouped:  # a prompt chunk: part 1 runs position by position in `_chunk_groups`
+            return
         g = self.rec.pregate_logits[self.t, layer] = self.feed.pregate(self.t, layer)
         if not self.inserts:
             return
@@ -126,6 +138,51 @@ class CacheRouter:
 
     def end_step(self, accepted: int) -> None:
         return None
+
+    def next_group(self, layer: int):
+        """The next group of a prompt chunk's `layer` ((executed slots, demand) as `route`), or None; call it once
+        the previous group's MoE has run (it rewrites the route rows that MoE read)."""
+        return next(self._groups, None)
+
+    def _chunk_groups(self, layer: int):
+        """Parts 1 and 2 of `layer` for the chunk's positions one after another, as one position per step makes
+        them (the same decisions), cut into groups whose MoE can run at once: a group ends before a position
+        whose insertion takes a slot that an earlier position of the group executes. Yields (executed slots,
+        demand (slots, experts) or None) per group, with the route rows of the other positions at weight 0."""
+        step, cache, rec, copies = self.chunk, self.cache, self.rec, self.copies
+        slots, weights = step.slots_np[layer], step.weights_np[layer]
+        own = np.empty_like(weights)  # each position's execution weights; rows outside the running group get 0
+        used = np.zeros(self.num_experts, dtype=np.bool_)  # slots the running group executes
+        start, demand_slots, demand_experts = 0, [], []
+
+        def group(end: int):
+            weights[:] = 0.0
+            weights[start:end] = own[start:end]
+            demand = (np.array(demand_slots, np.int64), np.array(demand_experts, np.int64)) if demand_slots else None
+            return np.unique(slots[start:end]), demand
+
+        for i, token in enumerate(self.tokens):
+            t = self.t + i
+            if layer > 0:
+                g = rec.pregate_logits[t, layer] = step.pregate_logits(layer)[i]
+                inserted = cache.insert_predicted(layer, g, token) if self.inserts else ()
+                if len(inserted):
+                    taken = cache.slot_of(layer, inserted)
+                    if used[taken].any():
+                        yield group(i)
+                        start, demand_slots, demand_experts = i, [], []
+                        used[:] = False
+                    copies.assign(layer, taken, inserted.copy(), prefetch=True)
+            d = cache.route(layer, step.router_logits(layer)[i], token, self.scoring, rec.router_logits[t, layer],
+                            rec.selected[t, layer], slots[i], own[i])
+            if d and used[cache.demand_slots[:d]].any():
+                yield group(i)
+                start, demand_slots, demand_experts = i, [], []
+                used[:] = False
+            demand_slots += cache.demand_slots[:d].tolist()
+            demand_experts += cache.demand[:d].tolist()
+            used[slots[i]] = True
+        yield group(len(self.tokens))
 
 
 class BlockRouter:
@@ -195,6 +252,8 @@ class BlockRouter:
 
     def predict(self, layer: int) -> None:
         return None
+
+    grouped = False  # one group per layer: the whole block executes at once
 
     def end_step(self, accepted: int | None) -> None:
         """The pool refill; the slot buffer follows: each expert entering the pool moves from its union slot to

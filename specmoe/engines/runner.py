@@ -202,3 +202,9 @@ class StepRunner:
     def wait_head(self) -> None:
         if self.cuda:
             self.ev_head.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait until everything launched so far has run (a prompt chunk's MoE group, before the host rewrites
+        the route rows it read and copies into the slots it read)."""
+        if self.cuda:
+            self.stream.synchronize()
