@@ -12,9 +12,10 @@ import torch
 from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
 from specmoe.engines.ar import EngineConfig, RunSettings, build_engine
 from specmoe.engines.sd import SpecConfig, build_spec_engine
-from specmoe.harness import SpeculativeConfig, speculative_generate
+from specmoe.harness import speculative_generate
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration, preset
+from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
 SEQ, NEW, K_DRAFTS, POOL = 64, 12, 4, 32

@@ -11,7 +11,8 @@ from specmoe.block_records import BlockRecords
 from specmoe.drafters import DrafterConfig, build_drafter
 from specmoe.engines.ar import EngineConfig, RunSettings, build_engine
 from specmoe.engines.sd import SpecConfig, build_spec_engine
-from specmoe.harness import SpeculativeConfig, speculative_generate, unpatch
+from specmoe.harness import speculative_generate, unpatch
+from specmoe.speculation import SpeculativeConfig
 from specmoe.models import load_model
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.replay import blocks_from_records, replay_block_selection

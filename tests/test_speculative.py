@@ -12,7 +12,8 @@ from specmoe.block_records import BlockRecordError, BlockRecords
 from specmoe.cli import main
 from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
 from specmoe.drafters.dflash_model import extract_context_feature
-from specmoe.harness import SpeculativeConfig, exact_routing, greedy_decode, speculative_generate, summarize
+from specmoe.harness import exact_routing, greedy_decode, speculative_generate
+from specmoe.speculation import SpeculativeConfig, summarize
 from specmoe.verifiers import SelectorError, selector_preset
 
 NEW = 20

@@ -17,7 +17,8 @@ from specmoe.drafters import (DFlashDrafter, DrafterConfig, DrafterError, HFAuto
 from specmoe.drafters.dflash_model import extract_context_feature
 from specmoe.engines.ar import EngineConfig
 from specmoe.engines.sd import SpecConfig, build_spec_engine, check_drafter_fits
-from specmoe.harness import SpeculativeConfig, exact_routing, speculative_generate
+from specmoe.harness import exact_routing, speculative_generate
+from specmoe.speculation import SpeculativeConfig
 from specmoe.models.decoder import DecoderGeometry
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration

@@ -13,7 +13,8 @@ from specmoe.drafters import DrafterConfig, StaticARDrafter, StaticDFlashDrafter
 from specmoe.drafters.dflash_model import extract_context_feature
 from specmoe.engines.ar import EngineConfig
 from specmoe.engines.sd import SpecConfig, build_spec_engine
-from specmoe.harness import SpeculativeConfig, exact_routing, speculative_generate
+from specmoe.harness import exact_routing, speculative_generate
+from specmoe.speculation import SpeculativeConfig
 from specmoe.models import load_model
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration

@@ -2,7 +2,7 @@
 ``ar``, ``dflash``, ``synthetic``; runtimes ``hf`` and ``static``), the DFlash-format block-diffusion drafter
 model (`dflash_model`), and the static-cache GPU drafters (`static_ar`, `static_dflash`)."""
 
-from .base import DRAFTERS, RUNTIMES, Drafter, DrafterConfig, DrafterError, build_drafter, crop_cache
+from .base import DRAFTERS, RUNTIMES, Drafter, DrafterConfig, DrafterError, build_drafter
 from .dflash import DFlashDrafter
 from .hf_autoregressive import HFAutoregressiveDrafter
 from .static_ar import StaticARDrafter
@@ -11,5 +11,5 @@ from .synthetic import SyntheticDrafter
 
 __all__ = [
     "DFlashDrafter", "DRAFTERS", "Drafter", "DrafterConfig", "DrafterError", "HFAutoregressiveDrafter", "RUNTIMES",
-    "StaticARDrafter", "StaticDFlashDrafter", "SyntheticDrafter", "build_drafter", "crop_cache",
+    "StaticARDrafter", "StaticDFlashDrafter", "SyntheticDrafter", "build_drafter",
 ]

@@ -1,7 +1,9 @@
 """The drafter protocol of speculative decoding, the drafter configuration and `build_drafter`.
 
-A drafter proposes the k tokens that one verification block checks (paper, Section 7). Its state follows
-the committed sequence of one request:
+A drafter proposes the k tokens that one verification block checks (paper, Section 7). The protocol itself,
+`Drafter`, lives with the rest of the speculative semantics in `specmoe.speculation` (the harness and the
+engines type against it); its rules are these. A drafter's state follows the committed sequence of one
+request:
 
 - `reset(prompt, features)`: start a request; the prompt is committed and its last token is the root of
   the first verification block.
@@ -33,10 +35,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
 
-import numpy as np
 import torch
+
+from specmoe.speculation import Drafter
 
 DRAFTERS = ("ar", "dflash", "synthetic")
 RUNTIMES = ("auto", "hf", "static")
@@ -47,21 +49,6 @@ ATTENTIONS = ("auto", "split_kv", "sdpa")  # the static drafters' ("auto": split
 class DrafterError(ValueError):
     """A drafter that cannot run with this target or configuration (unknown name, other vocabulary,
     hidden size or layers that do not fit the target, k beyond what it drafts, a bad acceptance profile)."""
-
-
-class Drafter(Protocol):
-    """What the speculative loop needs from a drafter (see the module docstring)."""
-
-    name: str
-    target_layer_ids: tuple[int, ...]
-    max_drafts: int | None  # the largest k one `propose` can give (None: any)
-    fixed_cost_s: float | None
-
-    def reset(self, prompt: torch.Tensor, features: torch.Tensor | None = None) -> None: ...
-
-    def propose(self, k: int) -> tuple[torch.Tensor, np.ndarray]: ...
-
-    def commit(self, accepted: int, bonus_token: int, features: torch.Tensor | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -121,40 +108,6 @@ class DrafterConfig:
         return asdict(self)
 
 
-def crop_cache(cache, length: int) -> None:
-    """Cut a transformers KV cache back to its first `length` positions (a negative count to `crop`, which
-    every transformers 5 release reads as positions to remove)."""
-    remove = cache.get_seq_length() - int(length)
-    if remove < 0:
-        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
-    if remove:
-        cache.crop(-remove)
-
-
-def prompt_tokens(prompt) -> list[int]:
-    """A prompt (1-D tensor or sequence of token ids) as a list; at least one token."""
-    tokens = [int(t) for t in torch.as_tensor(prompt).reshape(-1)]
-    if not tokens:
-        raise ValueError("a prompt needs at least one token")
-    return tokens
-
-
-def accepted_length(drafts: list[int], greedy: list[int]) -> int:
-    """Greedy acceptance of a verification block: the longest prefix of `drafts` equal to the target's greedy
-    tokens `greedy` at the block's positions 0, 1, ... (greedy[a] is then the bonus token)."""
-    a = 0
-    while a < len(drafts) and drafts[a] == greedy[a]:
-        a += 1
-    return a
-
-
-def advance(tokens: list[int], drafts: list[int], accepted: int, bonus_token: int) -> list[int]:
-    """The committed tokens after a verification that accepted the first `accepted` of `drafts`."""
-    if not 0 <= accepted <= len(drafts):
-        raise ValueError(f"accepted {accepted} outside [0, {len(drafts)}] drafts")
-    return tokens + drafts[:accepted] + [int(bonus_token)]
-
-
 def greedy_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy tokens of logits [n, V] and the probability the distribution gives them (float64)."""
     probs = torch.softmax(logits.float(), dim=-1)
@@ -177,7 +130,9 @@ def build_drafter(config: DrafterConfig, target) -> Drafter:
     supported, else ``hf``); ``synthetic`` drafts from exact routing's greedy continuation computed with
     `target` itself."""
     if config.name == "synthetic":
-        from .synthetic import SyntheticDrafter, exact_continuation
+        from specmoe.harness import exact_continuation
+
+        from .synthetic import SyntheticDrafter
 
         return SyntheticDrafter(exact_continuation(target), target.config.vocab_size, config.acceptance,
                                 config.commit_probs, config.seed, config.cost_s, config.cost_mode)

@@ -142,7 +142,8 @@ class SpecmoeLM(TemplateLM):
                            seed: int):
         """(drafter, SpeculativeConfig) of the speculative mode; checks that they fit the model."""
         from specmoe.drafters import DrafterConfig, build_drafter
-        from specmoe.harness import SpeculativeConfig, check_calibration
+        from specmoe.harness import check_calibration
+        from specmoe.speculation import SpeculativeConfig
         from specmoe.verifiers import selector_preset
 
         config = SpeculativeConfig(selector_preset(selector), k=k, pool_size=pool, max_new_tokens=self.max_gen_toks,
@@ -285,7 +286,7 @@ class SpecmoeLM(TemplateLM):
         or the speculative loop's pooled figures (tau, copies per committed token, ...), and the seconds
         spent in the model."""
         if self.speculative is not None:
-            from specmoe.harness import summarize
+            from specmoe.speculation import summarize
 
             return {"seconds": self.seconds, **(summarize(self.counts) if self.counts else {})}
         from specmoe.harness import copy_stats

@@ -261,7 +261,8 @@ class Session:
                 "token_ms": token_ms, "request_ms": request_ms}
 
     def _harness_sd(self, c: Configuration) -> dict:
-        from specmoe.harness import SpeculativeConfig, speculative_generate, summarize
+        from specmoe.harness import speculative_generate
+        from specmoe.speculation import SpeculativeConfig, summarize
 
         config = SpeculativeConfig(c.selector, k=c.k, pool_size=c.pool, max_new_tokens=self.config.workload.new_tokens,
                                    stop_tokens=self.stop_tokens)
@@ -344,7 +345,7 @@ class Session:
                 "request_ms": request_ms}
 
     def _engine_sd(self, c: Configuration) -> dict:
-        from specmoe.harness import summarize
+        from specmoe.speculation import summarize
 
         engine = self._spec_engine(c.drafter, c.k, c.pool, c.selector)
         engine.configure(**{k: v for k, v in self._settings(c).items() if k != "cache_mode"})

@@ -91,8 +91,8 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
     """Run the comparison; returns the table and a dict describing the run (with per-row acceptance)."""
     from specmoe.block_records import BlockRecords
     from specmoe.drafters import DrafterConfig, build_drafter
-    from specmoe.harness import (SpeculativeConfig, collect_calibration, sample_selfgen, speculative_generate,
-                                 summarize)
+    from specmoe.harness import collect_calibration, sample_selfgen, speculative_generate
+    from specmoe.speculation import SpeculativeConfig, summarize
     from specmoe.models import load_model
     from specmoe.routing import Calibration, preset
     from specmoe.verifiers import selector_preset

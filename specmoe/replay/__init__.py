@@ -3,11 +3,11 @@ expert selection, and AR decoding on the same committed sequence (`specmoe repla
 
 from .blocks import (AcceptanceProfile, Blocks, BlockSourceError, blocks_from_records, synthetic_blocks,
                      with_true_continuation)
-from .rollback import (MethodResult, RollbackCache, block_alpha, replay_ar, replay_block_selection,
+from .rollback import (MethodResult, RollbackCache, replay_ar, replay_block_selection,
                        replay_rollback)
 
 __all__ = [
-    "AcceptanceProfile", "BlockSourceError", "Blocks", "MethodResult", "RollbackCache", "block_alpha",
+    "AcceptanceProfile", "BlockSourceError", "Blocks", "MethodResult", "RollbackCache",
     "blocks_from_records", "replay_ar", "replay_block_selection", "replay_rollback", "synthetic_blocks",
     "with_true_continuation",
 ]
