@@ -34,18 +34,13 @@ def default_model() -> str:
     return str(shipped) if (shipped / "config.json").is_file() else "olmoe-tiny"
 
 
-def psr_bonus(capacity: int, num_experts: int) -> float:
-    """The paper's PSR operating points: lambda 0.3 at 50% residency, 0.25 at 25%."""
-    return 0.3 if capacity / num_experts >= 0.375 else 0.25
-
-
 def run_demo(model_source: str, capacities: tuple[int, ...], *, windows: int = 16, length: int = 128,
              calibration_windows: int = 32, seed: int = 0, policies=DEMO_POLICIES,
              threads: int | None = None) -> tuple[pd.DataFrame, dict]:
     """Run the demo; returns the table and a dict describing the run."""
     from specmoe.harness import collect_calibration, excess_nll, patch_model, sample_selfgen, token_nll, unpatch
     from specmoe.models import load_model
-    from specmoe.routing import preset
+    from specmoe.routing import preset, psr_bonus
 
     if windows < 1 or calibration_windows < 1 or length < 2 or (threads is not None and threads < 1):
         raise ValueError(f"need windows >= 1, calibration_windows >= 1, length >= 2 and threads >= 1 (or None), "

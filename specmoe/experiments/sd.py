@@ -28,7 +28,7 @@ import torch
 from specmoe.files import write_text_atomic
 from specmoe.traces import family_path
 
-from .demo import default_model, psr_bonus
+from .demo import default_model
 
 COLUMNS = ["drafter", "selector", "tau", "copies_per_token", "displaced_per_token_layer", "kl", "excess_nll",
            "committed", "verifications", "draft_ms_per_token", "target_ms_per_token"]
@@ -94,7 +94,7 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
     from specmoe.harness import collect_calibration, sample_selfgen, speculative_generate
     from specmoe.speculation import SpeculativeConfig, summarize
     from specmoe.models import load_model
-    from specmoe.routing import Calibration, preset
+    from specmoe.routing import Calibration, preset, psr_bonus
     from specmoe.verifiers import selector_preset
 
     if threads:

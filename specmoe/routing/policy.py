@@ -128,3 +128,9 @@ def preset(name: str, capacity: int, top_k: int, **overrides) -> PolicyConfig:
     if name not in PRESETS:
         raise PolicyError(f"unknown policy preset {name!r}; expected one of {', '.join(PRESETS)}")
     return PolicyConfig(capacity=capacity, top_k=top_k, **{**PRESETS[name], **overrides})
+
+
+def psr_bonus(capacity: int, num_experts: int) -> float:
+    """The paper's PSR operating points: lambda 0.3 at 50% residency, 0.25 at 25% (the bonus `specmoe demo`,
+    `specmoe sd` and the rollback replay use at capacity C of E experts)."""
+    return 0.3 if capacity / num_experts >= 0.375 else 0.25
