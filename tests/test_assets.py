@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specmoe.drafters.dflash_model import DFlashDraftModel
+from specmoe.harness import record_trace
 from specmoe.models import adapter_for
-from specmoe.traces import Trace, family_path, record_trace
+from specmoe.traces import Trace, family_path
 from specmoe.training.evaluate import ar_accept_runs, dflash_accept_lengths, greedy_continuation
 from specmoe.training.family import load_family, slice_metrics, tau_crosscheck
 

@@ -146,7 +146,7 @@ def test_block_selection_cuts_copies_is_deterministic_and_records_its_blocks(fam
     with pytest.raises(BlockRecordError, match="does not fit"):
         BlockRecords.load(tmp_path / "blocks.safetensors", num_experts=32)
     with pytest.raises(BlockRecordError, match="not a specmoe block record"):
-        from specmoe.traces import record_trace
+        from specmoe.harness import record_trace
 
         BlockRecords.load(record_trace(model, [prompt[:8]]).save(tmp_path / "trace.safetensors"))
     with pytest.raises(BlockRecordError, match="no block record file"):

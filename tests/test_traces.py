@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import OlmoeConfig, OlmoeForCausalLM
 
+from specmoe.experiments.trace import add_parser as add_trace_parser
+from specmoe.harness import record_trace
 from specmoe.models import adapter_for
 from specmoe.routing import CalibrationBuilder, preset, replay
-from specmoe.traces import Trace, TraceError, add_trace_parser, record_trace
+from specmoe.traces import Trace, TraceError
 
 L, E, K, V, H = 3, 8, 2, 64, 32
 

@@ -2,7 +2,10 @@
 ``ar``, ``dflash``, ``synthetic``; runtimes ``hf`` and ``static``), the DFlash-format block-diffusion drafter
 model (`dflash_model`), and the static-cache GPU drafters (`static_ar`, `static_dflash`)."""
 
-from .base import DRAFTERS, RUNTIMES, Drafter, DrafterConfig, DrafterError, build_drafter
+from specmoe.speculation import Drafter  # the protocol the drafters implement
+
+from .base import DRAFTERS, RUNTIMES, DrafterConfig, DrafterError
+from .build import build_drafter
 from .dflash import DFlashDrafter
 from .hf_autoregressive import HFAutoregressiveDrafter
 from .static_ar import StaticARDrafter

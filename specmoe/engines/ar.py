@@ -7,7 +7,7 @@ A_{l+1}, and then, while those run, part 1 of layer l+1 (`LogicalCache.insert_pr
 and the prefetch pump -> head graph (final norm, LM head, greedy token).
 
 With every expert resident (C = E) and a policy that then routes as the router's own top-K (exact,
-Cache-Prior, PSR), routing runs on the device instead (`specmoe.routing.device`, `EngineConfig.device_routing`)
+Cache-Prior, PSR), routing runs on the device instead (`specmoe.kernels.device_routing`, `EngineConfig.device_routing`)
 and the whole token is one CUDA graph: the same selections, no host round trip per layer.
 
 Routing never reads timing in the default (logical) mode: copies only change latency. Modes:
@@ -34,7 +34,7 @@ from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, PolicyError, router_fingerprint
 from specmoe.routing import validate
-from specmoe.routing.device import device_routing_applies
+from specmoe.kernels.device_routing import device_routing_applies
 
 from .recorder import ATTENTION_DONE, COPY_CHECKS, COPY_ISSUE, MOE_START, ROUTING, WAIT_START, StepRecorder
 from .results import DecodeResult, LogitFeed, ModelFeed

@@ -69,9 +69,8 @@ class SpecmoeLM(TemplateLM):
         super().__init__()
         from transformers import AutoTokenizer
 
-        from specmoe.cli import parse_policy
-        from specmoe.experiments.demo import default_model
-        from specmoe.models import load_model
+        from specmoe.models import default_model, load_model
+        from specmoe.routing import parse_policy
 
         if str(batch_size) not in ("1", "None"):
             raise ValueError(f"the specmoe model runs batch 1 (one logical cache per request), "

@@ -22,16 +22,9 @@ import torch
 
 from specmoe.arguments import check_positions, int_at_least, int_list
 from specmoe.files import check_output_dir, write_run_dir
-from specmoe.traces import family_path
 
 DEMO_POLICIES = ("exact_lru", "cache_prior", "psr", "spec_exec")
 RESULT_FILES = ("results.csv", "results.json")  # one run's files, written together (files.write_run_dir)
-
-
-def default_model() -> str:
-    """The embedded default: the shipped trained target when present, else a seeded random tiny OLMoE."""
-    shipped = family_path("target")
-    return str(shipped) if (shipped / "config.json").is_file() else "olmoe-tiny"
 
 
 def run_demo(model_source: str, capacities: tuple[int, ...], *, windows: int = 16, length: int = 128,
@@ -98,6 +91,8 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    from specmoe.models import default_model
+
     out = Path(args.out)
     check_output_dir(out, RESULT_FILES, "--out")
     table, info = run_demo(args.model or default_model(), args.capacities, windows=args.windows, length=args.length,

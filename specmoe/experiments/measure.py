@@ -368,7 +368,7 @@ class Session:
 
     def _replay(self, c: Configuration) -> dict:
         from specmoe.replay import AcceptanceProfile, replay_ar, replay_block_selection, replay_rollback, synthetic_blocks
-        from specmoe.traces import record_trace
+        from specmoe.harness import record_trace
 
         if self.trace is None:
             self.trace = record_trace(self.model, self.sequences, self.geo.source)

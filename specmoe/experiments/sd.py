@@ -28,8 +28,6 @@ import torch
 from specmoe.files import write_text_atomic
 from specmoe.traces import family_path
 
-from .demo import default_model
-
 COLUMNS = ["drafter", "selector", "tau", "copies_per_token", "displaced_per_token_layer", "kl", "excess_nll",
            "committed", "verifications", "draft_ms_per_token", "target_ms_per_token"]
 
@@ -183,6 +181,7 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     from specmoe.drafters import DRAFTERS
+    from specmoe.models import default_model
     from specmoe.verifiers import SELECTORS
 
     out = Path(args.out)
