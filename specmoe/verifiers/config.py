@@ -220,4 +220,3 @@ SELECTORS: dict[str, SelectorKind] = {
     "confidence_top1": SelectorKind(drafter_confidence_weights, "confidence",
                                     dict(gamma=1.05, rescue_threshold=0.3)),
 }
-KINDS = tuple(SELECTORS)
