@@ -221,5 +221,5 @@ def test_the_walker_sees_imports():
     assert "specmoe.drafters.base" in edges["specmoe.drafters.synthetic"]  # from .base import ... (relative)
     assert "specmoe.harness" in edges["specmoe.drafters.build"]  # inside build_drafter
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
-    assert unit_of("specmoe.replay.blocks") == "specmoe.replay.blocks" and unit_of("specmoe.replay.rollback") == \
-        "specmoe.replay"
+    assert unit_of("specmoe.routing.cache") == "specmoe.routing" and unit_of("specmoe.cli") == "specmoe.cli"
+    assert unit_of("specmoe") == "specmoe" and unit_of("elsewhere") is None
