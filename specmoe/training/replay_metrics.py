@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..harness import record_trace
 from ..routing import CalibrationBuilder, preset, replay
-from ..traces import record_trace
 from .corpus import spread_windows
 
 POLICIES = ("exact_lru", "exact_a", "cache_prior", "psr", "spec_exec")
