@@ -49,11 +49,16 @@ def main(argv=None) -> int:
     from specmoe.routing import Calibration, preset
     from specmoe.verifiers import selector_preset
     if api == "engine":
-        from specmoe.engines import Engine, EngineConfig, SpecConfig, build_engine
+        from specmoe.engines import Engine, EngineConfig, build_engine
         from specmoe.records import AcceptanceProfile, Trace, synthetic_blocks
+        try:
+            from specmoe.speculation import SpeculativeConfig
+        except ImportError:  # before specmoe.speculation
+            from specmoe.engines import SpecConfig as SpeculativeConfig
     else:
         from specmoe.engines.ar import EngineConfig, build_engine
-        from specmoe.engines.sd import SpecConfig, SpecEngine
+        from specmoe.engines.sd import SpecConfig as SpeculativeConfig
+        from specmoe.engines.sd import SpecEngine
         from specmoe.replay import AcceptanceProfile, synthetic_blocks
         from specmoe.traces import Trace
 
@@ -72,7 +77,7 @@ def main(argv=None) -> int:
         "C32_psr": build_engine(model, preset("psr", 32, K, insert_budget=1), calibration,
                                 EngineConfig(max_seq_len=seq), residency=unit),
     }
-    config = SpecConfig(selector_preset("acceptmoe"), k=8, pool_size=24)
+    config = SpeculativeConfig(selector_preset("acceptmoe"), k=8, pool_size=24)
     decoder = decoder_for(model.config).from_model(model, seq)
     fingerprint = adapter_for(model.config).fingerprint(model)
     if api == "engine":

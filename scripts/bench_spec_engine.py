@@ -43,13 +43,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import measure_bandwidth, measure_copy_ms, ratio_ci  # noqa: E402
 
-from specmoe.engines import Engine, EngineConfig, LogitFeed, SpecConfig, build_engine  # noqa: E402
+from specmoe.engines import Engine, EngineConfig, LogitFeed, build_engine  # noqa: E402
 from specmoe.engines.helpers import random_olmoe_on_device  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.records import AcceptanceProfile, BlockRecords, Trace, blocks_from_records, synthetic_blocks  # noqa: E402
 from specmoe.routing import Calibration, preset  # noqa: E402
+from specmoe.speculation import SpeculativeConfig  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
 
 
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     engines = {}
     for k in args.k:
         for name in args.selectors:
-            config = SpecConfig(selector_preset(name), k=k, pool_size=args.pool)
+            config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool)
             decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
             engines[(k, name)] = Engine(decoder, unit, None, calibration, cfg, fingerprint=fingerprint,
                                         speculative=config)

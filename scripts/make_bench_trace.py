@@ -19,10 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from specmoe.experiments.calibrate import token_windows  # noqa: E402
-from specmoe.harness import collect_calibration  # noqa: E402
+from specmoe.harness import collect_calibration, record_trace  # noqa: E402
 from specmoe.models import load_model  # noqa: E402
 from specmoe.assets import family_path  # noqa: E402
-from specmoe.records import record_trace  # noqa: E402
 from specmoe_train.corpus import load_corpus  # noqa: E402
 
 

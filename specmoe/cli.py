@@ -10,8 +10,7 @@ import argparse
 import sys
 
 from .arguments import int_at_least
-from .records import traces
-from .routing import PRESETS, PolicyConfig, PolicyError, preset
+from .routing import PRESETS, parse_policy
 
 
 class UsageError(Exception):
@@ -25,23 +24,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} -h)")
 
 
-def parse_policy(name: str, capacity: int, top_k: int, overrides: list[str] | None = None) -> PolicyConfig:
-    """A preset (see `specmoe.routing.PRESETS`) with `field=value` overrides, e.g. ["bonus=0.25"]."""
-    fields = PolicyConfig.__dataclass_fields__
-    changes = {}
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields or key in ("capacity", "top_k"):
-            raise PolicyError(f"bad policy override {item!r}: expected FIELD=VALUE with FIELD one of "
-                              + ", ".join(f for f in fields if f not in ("capacity", "top_k")))
-        kind = fields[key].type
-        try:
-            changes[key] = float(value) if kind == "float" else int(value) if kind == "int" else value
-        except ValueError:
-            raise PolicyError(f"bad policy override {item!r}: {key} takes a {kind}") from None
-    return preset(name, capacity, top_k, **changes)
-
-
 def _add_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="psr", help=f"preset: {', '.join(PRESETS)} (default psr)")
     parser.add_argument("--capacity", "-C", type=int_at_least(1), required=True, help="expert slots per layer")
@@ -51,7 +33,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .evaluation import compare
-    from .experiments import calibrate, demo, report, run, sd
+    from .experiments import calibrate, demo, report, run, sd, trace
     from .replay import command as replay_sd
 
     parser = _Parser(prog="specmoe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(replay_parser)
     replay_parser.set_defaults(func=_run_replay)
 
-    traces.add_trace_parser(sub)
+    trace.add_parser(sub)
     return parser
 
 

@@ -123,8 +123,9 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
     compare it with the teacher-forced walk: the committed tokens against the greedy continuation, and at every
     root of the loop whose block lies inside the continuation, the accepted length against the walk's."""
     from specmoe.drafters import DFlashDrafter, HFAutoregressiveDrafter
-    from specmoe.harness import SpeculativeConfig, speculative_generate
+    from specmoe.harness import speculative_generate
     from specmoe.models import adapter_for
+    from specmoe.speculation import SpeculativeConfig
     from specmoe.verifiers import selector_preset
 
     adapter = adapter_for(target.config)
@@ -155,7 +156,7 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
 
 
 def measure_locality(target, stream: np.ndarray, sequences: int, length: int, batch_size: int) -> dict:
-    from specmoe.records import record_trace
+    from specmoe.harness import record_trace
 
     rows = spread_windows(stream, length, sequences)
     trace = record_trace(target, [torch.from_numpy(row) for row in rows], batch_size=batch_size)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specmoe.harness import record_trace
 from specmoe.routing import CalibrationBuilder, preset, replay
-from specmoe.records import record_trace
+
 from .corpus import spread_windows
 
 POLICIES = ("exact_lru", "exact_a", "cache_prior", "psr", "spec_exec")

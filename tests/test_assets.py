@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.drafters.dflash_model import DFlashDraftModel
-from specmoe.models import adapter_for
 from specmoe.assets import family_path
-from specmoe.records import Trace, record_trace
+from specmoe.drafters.dflash_model import DFlashDraftModel
+from specmoe.harness import record_trace
+from specmoe.models import adapter_for
+from specmoe.records import Trace
 from specmoe_train.evaluate import ar_accept_runs, dflash_accept_lengths, greedy_continuation
 from specmoe_train.family import load_family, slice_metrics, tau_crosscheck
 

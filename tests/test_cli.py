@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from specmoe.cli import main, parse_policy
-from specmoe.routing import Calibration, PolicyError
+from specmoe.cli import main
+from specmoe.routing import Calibration, PolicyError, parse_policy
 
 
 def run_demo(tmp_path, name):

@@ -1,4 +1,4 @@
-"""Routing on the device when every expert is resident (`specmoe.routing.device`): the same selections and
+"""Routing on the device when every expert is resident (`specmoe.kernels.device_routing`): the same selections and
 weights as the host's `LogicalCache.route` on the same logits (ties included), and an engine that runs each
 token as one launch decodes exactly as the host-routed engine. Model: `olmoe-tiny`, float32, on the CPU."""
 
@@ -13,7 +13,7 @@ from specmoe.engines import EngineConfig, build_engine
 from specmoe.models import load_model
 from specmoe.offload import ExpertStore
 from specmoe.routing import Calibration, EngineScoring, LogicalCache, RouterScoring, preset
-from specmoe.routing.device import device_routing_applies, route_resident
+from specmoe.kernels.device_routing import device_routing_applies, route_resident
 
 L, E, K, V = 4, 64, 8, 100
 
@@ -104,7 +104,7 @@ def test_device_routing_setting_is_checked():
 _KERNEL_CHECK = r"""
 import numpy as np, torch
 from specmoe.routing import RouterScoring
-from specmoe.routing.device import route_resident
+from specmoe.kernels.device_routing import route_resident
 rng = np.random.default_rng(0)
 for E, K, D in ((64, 8, 5), (48, 6, 3), (256, 8, 2)):
     z = np.round(rng.normal(0, 1.5, (D, 2 * E)) * 4) / 4  # rows of stride 2E, as the decoder's [z | g] buffer

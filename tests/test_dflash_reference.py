@@ -11,7 +11,8 @@ import torch
 
 from specmoe.assets import family_path
 from specmoe.drafters import DrafterConfig, build_drafter
-from specmoe.harness import SpeculativeConfig, speculative_generate
+from specmoe.harness import speculative_generate
+from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
 public = pytest.importorskip("dflash.model", reason="the dflash package (the test extra) is not installed")

@@ -54,13 +54,14 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused(target, tmp_path):
 
 
 def test_the_table_lists_every_drafter_and_a_new_one_is_an_entry(monkeypatch):
-    from specmoe.drafters import base
+    from specmoe.drafters import build
 
+    assert build.DRAFTERS is DRAFTERS
     assert list(DRAFTERS) == ["ar", "dflash", "synthetic"] and all(callable(b) for b in DRAFTERS.values())
     with pytest.raises(DrafterError, match="unknown drafter 'medusa'; expected one of ar, dflash, synthetic"):
         DrafterConfig("medusa")
     built = []
-    monkeypatch.setitem(base.DRAFTERS, "toy", lambda config, target: built.append(config.name) or "a toy drafter")
+    monkeypatch.setitem(build.DRAFTERS, "toy", lambda config, target: built.append(config.name) or "a toy drafter")
     assert build_drafter(DrafterConfig("toy"), _FakeTarget()) == "a toy drafter" and built == ["toy"]
 
 

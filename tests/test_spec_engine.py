@@ -11,10 +11,10 @@ import torch
 
 from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
 from specmoe.engines import EngineConfig, RunSettings, build_engine
-from specmoe.engines import SpecConfig
-from specmoe.harness import SpeculativeConfig, speculative_generate
+from specmoe.harness import speculative_generate
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration, preset
+from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
 SEQ, NEW, K_DRAFTS, POOL = 64, 12, 4, 32
@@ -48,7 +48,8 @@ def residency(family, store):
 
 def spec(family, drafter, calibration, residency, selector="acceptmoe", settings=RunSettings(), **kw):
     """A speculative engine with `drafter` (the config's request length and stop tokens: `sd`)."""
-    config = SpecConfig(selector_preset(selector), **{"k": K_DRAFTS, "pool_size": POOL, "max_new_tokens": NEW, **kw})
+    config = SpeculativeConfig(selector_preset(selector),
+                               **{"k": K_DRAFTS, "pool_size": POOL, "max_new_tokens": NEW, **kw})
     engine = build_engine(family[0], None, calibration, EngineConfig(max_seq_len=SEQ), settings, speculative=config,
                           residency=residency)
     engine.drafter = drafter

@@ -10,13 +10,13 @@ import torch
 from specmoe.assets import family_path
 from specmoe.drafters import DrafterConfig, build_drafter
 from specmoe.engines import EngineConfig, RunSettings, build_engine
-from specmoe.engines import SpecConfig
-from specmoe.harness import SpeculativeConfig, speculative_generate, unpatch
+from specmoe.harness import speculative_generate, unpatch
 from specmoe.models import load_model
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.records import BlockRecords, blocks_from_records
 from specmoe.replay import replay_block_selection
 from specmoe.routing import Calibration, preset
+from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +41,8 @@ def prompt(family_text):
 
 def spec(gpu_family, selector, settings=RunSettings(), **kw):
     model, _, unit, drafter, calibration = gpu_family
-    config = SpecConfig(selector_preset(selector), **{"k": K_DRAFTS, "pool_size": POOL, "max_new_tokens": NEW, **kw})
+    config = SpeculativeConfig(selector_preset(selector),
+                               **{"k": K_DRAFTS, "pool_size": POOL, "max_new_tokens": NEW, **kw})
     engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=SEQ), settings, speculative=config,
                           residency=unit)
     engine.drafter = drafter

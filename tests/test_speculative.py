@@ -12,7 +12,8 @@ from specmoe.records import BlockRecordError, BlockRecords
 from specmoe.cli import main
 from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
 from specmoe.drafters.dflash_model import extract_context_feature
-from specmoe.harness import SpeculativeConfig, exact_routing, greedy_decode, speculative_generate, summarize
+from specmoe.harness import exact_routing, greedy_decode, speculative_generate
+from specmoe.speculation import SpeculativeConfig, summarize
 from specmoe.verifiers import SelectorError, selector_preset
 
 NEW = 20
@@ -146,7 +147,7 @@ def test_block_selection_cuts_copies_is_deterministic_and_records_its_blocks(fam
     with pytest.raises(BlockRecordError, match="does not fit"):
         BlockRecords.load(tmp_path / "blocks.safetensors", num_experts=32)
     with pytest.raises(BlockRecordError, match="not a specmoe block record"):
-        from specmoe.records import record_trace
+        from specmoe.harness import record_trace
 
         BlockRecords.load(record_trace(model, [prompt[:8]]).save(tmp_path / "trace.safetensors"))
     with pytest.raises(BlockRecordError, match="no block record file"):

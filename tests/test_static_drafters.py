@@ -16,11 +16,12 @@ from specmoe.drafters import (DFlashDrafter, DrafterConfig, DrafterError, HFAuto
                               StaticDFlashDrafter, SyntheticDrafter, build_drafter)
 from specmoe.drafters.base import check_drafter_fits
 from specmoe.drafters.dflash_model import extract_context_feature
-from specmoe.engines import EngineConfig, SpecConfig, build_engine
-from specmoe.harness import SpeculativeConfig, exact_routing, speculative_generate
+from specmoe.engines import EngineConfig, build_engine
+from specmoe.harness import exact_routing, speculative_generate
 from specmoe.models.decoder import DecoderGeometry
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration
+from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
 SEQ = 96
@@ -201,7 +202,8 @@ def test_spec_engine_hands_features_and_agrees_with_the_harness_loop(family, pro
                                    calibration=calibration, divergence=False)
     residency = ExpertResidency(ExpertStore.from_model(model, adapter), adapter.num_experts, "cpu")
     engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=48),
-                          speculative=SpecConfig(selector_preset("confidence_top1"), **settings), residency=residency)
+                          speculative=SpeculativeConfig(selector_preset("confidence_top1"), **settings),
+                          residency=residency)
     result = engine.generate(prompt[:12], settings["max_new_tokens"], drafter=drafter)
     assert sum(harness.accepted) > 0 and len(harness.accepted) > 1  # not trivial
     assert result.tokens == harness.tokens.tolist()

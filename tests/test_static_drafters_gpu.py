@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+from specmoe.assets import family_path
 from specmoe.drafters import DrafterConfig, StaticARDrafter, StaticDFlashDrafter, build_drafter
 from specmoe.drafters.dflash_model import extract_context_feature
-from specmoe.engines import EngineConfig, SpecConfig, build_engine
-from specmoe.harness import SpeculativeConfig, exact_routing, speculative_generate
+from specmoe.engines import EngineConfig, build_engine
+from specmoe.harness import exact_routing, speculative_generate
 from specmoe.models import load_model
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration
-from specmoe.assets import family_path
+from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
 pytestmark = pytest.mark.gpu
@@ -119,7 +120,7 @@ def test_spec_engine_with_static_drafters_on_the_gpu(prompt, name):
                                    calibration=calibration, divergence=False)
     residency = ExpertResidency(ExpertStore.from_model(model, adapter), adapter.num_experts, "cuda")
     engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=128),
-                          speculative=SpecConfig(selector_preset("acceptmoe"), **settings), residency=residency)
+                          speculative=SpeculativeConfig(selector_preset("acceptmoe"), **settings), residency=residency)
     new = settings["max_new_tokens"]
     result = engine.generate(prompt, new, drafter=drafter)
     assert engine._runners[settings["k"] + 1].graphs is not None

@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import OlmoeConfig, OlmoeForCausalLM
 
+from specmoe.experiments.trace import add_parser as add_trace_parser
+from specmoe.harness import record_trace
 from specmoe.models import adapter_for
+from specmoe.records import Trace, TraceError
 from specmoe.routing import CalibrationBuilder, preset, replay
-from specmoe.records import Trace, TraceError, record_trace
-from specmoe.records.traces import add_trace_parser
 
 L, E, K, V, H = 3, 8, 2, 64, 32
 

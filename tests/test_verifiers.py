@@ -407,6 +407,25 @@ def test_presets():
     assert SelectorConfig.from_dict(top1.to_dict()) == top1
 
 
+def test_a_selector_is_one_registry_entry(monkeypatch):
+    """A kind added to SELECTORS is a preset, validates, and weighs its blocks through block_weights."""
+    from specmoe.speculation import block_weights
+    from specmoe.verifiers import SelectorKind
+
+    def linear(k, commit_rate, confidences):
+        return np.concatenate(([1.0], np.cumprod(np.asarray(confidences, dtype=np.float64))))
+
+    monkeypatch.setitem(SELECTORS, "confidence_linear", SelectorKind(linear, "confidence", dict(gamma=2.0)))
+    config = selector_preset("confidence_linear", rescue_threshold=0.5)
+    assert (config.gamma, config.rescue_threshold, config.weights) == (2.0, 0.5, "confidence")
+    assert config.kernel_params.tolist() == [1.0, 2.0, 0.5, 1.0]
+    assert block_weights(config, 2, CommitRate(), [0.5, 0.5]).tolist() == [1.0, 0.5, 0.25]
+    assert block_weights(selector_preset("exact"), 2, CommitRate(), [0.5, 0.5]).tolist() == [1.0, 1.0, 1.0]
+    rates = CommitRate()
+    assert np.array_equal(block_weights(selector_preset("acceptmoe"), 3, rates, [0.1] * 3),
+                          np.concatenate(([1.0], np.sqrt(rates.rates(3)))))
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(kind="union"), "unknown selector kind 'union'; expected one of exact, acceptmoe, confidence_top1"),
     (dict(kind="acceptmoe", gamma=-1.0), "gamma must be a finite number >= 0, got -1.0"),

@@ -13,7 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import DrafterError, advance, crop_cache, greedy_confidence, prompt_tokens
+from specmoe.speculation import advance, crop_cache, prompt_tokens
+
+from .base import DrafterError, greedy_confidence
 
 
 def check_fits_target(model, target) -> None:

@@ -28,6 +28,8 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm,
                                                       Qwen3RotaryEmbedding)
 
+from specmoe.models import extract_context_feature  # noqa: F401  (what DFlash training reads its features with)
+
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """DFlash's default choice of target layers: one per drafter layer, evenly spaced from layer 1 to layer
@@ -38,12 +40,6 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
         return [num_target_layers // 2]
     first, last = 1, num_target_layers - 3
     return [int(round(first + i * (last - first) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
-def extract_context_feature(hidden_states, layer_ids: list[int]) -> torch.Tensor:
-    """Concatenate the target's hidden states after each layer in `layer_ids` ([B, T, n*H]).
-    `hidden_states` is transformers' tuple: index 0 is the embedding output, index l+1 layer l's output."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 def dflash_config(target_config, num_layers: int, block_size: int, mask_token_id: int,

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import DrafterError, advance, crop_cache, greedy_confidence, prompt_tokens
+from specmoe.speculation import advance, crop_cache, prompt_tokens
+
+from .base import DrafterError, greedy_confidence
 
 
 def check_vocabulary(drafter, target) -> None:

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.kernels.norm_rope import rope_tables
+from specmoe.speculation import advance, prompt_tokens
 
-from .base import DrafterError, advance, prompt_tokens
+from .base import DrafterError
 from .hf_autoregressive import check_vocabulary
 from .static import Launcher, WrittenAttention, chunk_attention, default_rope_theta, pinned_pair, rotate, sync
 

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.kernels.norm_rope import rmsnorm_torch, rope_tables
+from specmoe.speculation import advance, prompt_tokens
 
-from .base import DrafterError, advance, prompt_tokens
+from .base import DrafterError
 from .dflash import check_fits_target
 from .static import Launcher, WrittenAttention, default_rope_theta, pinned_pair, rotate, sync
 

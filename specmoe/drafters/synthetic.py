@@ -28,21 +28,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import COST_MODES, DrafterError, advance, prompt_tokens
+from specmoe.speculation import advance, prompt_tokens
+
+from .base import COST_MODES, DrafterError
 
 LOOKAHEAD = 32  # reference tokens computed per call beyond those a block needs
-
-
-def exact_continuation(target) -> Callable[[list[int], int], list[int]]:
-    """(prefix, n) -> the next n tokens of `target`'s greedy decoding under exact routing."""
-    from specmoe.harness import exact_routing
-    from specmoe.harness.speculative import greedy_decode
-
-    def continuation(prefix: list[int], n: int) -> list[int]:
-        with exact_routing(target):
-            return greedy_decode(target, torch.tensor(prefix), n)[0].tolist()
-
-    return continuation
 
 
 class SyntheticDrafter:

@@ -1,13 +1,13 @@
 """The offloading engine (`Engine`): autoregressive and speculative decoding through one decode loop, with a
 router behind a small protocol (`routers`: the logical-cache router of the autoregressive policies, the block
 router of speculative decoding). It receives an `ExpertResidency` unit and a `Decoder`, and launches the
-decoder's steps through a `StepRunner` per static number of positions."""
+decoder's steps through a `StepRunner` per static number of positions. Speculative decoding is configured
+with `specmoe.speculation.SpeculativeConfig`."""
 
 from .config import EngineConfig, RunSettings
 from .engine import Engine, build_engine, build_engine_from_checkpoint
 from .results import DecodeResult, LogitFeed
 from .routers import BlockRouter, CacheRouter, Router
-from .sd import SpecConfig
 
 __all__ = ["BlockRouter", "CacheRouter", "DecodeResult", "Engine", "EngineConfig", "LogitFeed", "Router",
-           "RunSettings", "SpecConfig", "build_engine", "build_engine_from_checkpoint"]
+           "RunSettings", "build_engine", "build_engine_from_checkpoint"]

@@ -11,7 +11,7 @@ insertions) and the prefetch pump -> the head graph (final norm, LM head, greedy
 - Autoregressive decoding (`generate(prompt, n)`, `teacher_forced`): D = 1, the `CacheRouter` of the policy
   (exact, Cache-Prior, PSR, speculative execution, logical or physical cache mode). With every expert resident
   and a policy that then routes as the router's own top-K, routing runs on the device instead
-  (`specmoe.routing.device`, `EngineConfig.device_routing`) and a token is one CUDA graph.
+  (`specmoe.kernels.device_routing`, `EngineConfig.device_routing`) and a token is one CUDA graph.
 - Speculative decoding (`generate(prompt, n, drafter=d)`): D = k + 1, the `BlockRouter` of the speculative
   config: block selection over the expert pool and union slots; greedy acceptance, the bonus token, rollback
   by position (the next block's root sits at the committed length; KV rows above it are overwritten), the
@@ -38,20 +38,19 @@ import time
 import numpy as np
 import torch
 
-from specmoe.drafters import Drafter, check_drafter_fits
-from specmoe.drafters.base import accepted_length
-from specmoe.harness.speculative import EXACT, block_weights, commit_block, drafting_time
+from specmoe.drafters import check_drafter_fits
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.records import Blocks
 from specmoe.routing import Calibration, PolicyConfig, PolicyError, router_fingerprint, validate
+from specmoe.speculation import (EXACT, Drafter, SpeculativeConfig, accepted_length, block_weights, commit_block,
+                                 drafting_time)
 
 from .config import EngineConfig, RunSettings
 from .recorder import ATTENTION_DONE, COPY_CHECKS, COPY_ISSUE, MOE_START, ROUTING, WAIT_START, StepRecorder
 from .results import DecodeResult, LogitFeed, ModelFeed
 from .routers import BlockRouter, CacheRouter
 from .runner import StepRunner
-from .sd import SpecConfig
 
 
 class _NoRecord:
@@ -80,9 +79,9 @@ class Engine:
 
     def __init__(self, decoder: Decoder, residency: ExpertResidency, policy: PolicyConfig | None,
                  calibration: Calibration, config: EngineConfig = EngineConfig(), settings: RunSettings = RunSettings(),
-                 fingerprint: str | None = None, speculative: SpecConfig | None = None):
+                 fingerprint: str | None = None, speculative: SpeculativeConfig | None = None):
         if policy is None and speculative is None:
-            raise ValueError("an engine needs a policy (autoregressive decoding) or a SpecConfig (speculative "
+            raise ValueError("an engine needs a policy (autoregressive decoding) or a SpeculativeConfig (speculative "
                              "decoding), or both")
         g = self.geometry = decoder.geometry
         self.num_layers, self.num_experts, self.top_k = g.num_layers, g.num_experts, g.top_k
@@ -115,7 +114,7 @@ class Engine:
         return None if self.router is None else self.router.policy
 
     @property
-    def speculative(self) -> SpecConfig | None:
+    def speculative(self) -> SpeculativeConfig | None:
         return None if self.block_router is None else self.block_router.config
 
     @property
@@ -148,7 +147,7 @@ class Engine:
                              "of the engine's expert residency: build another engine")
         self.router = CacheRouter(policy, calibration, g, self.decoder.scoring, self.copies)
 
-    def _set_speculative(self, config: SpecConfig) -> None:
+    def _set_speculative(self, config: SpeculativeConfig) -> None:
         g = self.geometry
         config.check(g)
         router = BlockRouter(config, self.calibration, g, self.decoder.scoring, self.copies)
@@ -176,7 +175,7 @@ class Engine:
             self.notes += runner.notes
 
     def configure(self, policy: PolicyConfig | None = None, calibration: Calibration | None = None,
-                  speculative: SpecConfig | None = None, **settings) -> None:
+                  speculative: SpeculativeConfig | None = None, **settings) -> None:
         """Switch the policy (at most the unit's slots per layer), the calibration and/or the speculative config,
         and/or RunSettings fields, for the next runs."""
         if calibration is not None:
@@ -274,7 +273,7 @@ class Engine:
 
     def _need(self, router, what: str):
         if router is None:
-            raise ValueError(f"{what} needs {'a policy' if what.startswith('auto') else 'a SpecConfig'}: "
+            raise ValueError(f"{what} needs {'a policy' if what.startswith('auto') else 'a SpeculativeConfig'}: "
                              f"build the engine with one or set it with configure()")
         return router
 
@@ -576,7 +575,7 @@ class Engine:
 
 
 def build_engine(model, policy: PolicyConfig | None, calibration: Calibration, config: EngineConfig = EngineConfig(),
-                 settings: RunSettings = RunSettings(), *, speculative: SpecConfig | None = None,
+                 settings: RunSettings = RunSettings(), *, speculative: SpeculativeConfig | None = None,
                  residency: ExpertResidency | None = None, store: ExpertStore | None = None,
                  host_memory_limit: int | None = None, device_memory_limit: int | None = None) -> Engine:
     """An Engine for a transformers MoE model: the decoder's weights taken from the model (on its device and
@@ -595,7 +594,7 @@ def build_engine(model, policy: PolicyConfig | None, calibration: Calibration, c
     return Engine(decoder, residency, policy, calibration, config, settings, fingerprint, speculative)
 
 
-def _slots_needed(policy: PolicyConfig | None, speculative: SpecConfig | None, num_experts: int) -> int:
+def _slots_needed(policy: PolicyConfig | None, speculative: SpeculativeConfig | None, num_experts: int) -> int:
     """Slots per layer for the routers of `policy` (C) and `speculative` (P + U); checks C <= E first."""
     need = 0
     if policy is not None:
@@ -608,15 +607,15 @@ def _slots_needed(policy: PolicyConfig | None, speculative: SpecConfig | None, n
 
 def build_engine_from_checkpoint(path, policy: PolicyConfig | None, calibration: Calibration,
                                  config: EngineConfig = EngineConfig(), settings: RunSettings = RunSettings(), *,
-                                 speculative: SpecConfig | None = None, device="cpu",
+                                 speculative: SpeculativeConfig | None = None, device="cpu",
                                  dtype: torch.dtype = torch.bfloat16, host_memory_limit: int | None = None,
                                  device_memory_limit: int | None = None) -> Engine:
     """An Engine read from a local checkpoint directory without instantiating the transformers model: the
     experts go straight into the pinned store, the other weights to the device."""
     from transformers import AutoConfig
 
-    from specmoe.models import adapter_for, decoder_for
-    from specmoe.offload import CheckpointReader, ExpertGeometry
+    from specmoe.models import CheckpointReader, adapter_for, decoder_for
+    from specmoe.offload import ExpertGeometry
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     adapter = adapter_for(hf_config)

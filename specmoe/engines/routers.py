@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from specmoe.kernels.device_routing import device_routing_applies
 from specmoe.models.decoder import DecodeStep, DecoderGeometry
 from specmoe.offload import CopyStream
 from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, RouterScoring
-from specmoe.routing.device import device_routing_applies
 from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, select_block_into
 
 if TYPE_CHECKING:
-    from specmoe.engines.sd import SpecConfig as SpeculativeConfig
+    from specmoe.speculation import SpeculativeConfig
 
 NO_DEMAND = None
 

@@ -3,7 +3,7 @@ per layer for attention + router + pre-gate, one per layer for the MoE, one for 
 pool), eager calls on the CPU. Engines drive it layer by layer and run routing between the launches.
 
 With `resident_scoring` (every expert resident, routing reduced to the router's own top-K: see
-`specmoe.routing.device`), the runner also holds the whole step as one launch (`whole_step`): every layer's
+`specmoe.kernels.device_routing`), the runner also holds the whole step as one launch (`whole_step`): every layer's
 attention, on-device routing and MoE, then the head, in one CUDA graph with one device-to-host copy of the
 logits, selections and tokens at its end."""
 
@@ -16,7 +16,7 @@ from specmoe.kernels import checks, triton_available
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency
 from specmoe.routing import RouterScoring
-from specmoe.routing.device import route_resident
+from specmoe.kernels.device_routing import route_resident
 
 
 class StepRunner:

@@ -69,9 +69,8 @@ class SpecmoeLM(TemplateLM):
         super().__init__()
         from transformers import AutoTokenizer
 
-        from specmoe.cli import parse_policy
-        from specmoe.experiments.demo import default_model
-        from specmoe.models import load_model
+        from specmoe.models import default_model, load_model
+        from specmoe.routing import parse_policy
 
         if str(batch_size) not in ("1", "None"):
             raise ValueError(f"the specmoe model runs batch 1 (one logical cache per request), "
@@ -142,7 +141,8 @@ class SpecmoeLM(TemplateLM):
                            seed: int):
         """(drafter, SpeculativeConfig) of the speculative mode; checks that they fit the model."""
         from specmoe.drafters import DrafterConfig, build_drafter
-        from specmoe.harness import SpeculativeConfig, check_calibration
+        from specmoe.harness import check_calibration
+        from specmoe.speculation import SpeculativeConfig
         from specmoe.verifiers import selector_preset
 
         config = SpeculativeConfig(selector_preset(selector), k=k, pool_size=pool, max_new_tokens=self.max_gen_toks,
@@ -285,7 +285,7 @@ class SpecmoeLM(TemplateLM):
         or the speculative loop's pooled figures (tau, copies per committed token, ...), and the seconds
         spent in the model."""
         if self.speculative is not None:
-            from specmoe.harness import summarize
+            from specmoe.speculation import summarize
 
             return {"seconds": self.seconds, **(summarize(self.counts) if self.counts else {})}
         from specmoe.harness import copy_stats

@@ -22,21 +22,9 @@ import torch
 
 from specmoe.arguments import check_positions, int_at_least, int_list
 from specmoe.files import check_output_dir, write_run_dir
-from specmoe.assets import family_path
 
 DEMO_POLICIES = ("exact_lru", "cache_prior", "psr", "spec_exec")
 RESULT_FILES = ("results.csv", "results.json")  # one run's files, written together (files.write_run_dir)
-
-
-def default_model() -> str:
-    """The embedded default: the shipped trained target when present, else a seeded random tiny OLMoE."""
-    shipped = family_path("target")
-    return str(shipped) if (shipped / "config.json").is_file() else "olmoe-tiny"
-
-
-def psr_bonus(capacity: int, num_experts: int) -> float:
-    """The paper's PSR operating points: lambda 0.3 at 50% residency, 0.25 at 25%."""
-    return 0.3 if capacity / num_experts >= 0.375 else 0.25
 
 
 def run_demo(model_source: str, capacities: tuple[int, ...], *, windows: int = 16, length: int = 128,
@@ -45,7 +33,7 @@ def run_demo(model_source: str, capacities: tuple[int, ...], *, windows: int = 1
     """Run the demo; returns the table and a dict describing the run."""
     from specmoe.harness import collect_calibration, excess_nll, patch_model, sample_selfgen, token_nll, unpatch
     from specmoe.models import load_model
-    from specmoe.routing import preset
+    from specmoe.routing import preset, psr_bonus
 
     if windows < 1 or calibration_windows < 1 or length < 2 or (threads is not None and threads < 1):
         raise ValueError(f"need windows >= 1, calibration_windows >= 1, length >= 2 and threads >= 1 (or None), "
@@ -103,6 +91,8 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    from specmoe.models import default_model
+
     out = Path(args.out)
     check_output_dir(out, RESULT_FILES, "--out")
     table, info = run_demo(args.model or default_model(), args.capacities, windows=args.windows, length=args.length,

@@ -184,11 +184,12 @@ class Session:
         return self.engines["ar"]
 
     def _spec_engine(self, drafter: str, k: int, pool: int, selector):
-        from specmoe.engines import SpecConfig, build_engine
+        from specmoe.engines import build_engine
+        from specmoe.speculation import SpeculativeConfig
 
         key = ("sd", drafter, k, pool, selector)  # one engine per drafter: its decoder captures the drafter's features
-        config = SpecConfig(selector, k=k, pool_size=pool, max_new_tokens=self.config.workload.new_tokens,
-                            stop_tokens=self.stop_tokens, union_slots=self.config.sd.union_slots)
+        config = SpeculativeConfig(selector, k=k, pool_size=pool, max_new_tokens=self.config.workload.new_tokens,
+                                   stop_tokens=self.stop_tokens, union_slots=self.config.sd.union_slots)
         if key not in self.engines:
             self.engines[key] = build_engine(self.model, None, self.calibration, self.engine_config,
                                              speculative=config, residency=self.unit)
@@ -261,7 +262,8 @@ class Session:
                 "token_ms": token_ms, "request_ms": request_ms}
 
     def _harness_sd(self, c: Configuration) -> dict:
-        from specmoe.harness import SpeculativeConfig, speculative_generate, summarize
+        from specmoe.harness import speculative_generate
+        from specmoe.speculation import SpeculativeConfig, summarize
 
         config = SpeculativeConfig(c.selector, k=c.k, pool_size=c.pool, max_new_tokens=self.config.workload.new_tokens,
                                    stop_tokens=self.stop_tokens)
@@ -344,7 +346,7 @@ class Session:
                 "request_ms": request_ms}
 
     def _engine_sd(self, c: Configuration) -> dict:
-        from specmoe.harness import summarize
+        from specmoe.speculation import summarize
 
         engine = self._spec_engine(c.drafter, c.k, c.pool, c.selector)
         engine.configure(**{k: v for k, v in self._settings(c).items() if k != "cache_mode"})
@@ -368,7 +370,8 @@ class Session:
                 "wait_ms_per_token": wait, "token_ms": token_ms, "request_ms": request_ms}
 
     def _replay(self, c: Configuration) -> dict:
-        from specmoe.records import AcceptanceProfile, record_trace, synthetic_blocks
+        from specmoe.harness import record_trace
+        from specmoe.records import AcceptanceProfile, synthetic_blocks
         from specmoe.replay import replay_ar, replay_block_selection, replay_rollback
 
         if self.trace is None:

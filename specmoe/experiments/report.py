@@ -28,6 +28,8 @@ import pandas as pd
 from specmoe.files import write_file_atomic, write_text_atomic
 from specmoe.stats import log_ratio_ttest
 
+from .run import MANIFEST, means_table, read_table, summary_table
+
 QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a value is the frontier's y
 
 
@@ -42,31 +44,6 @@ def paired_log_ratio(a, b) -> tuple[float, float, float]:
         return float(np.exp(np.mean(np.log(a) - np.log(b)))), math.nan, math.nan
     r = log_ratio_ttest(a, b)
     return r.ratio, r.low, r.high
-
-
-def _means(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per configuration: the identifying columns and the means over rounds of the figures."""
-    numeric = [c for c in table.columns if c not in ("token_ms", "request_ms", "round") and
-               pd.api.types.is_numeric_dtype(table[c]) and c != "config"]
-    ident = ["config", "label", "kind"]
-    means = table.groupby("config", sort=True)[numeric].mean()
-    first = table.groupby("config", sort=True)[["label", "kind"]].first()
-    out = first.join(means).reset_index()
-    out["rounds"] = table.groupby("config", sort=True).size().to_numpy()
-    out["verify_compute_ms_per_token"] = out["verify_ms_per_token"] - out["wait_ms_per_token"].fillna(0.0)
-    return out[ident + [c for c in out.columns if c not in ident]]
-
-
-def summary_table(table: pd.DataFrame) -> pd.DataFrame:
-    """The main table: per configuration tau, copies per committed token, KL, excess NLL, ms per token and its
-    split (columns without any value left out)."""
-    m = _means(table)
-    columns = {"label": "configuration", "tau": "tau", "copies_per_token": "copies/token", "kl": "kl",
-               "excess_nll": "excess_nll", "displaced_per_token_layer": "displaced", "ms_per_token": "ms/token",
-               "draft_ms_per_token": "draft_ms", "verify_compute_ms_per_token": "verify_ms",
-               "wait_ms_per_token": "wait_ms"}
-    out = m[list(columns)].rename(columns=columns)
-    return out[[c for c in out.columns if c == "configuration" or out[c].notna().any()]]
 
 
 def spread_table(table: pd.DataFrame) -> pd.DataFrame:
@@ -232,13 +209,11 @@ def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
 # -- the report -------------------------------------------------------------------------------------------------
 def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | None = None) -> Path:
     """Write report.md and the plots for `run_dir` into `out` (default RUN_DIR/report); returns report.md."""
-    from .run import MANIFEST, read_table
-
     run_dir = Path(run_dir)
     table = read_table(run_dir)
     manifest = json.loads((run_dir / MANIFEST).read_text()) if (run_dir / MANIFEST).is_file() else {}
     out = Path(out) if out is not None else run_dir / "report"
-    m = _means(table)
+    m = means_table(table)
     quality = _quality(m)
     lines = [f"# {manifest.get('name', run_dir.name)}", ""]
     if manifest.get("description"):

@@ -163,6 +163,31 @@ def read_table(run_dir: str | Path) -> pd.DataFrame:
     return pd.read_parquet(path)
 
 
+def means_table(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration: the identifying columns and the means over rounds of the figures."""
+    numeric = [c for c in table.columns if c not in ("token_ms", "request_ms", "round") and
+               pd.api.types.is_numeric_dtype(table[c]) and c != "config"]
+    ident = ["config", "label", "kind"]
+    means = table.groupby("config", sort=True)[numeric].mean()
+    first = table.groupby("config", sort=True)[["label", "kind"]].first()
+    out = first.join(means).reset_index()
+    out["rounds"] = table.groupby("config", sort=True).size().to_numpy()
+    out["verify_compute_ms_per_token"] = out["verify_ms_per_token"] - out["wait_ms_per_token"].fillna(0.0)
+    return out[ident + [c for c in out.columns if c not in ident]]
+
+
+def summary_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The main table: per configuration tau, copies per committed token, KL, excess NLL, ms per token and its
+    split (columns without any value left out)."""
+    m = means_table(table)
+    columns = {"label": "configuration", "tau": "tau", "copies_per_token": "copies/token", "kl": "kl",
+               "excess_nll": "excess_nll", "displaced_per_token_layer": "displaced", "ms_per_token": "ms/token",
+               "draft_ms_per_token": "draft_ms", "verify_compute_ms_per_token": "verify_ms",
+               "wait_ms_per_token": "wait_ms"}
+    out = m[list(columns)].rename(columns=columns)
+    return out[[c for c in out.columns if c == "configuration" or out[c].notna().any()]]
+
+
 def _check_pyarrow() -> None:
     try:
         import pyarrow  # noqa: F401
@@ -292,8 +317,6 @@ def add_options(parser) -> None:
 
 
 def main(args) -> int:
-    from .report import summary_table
-
     config = load_config(args.config)
     table, manifest = run_experiment(config, args.out, max_cells=args.max_cells, dry_run=args.dry_run,
                                      progress=not args.no_progress)

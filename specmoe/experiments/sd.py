@@ -28,8 +28,6 @@ import torch
 from specmoe.files import write_text_atomic
 from specmoe.assets import family_path
 
-from .demo import default_model, psr_bonus
-
 COLUMNS = ["drafter", "selector", "tau", "copies_per_token", "displaced_per_token_layer", "kl", "excess_nll",
            "committed", "verifications", "draft_ms_per_token", "target_ms_per_token"]
 
@@ -91,10 +89,10 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
     """Run the comparison; returns the table and a dict describing the run (with per-row acceptance)."""
     from specmoe.records import BlockRecords
     from specmoe.drafters import DrafterConfig, build_drafter
-    from specmoe.harness import (SpeculativeConfig, collect_calibration, sample_selfgen, speculative_generate,
-                                 summarize)
+    from specmoe.harness import collect_calibration, sample_selfgen, speculative_generate
+    from specmoe.speculation import SpeculativeConfig, summarize
     from specmoe.models import load_model
-    from specmoe.routing import Calibration, preset
+    from specmoe.routing import Calibration, preset, psr_bonus
     from specmoe.verifiers import selector_preset
 
     if threads:
@@ -183,6 +181,7 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     from specmoe.drafters import DRAFTERS
+    from specmoe.models import default_model
     from specmoe.verifiers import SELECTORS
 
     out = Path(args.out)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
+
 import numpy as np
 import torch
 from torch import nn
 
-from specmoe.models import MoEAdapter
+from specmoe.models import MoEAdapter, adapter_for
 from specmoe.routing import Calibration, CalibrationBuilder
+from specmoe.records.traces import Trace, TraceError
 
 from .diagnostics import right_padded
 from .patch import exact_routing
@@ -57,3 +60,41 @@ def collect_calibration(model: nn.Module, adapter: MoEAdapter, windows, provenan
         count += 1
     info["windows"] = count
     return builder.finish(info)
+
+
+def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) -> Trace:
+    """Run `model` over each sequence (1-D LongTensors, no padding) under exact routing and record the router
+    logits, the pre-gate logits, the token ids and the sequence boundaries. Sequences of equal length are
+    batched `batch_size` at a time. The recording is the harness's (`exact_routing(record=True)`): the same
+    code records calibrations, and the pre-gate is the adapter's router applied to the previous layer's MoE
+    input."""
+    import transformers
+
+    adapter = adapter_for(model.config)
+    device = next(model.parameters()).device
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    if not seqs or any(s.numel() == 0 for s in seqs):
+        raise TraceError("record_trace needs at least one non-empty sequence")
+    parts_z, parts_g = [], []
+    with torch.no_grad(), exact_routing(model, adapter, record=True) as context:
+        i = 0
+        while i < len(seqs):
+            j = i + 1
+            while j < len(seqs) and j - i < batch_size and seqs[j].numel() == seqs[i].numel():
+                j += 1
+            model(input_ids=torch.stack(seqs[i:j]).to(device))
+            for row in range(j - i):
+                z, g, _, _ = context.recorded(row)
+                g[:, 0] = 0.0  # no pre-gate for the first MoE layer
+                parts_z.append(z)
+                parts_g.append(g)
+            i = j
+    lengths = [s.numel() for s in seqs]
+    info = {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(device),
+            "transformers": transformers.__version__, "torch": torch.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "sequences": len(seqs)}
+    return Trace(np.concatenate(parts_z), np.concatenate(parts_g), torch.cat(seqs).numpy(),
+                 np.concatenate([[0], np.cumsum(lengths)[:-1]]), top_k=adapter.top_k,
+                 vocab_size=adapter.vocab_size, model=model_source, fingerprint=adapter.fingerprint(model),
+                 info=info)

@@ -49,47 +49,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from specmoe.drafters import Drafter, crop_cache
-from specmoe.drafters.base import accepted_length, prompt_tokens
-from specmoe.drafters.dflash_model import extract_context_feature
-from specmoe.models import MoEAdapter
+from specmoe.models import MoEAdapter, extract_context_feature
 from specmoe.routing import Calibration
-from specmoe.verifiers import (CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, confidence_weights,
-                               position_weights, select_block_into, selector_preset)
+from specmoe.speculation import (EXACT, Drafter, SpeculativeConfig, accepted_length, block_weights, commit_block,
+                                 crop_cache, drafting_time, prompt_tokens, summarize)
+from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, select_block_into
 
 from .patch import check_calibration, exact_routing, routed_by
-
-EXACT = selector_preset("exact")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """The loop's settings: the selector, k drafts per block, P pool experts per layer, the most new tokens
-    per request, and the tokens that end a request."""
-
-    selector: SelectorConfig
-    k: int = 8
-    pool_size: int = 32
-    max_new_tokens: int = 64
-    stop_tokens: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.selector, SelectorConfig):
-            raise ValueError(f"selector must be a SelectorConfig, got {type(self.selector).__name__}")
-        if self.k < 1:
-            raise ValueError(f"k (drafts per block) must be >= 1, got {self.k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
-
-    def check(self, adapter: MoEAdapter, drafter: Drafter | None = None) -> None:
-        """ValueError unless the pool fits the model (K <= P <= E) and the drafter drafts k tokens."""
-        if not adapter.top_k <= self.pool_size <= adapter.num_experts:
-            raise ValueError(f"pool size P={self.pool_size} must satisfy K <= P <= E "
-                             f"(K={adapter.top_k}, E={adapter.num_experts})")
-        if drafter is not None and drafter.max_drafts is not None and self.k > drafter.max_drafts:
-            raise ValueError(f"the {drafter.name} drafter drafts at most {drafter.max_drafts} tokens per block, "
-                             f"k={self.k}")
 
 
 class BlockRoutingContext:
@@ -147,15 +113,6 @@ class BlockRoutingContext:
         return torch.from_numpy(selected.copy()).to(router_logits.device)
 
 
-def block_weights(selector: SelectorConfig, k: int, commit_rate: CommitRate, confidences: np.ndarray) -> np.ndarray:
-    """Position weights alpha [k + 1] of a block for `selector` (ones for exact)."""
-    if selector.weights == "position":
-        return position_weights(commit_rate.rates(k))
-    if selector.weights == "confidence":
-        return confidence_weights(confidences)
-    return np.ones(k + 1)
-
-
 @dataclass
 class SpeculativeResult:
     """One request's speculative decoding (see the module docstring)."""
@@ -195,25 +152,6 @@ class SpeculativeResult:
 
     def summary(self) -> dict:
         return summarize([self])
-
-
-def summarize(results) -> dict:
-    """Per committed token (or verification) figures pooled over requests: `SpeculativeResult`s or their
-    `counts()`. KL and excess NLL are means over committed positions (NaN if not computed)."""
-    rows = [r.counts() if isinstance(r, SpeculativeResult) else r for r in results]
-    total = {key: sum(row[key] for row in rows) for key in rows[0] if key != "num_layers"}
-    hist = total["accepted_hist"]
-    committed, blocks = max(total["committed"], 1), max(total["verifications"], 1)
-    reached = hist[::-1].cumsum()[::-1][1:]  # blocks whose accepted length is at least d, d = 1..k
-    return {"requests": total["requests"], "verifications": total["verifications"], "committed": total["committed"],
-            "tau": total["block_tokens"] / blocks, "acceptance_by_position": (reached / blocks).tolist(),
-            "accepted_hist": hist.tolist(), "copies_per_token": total["copies"] / committed,
-            "moves_per_token": total["moves"] / committed,
-            "displaced_per_token_layer": total["displaced"] / (max(total["block_tokens"], 1) * rows[0]["num_layers"]),
-            "kl": total["kl_sum"] / total["positions"] if total["positions"] else float("nan"),
-            "excess_nll": total["excess_nll_sum"] / total["positions"] if total["positions"] else float("nan"),
-            "draft_ms_per_token": 1e3 * total["draft_s"] / committed,
-            "verify_ms_per_token": 1e3 * total["verify_s"] / committed}
 
 
 def _features(out, drafter: Drafter) -> torch.Tensor | None:
@@ -307,27 +245,6 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     return result
 
 
-def commit_block(tokens: list[int], new: list[int], drafts: list[int], accepted: int, bonus: int,
-                 stop_tokens) -> bool:
-    """Append a block's committed tokens (the accepted drafts and the bonus) to the sequence `tokens` and the
-    request's output `new`; a stop token among them ends the request (the tokens after it are dropped from
-    `new`): returns whether it did."""
-    committed = drafts[:accepted] + [bonus]
-    tokens += committed
-    new += committed
-    stops = [i for i, t in enumerate(committed) if t in stop_tokens]
-    if stops:
-        del new[len(new) - len(committed) + stops[0] + 1:]
-    return bool(stops)
-
-
-def drafting_time(drafter: Drafter, started: float, count_fixed: bool = True) -> float:
-    """Drafting time since `started`, or the drafter's fixed cost per block (charged once, at propose)."""
-    if drafter.fixed_cost_s is not None:
-        return drafter.fixed_cost_s if count_fixed else 0.0
-    return time.perf_counter() - started
-
-
 def _block_record(context: BlockRoutingContext, root: int, ids: list[int], confidences, accepted: int,
                   bonus: int) -> dict:
     """One verification block as `specmoe.records.block_records` stores it (without the request index)."""
@@ -363,6 +280,17 @@ def greedy_decode(model: nn.Module, prompt, max_new_tokens: int, stop_tokens=(),
         logprobs.append(torch.log_softmax(logits, dim=-1).cpu())
         new.append(int(logits.argmax()))
     return torch.tensor(new, dtype=torch.long), torch.stack(logprobs)
+
+
+def exact_continuation(target: nn.Module) -> Callable[[list[int], int], list[int]]:
+    """(prefix, n) -> the next n tokens of `target`'s greedy decoding under exact routing (`greedy_decode`
+    inside `exact_routing`): the reference continuation that the ``synthetic`` drafter drafts from."""
+
+    def continuation(prefix: list[int], n: int) -> list[int]:
+        with exact_routing(target):
+            return greedy_decode(target, torch.tensor(prefix), n)[0].tolist()
+
+    return continuation
 
 
 @torch.no_grad()

@@ -157,7 +157,7 @@ def check_fused_experts(s: KernelShapes, slot_buf: torch.Tensor, fused_experts) 
 def check_resident_routing(num_positions: int, num_experts: int, top_k: int, scoring, device) -> None:
     """The one-launch resident routing kernel against its torch version on bf16-rounded logits with ties:
     the same experts and slots, weights within 1e-6 relative (RuntimeError otherwise)."""
-    from specmoe.routing.device import route_resident
+    from .device_routing import route_resident
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     z = (torch.randn(num_positions, num_experts, generator=gen) * 4).round() / 4

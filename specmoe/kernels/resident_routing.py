@@ -1,5 +1,5 @@
 """Routing of D positions with every expert resident, as one Triton launch (the torch version is
-`specmoe.routing.device.route_resident_torch`, the reference).
+`specmoe.kernels.device_routing.route_resident_torch`, the reference).
 
 Why our own kernel: the torch version is about twenty small launches per layer (ranking keys, top-K, a
 float64 softmax, gathers); at batch 1 they cost as much as the host round trip they replace. One program per

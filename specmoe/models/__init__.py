@@ -1,10 +1,13 @@
 """Model adapters: one per MoE architecture (OLMoE now), named configs with seeded weights, `load_model`."""
 
-from .adapter import ModelSourceError, MoEAdapter
+from .adapter import ModelSourceError, MoEAdapter, extract_context_feature
+from .checkpoint import CheckpointReader
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, RoutedOlmoeTopKRouter, init_random_weights
-from .registry import ARCHITECTURES, NAMED_CONFIGS, adapter_for, decoder_for, load_model, named_config
+from .registry import (ARCHITECTURES, NAMED_CONFIGS, adapter_for, decoder_for, default_model, load_model,
+                       named_config)
 
 __all__ = [
-    "ARCHITECTURES", "ModelSourceError", "MoEAdapter", "NAMED_CONFIGS", "OLMOE_CONFIGS", "OlmoeAdapter",
-    "RoutedOlmoeTopKRouter", "adapter_for", "decoder_for", "init_random_weights", "load_model", "named_config",
+    "ARCHITECTURES", "CheckpointReader", "ModelSourceError", "MoEAdapter", "NAMED_CONFIGS", "OLMOE_CONFIGS",
+    "OlmoeAdapter", "RoutedOlmoeTopKRouter", "adapter_for", "decoder_for", "default_model", "extract_context_feature",
+    "init_random_weights", "load_model", "named_config",
 ]

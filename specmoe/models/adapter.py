@@ -118,3 +118,10 @@ class MoEAdapter:
     def unpatch_routers(self, model: nn.Module) -> None:
         """Undo `patch_routers` (the original router class, no context)."""
         raise NotImplementedError
+
+
+def extract_context_feature(hidden_states, layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate the target's hidden states after each layer in `layer_ids` ([B, T, n*H]): the features a
+    drafter that reads the target (`Drafter.target_layer_ids`, DFlash) is handed. `hidden_states` is
+    transformers' tuple: index 0 is the embedding output, index l+1 layer l's output."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)

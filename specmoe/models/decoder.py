@@ -10,7 +10,7 @@ static number of positions D):
 - `moe(step, layer, slot_buf)`: the routed experts of the D positions over the layer's slot buffer, at the
   slot ids and execution weights the host wrote into the step's `route` [L, D, 2K] (slots, then weights as
   float32 bit patterns), added to the residual stream; with copy_in=False the device rows `route_dev` are
-  used as they are (written on the device by `specmoe.routing.device` when every expert is resident);
+  used as they are (written on the device by `specmoe.kernels.device_routing` when every expert is resident);
 - `head(step)`: final norm, LM head and the greedy token of each position into `next_tokens`.
 
 D = 1 for autoregressive decoding and k + 1 for a verification block: the step buffers of each D are made

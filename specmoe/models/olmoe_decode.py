@@ -9,7 +9,7 @@ l+1 (the pre-gate) on that MoE input in one [2E, H] product.
 
 Feature capture (`capture_features`, for drafters that read the target's hidden states, e.g. DFlash): the
 hidden state after each named layer, for the step's D positions, lands in the step's `work["features"]`
-[D, n * H] (in the order of the layer ids, as `dflash_model.extract_context_feature` concatenates them),
+[D, n * H] (in the order of the layer ids, as `extract_context_feature` concatenates them),
 written inside the captured graphs: layer l's by graph A_{l+1} before it changes the residual stream, the last
 layer's by the head graph after the final norm (transformers' hidden_states[L] is the normed last state).
 """
@@ -27,7 +27,10 @@ from specmoe.kernels import (GROUPED_DEFAULTS, MOE_DEFAULTS, LaunchChoice, causa
                              make_split_kv_workspace, moe_launch_params, norm_rope, slot_moe, slot_moe_grouped_triton,
                              slot_moe_vllm, split_kv_attention, triton_available)
 
+from .adapter import ModelSourceError
+from .checkpoint import CheckpointReader
 from .decoder import DecoderGeometry, DecodeStep
+from .olmoe import OlmoeAdapter
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,11 @@ class OlmoeDecoder:
     def __init__(self, config, weight, max_seq_len: int, device, dtype: torch.dtype):
         """config: a transformers OlmoeConfig; weight(name) -> tensor, for transformers' parameter names
         (from a model or a checkpoint)."""
-        from .registry import adapter_for
-
         c = self.shapes = OlmoeShapes.from_hf(config)
         self.device, self.dtype = torch.device(device), dtype
         self.geometry = DecoderGeometry(c.num_layers, c.num_experts, c.top_k, c.vocab_size, c.hidden, c.inter,
                                         int(max_seq_len))
-        self.scoring = adapter_for(config).router_scoring(weight)
+        self.scoring = OlmoeAdapter.from_config(config).router_scoring(weight)
         self.backend, self.attention, self.moe_params, self.notes = "torch", "sdpa", None, []
         self.flash_attn = self.fused_experts = None  # set by use_kernels once checked
         self.grouped_moe, self.grouped_params = False, {}  # the grouped MoE kernel for D > 1, its params per D
@@ -125,10 +126,8 @@ class OlmoeDecoder:
         """Read config.json and the non-expert weights of a local checkpoint (experts are not read)."""
         from transformers import AutoConfig
 
-        from specmoe.offload import CheckpointReader
-
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        reader = CheckpointReader(path)
+        reader = CheckpointReader(path, ModelSourceError)
 
         def weight(name):
             if name == "lm_head.weight" and name not in reader:
@@ -328,7 +327,7 @@ class OlmoeDecoder:
 
     def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
         c, w = self.shapes, step.work
-        if copy_in:  # else the route rows were written on the device (`specmoe.routing.device`)
+        if copy_in:  # else the route rows were written on the device (`specmoe.kernels.device_routing`)
             step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
         if self.grouped_moe and step.num_positions > 1:  # each distinct slot's expert read once for the D positions
             slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,

@@ -13,6 +13,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from specmoe.assets import family_path
+
 from .adapter import ModelSourceError, MoEAdapter
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, build_random_olmoe
 
@@ -135,3 +137,9 @@ def _checkpoint_config(path: Path):
     if not any(path.glob("*.safetensors")):
         raise ModelSourceError(f"checkpoint directory {path} has a config.json but no weights (*.safetensors)")
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def default_model() -> str:
+    """The embedded default: the shipped trained target when present, else a seeded random tiny OLMoE."""
+    shipped = family_path("target")
+    return str(shipped) if (shipped / "config.json").is_file() else "olmoe-tiny"

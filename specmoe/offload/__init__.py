@@ -1,7 +1,8 @@
 """Expert offloading: the expert store in pinned host memory, slot buffers on the device, the ordered copy
 stream with its prefetch queue, copy accounting, and the residency unit that engines share (`ExpertResidency`)."""
 
-from .checkpoint import CheckpointReader
+from specmoe.models.checkpoint import CheckpointReader  # the store's checkpoint reader (a models tool)
+
 from .copies import CopyStats, CopyStream, SlotBuffers
 from .memory import OffloadError, device_available_bytes, host_available_bytes
 from .residency import ExpertResidency

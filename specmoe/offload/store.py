@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import CheckpointReader
+from specmoe.models.checkpoint import CheckpointReader
+
 from .memory import GiB, OffloadError, check_fits, host_available_bytes
 
 
@@ -138,7 +139,7 @@ class ExpertStore:
         Accepts transformers' per-expert layout (`{prefix}.{e}.gate_proj.weight`, `up_proj`, `down_proj`, as
         save_pretrained writes it) and the fused layout (`{prefix}.gate_up_proj` [E, 2I, H],
         `{prefix}.down_proj` [E, H, I]). A missing tensor is an OffloadError naming it."""
-        reader = CheckpointReader(path)
+        reader = CheckpointReader(path, OffloadError)
         pin = cls._check_memory(geometry, dtype, pin, host_memory_limit)
         g = geometry
         gu = 2 * g.inter * g.hidden

@@ -12,13 +12,12 @@ File format (one safetensors file, version 1):
   {"num_layers": L, "num_experts": E, "top_k": K, "vocab_size": V}, ``model`` (the source it was recorded
   from), ``fingerprint`` (`specmoe.routing.router_fingerprint` of the routers), ``info`` (JSON: dtype,
   device, transformers version, creation time, ...).
-Positions are concatenated over sequences; a policy's cache is reset at every sequence start.
+Positions are concatenated over sequences; a policy's cache is reset at every sequence start. A trace is
+recorded by `specmoe.harness.record_trace` (the command: `specmoe trace`, `specmoe.experiments.trace`).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 from dataclasses import dataclass, field
@@ -26,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..arguments import check_positions, int_at_least
-from ..files import check_output_file, read_safetensors, read_utf8, write_safetensors
+from ..files import read_safetensors, write_safetensors
 from ..routing import validate
 from ..routing.replay import valid_sequence_starts
 
@@ -149,95 +147,3 @@ class Trace:
                              f"{trace.router_logits.shape}")
         trace.check(num_layers, num_experts, top_k, vocab_size, fingerprint)
         return trace
-
-
-# -- recording ----------------------------------------------------------------------------------------
-def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) -> Trace:
-    """Run `model` over each sequence (1-D LongTensors, no padding) under exact routing and record the router
-    logits, the pre-gate logits, the token ids and the sequence boundaries. Sequences of equal length are
-    batched `batch_size` at a time. The recording is the harness's (`exact_routing(record=True)`): the same
-    code records calibrations, and the pre-gate is the adapter's router applied to the previous layer's MoE
-    input."""
-    import torch
-    import transformers
-
-    from ..harness import exact_routing
-    from ..models import adapter_for
-
-    adapter = adapter_for(model.config)
-    device = next(model.parameters()).device
-    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
-    if not seqs or any(s.numel() == 0 for s in seqs):
-        raise TraceError("record_trace needs at least one non-empty sequence")
-    parts_z, parts_g = [], []
-    with torch.no_grad(), exact_routing(model, adapter, record=True) as context:
-        i = 0
-        while i < len(seqs):
-            j = i + 1
-            while j < len(seqs) and j - i < batch_size and seqs[j].numel() == seqs[i].numel():
-                j += 1
-            model(input_ids=torch.stack(seqs[i:j]).to(device))
-            for row in range(j - i):
-                z, g, _, _ = context.recorded(row)
-                g[:, 0] = 0.0  # no pre-gate for the first MoE layer
-                parts_z.append(z)
-                parts_g.append(g)
-            i = j
-    lengths = [s.numel() for s in seqs]
-    info = {"dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": str(device),
-            "transformers": transformers.__version__, "torch": torch.__version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "sequences": len(seqs)}
-    return Trace(np.concatenate(parts_z), np.concatenate(parts_g), torch.cat(seqs).numpy(),
-                 np.concatenate([[0], np.cumsum(lengths)[:-1]]), top_k=adapter.top_k,
-                 vocab_size=adapter.vocab_size, model=model_source, fingerprint=adapter.fingerprint(model),
-                 info=info)
-
-
-# -- command line ---------------------------------------------------------------------------------------
-
-def add_trace_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``trace`` to an argparse subparsers object (for specmoe.cli)."""
-    p = subparsers.add_parser("trace", help="record router and pre-gate logits of exact routing over a text",
-                              description="Record a routing trace (see specmoe.records.traces for the file format).")
-    p.add_argument("--model", default="family",
-                   help="a local checkpoint directory, or 'family' for the shipped small OLMoE target")
-    p.add_argument("--text", required=True, help="a UTF-8 text file; tokenized with the model's tokenizer")
-    p.add_argument("--out", required=True, help="output trace file (.safetensors)")
-    p.add_argument("--window", type=int_at_least(1), default=1024,
-                   help="tokens per recorded sequence (the last may be shorter; at most the model's positions)")
-    p.add_argument("--max-tokens", type=int_at_least(1), default=65536, help="record at most this many tokens")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device", default="cpu")
-    p.set_defaults(func=main_trace)
-    return p
-
-
-def main_trace(args) -> int:
-    import torch
-    from transformers import AutoTokenizer
-
-    from ..assets import family_path
-    from ..models import load_model
-
-    source = family_path("target") if args.model == "family" else Path(args.model)
-    if not Path(source).is_dir():
-        raise FileNotFoundError(f"no checkpoint directory at {source}")
-    check_output_file(args.out, "--out")
-    text = read_utf8(args.text)
-    # the harness's loader: same model class and pinned experts kernels as every other measurement
-    model, _ = load_model(str(source), dtype=getattr(torch, args.dtype), device=args.device)
-    check_positions(model, args.window, "--window")
-    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-    if len(tokenizer) == 0:
-        raise ValueError(f"checkpoint directory {source} has no tokenizer files")
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: args.max_tokens]
-    if not ids:
-        raise ValueError(f"{args.text} holds no tokens")
-    sequences = [torch.tensor(ids[i:i + args.window]) for i in range(0, len(ids), args.window)]
-    trace = record_trace(model, sequences, model_source=str(args.model))
-    trace.info["text"] = str(args.text)
-    trace.save(args.out)
-    print(f"wrote {args.out}: {trace.num_tokens} tokens in {len(sequences)} sequences, "
-          f"L={trace.num_layers} E={trace.num_experts} K={trace.top_k}")
-    return 0

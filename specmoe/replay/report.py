@@ -21,7 +21,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from specmoe.routing import Calibration, preset
+from specmoe.routing import Calibration, preset, psr_bonus
 from specmoe.verifiers import selector_preset
 
 from specmoe.records import Blocks
@@ -32,11 +32,6 @@ BUDGETS = (1, 2)
 GAMMAS = (0.5, 1.0, 1.25, 1.5, 1.75, 2.0, 3.0)
 PRUNE_BUDGETS = (0.0, 1.0)
 SELECTORS = ("acceptmoe", "confidence_top1")
-
-
-def ar_bonus(capacity: int, num_experts: int) -> float:
-    """The paper's PSR bonus at this residency (as `specmoe demo` and `specmoe sd` use it)."""
-    return 0.3 if capacity / num_experts >= 0.375 else 0.25
 
 
 def rollback_policy(capacity: int, top_k: int, bonus: float, budget: int):
@@ -60,7 +55,7 @@ def sweep(blocks: Blocks, calibration: Calibration, capacity: int, *, lambdas=LA
         row.update(method=method, **extra)
         rows.append(row)
 
-    bonus = ar_bonus(capacity, num_experts)
+    bonus = psr_bonus(capacity, num_experts)
     psr = preset("psr", capacity, top_k, bonus=bonus)
     add(replay_ar(psr, blocks, calibration), "ar_psr", bonus=bonus, n=1)
     for lam in lambdas:

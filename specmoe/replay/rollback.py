@@ -38,8 +38,8 @@ from numba import njit
 from specmoe.routing import Calibration, PolicyConfig, replay
 from specmoe.routing import kernels as K
 from specmoe.routing.cache import LogicalCache
-from specmoe.verifiers import (CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, confidence_weights,
-                               position_weights, select_block_into)
+from specmoe.speculation import block_weights
+from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, select_block_into
 
 from specmoe.records import Blocks
 
@@ -190,15 +190,6 @@ def replay_rollback(policy: PolicyConfig, blocks: Blocks, calibration: Calibrati
                         at, num_layers, copies, displaced, kept if keep_selected else None)
 
 
-def block_alpha(selector: SelectorConfig, blocks: Blocks, b: int, rates: CommitRate) -> np.ndarray:
-    """The position weights of block b for `selector` (ones for exact; rates: the request's commitment rates)."""
-    if selector.weights == "position":
-        return position_weights(rates.rates(blocks.k))
-    if selector.weights == "confidence":
-        return confidence_weights(blocks.confidences[b])
-    return np.ones(blocks.k + 1)
-
-
 def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration: Calibration, pool_size: int,
                            keep_selected: bool = False, counterfactual: bool = False) -> MethodResult:
     """Block-level selection with `selector` over `blocks` and a pool of P = pool_size (module docstring).
@@ -223,7 +214,7 @@ def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration
             pool.reset()
             rates.reset()
         c = int(blocks.accepted[b]) + 1
-        alpha = block_alpha(selector, blocks, b, rates)
+        alpha = block_weights(selector, blocks.k, rates, blocks.confidences[b])
         z_block = zt[blocks.rows[b]]  # [D, L, E]
         compare = counterfactual and c < d and blocks.true_rows is not None and np.all(blocks.true_rows[b] >= 0)
         z_true = zt[blocks.true_rows[b]] if compare else None

@@ -2,12 +2,12 @@
 
 from .cache import EngineScoring, LogicalCache
 from .calibration import Calibration, CalibrationBuilder, CalibrationError, TokenPrior, router_fingerprint
-from .policy import KINDS, PRESETS, PolicyConfig, PolicyError, preset
+from .policy import KINDS, PRESETS, PolicyConfig, PolicyError, parse_policy, preset, psr_bonus
 from .replay import ReplayResult, replay
 from .scoring import RouterScoring
 
 __all__ = [
     "Calibration", "CalibrationBuilder", "CalibrationError", "EngineScoring", "KINDS", "LogicalCache", "PRESETS",
-    "PolicyConfig", "PolicyError", "ReplayResult", "RouterScoring", "TokenPrior", "preset", "replay",
-    "router_fingerprint",
+    "PolicyConfig", "PolicyError", "ReplayResult", "RouterScoring", "TokenPrior", "parse_policy", "preset",
+    "psr_bonus", "replay", "router_fingerprint",
 ]

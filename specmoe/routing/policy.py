@@ -128,3 +128,26 @@ def preset(name: str, capacity: int, top_k: int, **overrides) -> PolicyConfig:
     if name not in PRESETS:
         raise PolicyError(f"unknown policy preset {name!r}; expected one of {', '.join(PRESETS)}")
     return PolicyConfig(capacity=capacity, top_k=top_k, **{**PRESETS[name], **overrides})
+
+
+def psr_bonus(capacity: int, num_experts: int) -> float:
+    """The paper's PSR operating points: lambda 0.3 at 50% residency, 0.25 at 25% (the bonus `specmoe demo`,
+    `specmoe sd` and the rollback replay use at capacity C of E experts)."""
+    return 0.3 if capacity / num_experts >= 0.375 else 0.25
+
+
+def parse_policy(name: str, capacity: int, top_k: int, overrides: list[str] | None = None) -> PolicyConfig:
+    """A preset (see `specmoe.routing.PRESETS`) with `field=value` overrides, e.g. ["bonus=0.25"]."""
+    fields = PolicyConfig.__dataclass_fields__
+    changes = {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields or key in ("capacity", "top_k"):
+            raise PolicyError(f"bad policy override {item!r}: expected FIELD=VALUE with FIELD one of "
+                              + ", ".join(f for f in fields if f not in ("capacity", "top_k")))
+        kind = fields[key].type
+        try:
+            changes[key] = float(value) if kind == "float" else int(value) if kind == "int" else value
+        except ValueError:
+            raise PolicyError(f"bad policy override {item!r}: {key} takes a {kind}") from None
+    return preset(name, capacity, top_k, **changes)

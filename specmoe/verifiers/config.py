@@ -13,17 +13,19 @@ executes in one MoE layer (paper, Section 7 and Appendix B "Block-level selectio
   keeps its own top-1 expert even outside the set (the paper's variant, Section 7).
 
 alpha_0 = 1 in both weightings. The selection itself is `select_block` (selection.py).
+
+Selectors are registered by kind in one table, `SELECTORS`: each `SelectorKind` names its weighting function
+(what `block_weights` calls for a block), its default fields (its preset, `selector_preset`) and whether it
+is a block selector (an eligible set) or executes every position's own top-K. Adding a selector is one entry.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
-
-KINDS = ("exact", "acceptmoe", "confidence_top1")
-WEIGHTS = {"exact": None, "acceptmoe": "position", "confidence_top1": "confidence"}
 
 
 class SelectorError(ValueError):
@@ -49,8 +51,9 @@ class SelectorConfig:
     prune_budget: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise SelectorError(f"unknown selector kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+        if self.kind not in SELECTORS:
+            raise SelectorError(f"unknown selector kind {self.kind!r}; expected one of {', '.join(SELECTORS)}")
+        block = SELECTORS[self.kind].block
         for name in ("gamma", "prune_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
@@ -60,24 +63,25 @@ class SelectorConfig:
         if rescue is not None:
             if isinstance(rescue, bool) or not isinstance(rescue, (int, float)) or not 0.0 <= rescue <= 1.0:
                 raise SelectorError(f"rescue_threshold must be None or a number in [0, 1], got {rescue!r}")
-            if self.kind == "exact":
-                raise SelectorError("kind 'exact' executes every position's own top-K: set rescue_threshold=None")
+            if not block:
+                raise SelectorError(f"kind {self.kind!r} executes every position's own top-K: "
+                                    "set rescue_threshold=None")
             object.__setattr__(self, "rescue_threshold", float(rescue))
         # what the selection kernel reads: [1 for a block selector, 0 for exact; gamma; rescue threshold, -1 for
         # none; prune_budget] (one float64 array crosses into numba faster than four scalars)
         object.__setattr__(self, "kernel_params", np.array(
-            [self.kind != "exact", self.gamma, -1.0 if rescue is None else rescue, self.prune_budget]))
+            [block, self.gamma, -1.0 if rescue is None else rescue, self.prune_budget]))
 
     @property
     def weights(self) -> str | None:
         """The position weights this kind uses: "position", "confidence", or None (exact)."""
-        return WEIGHTS[self.kind]
+        return SELECTORS[self.kind].weights
 
     @property
     def name(self) -> str:
         """A short label for tables, e.g. ``confidence_top1(gamma=1.05, rescue=0.3)``."""
-        if self.kind == "exact":
-            return "exact"
+        if not SELECTORS[self.kind].block:
+            return self.kind
         parts = [f"gamma={self.gamma:g}"]
         if self.rescue_threshold is not None:
             parts.append(f"rescue={self.rescue_threshold:g}")
@@ -97,19 +101,11 @@ class SelectorConfig:
         return cls(**data)
 
 
-# The paper's named selectors (Section 7, Appendix B).
-SELECTORS: dict[str, dict] = {
-    "exact": dict(kind="exact"),
-    "acceptmoe": dict(kind="acceptmoe", gamma=1.0, rescue_threshold=None),
-    "confidence_top1": dict(kind="confidence_top1", gamma=1.05, rescue_threshold=0.3),
-}
-
-
 def selector_preset(name: str, **overrides) -> SelectorConfig:
-    """The paper's selector `name` (see SELECTORS), with any field overridden."""
+    """The selector of kind `name` with its registered defaults (`SELECTORS`), with any field overridden."""
     if name not in SELECTORS:
         raise SelectorError(f"unknown selector preset {name!r}; expected one of {', '.join(SELECTORS)}")
-    return SelectorConfig(**{**SELECTORS[name], **overrides})
+    return SelectorConfig(**{"kind": name, **SELECTORS[name].defaults, **overrides})
 
 
 def _probabilities(values, what: str) -> np.ndarray:
@@ -182,3 +178,45 @@ class CommitRate:
         committed[:n] = self.committed[:n]
         observed[:n] = self.observed[:n]
         return (self.prior_blocks * self.prior_accept**depth + committed) / (self.prior_blocks + observed)
+
+
+# -- the registry -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SelectorKind:
+    """One registered selector kind.
+
+    weigh(k, commit_rate, confidences) -> alpha [k + 1], float64: the position weights of a block of k drafts,
+    given the request's `CommitRate` and the drafter's confidences c [k] in its own drafts (alpha_0 = 1).
+    weights: a label of that weighting for tables ("position", "confidence", None for unweighted).
+    defaults: the kind's default `SelectorConfig` fields (its preset). block: True for a block selector (one
+    eligible set per block and layer, built from the weighted demand); False for a kind that executes every
+    position's own top-K (the union; it reads neither gamma nor prune_budget and takes no rescue)."""
+
+    weigh: Callable[[int, CommitRate, np.ndarray], np.ndarray]
+    weights: str | None
+    defaults: dict = field(default_factory=dict)
+    block: bool = True
+
+
+def unweighted(k: int, commit_rate: CommitRate, confidences) -> np.ndarray:
+    """alpha = 1 at every position of the block."""
+    return np.ones(k + 1)
+
+
+def commit_rate_weights(k: int, commit_rate: CommitRate, confidences) -> np.ndarray:
+    """AcceptMoE's weights from the request's commitment rates (`position_weights`)."""
+    return position_weights(commit_rate.rates(k))
+
+
+def drafter_confidence_weights(k: int, commit_rate: CommitRate, confidences) -> np.ndarray:
+    """Confidence weights from the drafter's confidences in its drafts (`confidence_weights`)."""
+    return confidence_weights(confidences)
+
+
+# The paper's selectors (Section 7, Appendix B), by kind; each kind's defaults are its preset.
+SELECTORS: dict[str, SelectorKind] = {
+    "exact": SelectorKind(unweighted, None, block=False),
+    "acceptmoe": SelectorKind(commit_rate_weights, "position", dict(gamma=1.0, rescue_threshold=None)),
+    "confidence_top1": SelectorKind(drafter_confidence_weights, "confidence",
+                                    dict(gamma=1.05, rescue_threshold=0.3)),
+}

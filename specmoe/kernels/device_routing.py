@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .policy import PolicyConfig
-from .scoring import RouterScoring
+from specmoe.routing import PolicyConfig, RouterScoring
 
 RESIDENT_RANKING_KINDS = ("exact", "cache_prior", "psr")
 
@@ -54,9 +53,9 @@ def route_resident(z: torch.Tensor, top_k: int, scoring: RouterScoring, slot_of:
     z [D, E] float32 router logits; slot_of [E] int32: the slot of each expert; writes experts_out [D, K]
     int64 (best first) and route_out [D, 2K] int32 (slot ids, then the execution weights' float32 bits).
     kernel: "torch" (this function's torch ops, the reference) or "triton" (one launch,
-    `specmoe.kernels.resident_routing`)."""
+    `resident_routing`)."""
     if kernel == "triton":
-        from specmoe.kernels.resident_routing import route_resident_triton
+        from .resident_routing import route_resident_triton
 
         return route_resident_triton(z, top_k, scoring.renormalise, scoring.scale, slot_of, experts_out, route_out)
     route_resident_torch(z, top_k, scoring, slot_of, experts_out, route_out)
