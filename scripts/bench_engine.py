@@ -259,9 +259,8 @@ def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int
                ("all_resident_host_routing", "host", preset("exact_lru", E, top_k))]
     configs += [(f"C{c}_psr", c, preset("psr", c, top_k, bonus=PSR_LAMBDA[c], insert_budget=1)) for c in args.capacities]
     with torch.no_grad():
-        for engine in engines.values():  # the context below each window: random keys and values
-            engine.decoder.k_cache.normal_()
-            engine.decoder.v_cache.normal_()
+        for i, engine in enumerate(engines.values()):  # the context below each window: random keys and values
+            engine.decoder.randomize_cache(seed=i)
     rng = np.random.default_rng(300)
     tokens = rng.integers(0, vocab_size, args.sweep_tokens)
     rounds = {(name, p): [] for name, _, _ in configs for p in positions}

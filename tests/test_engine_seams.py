@@ -181,3 +181,15 @@ def test_a_window_at_a_later_position_attends_to_what_the_cache_holds(tiny, toke
     later = engine.teacher_forced(tokens[12:], first_position=12, return_logits=True)
     np.testing.assert_allclose(later.logits, full.logits[12:], rtol=1e-5, atol=1e-5)
     assert not np.allclose(engine.teacher_forced(tokens[12:], return_logits=True).logits, full.logits[12:])
+
+
+def test_randomize_cache_is_seeded(tiny):
+    """`Decoder.randomize_cache`: the context for timing at long positions, the same for the same seed."""
+    model = tiny[0]
+    decoder = decoder_for(model.config).from_model(model, 32)
+    decoder.randomize_cache(seed=1)
+    first = decoder.k_cache.clone(), decoder.v_cache.clone()
+    decoder.randomize_cache(seed=1)
+    assert torch.equal(decoder.k_cache, first[0]) and torch.equal(decoder.v_cache, first[1])
+    decoder.randomize_cache(seed=2)
+    assert not torch.equal(decoder.k_cache, first[0]) and first[0].std() > 0.5

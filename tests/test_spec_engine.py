@@ -238,3 +238,15 @@ def test_trace_following_equals_the_cpu_replay_of_the_recorded_blocks(family, dr
 
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         engine.follow(replace(blocks, tokens=blocks.tokens + adapter.vocab_size))
+
+
+def test_the_decoder_rolls_back_after_every_block(family, drafter, calibration, residency, prompt, monkeypatch):
+    """The engine hands each verification's committed count (root + accepted drafts) to the decoder's state hook
+    (`Decoder.rollback`: nothing to do for a KV cache; a recurrent state restores there), once per block."""
+    engine = spec(family, drafter, calibration, residency)
+    calls = []
+    monkeypatch.setattr(engine.decoder, "rollback", lambda step, committed: calls.append((step.num_positions,
+                                                                                         committed)))
+    result = sd(engine, prompt)
+    assert calls == [(K_DRAFTS + 1, a + 1) for a in result.accepted.tolist()]
+    assert engine.decoder.layer_kinds == (("attention", "moe"),) * engine.geometry.num_layers

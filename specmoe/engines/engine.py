@@ -492,6 +492,7 @@ class Engine:
         self._forward(run, ids, root, router, NO_RECORD)
         greedy = run.step.next_np[:k + 1].tolist()
         a = accepted_length(ids[1:], greedy) if accepted is None else accepted
+        self.decoder.rollback(run.step, a + 1)
         router.end_step(a)
         rec.end(t, greedy[a], a)
         return greedy, a, float(displaced[:a + 1].sum()), selected

@@ -16,7 +16,9 @@ static number of positions D):
 D = 1 for autoregressive decoding and k + 1 for a verification block: the step buffers of each D are made
 once (`decoder.step(D)`) and reused, so every launch has a static shape. The KV cache belongs to the
 decoder; a step writes positions pos .. pos + D - 1 and query i attends positions 0 .. pos + i, so rolling
-back rejected positions is only a matter of the next step's position.
+back rejected positions of a KV cache is only a matter of the next step's position; state that is not indexed
+by position (a linear-attention layer's recurrent state) rolls back through `rollback(step, committed)`, which
+the engine calls after every verification block.
 
 Adding an architecture: implement this protocol (see `OlmoeDecoder` for the reference implementation) and
 register its `from_model` / `from_checkpoint` constructors in `specmoe.models.registry.ARCHITECTURES`; the
@@ -116,15 +118,29 @@ class DecodeStep:
         self.next_host.copy_(self.next_dev, non_blocking=True)
 
 
+LAYER_KINDS = ("attention", "linear_attention", "dense_mlp", "moe")  # token mixers, then MLPs
+
+
 class Decoder(Protocol):
     """One architecture's decode path (see the module docstring). `notes` say which kernels were chosen and
-    why any was not."""
+    why any was not. layer_kinds: per transformer layer, its token mixer ("attention" or "linear_attention",
+    e.g. Gated DeltaNet) and its MLP ("moe", or "dense_mlp" for the dense layers some models put first); the
+    engine routes the "moe" layers, numbered 0 .. L - 1 in order."""
 
     geometry: DecoderGeometry
     scoring: RouterScoring
     device: torch.device
     dtype: torch.dtype
     notes: list[str]
+    layer_kinds: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def from_model(cls, model, max_seq_len: int) -> "Decoder":
+        """From a transformers model of this architecture, on its device and in its dtype."""
+
+    @classmethod
+    def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "Decoder":
+        """From a local checkpoint directory, without reading the routed experts."""
 
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
         """Choose the kernels ("auto" / "triton" / "torch" backend, attention and MoE implementations) and their
@@ -143,6 +159,16 @@ class Decoder(Protocol):
 
     def reset(self) -> None:
         """A new sequence (positions count from 0 again)."""
+
+    def rollback(self, step: DecodeStep, committed: int) -> None:
+        """After a verification step of D positions of which the first `committed` are kept (the root and the
+        accepted drafts): make the decoder's state that of the committed positions alone. KV caches need
+        nothing (the next step's position overwrites the rejected rows); a recurrent state (linear attention)
+        is restored to the one after position committed - 1 of the step, which the step keeps per position."""
+
+    def randomize_cache(self, seed: int) -> None:
+        """Fill the KV cache (and any recurrent state) with seeded random values: timing at long contexts
+        without decoding a prefix (the outputs are then no model's on any text)."""
 
     feature_layers: tuple[int, ...]  # the layers whose hidden states the steps capture (`capture_features`)
 

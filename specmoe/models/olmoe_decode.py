@@ -285,6 +285,18 @@ class OlmoeDecoder:
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
+    @property
+    def layer_kinds(self) -> tuple[tuple[str, str], ...]:
+        return (("attention", "moe"),) * self.geometry.num_layers
+
+    def rollback(self, step: DecodeStep, committed: int) -> None:
+        """Nothing to restore: the KV cache is indexed by position (the next step overwrites rejected rows)."""
+
+    def randomize_cache(self, seed: int) -> None:
+        generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        for cache in (self.k_cache, self.v_cache):
+            cache.normal_(generator=generator)
+
     def reset(self) -> None:
         """Nothing to clear: a step masks every position it has not written (SDPA) or attends only up to its
         last position (flash-attn); positions count from the step's input."""
