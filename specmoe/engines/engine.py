@@ -139,12 +139,7 @@ class Engine:
         if policy.top_k != self.top_k:
             raise PolicyError(f"policy top_k K={policy.top_k} but the model routes to {self.top_k} experts")
         g = self.geometry
-        if not hasattr(self, "_runners"):  # at build: the unit must fit this policy
-            self.residency.check_fits(g.num_layers, g.num_experts, g.expert_width, self.decoder.dtype,
-                                      policy.capacity)
-        elif policy.capacity > self.residency.num_slots:
-            raise ValueError(f"capacity C={policy.capacity} exceeds the {self.residency.num_slots} slots per layer "
-                             "of the engine's expert residency: build another engine")
+        self.residency.check_fits(g.num_layers, g.num_experts, g.expert_width, self.decoder.dtype, policy.capacity)
         self.router = CacheRouter(policy, calibration, g, self.decoder.scoring, self.copies)
 
     def _set_speculative(self, config: SpeculativeConfig) -> None:
@@ -185,7 +180,7 @@ class Engine:
             self._set_policy(policy or self.router.policy, self.calibration)
         if speculative is not None or (calibration is not None and self.block_router is not None):
             self._set_speculative(speculative or self.block_router.config)
-            self._make_runners()
+        self._make_runners()  # a router new to this engine may step with another D
         if settings:
             self.settings = self.settings.updated(**settings)
 
