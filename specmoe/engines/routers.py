@@ -4,7 +4,10 @@ for every router; a router is called at three points of it:
 
 - `route(layer)`, once the layer's router logits are on the host: the executed experts of the step's positions,
   written as slot ids and execution weights into the step's route rows; returns the slots the layer executes
-  and the demand insertions (slots, experts) that the engine copies at once;
+  and the demand insertions (slots, experts) that the engine copies at once. A router whose positions of one
+  step cannot execute together (`grouped`: a prompt chunk whose later positions reassign slots that earlier
+  ones execute) hands the layer out in groups: the engine runs each group's MoE, waits for it, and asks
+  `next_group(layer)` until it returns None;
 - `predict(layer)`, once the layer's attention has run (its pre-gate logits are on the host), before the
   previous layer's copies are waited for: insertions of predicted experts to prefetch (PSR's part 1);
 - `end_step(accepted)`, after the step's head: what the step's outcome changes (the pool's refill after a
@@ -44,6 +47,7 @@ class Router(Protocol):
     """What the engine's loop needs from a router (module docstring)."""
 
     num_slots: int  # slots per layer the router assigns
+    grouped: bool  # this step's layers run their MoE in several groups (`next_group` after each)
 
     def warm(self) -> np.ndarray:
         """[L, n] the experts of slots 0 .. n - 1 at the start of a request (after `reset`)."""
@@ -56,6 +60,9 @@ class Router(Protocol):
     def predict(self, layer: int) -> None: ...
 
     def end_step(self, accepted: int) -> None: ...
+
+    def next_group(self, layer: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None] | None:
+        """With `grouped`: the next group of the layer, as `route` returns it, or None after the last."""
 
 
 class CacheRouter:
@@ -253,7 +260,7 @@ class BlockRouter:
     def predict(self, layer: int) -> None:
         return None
 
-    grouped = False  # one group per layer: the whole block executes at once
+    grouped = False  # the whole block executes at once
 
     def end_step(self, accepted: int | None) -> None:
         """The pool refill; the slot buffer follows: each expert entering the pool moves from its union slot to
