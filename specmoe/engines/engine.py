@@ -19,9 +19,9 @@ insertions) and the prefetch pump -> the head graph (final norm, LM head, greedy
 - Trace-following (`follow`): a recorded autoregressive run (`LogitFeed`) or recorded / synthetic verification
   blocks (`Blocks`), routed from their recorded logits on this engine's weights.
 - Prefill: prompt processing, whose copies and time are not counted in the steps (`prefill_ms` is the time to
-  the first new token). Autoregressive runs decode the prompt one position per step under the policy (each
-  position's logical-cache decisions may reassign a slot that an earlier position of a longer step still
-  reads). Speculative runs put the whole prompt through exact selection in blocks of k + 1 positions; the
+  the first new token). Autoregressive runs put the prompt through in steps of `EngineConfig.prefill_chunk`
+  positions whose routing is position by position (`CacheRouter.begin_chunk`: the decisions of one position per
+  step) and whose MoE runs in groups where a position reassigns a slot an earlier one executes. Speculative runs put the whole prompt through exact selection in blocks of k + 1 positions; the
   target's greedy token after it is the first new token (committed, in no block) and the root of the first
   verification block, as in the public DFlash loop, vLLM and SGLang, so tau is their acceptance length.
 
