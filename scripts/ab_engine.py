@@ -9,7 +9,8 @@ random tokens):
 - all_resident_tuned: the same with `EngineConfig(tune=True)` (the MoE kernel's launch parameters tuned at build);
 - C32_psr: PSR at C = 32 (insert budget 1);
 - sd_follow: trace-following of synthetic verification blocks (k = 8, tau about 5, acceptmoe, P = 24,
-  U = 40) over the all-resident run's own router logits, rooted at position --prompt: ms per committed token.
+  U = 40) over the all-resident run's own router logits, rooted at position --prompt: ms per committed token;
+- prompt_ms_<row>: the window's --prompt untimed positions, in ms (the prefill: time to the first token).
 Prints one JSON line: {"rows": {name: ms}, "commit": ..., "api": "engine" | "ar/sd"}.
 
     PYTHONPATH=. python3 scripts/ab_engine.py [--tokens 64 --prompt 256]
@@ -91,11 +92,13 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     windows = [rng.integers(0, V, args.prompt + args.tokens) for _ in range(args.windows)]
     rows: dict[str, list[float]] = {name: [] for name in [*engines, "sd_follow"]}
+    rows.update({f"prompt_ms_{name}": [] for name in engines})
     recorded = None
     for w in windows:
         for name, engine in engines.items():
             r = engine.teacher_forced(w, prompt_len=args.prompt)
             rows[name].append(float(r.ms[r.timed].mean()))
+            rows[f"prompt_ms_{name}"].append(float(r.ms[~r.timed].sum()))  # the prompt's steps: time to first token
             if name == "all_resident" and recorded is None:
                 recorded = r
     trace = Trace(recorded.router_logits[args.prompt:], recorded.pregate_logits[args.prompt:],
