@@ -82,7 +82,7 @@ def bytes_of(*tensors) -> int:
 def ar_step_bytes(drafter: StaticARDrafter, position: int) -> int:
     """Weights one AR drafter step reads (the embedding row aside) and its attention's KV rows."""
     dec = drafter.decoder
-    c = dec.shapes
+    c = dec.geometry
     weights = bytes_of(dec.lm_head, dec.final_norm, *[t for layer in dec.layers for t in layer.values()])
     return weights + 2 * c.num_layers * c.num_kv_heads * (position + 1) * c.head_dim * dec.k_cache.element_size()
 

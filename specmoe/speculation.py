@@ -83,7 +83,7 @@ class SpeculativeConfig:
         miss (min(K, E - P) <= U <= E - P), a block of k + 1 positions fits `geometry.max_seq_len` (where the
         geometry has one: a decoder's static KV cache) and the drafter drafts k tokens.
 
-        geometry: anything with `top_k` and `num_experts` (a `MoEAdapter`, a `DecoderGeometry`)."""
+        geometry: anything with `top_k` and `num_experts` (a `MoEAdapter`, a `specmoe.geometry.Geometry`)."""
         k_top, experts = geometry.top_k, geometry.num_experts
         if not k_top <= self.pool_size <= experts:
             raise ValueError(f"pool size P={self.pool_size} must satisfy K <= P <= E (K={k_top}, E={experts})")

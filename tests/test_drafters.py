@@ -1,7 +1,7 @@
 """specmoe.drafters: configuration, fit with the target, rollback to the committed prefix, the synthetic profile."""
 
 import json
-from types import SimpleNamespace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,6 +10,7 @@ import torch
 from specmoe.drafters import (DRAFTERS, DFlashDrafter, DrafterConfig, DrafterError, HFAutoregressiveDrafter,
                               SyntheticDrafter, build_drafter, check_drafter_fits)
 from specmoe.drafters.dflash_model import DFlashDraftModel, dflash_config, extract_context_feature
+from specmoe.geometry import Geometry
 from specmoe.models import load_model
 from specmoe.assets import family_path
 
@@ -67,9 +68,7 @@ def test_the_table_lists_every_drafter_and_a_new_one_is_an_entry(monkeypatch):
 
 def _geometry(model, **changes):
     """What `check_drafter_fits` reads of a target (its decoder's geometry)."""
-    c = model.config
-    return SimpleNamespace(**{"num_layers": c.num_hidden_layers, "vocab_size": c.vocab_size,
-                              "hidden": c.hidden_size, **changes})
+    return replace(Geometry.from_hf(model.config), **changes)
 
 
 @pytest.mark.parametrize("name,runtime", [("ar", "hf"), ("ar", "static"), ("dflash", "hf"), ("dflash", "static"),

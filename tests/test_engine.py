@@ -15,9 +15,10 @@ import torch
 from specmoe.engines import Engine, EngineConfig, RunSettings, build_engine, build_engine_from_checkpoint
 from specmoe.engines.helpers import calibration_from_engine
 from specmoe.engines.results import LogitFeed
+from specmoe.geometry import Geometry
 from specmoe.models import load_model
 from specmoe.models.olmoe_decode import OlmoeDecoder
-from specmoe.offload import CopyStream, ExpertGeometry, ExpertResidency, ExpertStore, OffloadError
+from specmoe.offload import CopyStream, ExpertResidency, ExpertStore, OffloadError
 from specmoe.routing import Calibration, PolicyError, preset, replay
 
 SEQ = 64
@@ -232,7 +233,7 @@ def test_generate_stops_at_a_stop_token_and_repeats_exactly(make_engine, tokens)
 
 # -- expert store and checkpoints ------------------------------------------------------------------------
 def _geometry(adapter, model):
-    return ExpertGeometry.of(adapter)
+    return Geometry.of(adapter)
 
 
 def test_store_rows_hold_whole_experts(tiny, store):
@@ -332,7 +333,8 @@ def test_bad_settings_and_inputs(make_engine, tokens):
 def test_mismatched_store_is_rejected(tiny, store, calibration):
     model, adapter = tiny
     decoder = OlmoeDecoder.from_model(model, SEQ)
-    half = ExpertStore(store.layers[:8], ExpertGeometry(8, 64, 64, 32, tuple(range(8))))
+    half = ExpertStore(store.layers[:8], Geometry(8, 64, adapter.top_k, adapter.vocab_size, 64, 32,
+                                                  layer_ids=tuple(range(8))))
     with pytest.raises(ValueError, match="does not match the decoder"):
         Engine(decoder, ExpertResidency(half, 16, "cpu"), preset("psr", 16, adapter.top_k), calibration,
                  EngineConfig(max_seq_len=SEQ))

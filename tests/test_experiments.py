@@ -11,7 +11,7 @@ import torch
 
 from specmoe.cli import main
 from specmoe.experiments.config import load_config, parse_config
-from specmoe.experiments.grid import expand, geometry
+from specmoe.experiments.grid import expand, grid_model
 from specmoe.experiments.report import paired_log_ratio
 from specmoe.experiments.run import RunDir, run_experiment
 
@@ -80,7 +80,7 @@ def test_config_is_checked_into_frozen_dataclasses_and_grid_lists_expand():
         "model": {"source": "olmoe-micro"}}, "t.toml")
     with pytest.raises(AttributeError):
         config.rounds = 3  # frozen
-    grid = expand(config, geometry(config))
+    grid = expand(config, grid_model(config).geometry)
     assert len(grid) == 2 * (1 + 4) and [c.index for c in grid] == list(range(10))
     assert grid[1].label == "AR psr(C=16, lambda=0.1, n=1, A)" and grid[5].policy.capacity == 32
     assert config.digest() == parse_config({"ar": {"capacity": [16, 32], "policies": [

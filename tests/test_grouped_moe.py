@@ -229,7 +229,7 @@ SEQ, C = 8, 16
 model = build_random_olmoe(OlmoeConfig(**{**OLMOE_CONFIGS["olmoe-micro"], "num_hidden_layers": 2}), 0, torch.float32,
                            "cpu")
 decoder = OlmoeDecoder.from_model(model, SEQ)
-c = decoder.shapes
+c = decoder.geometry
 k, num_layers = c.top_k, c.num_layers
 g = torch.Generator().manual_seed(0)
 slot_bufs = [torch.randn(C, 3 * c.hidden * c.inter, generator=g) * 0.2 for _ in range(num_layers)]
@@ -408,10 +408,13 @@ def test_one_captured_graph_serves_every_route(gpu_buffers, d):
 
 @pytest.mark.gpu
 def test_decoder_self_check_passes_at_full_size(gpu_buffers):
+    from specmoe.geometry import Geometry
     from specmoe.kernels import checks
 
-    shapes = checks.KernelShapes(H, I, K, 16, 16, 128, 256, 1e-5, None, torch.bfloat16, torch.device("cuda"))
-    checks.check_grouped_moe(shapes, gpu_buffers[torch.bfloat16])
+    # the grouped MoE check reads K, H and I
+    geometry = Geometry(num_layers=1, num_experts=64, top_k=K, vocab_size=0, hidden=H, inter=I, max_seq_len=256,
+                        num_heads=16, num_kv_heads=16, head_dim=128)
+    checks.check_grouped_moe(geometry, gpu_buffers[torch.bfloat16], torch.bfloat16, torch.device("cuda"))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")

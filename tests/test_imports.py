@@ -20,7 +20,7 @@ PACKAGE = "specmoe"
 # Low to high. Each layer lists its units by module prefix: a module belongs to the unit of the longest prefix
 # that matches it (the module itself or a module inside that package).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("specmoe", "specmoe.stats", "specmoe.files", "specmoe.arguments", "specmoe.assets")),
+    ("base", ("specmoe", "specmoe.stats", "specmoe.files", "specmoe.arguments", "specmoe.assets", "specmoe.geometry")),
     ("routing", ("specmoe.routing",)),
     ("records", ("specmoe.records",)),
     ("verifiers", ("specmoe.verifiers",)),

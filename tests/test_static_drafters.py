@@ -18,7 +18,7 @@ from specmoe.drafters.base import check_drafter_fits
 from specmoe.drafters.dflash_model import extract_context_feature
 from specmoe.engines import EngineConfig, build_engine
 from specmoe.harness import exact_routing, speculative_generate
-from specmoe.models.decoder import DecoderGeometry
+from specmoe.geometry import Geometry
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration
 from specmoe.speculation import SpeculativeConfig
@@ -100,7 +100,7 @@ def test_static_ar_runs_olmo2_with_grouped_query_attention(target, prompt, tmp_p
     Olmo2ForCausalLM(config).save_pretrained(tmp_path)
     hf = build_drafter(DrafterConfig("ar", path=str(tmp_path), runtime="hf"), target)
     static = build_drafter(DrafterConfig("ar", path=str(tmp_path), runtime="static", max_seq_len=SEQ), target)
-    assert static.decoder.shapes.kind == "olmo2"
+    assert static.decoder.kind == "olmo2"
     for d in (hf, static):
         d.reset(torch.tensor(prompt))
     for k, accepted, bonus in _steps(1, 4, 5):
@@ -211,8 +211,8 @@ def test_spec_engine_hands_features_and_agrees_with_the_harness_loop(family, pro
 
 
 def test_spec_engine_refuses_a_drafter_that_does_not_fit_the_target():
-    geometry = DecoderGeometry(num_layers=16, num_experts=64, top_k=8, vocab_size=8192, hidden=128, inter=32,
-                               max_seq_len=64)
+    geometry = Geometry(num_layers=16, num_experts=64, top_k=8, vocab_size=8192, hidden=128, inter=32,
+                        max_seq_len=64)
     stub = SimpleNamespace(name="dflash", target_layer_ids=(1, 16), max_drafts=16, hidden_size=256, vocab_size=8192)
     with pytest.raises(DrafterError, match=r"target layers \[16\].*0\.\.15.*hidden size 256 \(target 128\)"):
         check_drafter_fits(stub, geometry)

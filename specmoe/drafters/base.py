@@ -66,7 +66,7 @@ def greedy_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def check_drafter_fits(drafter: Drafter, geometry) -> None:
     """DrafterError unless the drafter's vocabulary is the target's and, for a drafter that reads the target's
     hidden states, every layer it names exists in the target and its hidden size is the target's (geometry:
-    the target decoder's `DecoderGeometry`, or anything with num_layers, vocab_size and hidden)."""
+    the target decoder's `Geometry`, or anything with num_layers, vocab_size and hidden)."""
     g, problems = geometry, []
     if drafter.vocab_size != g.vocab_size:
         problems.append(f"vocabulary {drafter.vocab_size} (target {g.vocab_size})")

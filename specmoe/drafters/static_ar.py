@@ -24,12 +24,11 @@ the next block before anything attends to them). The prompt is prefilled by chun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specmoe.geometry import Geometry
 from specmoe.kernels.norm_rope import rope_tables
 from specmoe.speculation import advance, prompt_tokens
 
@@ -41,45 +40,27 @@ ARCHITECTURES = ("olmo", "olmo2")
 PREFILL_CHUNK = 256  # positions per eager prefill forward
 
 
-@dataclass(frozen=True)
-class DenseShapes:
-    """The shapes and constants of a dense OLMo / OLMo-2 drafter (from its transformers config)."""
-
-    kind: str
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    inter: int
-    vocab_size: int
-    eps: float
-    rope_theta: float
-    clip_qkv: float | None
-
-    @classmethod
-    def from_hf(cls, config) -> "DenseShapes":
-        kind = getattr(config, "model_type", None)
-        problems = []
-        if kind not in ARCHITECTURES:
-            problems.append(f"model_type {kind!r} (supported: {', '.join(ARCHITECTURES)})")
-        if getattr(config, "attention_bias", False):
-            problems.append("attention biases")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            problems.append(f"activation {config.hidden_act!r} (SiLU only)")
-        try:
-            theta = default_rope_theta(config)
-        except DrafterError as exc:
-            problems.append(str(exc))
-            theta = 0.0
-        if problems:
-            raise DrafterError("the static-cache AR drafter cannot run this model: " + "; ".join(problems)
-                               + " (DrafterConfig(runtime='hf') runs it through transformers)")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        eps = 1e-5 if kind == "olmo" else float(config.rms_norm_eps)  # OlmoLayerNorm's eps is fixed
-        return cls(kind, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-                   config.num_key_value_heads or config.num_attention_heads, head_dim, config.intermediate_size,
-                   config.vocab_size, eps, theta, getattr(config, "clip_qkv", None))
+def dense_constants(config) -> tuple[str, float, float, float | None]:
+    """The architecture constants of a dense OLMo / OLMo-2 model (its transformers config): (kind, norm eps,
+    rotary theta, clip_qkv); DrafterError naming what this decoder cannot run."""
+    kind = getattr(config, "model_type", None)
+    problems = []
+    if kind not in ARCHITECTURES:
+        problems.append(f"model_type {kind!r} (supported: {', '.join(ARCHITECTURES)})")
+    if getattr(config, "attention_bias", False):
+        problems.append("attention biases")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"activation {config.hidden_act!r} (SiLU only)")
+    try:
+        theta = default_rope_theta(config)
+    except DrafterError as exc:
+        problems.append(str(exc))
+        theta = 0.0
+    if problems:
+        raise DrafterError("the static-cache AR drafter cannot run this model: " + "; ".join(problems)
+                           + " (DrafterConfig(runtime='hf') runs it through transformers)")
+    eps = 1e-5 if kind == "olmo" else float(config.rms_norm_eps)  # OlmoLayerNorm's eps is fixed
+    return kind, eps, theta, getattr(config, "clip_qkv", None)
 
 
 def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,17 +77,18 @@ def rms_norm_olmo2(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 class DenseDecoder:
     """A dense OLMo / OLMo-2 causal LM over a static KV cache [L, NKV, S, HD]: weights of a transformers
-    model, `forward(ids, first, attend)` for D positions from the device position `first`, `greedy(h)`."""
+    model, `forward(ids, first, attend)` for D positions from the device position `first`, `greedy(h)`.
+    Its shapes are `geometry` (num_experts = 0); kind, eps, rope_theta and clip_qkv are its architecture's."""
 
     def __init__(self, model, max_seq_len: int):
-        c = self.shapes = DenseShapes.from_hf(model.config)
+        self.kind, self.eps, self.rope_theta, self.clip_qkv = dense_constants(model.config)
+        c = self.geometry = Geometry.from_hf(model.config, max_seq_len)
         params = {name: p.detach() for name, p in model.named_parameters()}
         if "lm_head.weight" not in params:  # tied embeddings
             params["lm_head.weight"] = params["model.embed_tokens.weight"]
         self.embed, self.lm_head = params["model.embed_tokens.weight"], params["lm_head.weight"]
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        self.max_seq_len = int(max_seq_len)
-        if self.max_seq_len < 2:
+        if c.max_seq_len < 2:
             raise DrafterError(f"the drafter's static cache needs at least 2 positions, got {max_seq_len}")
         self.final_norm = params.get("model.norm.weight")
         self.layers = []
@@ -115,42 +97,42 @@ class DenseDecoder:
             layer = {"wqkv": torch.cat([p("self_attn.q_proj"), p("self_attn.k_proj"), p("self_attn.v_proj")]),
                      "wo": p("self_attn.o_proj"), "gate_up": torch.cat([p("mlp.gate_proj"), p("mlp.up_proj")]),
                      "down": p("mlp.down_proj")}
-            if c.kind == "olmo2":
+            if self.kind == "olmo2":
                 layer.update(q_norm=p("self_attn.q_norm"), k_norm=p("self_attn.k_norm"),
                              post_attn=p("post_attention_layernorm"), post_ff=p("post_feedforward_layernorm"))
             self.layers.append(layer)
-        shape = (c.num_layers, c.num_kv_heads, self.max_seq_len, c.head_dim)
+        shape = (c.num_layers, c.num_kv_heads, c.max_seq_len, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros_like(self.k_cache)
-        self.cos, self.sin = rope_tables(c.head_dim, c.rope_theta, self.max_seq_len, self.device)
-        self.offsets = torch.arange(max(self.max_seq_len, PREFILL_CHUNK), device=self.device)
+        self.cos, self.sin = rope_tables(c.head_dim, self.rope_theta, c.max_seq_len, self.device)
+        self.offsets = torch.arange(max(c.max_seq_len, PREFILL_CHUNK), device=self.device)
 
     def _layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        c, w = self.shapes, self.layers[i]
+        c, w = self.geometry, self.layers[i]
         d = h.shape[0]
-        x = layer_norm(h, c.eps) if c.kind == "olmo" else h
+        x = layer_norm(h, self.eps) if self.kind == "olmo" else h
         q, k, v = F.linear(x, w["wqkv"]).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                                                  c.num_kv_heads * c.head_dim], dim=-1)
-        if c.kind == "olmo2":
-            q, k = rms_norm_olmo2(q, w["q_norm"], c.eps), rms_norm_olmo2(k, w["k_norm"], c.eps)
-        if c.clip_qkv is not None:
-            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        if self.kind == "olmo2":
+            q, k = rms_norm_olmo2(q, w["q_norm"], self.eps), rms_norm_olmo2(k, w["k_norm"], self.eps)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = rotate(q.reshape(d, c.num_heads, c.head_dim), self.cos, self.sin, positions, table_dtype=False)
         k = rotate(k.reshape(d, c.num_kv_heads, c.head_dim), self.cos, self.sin, positions, table_dtype=False)
         self.k_cache[i].index_copy_(1, positions, k.transpose(0, 1))
         self.v_cache[i].index_copy_(1, positions, v.reshape(d, c.num_kv_heads, c.head_dim).transpose(0, 1))
         o = F.linear(attend(q, i), w["wo"])
-        h = h + (rms_norm_olmo2(o, w["post_attn"], c.eps) if c.kind == "olmo2" else o)
-        gate, up = F.linear(layer_norm(h, c.eps) if c.kind == "olmo" else h, w["gate_up"]).chunk(2, dim=-1)
+        h = h + (rms_norm_olmo2(o, w["post_attn"], self.eps) if self.kind == "olmo2" else o)
+        gate, up = F.linear(layer_norm(h, self.eps) if self.kind == "olmo" else h, w["gate_up"]).chunk(2, dim=-1)
         m = F.linear(F.silu(gate) * up, w["down"])
-        return h + (rms_norm_olmo2(m, w["post_ff"], c.eps) if c.kind == "olmo2" else m)
+        return h + (rms_norm_olmo2(m, w["post_ff"], self.eps) if self.kind == "olmo2" else m)
 
     def forward(self, ids: torch.Tensor, first: torch.Tensor, attend) -> torch.Tensor:
         """Hidden states [D, H] of tokens ids [D] at positions first [1] + 0 .. D - 1 (their KV rows written);
         attend(q [D, NH, HD], layer) -> [D, NH * HD] over the cache."""
         positions = first + self.offsets[:ids.shape[0]]
         h = self.embed.index_select(0, ids)
-        for i in range(self.shapes.num_layers):
+        for i in range(self.geometry.num_layers):
             h = self._layer(i, h, positions, attend)
         return h
 
@@ -164,8 +146,7 @@ class DenseDecoder:
 
     def greedy(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy tokens of hidden states h [D, H] and the drafter's probability of each (float32)."""
-        c = self.shapes
-        x = layer_norm(h, c.eps) if c.kind == "olmo" else rms_norm_olmo2(h, self.final_norm, c.eps)
+        x = layer_norm(h, self.eps) if self.kind == "olmo" else rms_norm_olmo2(h, self.final_norm, self.eps)
         probs = torch.softmax(F.linear(x, self.lm_head).float(), dim=-1)
         tokens = probs.argmax(-1)
         return tokens, probs.gather(-1, tokens[:, None])[:, 0]
@@ -187,7 +168,8 @@ class StaticARDrafter:
         check_vocabulary(model, target)
         self.vocab_size = model.config.vocab_size
         dec = self.decoder = DenseDecoder(model, max_seq_len)
-        c, s, dev = dec.shapes, dec.max_seq_len, dec.device
+        c, dev = dec.geometry, dec.device
+        s = c.max_seq_len
         self.max_seq_len, self.device = s, dev
         self.attention = WrittenAttention(1, c.num_heads, c.num_kv_heads, c.head_dim, s, True, dec.dtype, dev)
         self.notes = [self.attention.choose(attention)]

@@ -610,12 +610,12 @@ def build_engine_from_checkpoint(path, policy: PolicyConfig | None, calibration:
     experts go straight into the pinned store, the other weights to the device."""
     from transformers import AutoConfig
 
+    from specmoe.geometry import Geometry
     from specmoe.models import CheckpointReader, adapter_for, decoder_for
-    from specmoe.offload import ExpertGeometry
 
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     adapter = adapter_for(hf_config)
-    geometry = ExpertGeometry.of(adapter)
+    geometry = Geometry.of(adapter)
     slots = _slots_needed(policy, speculative, geometry.num_experts)
     store = ExpertStore.from_checkpoint(path, geometry, dtype=dtype, host_memory_limit=host_memory_limit)
     residency = ExpertResidency(store, slots, device, memory_limit=device_memory_limit)

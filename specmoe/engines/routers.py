@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from specmoe.geometry import Geometry
 from specmoe.kernels.device_routing import device_routing_applies
-from specmoe.models.decoder import DecodeStep, DecoderGeometry
+from specmoe.models.decoder import DecodeStep
 from specmoe.offload import CopyStream
 from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, RouterScoring
 from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, select_block_into
@@ -69,7 +70,7 @@ class CacheRouter:
     """The logical-cache router of the autoregressive policies, one position per step (`bind` a step, then
     `begin` each step with its record row and input token)."""
 
-    def __init__(self, policy: PolicyConfig, calibration: Calibration, geometry: DecoderGeometry,
+    def __init__(self, policy: PolicyConfig, calibration: Calibration, geometry: Geometry,
                  scoring: RouterScoring, copies: CopyStream):
         g = geometry
         self.policy, self.calibration, self.scoring_model = policy, calibration, scoring
@@ -196,7 +197,7 @@ class BlockRouter:
     """Block-level selection over the expert pool (module docstring), for steps of any D (`begin` each block
     with its selector and position weights)."""
 
-    def __init__(self, config: SpeculativeConfig, calibration: Calibration, geometry: DecoderGeometry,
+    def __init__(self, config: SpeculativeConfig, calibration: Calibration, geometry: Geometry,
                  scoring: RouterScoring, copies: CopyStream):
         g = geometry
         if scoring.kind != "softmax" or scoring.scale != 1.0:

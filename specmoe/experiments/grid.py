@@ -1,4 +1,4 @@
-"""A config's grid: the model's routing geometry (read without loading weights) and the configurations that
+"""A config's grid: the model it runs on with its geometry (read without loading weights) and the configurations that
 `specmoe run` measures, in the order it runs them within a round.
 
 A configuration is one thing to measure once per round: an AR policy at capacity C (kind "ar"), a drafter with
@@ -12,19 +12,25 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
+from specmoe.geometry import Geometry
+
 from .config import ConfigError, ExperimentConfig
 
 
 @dataclass(frozen=True)
-class Geometry:
-    """The target's routing geometry: L MoE layers, E experts, top-K, vocabulary V, positions."""
+class GridModel:
+    """The target of a config's grid: what load_model takes, its geometry (L MoE layers, E experts, top-K,
+    vocabulary V, from its config alone) and the positions its config allows (None where it names none)."""
 
-    source: str  # what load_model takes
-    num_layers: int
-    num_experts: int
-    top_k: int
-    vocab_size: int
+    source: str
+    geometry: Geometry
     max_positions: int | None
+
+    def describe(self) -> dict:
+        """manifest.json's "geometry" entry."""
+        g = self.geometry
+        return {"source": self.source, "num_layers": g.num_layers, "num_experts": g.num_experts, "top_k": g.top_k,
+                "vocab_size": g.vocab_size, "max_positions": self.max_positions}
 
 
 def model_source(source: str) -> str:
@@ -34,8 +40,9 @@ def model_source(source: str) -> str:
     return str(family_path("target")) if source == "family" else source
 
 
-def geometry(config: ExperimentConfig) -> Geometry:
-    """The model's geometry from its config alone (no weights): ConfigError naming `model.source` if none."""
+def grid_model(config: ExperimentConfig) -> GridModel:
+    """The model and its geometry from its config alone (no weights): ConfigError naming `model.source` if
+    none."""
     from specmoe.models import ModelSourceError, adapter_for, named_config
     from specmoe.models.registry import NAMED_CONFIGS, _checkpoint_config
 
@@ -45,8 +52,7 @@ def geometry(config: ExperimentConfig) -> Geometry:
         adapter = adapter_for(hf)
     except (ModelSourceError, ValueError, OSError) as exc:
         raise ConfigError(f"{config.path}: model.source: {' '.join(str(exc).split())}") from None
-    return Geometry(source, adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size,
-                    getattr(hf, "max_position_embeddings", None))
+    return GridModel(source, Geometry.of(adapter), getattr(hf, "max_position_embeddings", None))
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, ExperimentConfig
-from .grid import Configuration, Geometry
+from .grid import Configuration, GridModel
 
 COLUMNS = ("round", "requests", "tokens", "verifications", "tau", "copies_per_token", "demand_per_token",
            "prefetch_per_token", "prefetch_in_time_per_token", "prefetch_late_per_token", "unused_per_token",
@@ -91,15 +91,16 @@ def _ms_stats(token_ms: list[float]) -> dict:
 class Session:
     """What the cells of one run share (module docstring); `log(text)` reports set-up steps."""
 
-    def __init__(self, config: ExperimentConfig, geometry: Geometry, configurations: list[Configuration],
+    def __init__(self, config: ExperimentConfig, target: GridModel, configurations: list[Configuration],
                  run_dir: Path, log=print):
         from specmoe.models import load_model
 
-        self.config, self.geo, self.configurations, self.log = config, geometry, configurations, log
+        self.config, self.configurations, self.log = config, configurations, log
+        self.source, self.geo = target.source, target.geometry
         check_device(config)
         torch.set_num_threads(config.threads)
         started = time.time()
-        self.model, self.adapter = load_model(geometry.source, seed=config.seed, dtype=config.model.dtype,
+        self.model, self.adapter = load_model(target.source, seed=config.seed, dtype=config.model.dtype,
                                               device=config.device)
         self.model.requires_grad_(False)
         self.stop_tokens = tuple(t for t in [self.model.config.eos_token_id] if isinstance(t, int))
@@ -140,7 +141,7 @@ class Session:
     def _workload(self):
         from .workload import load_sequences
 
-        source = self.geo.source
+        source = self.source
         tokenizer = source if Path(source).is_dir() else None
         prompts = self.config.mode == "generation"
         return load_sequences(self.config.workload, self.model, tokenizer, self.config.seed, prompts=prompts)
@@ -375,7 +376,7 @@ class Session:
         from specmoe.replay import replay_ar, replay_block_selection, replay_rollback
 
         if self.trace is None:
-            self.trace = record_trace(self.model, self.sequences, self.geo.source)
+            self.trace = record_trace(self.model, self.sequences, self.source)
         key = (c.k, c.tau)
         if key not in self.blocks:
             self.blocks[key] = synthetic_blocks(self.trace, c.k, AcceptanceProfile.for_tau(c.tau, c.k),

@@ -26,16 +26,16 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
 
 from specmoe.arguments import int_at_least
 from specmoe.files import write_file_atomic, write_text_atomic
+from specmoe.geometry import Geometry
 
 from .config import ConfigError, ExperimentConfig, load_config
-from .grid import Configuration, Geometry, expand, geometry
+from .grid import Configuration, expand, grid_model
 
 RESULTS = "results.parquet"
 MANIFEST = "manifest.json"
@@ -225,7 +225,8 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
     from tqdm import tqdm
 
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-    geo = geometry(config)
+    target = grid_model(config)
+    geo = target.geometry
     grid = expand(config, geo)
     run_dir = RunDir(out if out is not None else Path("runs") / config.name)
     run_dir.check(config)
@@ -248,7 +249,7 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
                   "git": git_state(), "versions": versions(), "hardware": hardware(), "cells_run": 0}
     manifest = run_dir.manifest() or {"name": config.name, "description": config.description,
                                       "config_file": str(config.path), "digest": config.digest(),
-                                      "config": config.resolved(), "geometry": asdict(geo),
+                                      "config": config.resolved(), "geometry": target.describe(),
                                       "grid": [c.describe() for c in grid], "rounds": config.rounds,
                                       "cells_total": len(cells), "invocations": []}
     manifest["invocations"].append(invocation)
@@ -267,7 +268,7 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
         save_manifest("complete")
         return table, manifest
     try:
-        session = Session(config, geo, grid, run_dir.path, log)
+        session = Session(config, target, grid, run_dir.path, log)
     except BaseException as exc:
         save_manifest(f"set-up failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
         raise

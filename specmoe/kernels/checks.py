@@ -1,32 +1,15 @@
 """Self-checks of the kernels on the device they will run on: each compares a fast kernel with its torch
-reference on random inputs of a decoder's shapes, and raises RuntimeError if they disagree (relative L2 error
-above 2e-2). A decoder runs them when it chooses its kernels (`OlmoeDecoder.use_kernels`); one that fails is
-not used, and the decoder's notes say why."""
+reference on random inputs of a decoder's shapes (its `specmoe.geometry.Geometry`, in its dtype on its
+device), and raises RuntimeError if they disagree (relative L2 error above 2e-2). A decoder runs them when it
+chooses its kernels (`OlmoeDecoder.use_kernels`); one that fails is not used, and the decoder's notes say why."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from specmoe.geometry import Geometry
+
 TOLERANCE = 2e-2
-
-
-@dataclass(frozen=True)
-class KernelShapes:
-    """The shapes and constants a decoder's kernels run with."""
-
-    hidden: int
-    inter: int
-    top_k: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_seq_len: int
-    eps: float
-    clip_qkv: float | None
-    dtype: torch.dtype
-    device: torch.device
 
 
 def relative_error(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -43,112 +26,115 @@ def _agree(name: str, ref: torch.Tensor, out: torch.Tensor) -> None:
         raise RuntimeError(f"{name} differs from the torch path: relative error {err:.3g}")
 
 
-def _random_route(s: KernelShapes, num_slots: int, g: torch.Generator) -> torch.Tensor:
+def _random_route(s: Geometry, num_slots: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
     """A route row [2K] int32: K distinct random slots, then softmax weights as float32 bit patterns."""
-    route = torch.zeros(2 * s.top_k, dtype=torch.int32, device=s.device)
-    route[: s.top_k] = torch.randperm(num_slots, device=s.device, generator=g)[: s.top_k].int()
-    route[s.top_k:].view(torch.float32)[:] = torch.softmax(torch.randn(s.top_k, device=s.device, generator=g), 0)
+    route = torch.zeros(2 * s.top_k, dtype=torch.int32, device=device)
+    route[: s.top_k] = torch.randperm(num_slots, device=device, generator=g)[: s.top_k].int()
+    route[s.top_k:].view(torch.float32)[:] = torch.softmax(torch.randn(s.top_k, device=device, generator=g), 0)
     return route
 
 
-def _random_routes(s: KernelShapes, num_slots: int, num_positions: int, g: torch.Generator) -> torch.Tensor:
+def _random_routes(s: Geometry, num_slots: int, num_positions: int, g: torch.Generator,
+                   device: torch.device) -> torch.Tensor:
     """Routes [D, 2K] int32 of a verification block: K distinct slots per position drawn from a skewed
     popularity over the slots (1 / rank, random ranking), so that positions share slots; softmax weights."""
-    popularity = 1.0 / torch.arange(1, num_slots + 1, device=s.device, dtype=torch.float32)
-    popularity = popularity[torch.randperm(num_slots, device=s.device, generator=g)]
-    route = torch.zeros(num_positions, 2 * s.top_k, dtype=torch.int32, device=s.device)
+    popularity = 1.0 / torch.arange(1, num_slots + 1, device=device, dtype=torch.float32)
+    popularity = popularity[torch.randperm(num_slots, device=device, generator=g)]
+    route = torch.zeros(num_positions, 2 * s.top_k, dtype=torch.int32, device=device)
     route[:, : s.top_k] = torch.multinomial(popularity.expand(num_positions, num_slots), s.top_k,
                                             replacement=False, generator=g).int()
     route[:, s.top_k:].view(torch.float32)[:] = torch.softmax(
-        torch.randn(num_positions, s.top_k, device=s.device, generator=g), -1)
+        torch.randn(num_positions, s.top_k, device=device, generator=g), -1)
     return route
 
 
-def check_triton(s: KernelShapes, slot_buf: torch.Tensor, moe_params: dict | None) -> None:
+def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
+                 dtype: torch.dtype, device: torch.device) -> None:
     """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
     from . import moe as kmoe
     from . import norm_rope as knr
 
-    g = torch.Generator(device=s.device).manual_seed(0)
-    x = torch.randn(s.hidden, device=s.device, generator=g).to(s.dtype)
-    res = torch.zeros(s.hidden, device=s.device, dtype=s.dtype)  # compare the MoE output alone
-    route = _random_route(s, slot_buf.shape[0], g)
-    act = torch.empty(s.top_k, s.inter, device=s.device, dtype=s.dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
+    res = torch.zeros(s.hidden, device=device, dtype=dtype)  # compare the MoE output alone
+    route = _random_route(s, slot_buf.shape[0], g, device)
+    act = torch.empty(s.top_k, s.inter, device=device, dtype=dtype)
     ref, out = torch.empty_like(res), torch.empty_like(res)
     kmoe.slot_moe_torch(x, res, slot_buf, route, act, ref, s.hidden, s.inter)
     kmoe.slot_moe_triton(x, res, slot_buf, route, act, out, s.hidden, s.inter, moe_params)
     _agree("slot MoE kernel", ref, out)
-    w = torch.randn(s.hidden, device=s.device, generator=g).to(s.dtype)
-    _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, s.eps), knr.rmsnorm_triton(x, w, s.eps, torch.empty_like(x)))
+    w = torch.randn(s.hidden, device=device, generator=g).to(dtype)
+    _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, eps), knr.rmsnorm_triton(x, w, eps, torch.empty_like(x)))
     width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     num_pos = 3
-    qkv = torch.randn(num_pos, width, device=s.device, generator=g).to(s.dtype)
-    q_norm = torch.randn(s.num_heads * s.head_dim, device=s.device, generator=g).to(s.dtype)
-    k_norm = torch.randn(s.num_kv_heads * s.head_dim, device=s.device, generator=g).to(s.dtype)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, s.head_dim, 2, device=s.device).float() / s.head_dim))
-    freqs = torch.arange(8, device=s.device).float()[:, None] * inv[None]
-    pos = torch.tensor([3], device=s.device)
+    qkv = torch.randn(num_pos, width, device=device, generator=g).to(dtype)
+    q_norm = torch.randn(s.num_heads * s.head_dim, device=device, generator=g).to(dtype)
+    k_norm = torch.randn(s.num_kv_heads * s.head_dim, device=device, generator=g).to(dtype)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, s.head_dim, 2, device=device).float() / s.head_dim))
+    freqs = torch.arange(8, device=device).float()[:, None] * inv[None]
+    pos = torch.tensor([3], device=device)
     outs = []
     for fn in (knr.qkv_prologue_torch, knr.qkv_prologue_triton):
-        q = torch.zeros(num_pos, s.num_heads, s.head_dim, device=s.device, dtype=s.dtype)
-        kc = torch.zeros(s.num_kv_heads, 8, s.head_dim, device=s.device, dtype=s.dtype)
+        q = torch.zeros(num_pos, s.num_heads, s.head_dim, device=device, dtype=dtype)
+        kc = torch.zeros(s.num_kv_heads, 8, s.head_dim, device=device, dtype=dtype)
         vc = torch.zeros_like(kc)
-        fn(qkv, q_norm, k_norm, freqs.cos(), freqs.sin(), pos, q, kc, vc, s.eps, s.clip_qkv)
+        fn(qkv, q_norm, k_norm, freqs.cos(), freqs.sin(), pos, q, kc, vc, eps, clip_qkv)
         outs.append(torch.cat([q.flatten(), kc.flatten(), vc.flatten()]))
     _agree("attention prologue kernel", *outs)
 
 
-def check_grouped_moe(s: KernelShapes, slot_buf: torch.Tensor, params: dict | None = None,
-                      num_positions: int = 17) -> None:
+def check_grouped_moe(s: Geometry, slot_buf: torch.Tensor, dtype: torch.dtype, device: torch.device,
+                      params: dict | None = None, num_positions: int = 17) -> None:
     """The grouped slot MoE kernel (D positions, each distinct slot read once) against the torch path, one
     position at a time: random inputs, a block of D positions sharing slots (`_random_routes`)."""
     from .grouped_moe import make_grouped_workspace, slot_moe_grouped_torch, slot_moe_grouped_triton
 
-    g = torch.Generator(device=s.device).manual_seed(3)
+    g = torch.Generator(device=device).manual_seed(3)
     d = num_positions
-    x = torch.randn(d, s.hidden, device=s.device, generator=g).to(s.dtype)
-    res = torch.zeros(d, s.hidden, device=s.device, dtype=s.dtype)  # compare the MoE output alone
-    route = _random_routes(s, slot_buf.shape[0], d, g)
-    ws = make_grouped_workspace(d, s.top_k, s.hidden, s.inter, s.dtype, s.device)
+    x = torch.randn(d, s.hidden, device=device, generator=g).to(dtype)
+    res = torch.zeros(d, s.hidden, device=device, dtype=dtype)  # compare the MoE output alone
+    route = _random_routes(s, slot_buf.shape[0], d, g, device)
+    ws = make_grouped_workspace(d, s.top_k, s.hidden, s.inter, dtype, device)
     ref = slot_moe_grouped_torch(x, res, slot_buf, route, torch.empty_like(res), s.hidden, s.inter, ws)
     out = slot_moe_grouped_triton(x, res, slot_buf, route, torch.empty_like(res), s.hidden, s.inter, ws, params)
     for i in range(d):
         _agree(f"grouped slot MoE kernel (position {i} of {d})", ref[i], out[i])
 
 
-def check_attention(s: KernelShapes, name: str, attend) -> None:
+def check_attention(s: Geometry, name: str, attend, dtype: torch.dtype, device: torch.device) -> None:
     """An attention over the written positions, attend(q, k_cache, v_cache, seq_len, scale) -> [D, NH * HD]
     (split-KV, flash-attn), against SDPA over the masked cache: random queries and caches of the decoder's
     shapes, the first two thirds of the positions written, one query and a causal block of three."""
     from .attention import causal_step_mask, decode_attention
 
-    g = torch.Generator(device=s.device).manual_seed(1)
-    k_cache, v_cache = (torch.randn(s.num_kv_heads, s.max_seq_len, s.head_dim, device=s.device,
-                                    generator=g).to(s.dtype) for _ in range(2))
+    g = torch.Generator(device=device).manual_seed(1)
+    k_cache, v_cache = (torch.randn(s.num_kv_heads, s.max_seq_len, s.head_dim, device=device,
+                                    generator=g).to(dtype) for _ in range(2))
     written = 2 * s.max_seq_len // 3 + 1
-    positions = torch.arange(s.max_seq_len, device=s.device)
+    positions = torch.arange(s.max_seq_len, device=device)
     for num_pos in (1, 3):
         if num_pos > written:
             continue
-        q = torch.randn(num_pos, s.num_heads, s.head_dim, device=s.device, generator=g).to(s.dtype)
-        first = torch.tensor([written - num_pos], device=s.device)
-        mask = causal_step_mask(positions, first, torch.empty(num_pos, s.max_seq_len, device=s.device,
-                                                              dtype=s.dtype))
-        seq_len = torch.full((1,), written, dtype=torch.int32, device=s.device)
+        q = torch.randn(num_pos, s.num_heads, s.head_dim, device=device, generator=g).to(dtype)
+        first = torch.tensor([written - num_pos], device=device)
+        mask = causal_step_mask(positions, first, torch.empty(num_pos, s.max_seq_len, device=device,
+                                                              dtype=dtype))
+        seq_len = torch.full((1,), written, dtype=torch.int32, device=device)
         scale = s.head_dim ** -0.5
         _agree(name, decode_attention(q, k_cache, v_cache, mask, scale), attend(q, k_cache, v_cache, seq_len, scale))
 
 
-def check_fused_experts(s: KernelShapes, slot_buf: torch.Tensor, fused_experts) -> None:
+def check_fused_experts(s: Geometry, slot_buf: torch.Tensor, fused_experts, dtype: torch.dtype,
+                        device: torch.device) -> None:
     """vLLM's fused_experts against the torch slot MoE: random input, K random slots of the buffer."""
     from .moe import slot_moe_torch, slot_moe_vllm
 
-    g = torch.Generator(device=s.device).manual_seed(2)
-    x = torch.randn(s.hidden, device=s.device, generator=g).to(s.dtype)
-    res = torch.zeros(s.hidden, device=s.device, dtype=s.dtype)  # compare the MoE output alone
-    route = _random_route(s, slot_buf.shape[0], g)
+    g = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
+    res = torch.zeros(s.hidden, device=device, dtype=dtype)  # compare the MoE output alone
+    route = _random_route(s, slot_buf.shape[0], g, device)
     ref, out = torch.empty_like(res), torch.empty_like(res)
-    act = torch.empty(s.top_k, s.inter, device=s.device, dtype=s.dtype)
+    act = torch.empty(s.top_k, s.inter, device=device, dtype=dtype)
     slot_moe_torch(x, res, slot_buf, route, act, ref, s.hidden, s.inter)
     slot_moe_vllm(x, res, slot_buf, route, out, s.hidden, s.inter, fused_experts)
     _agree("fused_experts", ref, out)

@@ -33,25 +33,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specmoe.geometry import Geometry
 from specmoe.routing import RouterScoring
-
-
-@dataclass(frozen=True)
-class DecoderGeometry:
-    """What an engine needs to know about a decoder's shapes."""
-
-    num_layers: int  # MoE layers, L
-    num_experts: int  # E
-    top_k: int  # K
-    vocab_size: int
-    hidden: int  # H
-    inter: int  # I, one expert's intermediate size
-    max_seq_len: int  # S, positions of the static KV cache
-
-    @property
-    def expert_width(self) -> int:
-        """Elements of one expert row of the expert store: [gate (I x H) | up (I x H) | down (H x I)]."""
-        return 3 * self.inter * self.hidden
 
 
 @dataclass
@@ -82,7 +65,7 @@ class DecodeStep:
         self.next_np = self.next_host.numpy()
 
     @classmethod
-    def allocate(cls, num_positions: int, geometry: DecoderGeometry, device: torch.device) -> "DecodeStep":
+    def allocate(cls, num_positions: int, geometry: Geometry, device: torch.device) -> "DecodeStep":
         g, d = geometry, num_positions
         pin = device.type == "cuda"
 
@@ -127,7 +110,7 @@ class Decoder(Protocol):
     e.g. Gated DeltaNet) and its MLP ("moe", or "dense_mlp" for the dense layers some models put first); the
     engine routes the "moe" layers, numbered 0 .. L - 1 in order."""
 
-    geometry: DecoderGeometry
+    geometry: Geometry
     scoring: RouterScoring
     device: torch.device
     dtype: torch.dtype

@@ -16,11 +16,10 @@ layer's by the head graph after the final norm (transformers' hidden_states[L] i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from specmoe.geometry import Geometry
 from specmoe.kernels import (GROUPED_DEFAULTS, MOE_DEFAULTS, LaunchChoice, causal_step_mask, check_kernel_choice,
                              check_tune, checks, decode_attention, decode_attention_flash, grouped_launch_params,
                              grouped_params, load_flash_attn, load_fused_experts, make_grouped_workspace,
@@ -29,35 +28,8 @@ from specmoe.kernels import (GROUPED_DEFAULTS, MOE_DEFAULTS, LaunchChoice, causa
 
 from .adapter import ModelSourceError
 from .checkpoint import CheckpointReader
-from .decoder import DecoderGeometry, DecodeStep
+from .decoder import DecodeStep
 from .olmoe import OlmoeAdapter
-
-
-@dataclass(frozen=True)
-class OlmoeShapes:
-    """The shapes and constants of an OLMoE decoder (from a transformers OlmoeConfig)."""
-
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    inter: int
-    num_experts: int
-    top_k: int
-    vocab_size: int
-    eps: float
-    rope_theta: float
-    clip_qkv: float | None
-
-    @classmethod
-    def from_hf(cls, config) -> "OlmoeShapes":
-        theta = norm_rope.default_rope_theta(config, "the OLMoE decoder")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-                   config.num_key_value_heads, head_dim, config.intermediate_size, config.num_experts,
-                   config.num_experts_per_tok, config.vocab_size, float(config.rms_norm_eps), float(theta),
-                   config.clip_qkv)
 
 
 def _layer_keys(i: int) -> dict[str, str]:
@@ -75,10 +47,11 @@ class OlmoeDecoder:
     def __init__(self, config, weight, max_seq_len: int, device, dtype: torch.dtype):
         """config: a transformers OlmoeConfig; weight(name) -> tensor, for transformers' parameter names
         (from a model or a checkpoint)."""
-        c = self.shapes = OlmoeShapes.from_hf(config)
+        # the architecture's constants; its shapes are the geometry's
+        self.rope_theta = float(norm_rope.default_rope_theta(config, "the OLMoE decoder"))
+        self.eps, self.clip_qkv = float(config.rms_norm_eps), config.clip_qkv
+        c = self.geometry = Geometry.from_hf(config, max_seq_len)
         self.device, self.dtype = torch.device(device), dtype
-        self.geometry = DecoderGeometry(c.num_layers, c.num_experts, c.top_k, c.vocab_size, c.hidden, c.inter,
-                                        int(max_seq_len))
         self.scoring = OlmoeAdapter.from_config(config).router_scoring(weight)
         self.backend, self.attention, self.moe_params, self.notes = "torch", "sdpa", None, []
         self.flash_attn = self.fused_experts = None  # set by use_kernels once checked
@@ -106,7 +79,7 @@ class OlmoeDecoder:
         self.k_cache = torch.zeros(c.num_layers, c.num_kv_heads, s, c.head_dim, dtype=dtype, device=dev)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.positions = torch.arange(s, device=dev)
-        self.cos, self.sin = norm_rope.rope_tables(c.head_dim, c.rope_theta, s, dev)
+        self.cos, self.sin = norm_rope.rope_tables(c.head_dim, self.rope_theta, s, dev)
         self.scale = c.head_dim ** -0.5
         self._steps: dict[int, DecodeStep] = {}
         self.feature_layers: tuple[int, ...] = ()  # capture_features
@@ -137,11 +110,6 @@ class OlmoeDecoder:
         return cls(config, weight, max_seq_len, device, dtype)
 
     # -- kernels ---------------------------------------------------------------------------------------
-    def kernel_shapes(self) -> checks.KernelShapes:
-        c = self.shapes
-        return checks.KernelShapes(c.hidden, c.inter, c.top_k, c.num_heads, c.num_kv_heads, c.head_dim,
-                                   self.geometry.max_seq_len, c.eps, c.clip_qkv, self.dtype, self.device)
-
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
         """See `Decoder.use_kernels`. Launch parameters (`specmoe.kernels.tuning`): the slot MoE kernel's are
         chosen here, the grouped kernel's when a step of D > 1 positions is first made (`step`); `launch`
@@ -152,27 +120,27 @@ class OlmoeDecoder:
         flash_attn = load_flash_attn() if attention == "flash_attn" else None
         fused_experts = load_fused_experts() if moe == "vllm" else None
         cuda = self.device.type == "cuda"
-        shapes = self.kernel_shapes()
+        g, on = self.geometry, (self.dtype, self.device)  # what the self-checks run with
         self.flash_attn = self.fused_experts = self.moe_params = None
         self.grouped_moe, self.attention, self.grouped_params = False, "sdpa", {}
         self.launch.clear()
         self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
             if self._verified("split-KV attention", "SDPA", lambda: checks.check_attention(
-                    shapes, "split-KV attention kernel", self._split_kv_check)):
+                    g, "split-KV attention kernel", self._split_kv_check, *on)):
                 self.attention = "split_kv"
         if flash_attn is not None and self._verified("flash-attn's flash_attn_with_kvcache", "SDPA", lambda: (
-                checks.check_attention(shapes, "flash_attn_with_kvcache", self._flash_check(flash_attn)))):
+                checks.check_attention(g, "flash_attn_with_kvcache", self._flash_check(flash_attn), *on))):
             self.flash_attn, self.attention = flash_attn, "flash_attn"
         if fused_experts is not None and self._verified("vLLM's fused_experts", "the slot MoE kernel", lambda: (
-                checks.check_fused_experts(shapes, slot_buf, fused_experts))):
+                checks.check_fused_experts(g, slot_buf, fused_experts, *on))):
             self.fused_experts = fused_experts
         self.backend = "torch"
         if backend == "triton" or (backend == "auto" and cuda and triton_available()):
             # vLLM's kernel runs the MoE otherwise: the slot kernel is checked with its defaults, not tuned
             slot_tune = tune if self.fused_experts is None else False
             if self._verified("Triton kernels", "torch fallback", lambda: self._tune_and_check(
-                    shapes, slot_buf, slot_tune)):
+                    slot_buf, slot_tune)):
                 self.backend = "triton"
             else:
                 self.moe_params = None
@@ -180,7 +148,7 @@ class OlmoeDecoder:
         if self.backend == "triton" and self.fused_experts is None:
             self.grouped_moe = self._verified("grouped slot MoE kernel (steps of D > 1 positions)",
                                               "the slot MoE kernel once per position", lambda: (
-                                                  checks.check_grouped_moe(shapes, slot_buf)))
+                                                  checks.check_grouped_moe(g, slot_buf, *on)))
             for d in [d for d in self._steps if d > 1]:  # steps made before: their params now (later ones: `step`)
                 self._choose_grouped_params(d)
         return {"backend": self.backend, "attention": self.attention,
@@ -200,11 +168,12 @@ class OlmoeDecoder:
         self.notes.append(f"{name} checked against torch on {where}; used")
         return True
 
-    def _tune_and_check(self, shapes: checks.KernelShapes, slot_buf: torch.Tensor, tune) -> None:
-        choice = moe_launch_params(tune, slot_buf, shapes.top_k, shapes.hidden, shapes.inter)
+    def _tune_and_check(self, slot_buf: torch.Tensor, tune) -> None:
+        g = self.geometry
+        choice = moe_launch_params(tune, slot_buf, g.top_k, g.hidden, g.inter)
         self.notes.extend(choice.notes)
         self.moe_params = choice.params
-        checks.check_triton(shapes, slot_buf, self.moe_params)
+        checks.check_triton(g, slot_buf, self.moe_params, self.eps, self.clip_qkv, self.dtype, self.device)
         if self.fused_experts is None:
             self.launch["slot_moe"] = {"params": {**MOE_DEFAULTS, **choice.params}, "source": choice.source}
 
@@ -212,13 +181,13 @@ class OlmoeDecoder:
         """The grouped kernel's launch parameters for steps of D = num_positions (cached, tuned now, or the
         defaults; tuned ones checked against torch at this D, the defaults used if they fail)."""
         tune, slot_buf = self._tuning
-        d, c, cuda = num_positions, self.shapes, self.device.type == "cuda"
+        d, c, cuda = num_positions, self.geometry, self.device.type == "cuda"
         try:
             if cuda:  # the slot buffer's experts arrive on other streams
                 torch.cuda.synchronize(self.device)
             choice = grouped_launch_params(tune, slot_buf, d, c.top_k, c.hidden, c.inter)
             if choice.source != "defaults":
-                checks.check_grouped_moe(self.kernel_shapes(), slot_buf, choice.params, num_positions=d)
+                checks.check_grouped_moe(c, slot_buf, self.dtype, self.device, choice.params, num_positions=d)
         except Exception as exc:  # a failed tune or check must not cost the run
             if cuda:
                 torch.cuda.synchronize(self.device)
@@ -246,8 +215,9 @@ class OlmoeDecoder:
         step's work["features"] [D, len(layer_ids) * H] (module docstring). A change of layers drops the steps
         made so far (graphs captured over them would not write the features): make the runners again."""
         ids = tuple(int(i) for i in layer_ids)
-        if any(not 0 <= i < self.shapes.num_layers for i in ids):
-            raise ValueError(f"feature layers {list(ids)} outside the target's layers 0..{self.shapes.num_layers - 1}")
+        num_layers = self.geometry.num_layers
+        if any(not 0 <= i < num_layers for i in ids):
+            raise ValueError(f"feature layers {list(ids)} outside the target's layers 0..{num_layers - 1}")
         if ids != self.feature_layers:
             self._steps.clear()  # steps (and graphs) made before would not write them: new ones are made
         self.feature_layers = ids
@@ -261,13 +231,13 @@ class OlmoeDecoder:
 
     def _write_features(self, step: DecodeStep, layer: int, hidden: torch.Tensor) -> None:
         """Copy `hidden` [D, H], the state after `layer`, into its feature slots (if the layer is named)."""
-        width = self.shapes.hidden
+        width = self.geometry.hidden
         for slot in self._feature_slots.get(layer, ()):
             step.work["features"][:, slot * width:(slot + 1) * width].copy_(hidden)
 
     def step(self, num_positions: int) -> DecodeStep:
         if num_positions not in self._steps:
-            c, d, dev, dt = self.shapes, num_positions, self.device, self.dtype
+            c, d, dev, dt = self.geometry, num_positions, self.device, self.dtype
             step = DecodeStep.allocate(d, self.geometry, dev)
             zeros = lambda *shape: torch.zeros(*shape, dtype=dt, device=dev)  # noqa: E731
             step.work.update(h=zeros(d, c.hidden), xn=zeros(d, c.hidden), moe_in=zeros(d, c.hidden),
@@ -304,11 +274,11 @@ class OlmoeDecoder:
     # -- device steps (graph bodies) -------------------------------------------------------------------
     def _rmsnorm(self, x, weight, out):
         if self.backend == "triton":
-            return norm_rope.rmsnorm_triton(x, weight, self.shapes.eps, out)
-        return out.copy_(norm_rope.rmsnorm_torch(x, weight, self.shapes.eps))
+            return norm_rope.rmsnorm_triton(x, weight, self.eps, out)
+        return out.copy_(norm_rope.rmsnorm_torch(x, weight, self.eps))
 
     def attention_router(self, step: DecodeStep, layer: int, copy_out: bool = True) -> None:
-        c, w, d = self.shapes, step.work, step.num_positions
+        w, d = step.work, step.num_positions
         first = step.input_dev[d:]
         if layer == 0:
             step.input_dev.copy_(step.input_host, non_blocking=True)
@@ -323,7 +293,7 @@ class OlmoeDecoder:
         qkv = F.linear(x, self.wqkv[layer])
         prologue = norm_rope.qkv_prologue_triton if self.backend == "triton" else norm_rope.qkv_prologue_torch
         prologue(qkv, self.q_norm[layer], self.k_norm[layer], self.cos, self.sin, first, w["q"],
-                 self.k_cache[layer], self.v_cache[layer], c.eps, c.clip_qkv)
+                 self.k_cache[layer], self.v_cache[layer], self.eps, self.clip_qkv)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         if self.attention == "split_kv":
             att = split_kv_attention(w["q"], k_cache, v_cache, w["seqlens"], self.scale, w["att"], w["split_kv"])
@@ -338,7 +308,7 @@ class OlmoeDecoder:
             step.copy_out_logits(layer)
 
     def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
-        c, w = self.shapes, step.work
+        c, w = self.geometry, step.work
         if copy_in:  # else the route rows were written on the device (`specmoe.kernels.device_routing`)
             step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
         if self.grouped_moe and step.num_positions > 1:  # each distinct slot's expert read once for the D positions
@@ -355,7 +325,7 @@ class OlmoeDecoder:
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = self._rmsnorm(step.work["h"], self.final_norm, step.work["xn"])
-        self._write_features(step, self.shapes.num_layers - 1, x)
+        self._write_features(step, self.geometry.num_layers - 1, x)
         step.out_logits.copy_(F.linear(x, self.lm_head))
         step.next_dev.copy_(step.out_logits.argmax(dim=-1))
         if copy_out:
@@ -363,7 +333,7 @@ class OlmoeDecoder:
 
     # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_token(self, position: int) -> int:
-        c = self.shapes
+        c = self.geometry
         item = self.embed.element_size()
         per_layer = sum(t.numel() for t in (self.wqkv[0], self.wo[0], self.router_pair[0], self.input_ln[0],
                                             self.post_ln[0], self.q_norm[0], self.k_norm[0])) * item

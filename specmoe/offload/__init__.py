@@ -6,8 +6,8 @@ from specmoe.models.checkpoint import CheckpointReader  # the store's checkpoint
 from .copies import CopyStats, CopyStream, SlotBuffers
 from .memory import OffloadError, device_available_bytes, host_available_bytes
 from .residency import ExpertResidency
-from .store import ExpertGeometry, ExpertStore
+from .store import ExpertStore
 
-__all__ = ["CheckpointReader", "CopyStats", "CopyStream", "ExpertGeometry", "ExpertResidency", "ExpertStore",
+__all__ = ["CheckpointReader", "CopyStats", "CopyStream", "ExpertResidency", "ExpertStore",
            "OffloadError",
            "SlotBuffers", "device_available_bytes", "host_available_bytes"]

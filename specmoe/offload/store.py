@@ -10,40 +10,18 @@ a checkpoint never holds two full copies of the expert weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from specmoe.geometry import Geometry
 from specmoe.models.checkpoint import CheckpointReader
 
 from .memory import GiB, OffloadError, check_fits, host_available_bytes
 
 
-@dataclass(frozen=True)
-class ExpertGeometry:
-    """Shapes of a model's routed experts; layer_ids are the decoder indices of the MoE layers."""
-
-    num_layers: int
-    num_experts: int
-    hidden: int
-    inter: int
-    layer_ids: tuple[int, ...]
-
-    @property
-    def width(self) -> int:
-        return 3 * self.inter * self.hidden
-
-    @classmethod
-    def of(cls, adapter) -> "ExpertGeometry":
-        """From a `specmoe.models` adapter."""
-        return cls(adapter.num_moe_layers, adapter.num_experts, adapter.hidden_size, adapter.moe_intermediate_size,
-                   tuple(adapter.moe_layer_ids))
-
-
 class ExpertStore:
     """All L x E experts as rows of per-layer [E, W] host tensors (pinned where CUDA is available)."""
 
-    def __init__(self, layers: list[torch.Tensor], geometry: ExpertGeometry):
+    def __init__(self, layers: list[torch.Tensor], geometry: Geometry):
         self.layers = layers
         self.geometry = geometry
         self.dtype = layers[0].dtype
@@ -59,7 +37,7 @@ class ExpertStore:
 
     @property
     def width(self) -> int:
-        return self.geometry.width
+        return self.geometry.expert_width
 
     @property
     def expert_bytes(self) -> int:
@@ -82,14 +60,14 @@ class ExpertStore:
 
     # -- construction --------------------------------------------------------------------------------
     @staticmethod
-    def _check_memory(geometry: ExpertGeometry, dtype: torch.dtype, pin: bool | None,
+    def _check_memory(geometry: Geometry, dtype: torch.dtype, pin: bool | None,
                       host_memory_limit: int | None) -> bool:
         """Fail clearly if the store does not fit in host memory; returns whether to pin it."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        needed = geometry.num_layers * geometry.num_experts * geometry.width * itemsize
+        needed = geometry.num_layers * geometry.num_experts * geometry.expert_width * itemsize
         available = host_available_bytes() if host_memory_limit is None else int(host_memory_limit)
         check_fits(f"the expert store ({geometry.num_layers} layers x {geometry.num_experts} experts x "
-                   f"{geometry.width * itemsize / 1e6:.1f} MB)", needed, available, "host memory",
+                   f"{geometry.expert_width * itemsize / 1e6:.1f} MB)", needed, available, "host memory",
                    "Free host memory or use a machine with more; the store must hold every expert.",
                    headroom=min(GiB, needed // 8 + 64 * 1024**2))
         return torch.cuda.is_available() if pin is None else bool(pin)
@@ -105,7 +83,7 @@ class ExpertStore:
             from specmoe.models import adapter_for  # transformers is imported only where a model is given
 
             adapter = adapter_for(model.config)
-        geometry = ExpertGeometry.of(adapter)
+        geometry = Geometry.of(adapter)
         dtype = dtype or adapter.experts(model, 0)[0].dtype
         pin = cls._check_memory(geometry, dtype, pin, host_memory_limit)
         g = geometry
@@ -117,7 +95,7 @@ class ExpertStore:
                 raise OffloadError(f"MoE layer {layer} has expert weights {tuple(gate_up.shape)} / "
                                    f"{tuple(down.shape)}, expected [E, 2I, H] / [E, H, I] with E={g.num_experts}, "
                                    f"I={g.inter}, H={g.hidden}")
-            buf = torch.empty((g.num_experts, g.width), dtype=dtype, pin_memory=pin)
+            buf = torch.empty((g.num_experts, g.expert_width), dtype=dtype, pin_memory=pin)
             gu = 2 * g.inter * g.hidden
             with torch.no_grad():  # expert by expert: contiguous source and destination, one plain copy each
                 for e in range(g.num_experts):
@@ -131,7 +109,7 @@ class ExpertStore:
         return cls(layers, geometry)
 
     @classmethod
-    def from_checkpoint(cls, path, geometry: ExpertGeometry, *, dtype: torch.dtype = torch.bfloat16,
+    def from_checkpoint(cls, path, geometry: Geometry, *, dtype: torch.dtype = torch.bfloat16,
                         pin: bool | None = None, host_memory_limit: int | None = None,
                         prefix: str = "model.layers.{layer}.mlp.experts") -> "ExpertStore":
         """Read the experts of a local safetensors checkpoint one tensor at a time.
@@ -146,7 +124,7 @@ class ExpertStore:
         layers = []
         for layer, layer_id in enumerate(g.layer_ids):
             base = prefix.format(layer=layer_id)
-            buf = torch.empty((g.num_experts, g.width), dtype=dtype, pin_memory=pin)
+            buf = torch.empty((g.num_experts, g.expert_width), dtype=dtype, pin_memory=pin)
             if f"{base}.gate_up_proj" in reader or f"{base}.down_proj" in reader:
                 gate_up = _read(reader, f"{base}.gate_up_proj", (g.num_experts, 2 * g.inter, g.hidden), path, layer)
                 buf[:, :gu].copy_(gate_up.reshape(g.num_experts, -1))
