@@ -199,7 +199,10 @@ def test_second_build_reads_the_cache_and_picks_the_same_params(monkeypatch, tmp
     for a, b in zip(first, second):
         assert a["source"] == "tuned" and b["source"] == "cache"
         assert b["params"] == a["params"]
-    assert len(read_cache(tmp_path / "tuning.json")[0]) == 2
+    # the per-token kernel, and the grouped kernel at D = 5 and at the prefill chunk's D (the engine's own runner)
+    kernels = sorted(json.loads(key)["kernel"] + str(json.loads(key)["shape"].get("positions", ""))
+                     for key in read_cache(tmp_path / "tuning.json")[0])
+    assert kernels == sorted(["slot_moe", "grouped_slot_moe5", f"grouped_slot_moe{EngineConfig().prefill_chunk}"])
     fixed = build(False)
     assert fixed[0] == {"params": MOE_DEFAULTS, "source": "defaults"}
     assert fixed[1] == {"params": grouped_params(5), "source": "defaults"}
