@@ -42,7 +42,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fixed-too", action="store_true", help="also sd_follow_fixed: the speculative engine with "
+                    "EngineConfig(tune=False) (new API only)")
+    ap.add_argument("--spec-device-routing", default="auto", help="the speculative engine's EngineConfig."
+                    "device_routing (new API only)")
     args = ap.parse_args(argv)
+    args.spec_config = {} if args.spec_device_routing == "auto" else {"device_routing": args.spec_device_routing}
     api = _api()
     from specmoe.engines.helpers import random_olmoe_on_device
     from specmoe.models import adapter_for, decoder_for
@@ -81,9 +86,14 @@ def main(argv=None) -> int:
     config = SpeculativeConfig(selector_preset("acceptmoe"), k=8, pool_size=24)
     decoder = decoder_for(model.config).from_model(model, seq)
     fingerprint = adapter_for(model.config).fingerprint(model)
+    specs = {}
     if api == "engine":
-        spec = Engine(decoder, unit, None, calibration, EngineConfig(max_seq_len=seq), fingerprint=fingerprint,
-                      speculative=config)
+        spec = Engine(decoder, unit, None, calibration, EngineConfig(max_seq_len=seq, **args.spec_config),
+                      fingerprint=fingerprint, speculative=config)
+        if args.fixed_too:  # the same with the kernels' fixed default launch parameters
+            specs["sd_follow_fixed"] = Engine(decoder_for(model.config).from_model(model, seq), unit, None,
+                                              calibration, EngineConfig(max_seq_len=seq, tune=False),
+                                              fingerprint=fingerprint, speculative=config)
     else:
         from specmoe.drafters import DrafterConfig, build_drafter
         spec = SpecEngine(decoder, unit, build_drafter(DrafterConfig("synthetic"), model), calibration, config,
@@ -104,17 +114,23 @@ def main(argv=None) -> int:
     trace = Trace(recorded.router_logits[args.prompt:], recorded.pregate_logits[args.prompt:],
                   recorded.input_tokens[args.prompt:], np.array([0]), K, V)
     blocks = synthetic_blocks(trace, 8, AcceptanceProfile.for_tau(5, 8), seed=args.seed)
+    specs = {"sd_follow": spec, **specs}
     for _ in range(args.windows):
-        results = spec.follow(blocks, first_position=args.prompt)
-        committed = sum(len(r.tokens) for r in results)
-        if api == "engine":
-            ms = sum(float(r.ms.sum()) for r in results)
-        else:
-            ms = 1e3 * sum(sum(r.verify_s) for r in results)
-        rows["sd_follow"].append(ms / committed)
+        for name, engine in specs.items():
+            results = engine.follow(blocks, first_position=args.prompt)
+            committed = sum(len(r.tokens) for r in results)
+            if api == "engine":
+                ms = sum(float(r.ms.sum()) for r in results)
+            else:
+                ms = 1e3 * sum(sum(r.verify_s) for r in results)
+            rows.setdefault(name, []).append(ms / committed)
+    if api == "engine":
+        launch = {name: engine.kernels.get("launch") for name, engine in specs.items()}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(json.dumps({"api": api, "commit": commit, "setup_s": setup_s, "blocks": int(blocks.num_blocks),
-                      "rows": {k: float(np.mean(v)) for k, v in rows.items()}}), flush=True)
+                      "rows": {k: float(np.mean(v)) for k, v in rows.items()},
+                      "windows": {k: v for k, v in rows.items() if k.startswith("sd_follow")},
+                      "launch": launch if api == "engine" else None}, default=str), flush=True)
     return 0
 
 

@@ -250,3 +250,15 @@ def test_the_decoder_rolls_back_after_every_block(family, drafter, calibration, 
     result = sd(engine, prompt)
     assert calls == [(K_DRAFTS + 1, a + 1) for a in result.accepted.tolist()]
     assert engine.decoder.layer_kinds == (("attention", "moe"),) * engine.geometry.num_layers
+
+
+def test_the_whole_token_graph_is_made_for_the_autoregressive_router_only(family, drafter, calibration, residency):
+    """Device routing (every expert resident, one launch per token) serves autoregressive policies: a
+    speculative-only engine keeps the one-position runner of per-layer launches (as its prefill uses it)."""
+    model, adapter = family
+    config = EngineConfig(max_seq_len=SEQ, device_routing="on")
+    speculative = SpeculativeConfig(selector_preset("acceptmoe"), k=K_DRAFTS, pool_size=POOL)
+    spec_only = build_engine(model, None, calibration, config, speculative=speculative, residency=residency)
+    both = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration, config,
+                        speculative=speculative, residency=residency)
+    assert spec_only.runner.resident_scoring is None and both.runner.resident_scoring is not None

@@ -159,8 +159,11 @@ class Engine:
         """The runners of every static D this engine steps with (D = 1, and k + 1 for speculative decoding); made
         before any request, because their warm-up writes KV rows at position 0."""
         g, config = self.geometry, self.config
+        # the whole-token graph with routing on the device, for the autoregressive router only (a speculative-only
+        # engine that held it too verified 7% slower on the H200: BENCHMARKS.md, "One engine")
         whole = (config.device_routing == "on" or (config.device_routing == "auto" and self.cuda)) \
-            and self.residency.num_slots == g.num_experts and self.decoder.scoring.kind == "softmax"
+            and self.router is not None and self.residency.num_slots == g.num_experts \
+            and self.decoder.scoring.kind == "softmax"
         sizes = {1} | ({self.block_router.config.k + 1} if self.block_router is not None else set()) \
             | ({config.prefill_chunk} if self.router is not None else set())
         for d in sorted(sizes - set(self._runners)):
