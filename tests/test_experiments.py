@@ -62,6 +62,8 @@ BAD = [
     (MICRO + "\n[run_settings]\nmax_in_flight = 2\n", "run_settings: engine settings need engine = 'engine'"),
     ("engine = 'engine'\n" + MICRO + "\n[engine_config]\ntune = 'yes'\n",
      'engine_config.tune: expected "auto", true or false'),
+    ("engine = 'engine'\n" + MICRO + "\n[engine_config]\nprefill_chunk = 0\n",
+     "engine_config.prefill_chunk: expected an integer >= 1"),
     (MICRO.replace('"olmoe-micro"', '"no/such/model"'), "model.source: 'no/such/model' is not a checkpoint directory"),
 ]
 

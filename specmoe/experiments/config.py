@@ -307,7 +307,7 @@ def _selector_fields() -> dict:
 
 
 RUN_SETTINGS = ("max_in_flight", "cache_mode", "skip_copies", "copy_delay", "delay_seed", "instrument")
-ENGINE_CONFIG = ("cuda_graphs", "backend", "attention", "moe", "tune")
+ENGINE_CONFIG = ("cuda_graphs", "backend", "attention", "moe", "tune", "prefill_chunk")
 
 
 def _run_settings(t: _Table) -> tuple[tuple[str, tuple], ...]:
@@ -347,6 +347,8 @@ def _engine_config(t: _Table) -> tuple[tuple[str, object], ...]:
     out = []
     if t.has("cuda_graphs"):
         out.append(("cuda_graphs", t.boolean("cuda_graphs")))
+    if t.has("prefill_chunk"):  # prompt positions per step of the autoregressive prefill
+        out.append(("prefill_chunk", t.integer("prefill_chunk", minimum=1)))
     if t.has("tune"):  # "auto" (cached, else tuned once on CUDA), true (tune again), false (fixed defaults)
         value = t.data.pop("tune")
         if not (isinstance(value, bool) or value == "auto"):
