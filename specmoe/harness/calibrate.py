@@ -53,7 +53,8 @@ def collect_calibration(model: nn.Module, adapter: MoEAdapter, windows, provenan
     info["fingerprint"] = fingerprint
     info.setdefault("model", getattr(model, "specmoe_source", None) or getattr(model, "name_or_path", "unknown"))
     info["model_type"] = adapter.model_type
-    builder = CalibrationBuilder(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size, adapter.top_k)
+    builder = CalibrationBuilder(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size, adapter.top_k,
+                                 adapter.groups)
     count = 0
     for z, tokens in router_logits_of(model, adapter, windows, batch_size=batch_size):
         builder.add(z, tokens)

@@ -64,7 +64,7 @@ class RoutingContext:
             cache.reset()
         while len(self.pool) < batch_size:
             self.pool.append(LogicalCache(self.policy, self.calibration, self.adapter.num_moe_layers,
-                                          self.adapter.num_experts))
+                                          self.adapter.num_experts, self.adapter.groups))
         self.caches = self.pool[:batch_size]
         self._chunks = []
 
@@ -122,14 +122,15 @@ class RoutingContext:
         if router_logits.shape != (batch * span, num_experts):
             raise RuntimeError(f"router logits of layer {layer} have shape {tuple(router_logits.shape)}, "
                                f"expected {(batch * span, num_experts)} for a batch of {batch} x {span}")
-        z = self._host(self.adapter.selection_scores(router_logits, layer)).reshape(batch, span, num_experts)
+        z = self._host(self.adapter.selection_scores(router_logits, layer, self.routers[layer])).reshape(
+            batch, span, num_experts)
         g = self._pregate[layer] if layer > 0 else None
         if layer > 0 and g is None and (self.uses_pregate or self.record):
             raise RuntimeError(f"no pre-gate logits for layer {layer}: MoE layers must run in order")
         if layer + 1 < self.adapter.num_moe_layers and (self.uses_pregate or self.record):
             nxt = self.adapter.router_logits(self.routers[layer + 1], hidden)
-            self._pregate[layer + 1] = self._host(self.adapter.selection_scores(nxt, layer + 1)).reshape(
-                batch, span, num_experts)
+            self._pregate[layer + 1] = self._host(
+                self.adapter.selection_scores(nxt, layer + 1, self.routers[layer + 1])).reshape(batch, span, num_experts)
         selected = np.empty((batch, span, self.policy.top_k), dtype=np.int64)
         for row, cache in enumerate(self.caches):
             pregate = None if g is None else g[row]

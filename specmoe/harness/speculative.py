@@ -97,7 +97,7 @@ class BlockRoutingContext:
         """The executed experts [D, K] of MoE layer `layer` for the forward's D positions (`select_block`
         with the pool's residency), recorded into the pool."""
         adapter = self.adapter
-        z = adapter.selection_scores(router_logits, layer).detach().to("cpu", torch.float32).numpy()
+        z = adapter.selection_scores(router_logits, layer, self.routers[layer]).detach().to("cpu", torch.float32).numpy()
         span = z.shape[0]
         select_block_into(self.selector, z, self.pool.resident(layer), self.alpha, adapter.top_k,
                           adapter.norm_topk_prob, self.buffers)
@@ -109,7 +109,8 @@ class BlockRoutingContext:
             self.scores[:, layer] = z
             if layer + 1 < adapter.num_moe_layers:
                 nxt = adapter.router_logits(self.routers[layer + 1], hidden)
-                self.pregate[:, layer + 1] = adapter.selection_scores(nxt, layer + 1).detach().float().cpu().numpy()
+                self.pregate[:, layer + 1] = adapter.selection_scores(nxt, layer + 1, self.routers[layer + 1]) \
+                    .detach().float().cpu().numpy()
         return torch.from_numpy(selected.copy()).to(router_logits.device)
 
 

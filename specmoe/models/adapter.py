@@ -79,6 +79,12 @@ class MoEAdapter:
         """The checkpoint name of MoE layer `layer`'s router weight [E, H] (for fingerprints read from files)."""
         return f"model.layers.{self.moe_layer_ids[layer]}.mlp.gate.weight"
 
+    def checkpoint_fingerprint(self, reader) -> str:
+        """`fingerprint` of the model in a checkpoint directory, read tensor by tensor with `reader` (a
+        `CheckpointReader`) without building the model."""
+        return router_fingerprint([reader.get(self.router_weight_name(layer)).float().numpy()
+                                   for layer in range(self.num_moe_layers)])
+
     def experts(self, model: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The stacked expert weights of MoE layer `layer`: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
         experts = self.moe_blocks(model)[layer].experts
@@ -94,10 +100,17 @@ class MoEAdapter:
         (used for the pre-gate: router l on layer l-1's MoE input)."""
         raise NotImplementedError
 
-    def selection_scores(self, router_logits: torch.Tensor, layer: int) -> torch.Tensor:
+    def selection_scores(self, router_logits: torch.Tensor, layer: int, router: nn.Module | None = None) -> torch.Tensor:
         """What the routing policy ranks (and adds the bonus to): the logits for softmax routers; for
-        sigmoid routers with a bias (DeepSeek-V3) sigmoid(z) + bias."""
+        sigmoid routers with a bias (DeepSeek-V3) sigmoid(z) + bias, the bias read from `router` (the router
+        module of MoE layer `layer`, which sigmoid routers with a bias require)."""
         return router_logits
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """(n_group, topk_group) of the router's group-limited choice ((1, 1): none): what the routing core
+        takes as `groups` (`LogicalCache`, `replay`, `CalibrationBuilder`)."""
+        return (1, 1)
 
     def execution_weights(self, router_logits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """Weights [N, K] of the executed experts `selected` [N, K]: the unmodified router probabilities

@@ -130,7 +130,8 @@ def _weight_std(name: str, shape: tuple[int, ...]) -> float | None:
     raise ValueError(f"no random init rule for parameter {name!r}")
 
 
-def init_random_weights(model: nn.Module, seed: int, generator: torch.Generator | None = None) -> None:
+def init_random_weights(model: nn.Module, seed: int, generator: torch.Generator | None = None,
+                        std_of=_weight_std) -> None:
     """Fill every parameter with seeded normal values (ones for norms), rounded to bfloat16 values.
 
     Each parameter draws from its own CPU generator seeded by (seed, parameter name), so the weights do not
@@ -138,10 +139,11 @@ def init_random_weights(model: nn.Module, seed: int, generator: torch.Generator 
     released checkpoints) makes the float32 and bfloat16 copies of a named model the same model, with the
     same router fingerprint. With `generator`, every parameter draws in turn from that one generator on its
     device instead: seconds on a GPU for OLMoE-1B-7B where the CPU draws take about a minute, but other
-    weights (and `seed` is unused: seed the generator)."""
+    weights (and `seed` is unused: seed the generator). `std_of(name, shape)` gives each parameter's standard
+    deviation (None: ones); OLMoE's rules by default."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            std = _weight_std(name, tuple(param.shape))
+            std = std_of(name, tuple(param.shape))
             if std is None:
                 param.fill_(1.0)
                 continue

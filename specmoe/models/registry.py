@@ -16,6 +16,7 @@ from torch import nn
 from specmoe.assets import family_path
 
 from .adapter import ModelSourceError, MoEAdapter
+from .deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepseekV3Adapter, build_random_deepseek_v3
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, build_random_olmoe
 
 
@@ -40,11 +41,23 @@ def _olmoe() -> Architecture:
     return Architecture(OlmoeAdapter.from_config, OlmoeForCausalLM, OlmoeConfig, build_random_olmoe, OlmoeDecoder)
 
 
+def _deepseek_v3() -> Architecture:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # decoder: the engines' DeepSeek-V3 decoder (MLA with the latent cache), specmoe/models/deepseek_v3_decode.py,
+    # once it exists; until then `decoder_for` says the engines do not support this model type
+    return Architecture(DeepseekV3Adapter.from_config, DeepseekV3ForCausalLM, DeepseekV3Config,
+                        build_random_deepseek_v3, None)
+
+
 # model_type -> Architecture
-ARCHITECTURES: dict[str, Architecture] = {"olmoe": _olmoe()}
+ARCHITECTURES: dict[str, Architecture] = {"olmoe": _olmoe(), "deepseek_v3": _deepseek_v3()}
 
 # name -> (model_type, config keyword arguments)
-NAMED_CONFIGS: dict[str, tuple[str, dict]] = {name: ("olmoe", kwargs) for name, kwargs in OLMOE_CONFIGS.items()}
+NAMED_CONFIGS: dict[str, tuple[str, dict]] = {
+    **{name: ("olmoe", kwargs) for name, kwargs in OLMOE_CONFIGS.items()},
+    **{name: ("deepseek_v3", kwargs) for name, kwargs in DEEPSEEK_V3_CONFIGS.items()},
+}
 
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 

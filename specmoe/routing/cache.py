@@ -15,7 +15,7 @@ from . import kernels as K
 from . import validate as V
 from .calibration import Calibration, CalibrationError
 from .policy import PolicyConfig, PolicyError
-from .scoring import RouterScoring
+from .scoring import RouterScoring, check_groups
 
 _KIND_CODES = {"exact": K.KIND_EXACT, "cache_prior": K.KIND_CACHE_PRIOR, "psr": K.KIND_PSR,
                "spec_exec": K.KIND_SPEC_EXEC}
@@ -23,9 +23,11 @@ _NO_TRACE = np.zeros((0, 0), dtype=np.int64)
 
 
 class LogicalCache:
-    """Logical cache of one sequence over `num_layers` MoE layers of `num_experts` experts each."""
+    """Logical cache of one sequence over `num_layers` MoE layers of `num_experts` experts each. groups:
+    (n_group, topk_group) of a router with group-limited choice (`RouterScoring.groups`; (1, 1): none)."""
 
-    def __init__(self, policy: PolicyConfig, calibration: Calibration, num_layers: int, num_experts: int):
+    def __init__(self, policy: PolicyConfig, calibration: Calibration, num_layers: int, num_experts: int,
+                 groups: tuple[int, int] = (1, 1)):
         if not isinstance(policy, PolicyConfig):
             raise PolicyError(f"expected a PolicyConfig, got {type(policy).__name__}")
         if not isinstance(calibration, Calibration):
@@ -33,6 +35,7 @@ class LogicalCache:
         num_layers = V.integer(num_layers, "num_layers", ValueError, minimum=1)
         num_experts = V.integer(num_experts, "num_experts", ValueError, minimum=1)
         policy.check_experts(num_experts)
+        n_group, topk_group = check_groups(*groups, num_experts, policy.top_k)
         calibration.check(num_layers, num_experts)
         self.policy = policy
         self.calibration = calibration
@@ -47,6 +50,8 @@ class LogicalCache:
         self.params[K.P_LRU] = int(policy.priority == "lru")
         self.params[K.P_PROTECT] = policy.protect_top
         self.params[K.P_RUNNING] = int(policy.delta == "running")
+        self.params[K.P_GROUPS] = n_group
+        self.params[K.P_TOPK_GROUP] = topk_group
         self.warm = np.ascontiguousarray(calibration.warm_set(policy.capacity))
         self.delta = np.ascontiguousarray(calibration.delta)
         prior = calibration.token_prior
@@ -106,7 +111,8 @@ class LogicalCache:
               logits_out: np.ndarray, selected: np.ndarray, slots: np.ndarray, weights: np.ndarray) -> int:
         """`select` for the engines, in one numba call that writes into the caller's buffers, from the raw
         router logits (float32 [E]) and the model's `scoring` (its selection scores and execution weights;
-        pass `EngineScoring.of(scoring, L, E)` to skip rebuilding the kernel arguments per call):
+        pass `EngineScoring.of(scoring, L, E)` to skip rebuilding the kernel arguments per call; its expert
+        groups become this cache's from this call on):
         logits_out [E] (float32, a copy of router_logits for the record), selected [K] (int64), slots [K]
         (int32 or int64), weights [K] (float32 or float64: the execution weights). Returns d: the demand
         insertions are `demand[:d]`, their slots `demand_slots[:d]` (both overwritten by the next call)."""
@@ -114,7 +120,8 @@ class LogicalCache:
             scoring = EngineScoring.of(scoring, self.num_layers, self.num_experts)
         d = K.route(self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.params,
                     self.policy.bonus, self.delta, *self.prior, layer, router_logits, token, scoring.code,
-                    scoring.renormalise, scoring.scale, scoring.bias, self._z64, logits_out, selected, slots,
+                    scoring.renormalise, scoring.scale, scoring.bias, scoring.n_group, scoring.topk_group,
+                    self._z64, logits_out, selected, slots,
                     weights, self.demand, self.demand_slots, self.displaced_mass, _NO_TRACE)
         if d < 0:  # the kernel checks the layer and the lengths (cheaper than Python on the engine's hot path)
             k, e = self.policy.top_k, self.num_experts
@@ -237,12 +244,15 @@ class LogicalCache:
 class EngineScoring:
     """A `RouterScoring` unpacked once into the plain values `LogicalCache.route` hands its kernel."""
 
-    __slots__ = ("code", "renormalise", "scale", "bias")
+    __slots__ = ("code", "renormalise", "scale", "bias", "n_group", "topk_group")
 
-    def __init__(self, code: int, renormalise: bool, scale: float, bias: np.ndarray):
+    def __init__(self, code: int, renormalise: bool, scale: float, bias: np.ndarray, n_group: int = 1,
+                 topk_group: int = 1):
         self.code, self.renormalise, self.scale, self.bias = code, renormalise, scale, bias
+        self.n_group, self.topk_group = n_group, topk_group
 
     @classmethod
     def of(cls, scoring: RouterScoring, num_layers: int, num_experts: int) -> "EngineScoring":
+        n_group, topk_group = check_groups(*scoring.groups, num_experts)
         return cls(scoring.code, bool(scoring.renormalise), float(scoring.scale),
-                   scoring.bias_rows(num_layers, num_experts))
+                   scoring.bias_rows(num_layers, num_experts), n_group, topk_group)

@@ -27,6 +27,7 @@ import numpy as np
 from specmoe.files import read_safetensors, write_safetensors
 
 from . import validate
+from .scoring import check_groups
 
 FORMAT_VERSION = 1
 _TENSORS = ("warm_ranking", "delta", "prior_indptr", "prior_experts", "prior_values")  # the file's tensors
@@ -262,16 +263,30 @@ def router_fingerprint(router_weights: Iterable[np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    """Top-k indices along the last axis, ties to the lower index (stable sort of -z)."""
+def _top_k(logits: np.ndarray, k: int, groups: tuple[int, int] = (1, 1)) -> np.ndarray:
+    """Top-k indices along the last axis, ties to the lower index (stable sort of -z); with group-limited
+    choice (n_group > topk_group > 0) only inside the topk_group groups of the best two-expert sums (ties to
+    the lower group), as `kernels._rank_groups`."""
+    n_group, topk_group = groups
+    if n_group > 1 and topk_group < n_group:
+        grouped = logits.reshape(*logits.shape[:-1], n_group, -1)
+        best_two = -np.sort(-grouped, axis=-1)[..., :2].sum(axis=-1)
+        dropped = np.argsort(-best_two, axis=-1, kind="stable")[..., topk_group:]
+        mask = np.zeros(best_two.shape, dtype=bool)
+        np.put_along_axis(mask, dropped, True, axis=-1)
+        logits = np.where(np.repeat(mask, grouped.shape[-1], axis=-1), -np.inf, logits)
     return np.argsort(-logits, axis=-1, kind="stable")[..., :k]
 
 
 class CalibrationBuilder:
-    """Accumulates router logits of exact routing over held-out sequences; `finish` gives a Calibration."""
+    """Accumulates router logits of exact routing over held-out sequences; `finish` gives a Calibration.
+    `groups`: the router's group-limited choice (n_group, topk_group; `RouterScoring.groups`), which decides
+    the router's own top-K."""
 
-    def __init__(self, num_layers: int, num_experts: int, vocab_size: int, top_k: int):
+    def __init__(self, num_layers: int, num_experts: int, vocab_size: int, top_k: int,
+                 groups: tuple[int, int] = (1, 1)):
         self.num_layers, self.num_experts, self.vocab_size, self.top_k = num_layers, num_experts, vocab_size, top_k
+        self.groups = check_groups(*groups, num_experts, top_k)
         self.selection_counts = np.zeros((num_layers, num_experts), dtype=np.int64)
         self.range_sum = np.zeros(num_layers)
         self.tokens = 0
@@ -288,7 +303,7 @@ class CalibrationBuilder:
             raise CalibrationError(f"expected router logits [T, {self.num_layers}, {self.num_experts}], got {z.shape}")
         validate.check_real(z, "router logits", CalibrationError)
         x = validate.token_ids(token_ids, z.shape[0], self.vocab_size, "token ids", CalibrationError)
-        top = _top_k(z, self.top_k)  # [T, L, K]
+        top = _top_k(z, self.top_k, self.groups)  # [T, L, K]
         layers = np.arange(self.num_layers)[None, :, None]
         np.add.at(self.selection_counts, (np.broadcast_to(layers, top.shape), top), 1)
         self.range_sum += (z.max(axis=2) - z.min(axis=2)).sum(axis=0)

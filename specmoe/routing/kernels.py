@@ -61,7 +61,9 @@ P_WINDOW = 4
 P_LRU = 5  # 1 for lru priority, 0 for A
 P_PROTECT = 6
 P_RUNNING = 7  # 1 for a running delta
-N_PARAMS = 8
+P_GROUPS = 8  # expert groups of group-limited choice (1: none)
+P_TOPK_GROUP = 9  # groups kept per token
+N_PARAMS = 10
 
 KIND_EXACT, KIND_CACHE_PRIOR, KIND_PSR, KIND_SPEC_EXEC = 0, 1, 2, 3
 SCORE_SOFTMAX, SCORE_SIGMOID = 0, 1  # RouterScoring.code
@@ -94,6 +96,42 @@ def _rank(score, raw, k, out):
         out[i] = e
         if n < k:
             n += 1
+
+
+@njit(cache=True)
+def _rank_groups(score, raw, k, out, n_group, topk_group):
+    """`_rank` under group-limited choice (DeepSeek-V3): the E experts form n_group groups of consecutive
+    indices; a group scores the sum of its two best scores; the topk_group best groups are kept (ties to the
+    lower group index) and the k best experts of the kept groups come first. Experts of the other groups follow
+    (by raw, then index) where k exceeds the kept experts (the pre-gate window of part 1). Without groups
+    (n_group 1, or every group kept) this is `_rank`."""
+    if n_group <= 1 or topk_group >= n_group:
+        _rank(score, raw, k, out)
+        return
+    size = score.shape[0] // n_group
+    group_score = np.empty(n_group)
+    for grp in range(n_group):
+        best1 = -np.inf
+        best2 = -np.inf
+        for e in range(grp * size, (grp + 1) * size):
+            s = score[e]
+            if s > best1:
+                best2 = best1
+                best1 = s
+            elif s > best2:
+                best2 = s
+        group_score[grp] = best1 + best2
+    kept = np.zeros(n_group, dtype=np.bool_)
+    for _ in range(topk_group):
+        best = -1
+        for grp in range(n_group):
+            if not kept[grp] and (best < 0 or group_score[grp] > group_score[best]):
+                best = grp
+        kept[best] = True
+    masked = np.empty(score.shape[0])
+    for e in range(score.shape[0]):
+        masked[e] = score[e] if kept[e // size] else -np.inf
+    _rank(masked, raw, k, out)
 
 
 @njit(cache=True)
@@ -164,7 +202,7 @@ def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, budget,
     k = params[P_TOP_K]
     w = params[P_WINDOW]
     m = max(k, w)
-    _rank(g, g, m, ist[layer, PREDICTED])
+    _rank_groups(g, g, m, ist[layer, PREDICTED], params[P_GROUPS], params[P_TOPK_GROUP])
     isc[layer, PRED_TOKEN] = t
     budget = min(budget, params[P_BUDGET])
     new = 0
@@ -188,8 +226,10 @@ def part1(ist, isc, fst, cnt, params, pind, pexp, pval, layer, g, token, budget,
 def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token, selected, demand,
           unused_at):
     """Algorithm 1, part 2: selection for `layer` from selection scores z [E] (the router logits of a
-    softmax router); selected[:K] gets the executed set S (best first), demand[:d] the demand insertions
-    (index order). The bonus goes to the logically resident experts. Updates the statistics with the
+    softmax router, sigmoid(z) + bias of a sigmoid one); selected[:K] gets the executed set S (best first),
+    demand[:d] the demand insertions (index order). The bonus goes to the logically resident experts; with
+    group-limited choice the groups are scored and kept on the scores plus bonus, then S is the top-K inside
+    the kept groups. Updates the statistics with the
     router's own top-K and advances the layer to the next token. Returns (d, displaced router mass, router
     top-K slots replaced)."""
     t = isc[layer, POS]
@@ -205,8 +245,9 @@ def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
     fsc[layer, RANGE_SUM] += zmax - zmin
     fsc[layer, RANGE_COUNT] += 1.0
 
+    n_group, topk_group = params[P_GROUPS], params[P_TOPK_GROUP]
     own = np.empty(k, dtype=np.int64)
-    _rank(z, z, k, own)
+    _rank_groups(z, z, k, own, n_group, topk_group)
     if kind == KIND_EXACT:
         selected[:k] = own
     elif kind == KIND_SPEC_EXEC:
@@ -227,7 +268,7 @@ def part2(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
             e = own[j]
             if ist[layer, EXPERT_SLOT, e] < 0:
                 biased[e] += scale
-        _rank(biased, z, k, selected)
+        _rank_groups(biased, z, k, selected, n_group, topk_group)
     for j in range(k):
         ist[layer, SELECTED, selected[j]] = t
 
@@ -315,11 +356,13 @@ def execution_weights(z, selected, scoring, renormalise, scale, out):
 
 @njit(cache=True)
 def route(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer, z, token, scoring, renormalise,
-          scale, bias, zbuf, z_out, selected, slots, weights, demand, demand_slots, displaced_mass, unused_at):
+          scale, bias, n_group, topk_group, zbuf, z_out, selected, slots, weights, demand, demand_slots,
+          displaced_mass, unused_at):
     """Part 2 of one layer and everything an engine needs from it, in one call (each Python->numba
     crossing costs about a microsecond, and this runs on the critical path of every layer): the router
     logits z (float32 as the router wrote them) are recorded in z_out and turned into selection scores in
-    zbuf for `part2` (`selection_scores`, with the layer's row of bias [L, E]); selected[:K] gets S, slots[:K] their
+    zbuf for `part2` (`selection_scores`, with the layer's row of bias [L, E]; the scoring's expert groups
+    n_group / topk_group become the cache's group rule, parts 1 and 2); selected[:K] gets S, slots[:K] their
     slots, weights[:K] their execution weights (`execution_weights`), demand[:d] / demand_slots[:d] the
     demand insertions and their slots; the displaced router mass is added to displaced_mass[layer].
     Returns d, or -1, touching nothing, for a layer outside [0, L) or a buffer of the wrong length (a bad
@@ -329,6 +372,8 @@ def route(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, layer
             and selected.shape[0] == k and slots.shape[0] == k and weights.shape[0] == k
             and bias.shape[0] == ist.shape[0] and bias.shape[1] == num_experts):
         return -1
+    params[P_GROUPS] = n_group
+    params[P_TOPK_GROUP] = topk_group
     for e in range(z.shape[0]):
         z_out[e] = z[e]
     selection_scores(z, scoring, bias[layer], zbuf)
@@ -377,7 +422,7 @@ def run_span(ist, isc, fst, fsc, cnt, params, bonus, delta, pind, pexp, pval, la
     scratch = np.empty(max(k, params[P_WINDOW]), dtype=np.int64)
     for i in range(z.shape[0]):
         if not valid[i]:
-            _rank(z[i], z[i], k, selected[i])
+            _rank_groups(z[i], z[i], k, selected[i], params[P_GROUPS], params[P_TOPK_GROUP])
             slots[i, :] = -1
             demand[i] = 0
             prefetch[i] = 0

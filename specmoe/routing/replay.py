@@ -56,11 +56,13 @@ def valid_sequence_starts(starts: np.ndarray, num_tokens: int) -> bool:
 
 def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.ndarray | None,
            token_ids: np.ndarray | None, calibration: Calibration,
-           sequence_starts: np.ndarray | None = None) -> ReplayResult:
+           sequence_starts: np.ndarray | None = None, groups: tuple[int, int] = (1, 1)) -> ReplayResult:
     """Run `policy` over router logits [T, L, E] and pre-gate logits [T, L, E] (row l = router of layer l
     on layer l-1's MoE input; row 0 is ignored; None for policies without a pre-gate), with the input
     token of each position [T] (None: the token prior is not used). `sequence_starts` lists the positions
-    where a new sequence begins (default: one sequence); the cache is reset at each."""
+    where a new sequence begins (default: one sequence); the cache is reset at each. `groups`: the router's
+    group-limited choice (n_group, topk_group), as `LogicalCache` takes it; the logits are then selection
+    scores (sigmoid plus bias for DeepSeek-V3, as the harness records them)."""
     if not isinstance(calibration, Calibration):
         raise CalibrationError(f"expected a Calibration, got {type(calibration).__name__}")
     z = validate.real_array(router_logits, "router logits [T, L, E]", ValueError, 3)
@@ -81,7 +83,7 @@ def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.n
         raise ValueError("sequence_starts must begin at 0 and increase strictly within [0, T)")
     bounds = np.append(starts, num_tokens)
 
-    cache = LogicalCache(policy, calibration, num_layers, num_experts)
+    cache = LogicalCache(policy, calibration, num_layers, num_experts, groups)
     k = policy.top_k
     selected = np.empty((num_tokens, num_layers, k), dtype=np.int64)
     slots = np.empty_like(selected)

@@ -6,7 +6,10 @@ architecture:
   Qwen-MoE); sigmoid(z) + bias_l for DeepSeek-V3-style routers (the bias only steers selection);
 - the execution weights of the executed set S: the unmodified router probabilities at S (softmax(z) over all
   E, or sigmoid(z)), renormalised over S where the model's own router renormalises, times the model's routed
-  scaling factor (1 except DeepSeek-V3).
+  scaling factor (1 except DeepSeek-V3);
+- group-limited choice (DeepSeek-V3 with n_group > 1): the E experts form n_group groups of consecutive
+  indices, a group scores the sum of its two best selection scores, the topk_group best groups are kept and
+  the top-K is taken inside them (`check_groups`, `kernels._rank_groups`).
 
 `RouterScoring` names one model's rule; an adapter makes it (`MoEAdapter.router_scoring`) and the engines
 hand it to `LogicalCache.route`, so the numba routing step applies it without knowing the architecture.
@@ -26,18 +29,21 @@ SOFTMAX, SIGMOID = 0, 1  # the numba kernels' codes
 class RouterScoring:
     """kind: "softmax" or "sigmoid"; renormalise: the weights are renormalised over the executed set;
     scale: routed scaling factor applied to the weights; bias: [L, E] selection bias (sigmoid routers only;
-    None = zero)."""
+    None = zero); n_group, topk_group: group-limited choice (1, 1: none)."""
 
     kind: str = "softmax"
     renormalise: bool = False
     scale: float = 1.0
     bias: np.ndarray | None = field(default=None, compare=False)
+    n_group: int = 1
+    topk_group: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in SCORINGS:
             raise ValueError(f"router scoring kind must be one of {SCORINGS}, got {self.kind!r}")
         if not (np.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"router scoring scale must be a positive number, got {self.scale!r}")
+        check_groups(self.n_group, self.topk_group)
         if self.bias is not None:
             if self.kind != "sigmoid":
                 raise ValueError("a selection bias is defined for sigmoid routers only")
@@ -45,6 +51,11 @@ class RouterScoring:
             if bias.ndim != 2 or not np.isfinite(bias).all():
                 raise ValueError(f"the selection bias must be a finite [L, E] array, got shape {bias.shape}")
             object.__setattr__(self, "bias", bias)
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """(n_group, topk_group): what `LogicalCache`, `replay` and `CalibrationBuilder` take as `groups`."""
+        return (self.n_group, self.topk_group)
 
     @property
     def code(self) -> int:
@@ -58,3 +69,21 @@ class RouterScoring:
             raise ValueError(f"the selection bias has shape {self.bias.shape}, the model has "
                              f"[{num_layers}, {num_experts}]")
         return self.bias
+
+
+def check_groups(n_group, topk_group, num_experts: int | None = None, top_k: int | None = None) -> tuple[int, int]:
+    """Check a group-limited choice rule (n_group groups, topk_group kept) and return it as ints; with
+    `num_experts` and `top_k`, also that the groups split the experts evenly into groups of at least two (a
+    group scores its two best experts) and that the kept groups hold at least K experts."""
+    if isinstance(n_group, bool) or isinstance(topk_group, bool) or int(n_group) != n_group \
+            or int(topk_group) != topk_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"expert groups must satisfy 1 <= topk_group <= n_group, got n_group={n_group!r}, "
+                         f"topk_group={topk_group!r}")
+    n_group, topk_group = int(n_group), int(topk_group)
+    if num_experts is not None and n_group > 1:
+        if num_experts % n_group or num_experts // n_group < 2:
+            raise ValueError(f"{num_experts} experts do not split into {n_group} groups of two or more")
+        if top_k is not None and top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"top-K={top_k} exceeds the {topk_group * (num_experts // n_group)} experts of the "
+                             f"{topk_group} kept groups")
+    return n_group, topk_group
