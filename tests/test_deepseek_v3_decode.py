@@ -11,6 +11,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from specmoe.models import ModelSourceError
 from specmoe.models.deepseek_v3_decode import DeepseekV3Decoder
+from specmoe.offload.store import ExpertStore
 
 SEQ = 40
 
@@ -176,6 +177,10 @@ def test_from_checkpoint_without_experts_equals_from_model(tiny, tmp_path):
 
     model, rows, tokens, _, _ = tiny
     model.save_pretrained(tmp_path)
+    geometry = DeepseekV3Decoder.from_model(model, SEQ).geometry
+    # save_pretrained writes Moonlight's per-expert layout: the expert store reads it into the test's rows
+    store = ExpertStore.from_checkpoint(tmp_path, geometry, dtype=torch.float32, pin=False)
+    assert all(torch.equal(a, b) for a, b in zip(store.layers, rows))
     weights = {}
     for file in tmp_path.glob("*.safetensors"):
         weights.update(load_file(file))
@@ -224,3 +229,25 @@ def test_refuses_what_it_does_not_implement():
     decoder = DeepseekV3Decoder.from_model(model, SEQ)
     with pytest.raises(ValueError, match="outside"):
         decoder.capture_features([2])
+
+
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16():
+    """bf16 rounds at other points than transformers (absorbed queries, shared experts first: module
+    docstring); its distance to the float32 model is of the size of transformers' own bf16 distance."""
+    config = tiny_config(q_lora_rank=16)
+    model = build_model(config).to(torch.bfloat16)
+    exact = build_model(config)
+    exact.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    rows = [expert_rows(model, j) for j in (1, 2, 3)]
+    tokens = list(range(5, 25))
+    with torch.no_grad():
+        reference, theirs = exact(torch.tensor([tokens])).logits[0], model(torch.tensor([tokens])).logits[0].float()
+    decoder = DeepseekV3Decoder.from_model(model, SEQ)
+    assert decoder.dtype == torch.bfloat16 and decoder.router_pair[0].dtype == torch.float32
+    ours = torch.cat([run_step(decoder, model, rows, tokens[:10], 0)] +
+                     [run_step(decoder, model, rows, [t], 10 + i) for i, t in enumerate(tokens[10:])])
+
+    def error(logits):
+        return ((logits - reference).abs().amax(-1) / reference.abs().amax(-1)).median().item()
+
+    assert error(ours) < max(2 * error(theirs), 0.02)
