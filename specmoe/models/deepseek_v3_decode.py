@@ -1,0 +1,345 @@
+"""DeepSeek-V3's decode path for the engines (the `Decoder` protocol of `specmoe.models.decoder`): everything but
+the routed experts, over a static latent KV cache, for D positions per step (Moonlight-16B-A3B and other
+models of transformers' `deepseek_v3` type with the default rotary embedding).
+
+The weights are transformers' (taken from a DeepseekV3ForCausalLM, or read from a checkpoint without the
+routed experts); rounding points follow transformers' modules where the arithmetic is the same, so that
+all-resident exact decoding matches it (float32: to rounding; see "Rounding" for bf16).
+
+Layers and launches. The engine routes the MoE layers l = 0 .. L - 1 (decoder layers `moe_layer_ids`; the
+first `first_k_dense_replace` decoder layers have a dense MLP) and calls attention_router(step, l),
+moe(step, l) for each, then head(step). The dense layers run inside those launches:
+- attention_router(step, l): (l = 0: token embedding, causal mask) the dense decoder layers between MoE layer
+  l - 1 and MoE layer l, entirely (attention and dense MLP; for l = 0: the first first_k_dense_replace
+  layers), then MoE layer l's attention, its MoE input (post-attention RMSNorm) and, on it, router l and the
+  pre-gate router l + 1 in one float32 [2E, H] product (transformers computes the router in float32): the
+  engine's [z | g] rows, as OLMoE's;
+- moe(step, l, slot_buf): the shared experts (resident, ungated) on the MoE input added to the residual, then
+  the routed experts over the slot buffer at the host's slot ids and execution weights (the expert store's
+  [gate | up | down] rows, `specmoe.kernels.slot_moe`), added to the residual;
+- head(step): any dense layers after the last MoE layer (none in DeepSeek-V3), final norm, LM head, greedy
+  tokens.
+For Moonlight (27 layers, first_k_dense_replace 1): attention_router(step, 0) runs the embedding, decoder
+layer 0 whole and decoder layer 1's attention and routers; MoE layer l is decoder layer l + 1.
+
+MLA at decode (`specmoe.kernels.mla`): the cache keeps, per decoder layer and position, the normed latent c
+(kv_lora_rank) and the rotated key part k_pe (qk_rope_head_dim) in one [S, R + P] row block; queries are
+absorbed (q_nope through kv_b_proj's key rows into latent space), every head attends the one latent head,
+and the latent output leaves through kv_b_proj's value rows, then o_proj. Query: q_proj, or q_a_proj ->
+RMSNorm -> q_b_proj where q_lora_rank is set (DeepSeek-V3; Moonlight has none). Rotary: transformers' default
+rope over qk_rope_head_dim, interleaved pairs where `rope_interleave` (its default); other rope types (yarn,
+which DeepSeek-V3 itself uses) are refused, naming the config field. Softmax scale: qk_head_dim^-1/2.
+
+Rounding (bf16): transformers expands the cache to per-head keys and values (kv_b_proj's outputs rounded)
+and adds the routed sum, then the shared experts, to the residual; here the absorbed query q_lat is rounded
+instead, and the shared experts are added to the residual before the routed experts (slot_moe's float32 sum
+rounded once with the residual). Exact agreement is tested in float32.
+
+Feature capture (`capture_features`) names decoder layers (transformers' hidden_states[j + 1], the dense
+ones included): a dense layer's state is written after its MLP, a MoE layer's at the start of the next
+launch (before it changes the residual stream), the last decoder layer's after the final norm.
+
+Router scoring (`deepseek_v3_scoring`): sigmoid scores, the per-layer selection bias e_score_correction_bias,
+norm_topk_prob renormalisation and routed_scaling_factor; group-limited choice (n_group > 1 with topk_group <
+n_group) is not expressible in `RouterScoring` here and is refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specmoe.geometry import Geometry
+from specmoe.kernels import causal_step_mask, check_kernel_choice, check_tune, norm_rope, slot_moe
+from specmoe.kernels.mla import mla_decode_attention, rotate_pairs
+from specmoe.routing import RouterScoring
+
+from .adapter import ModelSourceError
+from .checkpoint import CheckpointReader
+from .decoder import DecodeStep
+
+LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
+
+
+def moe_layer_ids(config) -> tuple[int, ...]:
+    """The decoder layers with an MoE MLP: every layer from first_k_dense_replace on."""
+    first = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    return tuple(range(first, config.num_hidden_layers))
+
+
+def deepseek_v3_scoring(config, weight) -> RouterScoring:
+    """The router's rule for the engines' routing step: sigmoid, the per-MoE-layer selection bias, norm_topk_prob,
+    routed_scaling_factor. weight(name) -> tensor by transformers' names (the bias buffers)."""
+    groups = int(getattr(config, "n_group", None) or 1)
+    kept = int(getattr(config, "topk_group", None) or groups)
+    if groups > 1 and kept < groups:
+        raise ModelSourceError(f"group-limited expert choice (n_group={groups}, topk_group={kept}) is not "
+                               "supported by the DeepSeek-V3 decoder's router scoring")
+    bias = np.stack([weight(f"model.layers.{j}.mlp.gate.e_score_correction_bias").detach().to("cpu", torch.float32)
+                     .numpy() for j in moe_layer_ids(config)])
+    return RouterScoring("sigmoid", renormalise=bool(config.norm_topk_prob),
+                         scale=float(config.routed_scaling_factor), bias=bias)
+
+
+def _check_config(config) -> None:
+    """ModelSourceError naming the config field for what this decoder does not implement."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ModelSourceError(f"the DeepSeek-V3 decoder implements the default rotary embedding only; the config's "
+                               f"rope_parameters (rope_scaling) has rope_type {kind!r}")
+    if config.hidden_act != "silu":
+        raise ModelSourceError(f"the DeepSeek-V3 decoder implements hidden_act 'silu' only, got {config.hidden_act!r}")
+    if not moe_layer_ids(config):
+        raise ModelSourceError(f"this DeepSeek-V3 config has no MoE layers (first_k_dense_replace="
+                               f"{config.first_k_dense_replace}, num_hidden_layers={config.num_hidden_layers})")
+
+
+class DeepseekV3Decoder:
+    """DeepSeek-V3 (MLA, dense first layers, shared experts) without the routed experts, over a static latent
+    KV cache; see the module docstring."""
+
+    def __init__(self, config, weight, max_seq_len: int, device, dtype: torch.dtype):
+        """config: a transformers DeepseekV3Config; weight(name) -> tensor, for transformers' parameter (and
+        buffer) names (from a model or a checkpoint)."""
+        _check_config(config)
+        self.rope_theta = float(norm_rope.default_rope_theta(config, "the DeepSeek-V3 decoder", ModelSourceError))
+        self.eps, self.interleaved = float(config.rms_norm_eps), bool(getattr(config, "rope_interleave", True))
+        # MLA's sizes (the geometry's attention fields describe the latent head the cache is read as)
+        self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, int(config.kv_lora_rank)
+        self.nope_dim, self.rope_dim = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
+        self.v_head_dim = int(config.v_head_dim)
+        self.num_decoder_layers = config.num_hidden_layers
+        self.moe_layer_ids = moe_layer_ids(config)
+        self.geometry = Geometry(len(self.moe_layer_ids), config.n_routed_experts, config.num_experts_per_tok,
+                                 config.vocab_size, config.hidden_size, config.moe_intermediate_size, int(max_seq_len),
+                                 config.num_attention_heads, 1, self.kv_lora_rank + self.rope_dim, self.moe_layer_ids)
+        self.device, self.dtype = torch.device(device), dtype
+        self.scoring = deepseek_v3_scoring(config, weight)
+        self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
+        # the dense decoder layers run before MoE layer l (dense_before[l]) and after the last one (dense_after)
+        bounds = (-1,) + self.moe_layer_ids
+        self.dense_before = [tuple(range(bounds[i] + 1, bounds[i + 1])) for i in range(len(self.moe_layer_ids))]
+        self.dense_after = tuple(range(self.moe_layer_ids[-1] + 1, self.num_decoder_layers))
+
+        w = lambda name: weight(name).to(device=self.device, dtype=dtype)  # noqa: E731 (no copy if already so)
+        bias = (lambda name: w(name)) if config.attention_bias else (lambda name: None)
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        heads, latent = config.num_attention_heads, self.kv_lora_rank
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for j in range(self.num_decoder_layers):
+            p = f"model.layers.{j}."
+            a = p + "self_attn."
+            kv_b = w(a + "kv_b_proj.weight").view(heads, self.nope_dim + self.v_head_dim, latent)
+            layer = {"input_ln": w(p + "input_layernorm.weight"), "post_ln": w(p + "post_attention_layernorm.weight"),
+                     "kv_a": w(a + "kv_a_proj_with_mqa.weight"), "kv_a_bias": bias(a + "kv_a_proj_with_mqa.bias"),
+                     "kv_a_ln": w(a + "kv_a_layernorm.weight"),
+                     "w_uk": kv_b[:, :self.nope_dim].contiguous(),  # [NH, nope, R]: q_nope -> latent space
+                     "w_uv": kv_b[:, self.nope_dim:].transpose(1, 2).contiguous(),  # [NH, R, v]: latent -> values
+                     "o": w(a + "o_proj.weight"), "o_bias": bias(a + "o_proj.bias")}
+            if self.q_lora_rank is None:
+                layer["q"] = w(a + "q_proj.weight")
+            else:
+                layer.update(q_a=w(a + "q_a_proj.weight"), q_a_bias=bias(a + "q_a_proj.bias"),
+                             q_a_ln=w(a + "q_a_layernorm.weight"), q_b=w(a + "q_b_proj.weight"))
+            mlp = p + ("mlp.shared_experts." if j in self.moe_layer_ids else "mlp.")  # shared experts: one MLP
+            layer["gate_up"] = torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")], dim=0)
+            layer["down"] = w(mlp + "down_proj.weight")
+            self.layers.append(layer)
+        routers = [weight(f"model.layers.{j}.mlp.gate.weight").to(device=self.device, dtype=torch.float32)
+                   for j in self.moe_layer_ids]
+        self.router_pair = [torch.cat([routers[i], routers[i + 1] if i + 1 < len(routers) else
+                                       torch.zeros_like(routers[i])], dim=0) for i in range(len(routers))]
+        s, dev = int(max_seq_len), self.device
+        self.latent_cache = torch.zeros(self.num_decoder_layers, s, latent + self.rope_dim, dtype=dtype, device=dev)
+        self.positions = torch.arange(s, device=dev)
+        self.cos, self.sin = norm_rope.rope_tables(self.rope_dim, self.rope_theta, s, dev)
+        self.scale = (self.nope_dim + self.rope_dim) ** -0.5
+        self._steps: dict[int, DecodeStep] = {}
+        self.feature_layers: tuple[int, ...] = ()  # capture_features (decoder layer ids)
+        self._feature_slots: dict[int, list[int]] = {}
+
+    @classmethod
+    def from_model(cls, model, max_seq_len: int) -> "DeepseekV3Decoder":
+        """From a transformers DeepseekV3ForCausalLM, on its device and in its dtype."""
+        params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+        if "lm_head.weight" not in params:  # tied embeddings
+            params["lm_head.weight"] = params["model.embed_tokens.weight"]
+        first = params["model.embed_tokens.weight"]
+        return cls(model.config, lambda name: params[name].detach(), max_seq_len, first.device, first.dtype)
+
+    @classmethod
+    def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "DeepseekV3Decoder":
+        """Read config.json and the weights but the routed experts of a local checkpoint (dense layers, shared
+        experts, routers and their selection bias included)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        reader = CheckpointReader(path, ModelSourceError)
+
+        def weight(name):
+            if name == "lm_head.weight" and name not in reader:
+                name = "model.embed_tokens.weight"
+            return reader.get(name)
+
+        return cls(config, weight, max_seq_len, device, dtype)
+
+    # -- kernels ---------------------------------------------------------------------------------------
+    def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
+        """See `Decoder.use_kernels`. Only the torch path exists for this architecture (MLA through torch SDPA,
+        the routed experts through `slot_moe`'s torch version): any other request is noted and torch used."""
+        check_kernel_choice(backend, attention, moe)
+        check_tune(tune)
+        for what, asked, used in (("backend", backend, "torch"), ("attention", attention, "sdpa"),
+                                  ("moe", moe, "slot")):
+            if asked not in ("auto", used):
+                self.notes.append(f"{what} {asked!r} is not implemented for the DeepSeek-V3 decoder; {used} used")
+        self.backend, self.attention = "torch", "sdpa"
+        return {"backend": "torch", "attention": "sdpa", "moe": "slot", "launch": self.launch}
+
+    # -- buffers ---------------------------------------------------------------------------------------
+    def capture_features(self, layer_ids) -> None:
+        """Write the hidden state after each of `layer_ids` (decoder layers, transformers' hidden_states[j + 1])
+        into every step's work["features"] [D, len(layer_ids) * H]. A change of layers drops the steps made so
+        far (graphs captured over them would not write the features): make the runners again."""
+        ids = tuple(int(i) for i in layer_ids)
+        if any(not 0 <= i < self.num_decoder_layers for i in ids):
+            raise ValueError(f"feature layers {list(ids)} outside the target's layers 0..{self.num_decoder_layers - 1}")
+        if ids != self.feature_layers:
+            self._steps.clear()
+        self.feature_layers = ids
+        self._feature_slots = {}
+        for slot, layer in enumerate(ids):
+            self._feature_slots.setdefault(layer, []).append(slot)
+
+    def features(self, step: DecodeStep) -> torch.Tensor | None:
+        """The captured features of the step's D positions [D, n * H] (None without `capture_features`)."""
+        return step.work.get("features")
+
+    def _write_features(self, step: DecodeStep, layer: int, hidden: torch.Tensor) -> None:
+        width = self.geometry.hidden
+        for slot in self._feature_slots.get(layer, ()):
+            step.work["features"][:, slot * width:(slot + 1) * width].copy_(hidden)
+
+    def step(self, num_positions: int) -> DecodeStep:
+        if num_positions not in self._steps:
+            c, d, dev, dt = self.geometry, num_positions, self.device, self.dtype
+            step = DecodeStep.allocate(d, c, dev)
+            zeros = lambda *shape: torch.zeros(*shape, dtype=dt, device=dev)  # noqa: E731
+            step.work.update(h=zeros(d, c.hidden), xn=zeros(d, c.hidden), moe_in=zeros(d, c.hidden),
+                             act=zeros(c.top_k, c.inter), mask=zeros(d, c.max_seq_len))
+            if self.feature_layers:
+                step.work["features"] = zeros(d, len(self.feature_layers) * c.hidden)
+            self._steps[num_positions] = step
+        return self._steps[num_positions]
+
+    @property
+    def layer_kinds(self) -> tuple[tuple[str, str], ...]:
+        moe = set(self.moe_layer_ids)
+        return tuple(("attention", "moe" if j in moe else "dense_mlp") for j in range(self.num_decoder_layers))
+
+    def rollback(self, step: DecodeStep, committed: int) -> None:
+        """Nothing to restore: the latent cache is indexed by position (the next step overwrites rejected rows)."""
+
+    def randomize_cache(self, seed: int) -> None:
+        generator = torch.Generator(device=self.device).manual_seed(int(seed))
+        self.latent_cache.normal_(generator=generator)
+
+    def reset(self) -> None:
+        """Nothing to clear: a step masks every position it has not written; positions count from its input."""
+
+    # -- device steps (graph bodies) -------------------------------------------------------------------
+    def _rmsnorm(self, x, weight, out=None, eps=None):
+        y = norm_rope.rmsnorm_torch(x, weight, self.eps if eps is None else eps)
+        return y if out is None else out.copy_(y)
+
+    def _attention(self, step: DecodeStep, j: int) -> None:
+        """Decoder layer j's MLA of the step's D positions (latent cache write included), added to the residual."""
+        w, lw, d = step.work, self.layers[j], step.num_positions
+        heads, latent = self.geometry.num_heads, self.kv_lora_rank
+        x = self._rmsnorm(w["h"], lw["input_ln"], w["xn"])
+        if self.q_lora_rank is None:
+            q = F.linear(x, lw["q"])
+        else:
+            q = F.linear(self._rmsnorm(F.linear(x, lw["q_a"], lw["q_a_bias"]), lw["q_a_ln"], eps=LATENT_NORM_EPS),
+                         lw["q_b"])
+        q_nope, q_pe = q.view(d, heads, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        c, k_pe = F.linear(x, lw["kv_a"], lw["kv_a_bias"]).split([latent, self.rope_dim], dim=-1)
+        positions = step.input_dev[d:] + torch.arange(d, device=self.device)
+        cos = self.cos.index_select(0, positions).to(self.dtype)
+        sin = self.sin.index_select(0, positions).to(self.dtype)
+        cache = self.latent_cache[j]
+        cache.index_copy_(0, positions, torch.cat([self._rmsnorm(c, lw["kv_a_ln"], eps=LATENT_NORM_EPS),
+                                                   rotate_pairs(k_pe, cos, sin, self.interleaved)], dim=-1))
+        q_lat = torch.bmm(q_nope.transpose(0, 1), lw["w_uk"]).transpose(0, 1)  # [D, NH, R]
+        query = torch.cat([q_lat, rotate_pairs(q_pe, cos[:, None], sin[:, None], self.interleaved)], dim=-1)
+        out_lat = mla_decode_attention(query, cache, w["mask"], self.scale, latent)  # [D, NH, R]
+        out = torch.bmm(out_lat.transpose(0, 1), lw["w_uv"]).transpose(0, 1).reshape(d, heads * self.v_head_dim)
+        w["h"].add_(F.linear(out, lw["o"], lw["o_bias"]))
+
+    @staticmethod
+    def _mlp(x, gate_up, down):
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down)
+
+    def _dense_layer(self, step: DecodeStep, j: int) -> None:
+        """Decoder layer j with a dense MLP, entirely; its features where named."""
+        w, lw = step.work, self.layers[j]
+        self._attention(step, j)
+        w["h"].add_(self._mlp(self._rmsnorm(w["h"], lw["post_ln"], w["xn"]), lw["gate_up"], lw["down"]))
+        if j != self.num_decoder_layers - 1:  # the last layer's features: after the final norm (head)
+            self._write_features(step, j, w["h"])
+
+    def attention_router(self, step: DecodeStep, layer: int, copy_out: bool = True) -> None:
+        w, d = step.work, step.num_positions
+        if layer == 0:
+            step.input_dev.copy_(step.input_host, non_blocking=True)
+            w["h"].copy_(self.embed.index_select(0, step.input_dev[:d]))
+            causal_step_mask(self.positions, step.input_dev[d:], w["mask"])
+        else:
+            self._write_features(step, self.moe_layer_ids[layer - 1], w["h"])
+        for j in self.dense_before[layer]:
+            self._dense_layer(step, j)
+        j = self.moe_layer_ids[layer]
+        self._attention(step, j)
+        m = self._rmsnorm(w["h"], self.layers[j]["post_ln"], w["moe_in"])
+        step.logits_dev[layer].copy_(F.linear(m.float(), self.router_pair[layer]))
+        if copy_out:
+            step.copy_out_logits(layer)
+
+    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
+        c, w = self.geometry, step.work
+        if copy_in:  # else the route rows were written on the device (`specmoe.kernels.device_routing`)
+            step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
+        lw = self.layers[self.moe_layer_ids[layer]]
+        w["h"].add_(self._mlp(w["moe_in"], lw["gate_up"], lw["down"]))  # the shared experts
+        for i in range(step.num_positions):
+            h = w["h"][i]
+            slot_moe(w["moe_in"][i], h, slot_buf, step.route_dev[layer, i], w["act"], h, c.hidden, c.inter,
+                     self.backend)
+
+    def head(self, step: DecodeStep, copy_out: bool = True) -> None:
+        w, last = step.work, self.num_decoder_layers - 1
+        if self.moe_layer_ids[-1] != last:
+            self._write_features(step, self.moe_layer_ids[-1], w["h"])
+        for j in self.dense_after:
+            self._dense_layer(step, j)
+        x = self._rmsnorm(w["h"], self.final_norm, w["xn"])
+        self._write_features(step, last, x)
+        step.out_logits.copy_(F.linear(x, self.lm_head))
+        step.next_dev.copy_(step.out_logits.argmax(dim=-1))
+        if copy_out:
+            step.copy_out_next()
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def bytes_per_token(self, position: int) -> int:
+        """Weights read per step (every decoder layer's attention, dense MLPs, shared experts, float32 router
+        pairs; the embedding row, final norm and LM head) and the latent cache (SDPA reads all S positions)."""
+        item = self.embed.element_size()
+        layers = sum(t.numel() * t.element_size() for lw in self.layers for t in lw.values() if t is not None)
+        routers = sum(t.numel() * t.element_size() for t in self.router_pair)
+        cache = self.latent_cache[0].numel() * item * self.num_decoder_layers
+        return layers + routers + cache + (self.lm_head.numel() + 2 * self.geometry.hidden) * item
