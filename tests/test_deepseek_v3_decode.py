@@ -223,9 +223,8 @@ def test_refuses_what_it_does_not_implement():
                                                              "original_max_position_embeddings": 32})
     with pytest.raises(ModelSourceError, match="rope_type 'yarn'"):
         DeepseekV3Decoder(yarn, weight, SEQ, "cpu", torch.float32)
-    grouped = tiny_config(num_hidden_layers=2, n_group=4, topk_group=2)
-    with pytest.raises(ModelSourceError, match="n_group=4, topk_group=2"):
-        DeepseekV3Decoder(grouped, weight, SEQ, "cpu", torch.float32)
+    grouped = tiny_config(num_hidden_layers=2, n_group=4, topk_group=2)  # group-limited choice: the adapter's
+    assert DeepseekV3Decoder(grouped, weight, SEQ, "cpu", torch.float32).scoring.groups == (4, 2)
     decoder = DeepseekV3Decoder.from_model(model, SEQ)
     with pytest.raises(ValueError, match="outside"):
         decoder.capture_features([2])

@@ -42,7 +42,7 @@ from specmoe.drafters import check_drafter_fits
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.records import Blocks
-from specmoe.routing import Calibration, PolicyConfig, PolicyError, router_fingerprint, validate
+from specmoe.routing import Calibration, PolicyConfig, PolicyError, validate
 from specmoe.speculation import (EXACT, Drafter, SpeculativeConfig, accepted_length, block_weights, commit_block,
                                  drafting_time)
 
@@ -623,7 +623,5 @@ def build_engine_from_checkpoint(path, policy: PolicyConfig | None, calibration:
     store = ExpertStore.from_checkpoint(path, geometry, dtype=dtype, host_memory_limit=host_memory_limit)
     residency = ExpertResidency(store, slots, device, memory_limit=device_memory_limit)
     decoder = decoder_for(hf_config).from_checkpoint(path, config.max_seq_len, device, dtype)
-    reader = CheckpointReader(path)
-    fingerprint = router_fingerprint([reader.get(adapter.router_weight_name(layer)).float().numpy()
-                                      for layer in range(adapter.num_moe_layers)])
+    fingerprint = adapter.checkpoint_fingerprint(CheckpointReader(path))
     return Engine(decoder, residency, policy, calibration, config, settings, fingerprint, speculative)

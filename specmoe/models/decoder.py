@@ -9,7 +9,9 @@ static number of positions D):
   layer; both land in the step's pinned host buffer `logits` [L, D, 2E] = [z | g];
 - `moe(step, layer, slot_buf)`: the routed experts of the D positions over the layer's slot buffer, at the
   slot ids and execution weights the host wrote into the step's `route` [L, D, 2K] (slots, then weights as
-  float32 bit patterns), added to the residual stream; with copy_in=False the device rows `route_dev` are
+  float32 bit patterns), added to the residual stream, and nothing else: a prompt chunk may run it several
+  times per layer, each time with the weights of other positions nonzero (resident parts such as shared
+  experts belong in `attention_router`); with copy_in=False the device rows `route_dev` are
   used as they are (written on the device by `specmoe.kernels.device_routing` when every expert is resident);
 - `head(step)`: final norm, LM head and the greedy token of each position into `next_tokens`.
 

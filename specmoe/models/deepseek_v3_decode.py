@@ -13,10 +13,11 @@ moe(step, l) for each, then head(step). The dense layers run inside those launch
   l - 1 and MoE layer l, entirely (attention and dense MLP; for l = 0: the first first_k_dense_replace
   layers), then MoE layer l's attention, its MoE input (post-attention RMSNorm) and, on it, router l and the
   pre-gate router l + 1 in one float32 [2E, H] product (transformers computes the router in float32): the
-  engine's [z | g] rows, as OLMoE's;
-- moe(step, l, slot_buf): the shared experts (resident, ungated) on the MoE input added to the residual, then
-  the routed experts over the slot buffer at the host's slot ids and execution weights (the expert store's
-  [gate | up | down] rows, `specmoe.kernels.slot_moe`), added to the residual;
+  engine's [z | g] rows, as OLMoE's; then the shared experts (resident, ungated) on the MoE input, added to
+  the residual;
+- moe(step, l, slot_buf): the routed experts over the slot buffer at the host's slot ids and execution weights
+  (the expert store's [gate | up | down] rows, `specmoe.kernels.slot_moe`), added to the residual, and nothing
+  else (the engine may run it several times per layer, each time with other positions' weights nonzero);
 - head(step): any dense layers after the last MoE layer (none in DeepSeek-V3), final norm, LM head, greedy
   tokens.
 For Moonlight (27 layers, first_k_dense_replace 1): attention_router(step, 0) runs the embedding, decoder
@@ -39,14 +40,12 @@ Feature capture (`capture_features`) names decoder layers (transformers' hidden_
 ones included): a dense layer's state is written after its MLP, a MoE layer's at the start of the next
 launch (before it changes the residual stream), the last decoder layer's after the final norm.
 
-Router scoring (`deepseek_v3_scoring`): sigmoid scores, the per-layer selection bias e_score_correction_bias,
-norm_topk_prob renormalisation and routed_scaling_factor; group-limited choice (n_group > 1 with topk_group <
-n_group) is not expressible in `RouterScoring` here and is refused.
+Router scoring (`deepseek_v3_scoring`): the adapter's (sigmoid scores, the per-layer selection bias
+e_score_correction_bias, group-limited choice, norm_topk_prob renormalisation and routed_scaling_factor).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -69,17 +68,12 @@ def moe_layer_ids(config) -> tuple[int, ...]:
 
 
 def deepseek_v3_scoring(config, weight) -> RouterScoring:
-    """The router's rule for the engines' routing step: sigmoid, the per-MoE-layer selection bias, norm_topk_prob,
-    routed_scaling_factor. weight(name) -> tensor by transformers' names (the bias buffers)."""
-    groups = int(getattr(config, "n_group", None) or 1)
-    kept = int(getattr(config, "topk_group", None) or groups)
-    if groups > 1 and kept < groups:
-        raise ModelSourceError(f"group-limited expert choice (n_group={groups}, topk_group={kept}) is not "
-                               "supported by the DeepSeek-V3 decoder's router scoring")
-    bias = np.stack([weight(f"model.layers.{j}.mlp.gate.e_score_correction_bias").detach().to("cpu", torch.float32)
-                     .numpy() for j in moe_layer_ids(config)])
-    return RouterScoring("sigmoid", renormalise=bool(config.norm_topk_prob),
-                         scale=float(config.routed_scaling_factor), bias=bias)
+    """The router's rule for the engines' routing step: the adapter's (`DeepseekV3Adapter.router_scoring`: sigmoid,
+    the per-MoE-layer selection bias, groups, norm_topk_prob, routed_scaling_factor). weight(name) -> tensor by
+    transformers' names (the bias buffers)."""
+    from .deepseek_v3 import DeepseekV3Adapter
+
+    return DeepseekV3Adapter.from_config(config).router_scoring(weight)
 
 
 def _check_config(config) -> None:
@@ -309,13 +303,14 @@ class DeepseekV3Decoder:
         step.logits_dev[layer].copy_(F.linear(m.float(), self.router_pair[layer]))
         if copy_out:
             step.copy_out_logits(layer)
+        # the shared experts, resident and ungated, here rather than in `moe`: the engine may run a layer's MoE in
+        # several groups of positions (`Decoder.moe`), and they must be added once
+        w["h"].add_(self._mlp(m, self.layers[j]["gate_up"], self.layers[j]["down"]))
 
     def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
         c, w = self.geometry, step.work
         if copy_in:  # else the route rows were written on the device (`specmoe.kernels.device_routing`)
             step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
-        lw = self.layers[self.moe_layer_ids[layer]]
-        w["h"].add_(self._mlp(w["moe_in"], lw["gate_up"], lw["down"]))  # the shared experts
         for i in range(step.num_positions):
             h = w["h"][i]
             slot_moe(w["moe_in"][i], h, slot_buf, step.route_dev[layer, i], w["act"], h, c.hidden, c.inter,

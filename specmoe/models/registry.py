@@ -44,10 +44,10 @@ def _olmoe() -> Architecture:
 def _deepseek_v3() -> Architecture:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    # decoder: the engines' DeepSeek-V3 decoder (MLA with the latent cache), specmoe/models/deepseek_v3_decode.py,
-    # once it exists; until then `decoder_for` says the engines do not support this model type
+    from .deepseek_v3_decode import DeepseekV3Decoder
+
     return Architecture(DeepseekV3Adapter.from_config, DeepseekV3ForCausalLM, DeepseekV3Config,
-                        build_random_deepseek_v3, None)
+                        build_random_deepseek_v3, DeepseekV3Decoder)
 
 
 # model_type -> Architecture
