@@ -103,6 +103,42 @@ class DecodeStep:
         self.next_host.copy_(self.next_dev, non_blocking=True)
 
 
+class FeatureCapture:
+    """The hidden states a drafter reads (DFlash), captured inside a decoder's steps: the shared part of
+    `Decoder.capture_features` / `features`. A decoder sets `feature_layers = ()` and `_feature_slots = {}` at
+    build, names its layer count (`_feature_layer_count`: transformers' hidden_states layers), allocates
+    work["features"] [D, len(feature_layers) * H] in its steps and calls `_write_features` where each layer's
+    state is final."""
+
+    feature_layers: tuple[int, ...] = ()
+    _feature_slots: dict[int, list[int]] = {}
+
+    def capture_features(self, layer_ids) -> None:
+        """Write the hidden state after each of `layer_ids` (transformers' hidden_states[l + 1]) into every
+        step's work["features"] [D, len(layer_ids) * H]. A change of layers drops the steps made so far (graphs
+        captured over them would not write the features): make the runners again."""
+        ids = tuple(int(i) for i in layer_ids)
+        num_layers = self._feature_layer_count
+        if any(not 0 <= i < num_layers for i in ids):
+            raise ValueError(f"feature layers {list(ids)} outside the target's layers 0..{num_layers - 1}")
+        if ids != self.feature_layers:
+            self._steps.clear()
+        self.feature_layers = ids
+        self._feature_slots = {}
+        for slot, layer in enumerate(ids):
+            self._feature_slots.setdefault(layer, []).append(slot)
+
+    def features(self, step: "DecodeStep") -> torch.Tensor | None:
+        """The captured features of the step's D positions [D, n * H] (None without `capture_features`)."""
+        return step.work.get("features")
+
+    def _write_features(self, step: "DecodeStep", layer: int, hidden: torch.Tensor) -> None:
+        """Copy `hidden` [D, H], the state after `layer`, into its feature slots (if the layer is named)."""
+        width = self.geometry.hidden
+        for slot in self._feature_slots.get(layer, ()):
+            step.work["features"][:, slot * width:(slot + 1) * width].copy_(hidden)
+
+
 LAYER_KINDS = ("attention", "linear_attention", "dense_mlp", "moe")  # token mixers, then MLPs
 
 

@@ -56,7 +56,7 @@ from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
 from .checkpoint import CheckpointReader
-from .decoder import DecodeStep
+from .decoder import DecodeStep, FeatureCapture
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
 
@@ -90,7 +90,7 @@ def _check_config(config) -> None:
                                f"{config.first_k_dense_replace}, num_hidden_layers={config.num_hidden_layers})")
 
 
-class DeepseekV3Decoder:
+class DeepseekV3Decoder(FeatureCapture):
     """DeepSeek-V3 (MLA, dense first layers, shared experts) without the routed experts, over a static latent
     KV cache; see the module docstring."""
 
@@ -153,8 +153,8 @@ class DeepseekV3Decoder:
         self.cos, self.sin = norm_rope.rope_tables(self.rope_dim, self.rope_theta, s, dev)
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5
         self._steps: dict[int, DecodeStep] = {}
-        self.feature_layers: tuple[int, ...] = ()  # capture_features (decoder layer ids)
-        self._feature_slots: dict[int, list[int]] = {}
+        self.feature_layers, self._feature_slots = (), {}  # capture_features (decoder layer ids)
+        self._feature_layer_count = self.num_decoder_layers
 
     @classmethod
     def from_model(cls, model, max_seq_len: int) -> "DeepseekV3Decoder":
@@ -195,29 +195,6 @@ class DeepseekV3Decoder:
         return {"backend": "torch", "attention": "sdpa", "moe": "slot", "launch": self.launch}
 
     # -- buffers ---------------------------------------------------------------------------------------
-    def capture_features(self, layer_ids) -> None:
-        """Write the hidden state after each of `layer_ids` (decoder layers, transformers' hidden_states[j + 1])
-        into every step's work["features"] [D, len(layer_ids) * H]. A change of layers drops the steps made so
-        far (graphs captured over them would not write the features): make the runners again."""
-        ids = tuple(int(i) for i in layer_ids)
-        if any(not 0 <= i < self.num_decoder_layers for i in ids):
-            raise ValueError(f"feature layers {list(ids)} outside the target's layers 0..{self.num_decoder_layers - 1}")
-        if ids != self.feature_layers:
-            self._steps.clear()
-        self.feature_layers = ids
-        self._feature_slots = {}
-        for slot, layer in enumerate(ids):
-            self._feature_slots.setdefault(layer, []).append(slot)
-
-    def features(self, step: DecodeStep) -> torch.Tensor | None:
-        """The captured features of the step's D positions [D, n * H] (None without `capture_features`)."""
-        return step.work.get("features")
-
-    def _write_features(self, step: DecodeStep, layer: int, hidden: torch.Tensor) -> None:
-        width = self.geometry.hidden
-        for slot in self._feature_slots.get(layer, ()):
-            step.work["features"][:, slot * width:(slot + 1) * width].copy_(hidden)
-
     def step(self, num_positions: int) -> DecodeStep:
         if num_positions not in self._steps:
             c, d, dev, dt = self.geometry, num_positions, self.device, self.dtype

@@ -28,7 +28,7 @@ from specmoe.kernels import (GROUPED_DEFAULTS, MOE_DEFAULTS, LaunchChoice, causa
 
 from .adapter import ModelSourceError
 from .checkpoint import CheckpointReader
-from .decoder import DecodeStep
+from .decoder import DecodeStep, FeatureCapture
 from .olmoe import OlmoeAdapter
 
 
@@ -41,7 +41,7 @@ def _layer_keys(i: int) -> dict[str, str]:
             "router": p + "mlp.gate.weight"}
 
 
-class OlmoeDecoder:
+class OlmoeDecoder(FeatureCapture):
     """OLMoE without the routed experts, over a static KV cache; see the module docstring."""
 
     def __init__(self, config, weight, max_seq_len: int, device, dtype: torch.dtype):
@@ -82,8 +82,8 @@ class OlmoeDecoder:
         self.cos, self.sin = norm_rope.rope_tables(c.head_dim, self.rope_theta, s, dev)
         self.scale = c.head_dim ** -0.5
         self._steps: dict[int, DecodeStep] = {}
-        self.feature_layers: tuple[int, ...] = ()  # capture_features
-        self._feature_slots: dict[int, list[int]] = {}
+        self.feature_layers, self._feature_slots = (), {}  # capture_features
+        self._feature_layer_count = self.geometry.num_layers
 
     @classmethod
     def from_model(cls, model, max_seq_len: int) -> "OlmoeDecoder":
@@ -210,31 +210,6 @@ class OlmoeDecoder:
         return lambda q, k, v, seq_len, scale: decode_attention_flash(q, k, v, seq_len, scale, flash_attn)
 
     # -- buffers ---------------------------------------------------------------------------------------
-    def capture_features(self, layer_ids) -> None:
-        """Write the hidden state after each of `layer_ids` (transformers' hidden_states[l + 1]) into every
-        step's work["features"] [D, len(layer_ids) * H] (module docstring). A change of layers drops the steps
-        made so far (graphs captured over them would not write the features): make the runners again."""
-        ids = tuple(int(i) for i in layer_ids)
-        num_layers = self.geometry.num_layers
-        if any(not 0 <= i < num_layers for i in ids):
-            raise ValueError(f"feature layers {list(ids)} outside the target's layers 0..{num_layers - 1}")
-        if ids != self.feature_layers:
-            self._steps.clear()  # steps (and graphs) made before would not write them: new ones are made
-        self.feature_layers = ids
-        self._feature_slots = {}
-        for slot, layer in enumerate(ids):
-            self._feature_slots.setdefault(layer, []).append(slot)
-
-    def features(self, step: DecodeStep) -> torch.Tensor | None:
-        """The captured features of the step's D positions [D, n * H] (None without `capture_features`)."""
-        return step.work.get("features")
-
-    def _write_features(self, step: DecodeStep, layer: int, hidden: torch.Tensor) -> None:
-        """Copy `hidden` [D, H], the state after `layer`, into its feature slots (if the layer is named)."""
-        width = self.geometry.hidden
-        for slot in self._feature_slots.get(layer, ()):
-            step.work["features"][:, slot * width:(slot + 1) * width].copy_(hidden)
-
     def step(self, num_positions: int) -> DecodeStep:
         if num_positions not in self._steps:
             c, d, dev, dt = self.geometry, num_positions, self.device, self.dtype
