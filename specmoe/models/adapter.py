@@ -12,6 +12,7 @@ experts) and Qwen3.5-MoE follow the same shape.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -124,13 +125,30 @@ class MoEAdapter:
         return RouterScoring("softmax", renormalise=self.norm_topk_prob)
 
     # -- harness hook --------------------------------------------------------------------------------
+    # the model's router class and its subclass that asks a routing context for the selection (set by each
+    # architecture's adapter; the harness hook below swaps one for the other)
+    router_class: ClassVar[type]
+    routed_router_class: ClassVar[type]
+
     def patch_routers(self, model: nn.Module, context) -> None:
-        """Swap each router for the subclass that asks `context.route` for its selection."""
-        raise NotImplementedError
+        """Swap each router for the subclass that asks `context.route` for its selection (`specmoe_context`,
+        `specmoe_layer` on the module)."""
+        routers = self.routers(model)
+        for layer, router in enumerate(routers):
+            if type(router) not in (self.router_class, self.routed_router_class):
+                raise TypeError(f"router of MoE layer {layer} is a {type(router).__name__}, not a "
+                                f"{self.router_class.__name__}")
+        for layer, router in enumerate(routers):
+            router.__class__ = self.routed_router_class
+            router.specmoe_context = context
+            router.specmoe_layer = layer
 
     def unpatch_routers(self, model: nn.Module) -> None:
         """Undo `patch_routers` (the original router class, no context)."""
-        raise NotImplementedError
+        for router in self.routers(model):
+            if isinstance(router, self.routed_router_class):
+                router.__class__ = self.router_class
+                del router.specmoe_context, router.specmoe_layer
 
 
 def extract_context_feature(hidden_states, layer_ids: list[int]) -> torch.Tensor:

@@ -91,6 +91,9 @@ class DeepseekV3Adapter(MoEAdapter):
     """Adapter of DeepseekV3ForCausalLM: MoE layers from `first_k_dense_replace` on; `mlp.gate` is the router
     (weight and selection bias), `mlp.experts` the fused routed experts, `mlp.shared_experts` the shared ones."""
 
+    router_class = DeepseekV3TopkRouter
+    routed_router_class = RoutedDeepseekV3TopkRouter
+
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
@@ -166,24 +169,6 @@ class DeepseekV3Adapter(MoEAdapter):
         bias = np.stack([weight(_bias_name(i)).detach().to("cpu", torch.float32).numpy() for i in self.moe_layer_ids])
         return RouterScoring("sigmoid", renormalise=self.norm_topk_prob, scale=self.routed_scaling_factor, bias=bias,
                              n_group=self.n_group, topk_group=self.topk_group)
-
-    # -- harness hook --------------------------------------------------------------------------------
-    def patch_routers(self, model: nn.Module, context) -> None:
-        routers = self.routers(model)
-        for layer, router in enumerate(routers):
-            if type(router) not in (DeepseekV3TopkRouter, RoutedDeepseekV3TopkRouter):
-                raise TypeError(f"router of MoE layer {layer} is a {type(router).__name__}, "
-                                "not a DeepseekV3TopkRouter")
-        for layer, router in enumerate(routers):
-            router.__class__ = RoutedDeepseekV3TopkRouter
-            router.specmoe_context = context
-            router.specmoe_layer = layer
-
-    def unpatch_routers(self, model: nn.Module) -> None:
-        for router in self.routers(model):
-            if isinstance(router, RoutedDeepseekV3TopkRouter):
-                router.__class__ = DeepseekV3TopkRouter
-                del router.specmoe_context, router.specmoe_layer
 
 
 def _weight_std(name: str, shape: tuple[int, ...]) -> float | None:

@@ -59,6 +59,9 @@ class RoutedOlmoeTopKRouter(OlmoeTopKRouter):
 class OlmoeAdapter(MoEAdapter):
     """Adapter of OlmoeForCausalLM: every decoder layer is MoE; `mlp.gate` is the router."""
 
+    router_class = OlmoeTopKRouter
+    routed_router_class = RoutedOlmoeTopKRouter
+
     @classmethod
     def from_config(cls, config: OlmoeConfig) -> "OlmoeAdapter":
         if not getattr(config, "num_experts", 0) or not getattr(config, "num_experts_per_tok", 0):
@@ -77,23 +80,6 @@ class OlmoeAdapter(MoEAdapter):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(router_logits.dtype)
-
-    def patch_routers(self, model: nn.Module, context) -> None:
-        routers = self.routers(model)
-        for layer, router in enumerate(routers):
-            if type(router) not in (OlmoeTopKRouter, RoutedOlmoeTopKRouter):
-                raise TypeError(f"router of MoE layer {layer} is a {type(router).__name__}, not an OlmoeTopKRouter")
-        for layer, router in enumerate(routers):
-            router.__class__ = RoutedOlmoeTopKRouter
-            router.specmoe_context = context
-            router.specmoe_layer = layer
-
-    def unpatch_routers(self, model: nn.Module) -> None:
-        for router in self.routers(model):
-            if isinstance(router, RoutedOlmoeTopKRouter):
-                router.__class__ = OlmoeTopKRouter
-                del router.specmoe_context, router.specmoe_layer
-
 
 def build_random_olmoe(config: OlmoeConfig, seed: int, dtype: torch.dtype, device,
                        generator: torch.Generator | None = None) -> OlmoeForCausalLM:
