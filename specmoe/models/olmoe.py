@@ -81,6 +81,7 @@ class OlmoeAdapter(MoEAdapter):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(router_logits.dtype)
 
+
 def build_random_olmoe(config: OlmoeConfig, seed: int, dtype: torch.dtype, device,
                        generator: torch.Generator | None = None) -> OlmoeForCausalLM:
     """An OlmoeForCausalLM of `config` with seeded random weights (see `init_random_weights`)."""
