@@ -23,9 +23,10 @@ class EngineConfig:
     prologue, slot MoE) or their torch versions ("auto": Triton on CUDA where installed); attention: "split_kv"
     (our Triton kernel, reads only the written positions), "sdpa" (torch, the whole masked cache), "flash_attn"
     (flash-attn's flash_attn_with_kvcache), or "auto" (split_kv on CUDA with Triton, else sdpa); moe: "slot" (our
-    slot-indexed kernel) or "vllm" (vLLM's fused_experts); tune: the MoE kernels' launch parameters on CUDA ("auto": read from the
-    tuning cache, else tuned once and cached; True: tuned again now, the cache entry overwritten; False: fixed
-    defaults, for exact reproduction; `specmoe.kernels.tuning`; `kernels["launch"]` says which ran). Optional
+    slot-indexed kernel) or "vllm" (vLLM's fused_experts); tune: the MoE kernels' launch parameters on CUDA
+    ("auto": read from the tuning cache, else tuned once and cached; True: tuned again now, the cache entry
+    overwritten; False: fixed defaults, for exact reproduction; `specmoe.kernels.tuning`; `kernels["launch"]`
+    says which ran). Optional
     packages must be installed (else ImportError at build) and are checked against the torch path at build;
     one that disagrees is not used (see `Engine.notes`). device_routing: when every expert is resident and
     the policy reduces to the router's own top-K, route on the device and run each token as one launch

@@ -21,9 +21,10 @@ insertions) and the prefetch pump -> the head graph (final norm, LM head, greedy
 - Prefill: prompt processing, whose copies and time are not counted in the steps (`prefill_ms` is the time to
   the first new token). Autoregressive runs put the prompt through in steps of `EngineConfig.prefill_chunk`
   positions whose routing is position by position (`CacheRouter.begin_chunk`: the decisions of one position per
-  step) and whose MoE runs in groups where a position reassigns a slot an earlier one executes. Speculative runs put the whole prompt through exact selection in blocks of k + 1 positions; the
-  target's greedy token after it is the first new token (committed, in no block) and the root of the first
-  verification block, as in the public DFlash loop, vLLM and SGLang, so tau is their acceptance length.
+  step) and whose MoE runs in groups where a position reassigns a slot an earlier one executes. Speculative
+  runs put the whole prompt through exact selection in blocks of k + 1 positions; the target's greedy token
+  after it is the first new token (committed, in no block) and the root of the first verification block, as in
+  the public DFlash loop, vLLM and SGLang, so tau is their acceptance length.
 
 Routing never reads timing in the default (logical) mode: copies only change latency. `RunSettings` carries the
 copy-timing settings (delay injection, prefetches in flight, copies-skipped mode, instrumentation). On the CPU

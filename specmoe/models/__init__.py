@@ -8,7 +8,8 @@ from .registry import (ARCHITECTURES, NAMED_CONFIGS, adapter_for, decoder_for, d
                        named_config)
 
 __all__ = [
-    "ARCHITECTURES", "CheckpointReader", "DEEPSEEK_V3_CONFIGS", "DeepseekV3Adapter", "ModelSourceError", "MoEAdapter", "NAMED_CONFIGS", "OLMOE_CONFIGS",
-    "OlmoeAdapter", "RoutedDeepseekV3TopkRouter", "RoutedOlmoeTopKRouter", "adapter_for", "decoder_for", "default_model", "extract_context_feature",
+    "ARCHITECTURES", "CheckpointReader", "DEEPSEEK_V3_CONFIGS", "DeepseekV3Adapter", "ModelSourceError",
+    "MoEAdapter", "NAMED_CONFIGS", "OLMOE_CONFIGS", "OlmoeAdapter", "RoutedDeepseekV3TopkRouter",
+    "RoutedOlmoeTopKRouter", "adapter_for", "decoder_for", "default_model", "extract_context_feature",
     "init_random_weights", "load_model", "named_config",
 ]

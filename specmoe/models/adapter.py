@@ -101,7 +101,8 @@ class MoEAdapter:
         (used for the pre-gate: router l on layer l-1's MoE input)."""
         raise NotImplementedError
 
-    def selection_scores(self, router_logits: torch.Tensor, layer: int, router: nn.Module | None = None) -> torch.Tensor:
+    def selection_scores(self, router_logits: torch.Tensor, layer: int,
+                         router: nn.Module | None = None) -> torch.Tensor:
         """What the routing policy ranks (and adds the bonus to): the logits for softmax routers; for
         sigmoid routers with a bias (DeepSeek-V3) sigmoid(z) + bias, the bias read from `router` (the router
         module of MoE layer `layer`, which sigmoid routers with a bias require)."""

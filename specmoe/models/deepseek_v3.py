@@ -148,7 +148,8 @@ class DeepseekV3Adapter(MoEAdapter):
     def router_logits(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return DeepseekV3TopkRouter.forward(router, hidden)[0]
 
-    def selection_scores(self, router_logits: torch.Tensor, layer: int, router: nn.Module | None = None) -> torch.Tensor:
+    def selection_scores(self, router_logits: torch.Tensor, layer: int,
+                         router: nn.Module | None = None) -> torch.Tensor:
         """sigmoid(z) + b_l in float32, as the router computes what it chooses on (b_l: `router`'s bias)."""
         if router is None:
             raise ValueError("DeepSeek-V3's selection scores need the layer's router (its selection bias)")
