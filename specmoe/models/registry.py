@@ -18,6 +18,7 @@ from specmoe.assets import family_path
 from .adapter import ModelSourceError, MoEAdapter
 from .deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepseekV3Adapter, build_random_deepseek_v3
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, build_random_olmoe
+from .qwen3_5_moe import QWEN3_5_MOE_CONFIGS, Qwen35MoeAdapter, build_random_qwen3_5_moe
 
 
 class Architecture(NamedTuple):
@@ -50,13 +51,26 @@ def _deepseek_v3() -> Architecture:
                         build_random_deepseek_v3, DeepseekV3Decoder)
 
 
+def _qwen3_5_moe(image_text: bool) -> Architecture:
+    """Qwen3.5-MoE: the text model (model_type qwen3_5_moe_text, what Qwen3_5MoeForCausalLM.save_pretrained
+    writes) or the shipped image-text model (qwen3_5_moe), whose text part Qwen3_5MoeForCausalLM loads. No
+    engine decoder yet (Gated DeltaNet layers)."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    return Architecture(Qwen35MoeAdapter.from_config, Qwen3_5MoeForCausalLM,
+                        Qwen3_5MoeConfig if image_text else Qwen3_5MoeTextConfig, build_random_qwen3_5_moe, None)
+
+
 # model_type -> Architecture
-ARCHITECTURES: dict[str, Architecture] = {"olmoe": _olmoe(), "deepseek_v3": _deepseek_v3()}
+ARCHITECTURES: dict[str, Architecture] = {"olmoe": _olmoe(), "deepseek_v3": _deepseek_v3(),
+                                          "qwen3_5_moe_text": _qwen3_5_moe(False),
+                                          "qwen3_5_moe": _qwen3_5_moe(True)}
 
 # name -> (model_type, config keyword arguments)
 NAMED_CONFIGS: dict[str, tuple[str, dict]] = {
     **{name: ("olmoe", kwargs) for name, kwargs in OLMOE_CONFIGS.items()},
     **{name: ("deepseek_v3", kwargs) for name, kwargs in DEEPSEEK_V3_CONFIGS.items()},
+    **{name: ("qwen3_5_moe_text", kwargs) for name, kwargs in QWEN3_5_MOE_CONFIGS.items()},
 }
 
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
