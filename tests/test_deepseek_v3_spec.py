@@ -64,3 +64,26 @@ def test_agrees_with_the_harness_loop(tiny, selector):
     for mine, theirs in zip(result.block_selected, harness.blocks, strict=True):
         np.testing.assert_array_equal(mine, theirs["selected"])
     assert result.displaced == pytest.approx(harness.displaced, rel=1e-4)
+
+
+def test_drafter_layers_are_decoder_layers_dense_ones_included(tiny):
+    # a DFlash drafter names decoder layers (transformers' hidden_states): the tiny model has one dense layer
+    # before its MoE layers, so its last decoder layer is a valid feature layer although the MoE layers are fewer
+    from types import SimpleNamespace
+
+    from specmoe.drafters import DrafterError, check_drafter_fits
+    model, adapter, store, calibration, drafter, prompt = tiny
+    engine, _ = _spec(tiny, "exact", adapter.num_experts // 2)
+    decoder_layers = len(engine.decoder.layer_kinds)
+    assert decoder_layers == engine.geometry.num_layers + 1
+    last = decoder_layers - 1
+    stub = SimpleNamespace(name="dflash", target_layer_ids=(0, last), max_drafts=16, hidden_size=adapter.hidden_size,
+                           vocab_size=adapter.vocab_size)
+    check_drafter_fits(stub, engine.geometry, decoder_layers)
+    with pytest.raises(DrafterError, match=rf"target layers \[{last}\], the target has layers 0\.\.{last - 1}"):
+        check_drafter_fits(stub, engine.geometry)  # counted as MoE layers (OLMoE's default) it would not fit
+    too_far = SimpleNamespace(**{**vars(stub), "target_layer_ids": (decoder_layers,)})
+    with pytest.raises(DrafterError, match=rf"target layers \[{decoder_layers}\], the target has layers 0\.\.{last}"):
+        engine._use_drafter(too_far)
+    engine._use_drafter(stub)
+    assert engine.decoder.feature_layers == (0, last)
