@@ -87,3 +87,65 @@ def test_drafter_layers_are_decoder_layers_dense_ones_included(tiny):
         engine._use_drafter(too_far)
     engine._use_drafter(stub)
     assert engine.decoder.feature_layers == (0, last)
+
+
+@pytest.mark.parametrize("name", ["exact_lru", "psr"])
+def test_recorded_trace_carries_the_groups_and_replays_the_harness(tiny, name, tmp_path):
+    from specmoe.files import read_safetensors, write_safetensors
+    from specmoe.harness import record_trace
+    from specmoe.harness.patch import patch_model, unpatch
+    from specmoe.records import AcceptanceProfile, Trace, synthetic_blocks
+    from specmoe.routing import replay
+
+    model, adapter, store, calibration, drafter, prompt = tiny
+    rng = np.random.default_rng(11)
+    sequences = [torch.as_tensor(rng.integers(0, adapter.vocab_size, n)) for n in (14, 9)]
+    trace = record_trace(model, sequences, "tiny")
+    assert trace.groups == adapter.groups
+    path = trace.save(tmp_path / "trace.safetensors")
+    assert Trace.load(path).groups == adapter.groups
+    meta, arrays = read_safetensors(path, ValueError, "trace")  # a file written before traces carried groups
+    del meta["groups"]
+    write_safetensors(tmp_path / "old.safetensors", arrays, meta)
+    assert Trace.load(tmp_path / "old.safetensors").groups == (1, 1)
+    assert synthetic_blocks(trace, 3, AcceptanceProfile.geometric(0.7)).groups == adapter.groups
+
+    policy = preset(name, adapter.num_experts // 2, adapter.top_k)
+    harness = []
+    context = patch_model(model, adapter, policy, calibration, record=True)
+    try:
+        for seq in sequences:
+            with torch.no_grad():
+                model(input_ids=seq[None])
+            harness.append(context.recorded(0)[3])
+    finally:
+        unpatch(model)
+    harness = np.concatenate(harness)
+    ours = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
+                  sequence_starts=trace.sequence_starts, groups=trace.groups)
+    np.testing.assert_array_equal(ours.selected, harness)
+    if adapter.groups != (1, 1):  # the groups matter: without them the replay is another router's
+        ungrouped = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
+                           sequence_starts=trace.sequence_starts)
+        assert not np.array_equal(ungrouped.selected, harness)
+
+
+def test_block_replays_route_with_the_recorded_groups(tiny):
+    # replay_ar and the rollback cache rank under the blocks' group rule: every selection lies in topk_group
+    # groups, and replay_ar is the AR replay of the committed rows with those groups
+    from specmoe.harness import record_trace
+    from specmoe.records import AcceptanceProfile, synthetic_blocks
+    from specmoe.replay import replay_ar, replay_rollback
+    from specmoe.routing import replay
+
+    model, adapter, store, calibration, drafter, prompt = tiny
+    seq = torch.as_tensor(np.random.default_rng(12).integers(0, adapter.vocab_size, 24))
+    blocks = synthetic_blocks(record_trace(model, [seq]), 3, AcceptanceProfile.geometric(0.6))
+    policy = preset("psr", adapter.num_experts // 2, adapter.top_k)
+    rows, starts = blocks.committed_rows()
+    expected = replay(policy, blocks.router_logits[rows], blocks.pregate_logits[rows], blocks.tokens[rows],
+                      calibration, sequence_starts=starts, groups=adapter.groups).selected
+    np.testing.assert_array_equal(replay_ar(policy, blocks, calibration, keep_selected=True).selected, expected)
+    rolled = replay_rollback(policy, blocks, calibration, keep_selected=True).selected
+    size = adapter.num_experts // adapter.n_group
+    assert (np.array([[len(set(s // size)) for s in step] for step in rolled]) <= adapter.topk_group).all()
