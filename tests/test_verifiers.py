@@ -482,3 +482,105 @@ def test_bad_block_input():
     buffers = SelectionBuffers(2, 6, 2)
     with pytest.raises(ValueError, match="1 <= D <= 2"):
         select_block_into(config, z, ok["resident"], ok["alpha"], 2, False, buffers)
+
+
+# -- sigmoid routers (DeepSeek-V3): selection scores sigmoid(z) + bias, demand from normalised sigmoids -----
+
+LN3, LN7 = math.log(3.0), math.log(7.0)
+# sigmoid(ln 3) = 3/4, sigmoid(0) = 1/2, sigmoid(-ln 3) = 1/4, sigmoid(ln 7) = 7/8, sigmoid(-ln 7) = 1/8
+SIGMOID_Z = np.array([[LN3, 0.0, -LN3, -LN7],     # sigmoid 3/4, 1/2, 1/4, 1/8
+                      [-LN7, LN7, -LN3, 0.0],     # sigmoid 1/8, 7/8, 1/4, 1/2 (sum 7/4)
+                      [0.0, -LN7, -LN7, LN3]])    # sigmoid 1/2, 1/8, 1/8, 3/4 (sum 3/2)
+SIGMOID_BIAS = np.array([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.4, 0.0]])  # layer 1 boosts expert 2 by 0.4
+
+
+def sigmoid_scoring(n_group=1, topk_group=1):
+    from specmoe.routing import RouterScoring
+    return RouterScoring("sigmoid", renormalise=True, scale=2.5, bias=SIGMOID_BIAS, n_group=n_group,
+                         topk_group=topk_group)
+
+
+def test_sigmoid_router_block_selection_worked_by_hand():
+    # layer 1: selection scores s = sigmoid(z) + (0, 0, 0.4, 0):
+    #   root  s = (0.75, 0.5, 0.65, 0.125): own top-2 A = [0, 2] (the bias puts 2 before 1)
+    #   pos 1 s = (0.125, 0.875, 0.65, 0.5): own [1, 2]; r_1 = sigmoid / (7/4): r_11 = 1/2
+    #   pos 2 s = (0.5, 0.125, 0.525, 0.75): own [3, 2]; r_2 = sigmoid / (3/2): r_23 = 1/2
+    # alpha (1, 1, 1/2): u_1 = 1 * 1/2, u_3 = 1/2 * 1/2 = 1/4 (2 is in A); m = 2, q = (2/3, 1/3),
+    # e^H = 3 / 2^(2/3) = 1.89; gamma 0.5: ceil(0.94) = 1 extra, expert 1: S = {0, 1, 2}
+    config = SelectorConfig("acceptmoe", gamma=0.5)
+    resident = mask(4, (0, 1, 3))
+    sel = select_block(config, SIGMOID_Z, resident, np.array([1.0, 1.0, 0.5]), 2, sigmoid_scoring(), layer=1)
+    assert sel.eligible.tolist() == [0, 1, 2]
+    # pos 1 executes its top-2 of s in S: [1, 2] (its own); pos 2: [2, 0] (0.525 > 0.5), losing expert 3
+    assert sel.selected.tolist() == [[0, 2], [1, 2], [2, 0]]
+    assert sel.union.tolist() == [0, 1, 2] and sel.missing.tolist() == [2]
+    np.testing.assert_allclose(sel.displaced, [0.0, 0.0, 0.5], rtol=1e-12)  # r_23 = (3/4) / (3/2)
+    # weights: the unbiased sigmoid renormalised over the executed pair, times 2.5
+    np.testing.assert_allclose(sel.weights, [[0.75 * 2.5, 0.25 * 2.5], [35 / 18, 10 / 18], [0.5, 2.0]], rtol=1e-12)
+    # gamma 1: ceil(1.89) = 2 = m: S = every expert; pos 2 then executes its own [3, 2]
+    sel = select_block(selector_preset("acceptmoe"), SIGMOID_Z, resident, np.array([1.0, 1.0, 0.5]), 2,
+                       sigmoid_scoring(), layer=1)
+    assert sel.eligible.tolist() == [0, 1, 2, 3]
+    assert sel.selected.tolist() == [[0, 2], [1, 2], [3, 2]]
+    # layer 0 (no bias): the root's own top-2 is [0, 1]
+    sel = select_block(selector_preset("exact"), SIGMOID_Z, resident, np.ones(3), 2, sigmoid_scoring(), layer=0)
+    assert sel.selected.tolist() == [[0, 1], [1, 3], [3, 0]]
+
+
+def test_sigmoid_router_group_limited_own_top_k():
+    # groups {0, 1} and {2, 3}, one kept; layer 1's s as above:
+    #   root  groups 0.75 + 0.5 = 1.25, 0.65 + 0.125 = 0.775: group 0, own [0, 1]
+    #   pos 1 groups 1.0, 1.15: group 1, own [2, 3]; pos 2 groups 0.625, 1.275: group 1, own [3, 2]
+    scoring = sigmoid_scoring(n_group=2, topk_group=1)
+    exact = select_block(selector_preset("exact"), SIGMOID_Z, np.ones(4, dtype=bool), np.ones(3), 2, scoring, layer=1)
+    assert exact.selected.tolist() == [[0, 1], [2, 3], [3, 2]]
+    # a block selector keeps the root's group-limited top-K as A; the other positions rank inside S:
+    # u_3 = 1 * r_13 + 1/2 * r_23 = (1/2)/(7/4) + 1/4 = 15/28, u_2 = (1/4)/(7/4) + 1/2 * (1/8)/(3/2) = 31/168;
+    # q = (90, 31) / 121, e^H = 1.77; gamma 0.5: ceil(0.88) = 1 extra, expert 3: S = {0, 1, 3}
+    sel = select_block(SelectorConfig("acceptmoe", gamma=0.5), SIGMOID_Z, np.ones(4, dtype=bool),
+                       np.array([1.0, 1.0, 0.5]), 2, scoring, layer=1)
+    assert sel.eligible.tolist() == [0, 1, 3]
+    assert sel.selected.tolist() == [[0, 1], [1, 3], [3, 0]]
+
+
+def test_sigmoid_exact_selection_is_the_routing_cores_choice_and_weights():
+    # exact selection = the routing core's own top-K (`_rank_groups` on sigmoid(z) + bias) and weights
+    # (`execution_weights`), bitwise, on random logits with a random bias and groups; given scores rank the same
+    from specmoe.routing import RouterScoring
+    from specmoe.routing.kernels import _rank_groups, execution_weights, selection_scores
+    rng = np.random.default_rng(3)
+    num_experts, k = 16, 4
+    for n_group, topk_group in ((1, 1), (4, 2), (8, 3)):
+        bias = rng.normal(0, 0.3, (2, num_experts))
+        scoring = RouterScoring("sigmoid", renormalise=True, scale=2.446, bias=bias, n_group=n_group,
+                                topk_group=topk_group)
+        for _ in range(20):
+            z = rng.normal(0, 2, (5, num_experts)).astype(np.float32)
+            sel = select_block(selector_preset("exact"), z, np.ones(num_experts, dtype=bool), np.ones(5), k,
+                               scoring, layer=1)
+            scores = np.empty((5, num_experts))
+            for d in range(5):
+                selection_scores(z[d], 1, bias[1], scores[d])
+                own = np.empty(k, dtype=np.int64)
+                _rank_groups(scores[d], scores[d], k, own, n_group, topk_group)
+                assert sel.selected[d].tolist() == own.tolist()
+                weights = np.empty(k)
+                execution_weights(z[d], own, 1, True, 2.446, weights)
+                assert sel.weights[d].tolist() == weights.tolist()
+            given = select_block(selector_preset("confidence_top1"), z, np.ones(num_experts, dtype=bool),
+                                 np.linspace(1, 0.2, 5), k, scoring, scores=scores)
+            computed = select_block(selector_preset("confidence_top1"), z, np.ones(num_experts, dtype=bool),
+                                    np.linspace(1, 0.2, 5), k, scoring, layer=1)
+            assert given.selected.tolist() == computed.selected.tolist()
+
+
+def test_softmax_scoring_equals_the_renormalise_flag():
+    from specmoe.routing import RouterScoring
+    rng = np.random.default_rng(4)
+    z = rng.normal(0, 2, (6, 12))
+    for renormalise in (False, True):
+        flag = select_block(selector_preset("acceptmoe"), z, np.ones(12, dtype=bool), np.ones(6), 3, renormalise)
+        rule = select_block(selector_preset("acceptmoe"), z, np.ones(12, dtype=bool), np.ones(6), 3,
+                            RouterScoring("softmax", renormalise=renormalise))
+        for a, b in zip(flag.__dict__.values(), rule.__dict__.values()):
+            assert np.array_equal(a, b)

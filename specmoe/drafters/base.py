@@ -63,19 +63,24 @@ def greedy_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return tokens, probs.gather(-1, tokens[:, None])[:, 0].double()
 
 
-def check_drafter_fits(drafter: Drafter, geometry) -> None:
+def check_drafter_fits(drafter: Drafter, geometry, num_decoder_layers: int | None = None) -> None:
     """DrafterError unless the drafter's vocabulary is the target's and, for a drafter that reads the target's
     hidden states, every layer it names exists in the target and its hidden size is the target's (geometry:
-    the target decoder's `Geometry`, or anything with num_layers, vocab_size and hidden)."""
+    the target decoder's `Geometry`, or anything with num_layers, vocab_size and hidden).
+
+    A drafter names decoder layers (transformers' hidden_states), dense ones included; num_decoder_layers: the
+    target's decoder layers (e.g. `len(decoder.layer_kinds)`, DeepSeek-V3's dense first layers counted),
+    default geometry.num_layers (every decoder layer has an MoE, as in OLMoE)."""
     g, problems = geometry, []
+    num_layers = g.num_layers if num_decoder_layers is None else int(num_decoder_layers)
     if drafter.vocab_size != g.vocab_size:
         problems.append(f"vocabulary {drafter.vocab_size} (target {g.vocab_size})")
     layers = list(drafter.target_layer_ids)
     if layers:
-        missing = [i for i in layers if not 0 <= i < g.num_layers]
+        missing = [i for i in layers if not 0 <= i < num_layers]
         if missing:
             problems.append(f"needs the hidden states after target layers {missing}, the target has layers "
-                            f"0..{g.num_layers - 1}")
+                            f"0..{num_layers - 1}")
         if drafter.hidden_size != g.hidden:
             problems.append(f"hidden size {drafter.hidden_size} (target {g.hidden})")
     if problems:

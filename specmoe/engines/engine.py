@@ -396,7 +396,7 @@ class Engine:
         if drafter.max_drafts is not None and router.config.k > drafter.max_drafts:
             raise ValueError(f"the {drafter.name} drafter drafts at most {drafter.max_drafts} tokens per block, "
                              f"k={router.config.k}")
-        check_drafter_fits(drafter, self.geometry)
+        check_drafter_fits(drafter, self.geometry, len(self.decoder.layer_kinds))
         layers = tuple(drafter.target_layer_ids)
         if layers == self.decoder.feature_layers:
             return

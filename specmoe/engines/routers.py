@@ -19,7 +19,7 @@ Two routers:
   expert is resident and the policy is the router's own top-K, the engine runs its fast form on the device
   (`device_reason`).
 - `BlockRouter`: speculative decoding's block-level selection (`select_block_into` with the selector's position
-  weights) over an `ExpertPool` of P experts plus U union slots, refilled by recency after each block.
+  weights and the decoder's router rule, `RouterScoring`: softmax or sigmoid with its selection bias) over an `ExpertPool` of P experts plus U union slots, refilled by recency after each block.
 
 Adding a router: implement `Router` (and its `warm`, `reset`, `num_slots`) and give the engine a way to build
 it; the engine never looks inside one.
@@ -200,17 +200,13 @@ class BlockRouter:
     def __init__(self, config: SpeculativeConfig, calibration: Calibration, geometry: Geometry,
                  scoring: RouterScoring, copies: CopyStream):
         g = geometry
-        if scoring.kind != "softmax" or scoring.scale != 1.0:
-            raise ValueError("block selection reads softmax router logits with unit scale; this decoder routes "
-                             f"with {scoring.kind} scoring, scale {scoring.scale}")
-        self.config, self.geometry, self.copies = config, g, copies
+        self.config, self.geometry, self.copies, self.scoring = config, g, copies, scoring
         self.union_slots = config.union(g.num_experts)
         self.pool = ExpertPool(g.num_layers, g.num_experts, g.top_k, config.pool_size, calibration, self.union_slots)
         self.commit_rate = CommitRate()
         self.buffers = SelectionBuffers(config.k + 1, g.num_experts, g.top_k, np.float32)
-        self.renormalise = scoring.renormalise
         self.union_used = 0  # the most union slots one layer of one block needed
-        self.step = self.selector = self.alpha = self.feed = self.displaced = self.selected = None
+        self.step = self.selector = self.alpha = self.feed = self.feed_logits = self.displaced = self.selected = None
 
     @property
     def num_slots(self) -> int:
@@ -233,14 +229,27 @@ class BlockRouter:
               selected: np.ndarray | None = None, feed: np.ndarray | None = None) -> None:
         """The next step's block: `selector` with position weights `alpha` [D]; displaced [D] accumulates the
         displaced router mass over layers; selected [D, L, K] receives the selections; feed [D, L, E]: router
-        logits that selection reads instead of the model's (trace-following)."""
+        logits that selection reads instead of the model's (trace-following; for a sigmoid router the recorded
+        selection scores sigmoid(z) + bias, as the harness records them)."""
         self.step, self.selector, self.alpha = step, selector, alpha
         self.displaced, self.selected, self.feed = displaced, selected, feed
+        self.feed_logits = None
+        if feed is not None and self.scoring.kind == "sigmoid":  # the logits back from the recorded scores
+            bias = self.scoring.bias_rows(self.geometry.num_layers, self.geometry.num_experts)
+            p = np.clip(np.asarray(feed, dtype=np.float64) - bias, 1e-300, 1.0 - 1e-16)
+            self.feed_logits = np.log(p) - np.log1p(-p)
 
     def route(self, layer: int):
         step, pool, b, d = self.step, self.pool, self.buffers, self.step.num_positions
-        z = np.ascontiguousarray(step.router_logits(layer) if self.feed is None else self.feed[:, layer])
-        select_block_into(self.selector, z, pool.resident(layer), self.alpha, self.geometry.top_k, self.renormalise, b)
+        scores = None
+        if self.feed is None:
+            z = np.ascontiguousarray(step.router_logits(layer))
+        elif self.feed_logits is None:
+            z = np.ascontiguousarray(self.feed[:, layer])
+        else:
+            z, scores = np.ascontiguousarray(self.feed_logits[:, layer]), np.ascontiguousarray(self.feed[:, layer])
+        select_block_into(self.selector, z, pool.resident(layer), self.alpha, self.geometry.top_k, self.scoring, b,
+                          layer=layer, scores=scores)
         try:
             missing, slots = pool.use(layer, b.selected[:d])
         except ValueError as exc:

@@ -98,4 +98,4 @@ def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) 
     return Trace(np.concatenate(parts_z), np.concatenate(parts_g), torch.cat(seqs).numpy(),
                  np.concatenate([[0], np.cumsum(lengths)[:-1]]), top_k=adapter.top_k,
                  vocab_size=adapter.vocab_size, model=model_source, fingerprint=adapter.fingerprint(model),
-                 info=info)
+                 info=info, groups=adapter.groups)

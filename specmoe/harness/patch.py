@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specmoe.models import MoEAdapter, adapter_for
-from specmoe.routing import Calibration, LogicalCache, PolicyConfig, PolicyError
+from specmoe.routing import Calibration, LogicalCache, PolicyConfig, PolicyError, RouterScoring
 
 
 @dataclass
@@ -35,6 +35,13 @@ class _Forward:
     tokens: np.ndarray
     valid: np.ndarray
     record: dict | None = None  # when recording: z, g [B, S, L, E] and selected [B, S, L, K], layer by layer
+
+
+def model_scoring(model: nn.Module, adapter: MoEAdapter) -> RouterScoring:
+    """The router rule of a transformers model (`adapter.router_scoring`, its learned parts such as
+    DeepSeek-V3's selection bias read from the model's parameters and buffers by transformers' names)."""
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    return adapter.router_scoring(lambda name: params[name])
 
 
 class RoutingContext:

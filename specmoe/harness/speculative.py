@@ -11,12 +11,13 @@ One request (batch 1), `speculative_generate`:
   SGLang's first step, so the blocks that follow are theirs.
 - verification blocks: the root (the last committed token; the first root is the first new token, at
   position len(prompt)) and k drafts go through the target in one forward of D = k + 1 positions. At every
-  MoE layer the patched router hands the router's selection scores of all D positions to
-  `specmoe.verifiers.select_block`, with the pool's residency and the position weights alpha of the
+  MoE layer the patched router hands the router logits and the adapter's selection scores of all D
+  positions to `specmoe.verifiers.select_block`, with the model's router rule (`model_scoring`: softmax, or
+  sigmoid with its bias, groups and scaling), the pool's residency and the position weights alpha of the
   selector (ones for ``exact``, `CommitRate`'s per-request commitment rates for ``acceptmoe``, the drafter's
   confidences for ``confidence_top1``); the pool records the block's union and copies its missing experts;
   each position executes its selected experts with the model's own weights (`adapter.execution_weights`:
-  the unmodified softmax at them).
+  the unmodified router probabilities at them, renormalised and scaled as the model does).
 - acceptance (greedy): a = the longest prefix of drafts equal to the target's greedy tokens at positions
   0..a-1; the block commits those a drafts and the bonus token, the target's greedy token at position a.
   The target's KV cache is cropped to the committed positions it has processed, the pool is refilled by
@@ -50,20 +51,22 @@ import torch
 from torch import nn
 
 from specmoe.models import MoEAdapter, extract_context_feature
-from specmoe.routing import Calibration
+from specmoe.routing import Calibration, RouterScoring
 from specmoe.speculation import (EXACT, Drafter, SpeculativeConfig, accepted_length, block_weights, commit_block,
                                  crop_cache, drafting_time, prompt_tokens, summarize)
 from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, select_block_into
 
-from .patch import check_calibration, exact_routing, routed_by
+from .patch import check_calibration, exact_routing, model_scoring, routed_by
 
 
 class BlockRoutingContext:
     """The routing state of a target patched for verification: the pool, the selector and position weights
     of the forward in progress, and what each position saw and executed (layer by layer)."""
 
-    def __init__(self, adapter: MoEAdapter, pool: ExpertPool, routers: list[nn.Module], record: bool = False):
+    def __init__(self, adapter: MoEAdapter, pool: ExpertPool, routers: list[nn.Module], record: bool = False,
+                 scoring: RouterScoring | None = None):
         self.adapter = adapter
+        self.scoring = scoring or RouterScoring("softmax", renormalise=adapter.norm_topk_prob)
         self.pool = pool
         self.routers = routers
         self.record = record
@@ -97,16 +100,18 @@ class BlockRoutingContext:
         """The executed experts [D, K] of MoE layer `layer` for the forward's D positions (`select_block`
         with the pool's residency), recorded into the pool."""
         adapter = self.adapter
-        z = adapter.selection_scores(router_logits, layer, self.routers[layer]).detach().to("cpu", torch.float32).numpy()
+        z = router_logits.detach().to("cpu", torch.float32).numpy()
+        scores = z if self.scoring.kind == "softmax" else \
+            adapter.selection_scores(router_logits, layer, self.routers[layer]).detach().to("cpu", torch.float32).numpy()
         span = z.shape[0]
-        select_block_into(self.selector, z, self.pool.resident(layer), self.alpha, adapter.top_k,
-                          adapter.norm_topk_prob, self.buffers)
+        select_block_into(self.selector, z, self.pool.resident(layer), self.alpha, adapter.top_k, self.scoring,
+                          self.buffers, layer=layer, scores=scores)
         selected = self.buffers.selected[:span]
         self.pool.use(layer, selected)
         self.selected[:, layer] = selected
         self.displaced[:, layer] = self.buffers.displaced[:span]
         if self.record:
-            self.scores[:, layer] = z
+            self.scores[:, layer] = scores
             if layer + 1 < adapter.num_moe_layers:
                 nxt = adapter.router_logits(self.routers[layer + 1], hidden)
                 self.pregate[:, layer + 1] = adapter.selection_scores(nxt, layer + 1, self.routers[layer + 1]) \
@@ -186,7 +191,8 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     pool = ExpertPool(adapter.num_moe_layers, adapter.num_experts, adapter.top_k, config.pool_size, calibration)
     commit_rate = commit_rate or CommitRate()
     commit_rate.reset()
-    context = BlockRoutingContext(adapter, pool, adapter.routers(model), record=record)
+    context = BlockRoutingContext(adapter, pool, adapter.routers(model), record=record,
+                                  scoring=model_scoring(model, adapter))
     cache = DynamicCache(config=model.config)
     new: list[int] = []
     roots, accepted, logprobs, blocks = [], [], [], []

@@ -19,7 +19,8 @@ experts, top-K:
 - ``selected`` int64 [N, D, L, K]: the experts each position executed in the run (for checks).
 Metadata (strings): ``format`` = "specmoe-blocks", ``version`` = "1", ``geometry`` = JSON {num_layers,
 num_experts, top_k, vocab_size, k}, ``model``, ``fingerprint`` (the router fingerprint), ``selector`` (JSON
-of the `SelectorConfig`), ``drafter`` (its name), ``pool_size`` (P), ``info`` (JSON: versions, time, ...).
+of the `SelectorConfig`), ``drafter`` (its name), ``pool_size`` (P), ``groups`` (JSON [n_group, topk_group]
+of the router's group-limited choice; files without it read as [1, 1]), ``info`` (JSON: versions, time, ...).
 Router logits of one position sit where a routing trace (`specmoe.records.traces`) keeps them; a block of the
 family (L = 16, E = 64) at k = 8 takes 74 KiB.
 """
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import read_safetensors, write_safetensors
+from .traces import read_groups
 
 FORMAT, VERSION = "specmoe-blocks", "1"
 TENSORS = {"request": np.int64, "root_position": np.int64, "tokens": np.int64, "confidences": np.float32,
@@ -59,6 +61,7 @@ class BlockRecords:
     drafter: str = ""
     pool_size: int = 0
     info: dict = field(default_factory=dict)
+    groups: tuple[int, int] = (1, 1)  # (n_group, topk_group) of the router's group-limited choice
 
     def __post_init__(self) -> None:
         missing = set(TENSORS) - set(self.arrays)
@@ -79,6 +82,7 @@ class BlockRecords:
             raise BlockRecordError(f"top_k {self.top_k} outside [1, E={z.shape[3]}]")
         if n and (a["accepted"].min() < 0 or a["accepted"].max() > d - 1):
             raise BlockRecordError(f"accepted lengths must lie in [0, k={d - 1}]")
+        self.groups = read_groups(self.groups, z.shape[3], self.top_k, BlockRecordError)
 
     @property
     def num_blocks(self) -> int:
@@ -108,7 +112,8 @@ class BlockRecords:
         meta = {"format": FORMAT, "version": VERSION, "geometry": json.dumps(self.geometry, sort_keys=True),
                 "model": self.model, "fingerprint": self.fingerprint,
                 "selector": json.dumps(self.selector, sort_keys=True), "drafter": self.drafter,
-                "pool_size": str(self.pool_size), "info": json.dumps(self.info, sort_keys=True)}
+                "pool_size": str(self.pool_size), "groups": json.dumps(list(self.groups)),
+                "info": json.dumps(self.info, sort_keys=True)}
         return write_safetensors(path, self.arrays, meta)
 
     @classmethod
@@ -126,7 +131,7 @@ class BlockRecords:
             records = cls(arrays, top_k=geometry["top_k"], vocab_size=geometry["vocab_size"], model=meta.get("model", ""),
                           fingerprint=meta.get("fingerprint", ""), selector=json.loads(meta.get("selector", "{}")),
                           drafter=meta.get("drafter", ""), pool_size=int(meta.get("pool_size", 0)),
-                          info=json.loads(meta.get("info", "{}")))
+                          info=json.loads(meta.get("info", "{}")), groups=json.loads(meta.get("groups", "[1, 1]")))
         except (KeyError, ValueError, TypeError) as exc:  # BlockRecordError from the checks is a ValueError
             raise BlockRecordError(f"{path}: invalid block records ({type(exc).__name__}: {exc})") from exc
         if geometry != records.geometry:

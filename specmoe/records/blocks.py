@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .block_records import BlockRecords
+from .traces import read_groups
 
 
 class BlockSourceError(ValueError):
@@ -45,6 +46,7 @@ class Blocks:
     top_k: int
     true_rows: np.ndarray | None = None  # int64 [N, D], rows of the true continuation, -1 where unknown
     source: str = ""
+    groups: tuple[int, int] = (1, 1)  # (n_group, topk_group) of the router's group-limited choice
 
     def __post_init__(self) -> None:
         self.router_logits = np.ascontiguousarray(self.router_logits, dtype=np.float32)
@@ -72,6 +74,7 @@ class Blocks:
             raise BlockSourceError("blocks of a request must be consecutive (request ids non-decreasing)")
         if not 1 <= self.top_k <= z.shape[2]:
             raise BlockSourceError(f"top_k {self.top_k} outside [1, E={z.shape[2]}]")
+        self.groups = read_groups(self.groups, z.shape[2], self.top_k, BlockSourceError)
 
     @property
     def num_blocks(self) -> int:
@@ -151,7 +154,8 @@ def blocks_from_records(records: BlockRecords, k: int | None = None, source: str
             for j in range(d):
                 true_rows[b, j] = where.get(root + j, -1)
     return Blocks(z, g, tokens, rows, accepted, a["request"], a["confidences"][:, :k].astype(np.float64),
-                  records.top_k, true_rows=true_rows, source=source or f"records ({records.drafter})")
+                  records.top_k, true_rows=true_rows, source=source or f"records ({records.drafter})",
+                  groups=records.groups)
 
 
 # -- synthetic drafter over a trace --------------------------------------------------------------------------
@@ -245,7 +249,7 @@ def synthetic_blocks(trace, k: int, profile: AcceptanceProfile, seed: int = 0, m
     rows = np.asarray(rows, dtype=np.int64)
     return Blocks(trace.router_logits, trace.pregate_logits, trace.token_ids, rows, np.asarray(accepted),
                   np.asarray(request), np.tile(confidence, (n, 1)), trace.top_k, true_rows=rows.copy(),
-                  source=source or f"synthetic {profile.name}, k={k}")
+                  source=source or f"synthetic {profile.name}, k={k}", groups=getattr(trace, "groups", (1, 1)))
 
 
 def with_true_continuation(blocks: Blocks) -> Blocks:
@@ -260,4 +264,4 @@ def with_true_continuation(blocks: Blocks) -> Blocks:
     rows = blocks.true_rows[keep]
     return Blocks(blocks.router_logits, blocks.pregate_logits, blocks.tokens, rows, blocks.accepted[keep],
                   blocks.request[keep], blocks.confidences[keep], blocks.top_k, true_rows=rows.copy(),
-                  source=f"{blocks.source}, true continuation")
+                  source=f"{blocks.source}, true continuation", groups=blocks.groups)

@@ -10,8 +10,11 @@ File format (one safetensors file, version 1):
   the position where each recorded sequence begins (first 0, strictly increasing).
 - metadata (strings): ``format`` = "specmoe-trace", ``version`` = "1", ``geometry`` = JSON
   {"num_layers": L, "num_experts": E, "top_k": K, "vocab_size": V}, ``model`` (the source it was recorded
-  from), ``fingerprint`` (`specmoe.routing.router_fingerprint` of the routers), ``info`` (JSON: dtype,
-  device, transformers version, creation time, ...).
+  from), ``fingerprint`` (`specmoe.routing.router_fingerprint` of the routers), ``groups`` (JSON [n_group,
+  topk_group], the router's group-limited choice, `specmoe.routing.RouterScoring.groups`; files without it
+  read as [1, 1], none), ``info`` (JSON: dtype, device, transformers version, creation time, ...).
+For a sigmoid router (DeepSeek-V3) ``router_logits`` and ``pregate_logits`` hold the selection scores
+sigmoid(z) + bias that routing ranks, as the harness records them.
 Positions are concatenated over sequences; a policy's cache is reset at every sequence start. A trace is
 recorded by `specmoe.harness.record_trace` (the command: `specmoe trace`, `specmoe.experiments.trace`).
 """
@@ -28,6 +31,7 @@ import numpy as np
 from ..files import read_safetensors, write_safetensors
 from ..routing import validate
 from ..routing.replay import valid_sequence_starts
+from ..routing.scoring import check_groups
 
 FORMAT, VERSION = "specmoe-trace", "1"
 
@@ -51,6 +55,7 @@ class Trace:
     model: str = ""
     fingerprint: str = ""
     info: dict = field(default_factory=dict)
+    groups: tuple[int, int] = (1, 1)  # (n_group, topk_group) of the router's group-limited choice
 
     def __post_init__(self) -> None:
         self.top_k = validate.integer(self.top_k, "top_k", TraceError, minimum=1)
@@ -71,6 +76,7 @@ class Trace:
             raise TraceError("sequence_starts must begin at 0 and increase strictly within [0, T)")
         if not self.top_k <= z.shape[2]:
             raise TraceError(f"top_k {self.top_k} outside [1, E={z.shape[2]}]")
+        self.groups = read_groups(self.groups, z.shape[2], self.top_k, TraceError)
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +118,8 @@ class Trace:
         tensors = {"router_logits": self.router_logits, "pregate_logits": self.pregate_logits,
                    "token_ids": self.token_ids, "sequence_starts": self.sequence_starts}
         meta = {"format": FORMAT, "version": VERSION, "geometry": json.dumps(self.geometry, sort_keys=True),
-                "model": self.model, "fingerprint": self.fingerprint, "info": json.dumps(self.info, sort_keys=True)}
+                "model": self.model, "fingerprint": self.fingerprint, "groups": json.dumps(list(self.groups)),
+                "info": json.dumps(self.info, sort_keys=True)}
         return write_safetensors(path, tensors, meta)
 
     @classmethod
@@ -139,11 +146,21 @@ class Trace:
         try:
             trace = cls(arrays["router_logits"], arrays["pregate_logits"], arrays["token_ids"],
                         arrays["sequence_starts"], top_k=geometry["top_k"], vocab_size=geometry["vocab_size"],
-                        model=meta.get("model", ""), fingerprint=meta.get("fingerprint", ""), info=info)
-        except TraceError as exc:
+                        model=meta.get("model", ""), fingerprint=meta.get("fingerprint", ""), info=info,
+                        groups=json.loads(meta.get("groups", "[1, 1]")))
+        except (TraceError, json.JSONDecodeError) as exc:
             raise TraceError(f"{path}: {exc}") from None
         if (geometry["num_layers"], geometry["num_experts"]) != (trace.num_layers, trace.num_experts):
             raise TraceError(f"{path}: metadata geometry {geometry} disagrees with the tensors' shape "
                              f"{trace.router_logits.shape}")
         trace.check(num_layers, num_experts, top_k, vocab_size, fingerprint)
         return trace
+
+
+def read_groups(groups, num_experts: int, top_k: int, error: type[Exception]) -> tuple[int, int]:
+    """(n_group, topk_group) as ints, checked against E and K (`specmoe.routing.scoring.check_groups`)."""
+    try:
+        n_group, topk_group = groups
+        return check_groups(n_group, topk_group, num_experts, top_k)
+    except (TypeError, ValueError) as exc:
+        raise error(f"invalid expert groups {groups!r}: {exc}") from None

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
-from specmoe.routing import Calibration, PolicyConfig, replay
+from specmoe.routing import Calibration, PolicyConfig, RouterScoring, replay
 from specmoe.routing import kernels as K
 from specmoe.routing.cache import LogicalCache
 from specmoe.speculation import block_weights
@@ -121,8 +121,8 @@ class RollbackCache:
     """A `LogicalCache` that routes the positions of verification blocks and rolls back the rejected ones."""
 
     def __init__(self, policy: PolicyConfig, calibration: Calibration, num_layers: int, num_experts: int,
-                 max_positions: int):
-        self.cache = LogicalCache(policy, calibration, num_layers, num_experts)
+                 max_positions: int, groups: tuple[int, int] = (1, 1)):
+        self.cache = LogicalCache(policy, calibration, num_layers, num_experts, groups)
         self.use_g = policy.insert_budget > 0
         m, e, k = max_positions, num_experts, policy.top_k
         self._zbuf, self._gbuf = np.empty((m, e)), np.empty((m, e))
@@ -163,7 +163,7 @@ def replay_rollback(policy: PolicyConfig, blocks: Blocks, calibration: Calibrati
     _check(blocks, calibration, policy.top_k)
     num_layers, num_experts, d = blocks.num_layers, blocks.num_experts, blocks.k + 1
     pool_size = policy.capacity if pool_size is None else pool_size
-    cache = RollbackCache(policy, calibration, num_layers, num_experts, d)
+    cache = RollbackCache(policy, calibration, num_layers, num_experts, d, blocks.groups)
     pool = ExpertPool(num_layers, num_experts, policy.top_k, pool_size, calibration)
     zt, gt, tokens = blocks.router_logits, blocks.pregate_logits, blocks.tokens
     kept = np.empty((blocks.committed if keep_selected else 0, num_layers, policy.top_k), dtype=np.int64)
@@ -204,6 +204,9 @@ def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration
     other = SelectionBuffers(d, num_experts, top_k, np.float64)
     rates = CommitRate()
     zt = blocks.router_logits
+    # the recorded scores ranked as softmax logits (the records hold no router kind), group-limited where recorded
+    scoring = False if blocks.groups == (1, 1) else RouterScoring("softmax", n_group=blocks.groups[0],
+                                                                   topk_group=blocks.groups[1])
     kept = np.empty((blocks.committed if keep_selected else 0, num_layers, top_k), dtype=np.int64)
     result = MethodResult("block", selector.name, {"gamma": selector.gamma, "prune": selector.prune_budget},
                           blocks.num_blocks, 0, num_layers, 0, 0.0)
@@ -221,8 +224,8 @@ def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration
         for layer in range(num_layers):
             resident = pool.resident(layer)
             if compare:  # before `use`, which may not change the pool but reads it
-                select_block_into(selector, z_true[:, layer], resident, alpha, top_k, False, other)
-            _, _, n_missing = select_block_into(selector, z_block[:, layer], resident, alpha, top_k, False, buffers)
+                select_block_into(selector, z_true[:, layer], resident, alpha, top_k, scoring, other)
+            _, _, n_missing = select_block_into(selector, z_block[:, layer], resident, alpha, top_k, scoring, buffers)
             selected = buffers.selected[:d]
             if compare:
                 a = np.sort(selected[:c], axis=1)
@@ -250,7 +253,7 @@ def replay_ar(policy: PolicyConfig, blocks: Blocks, calibration: Calibration,
     _check(blocks, calibration, policy.top_k)
     rows, starts = blocks.committed_rows()
     result = replay(policy, blocks.router_logits[rows], blocks.pregate_logits[rows], blocks.tokens[rows], calibration,
-                    sequence_starts=starts)
+                    sequence_starts=starts, groups=blocks.groups)
     return MethodResult("ar", policy.name, {"bonus": policy.bonus, "n": policy.insert_budget}, blocks.num_blocks,
                         rows.shape[0], blocks.num_layers, int(result.copies.sum()), float(result.displaced_mass.sum()),
                         result.selected if keep_selected else None,

@@ -4,11 +4,21 @@ MoE layer (paper, Section 7 and Appendix B "Block-level selection").
 This is the only implementation: the harness speculative loop, the GPU engine and the CPU replay all call
 `select_block` (or `select_block_into`, its allocation-free form for the engine's critical path).
 
-Definitions, for one layer and a block of D positions with router logits z [D, E] (position 0 the root):
+Definitions, for one layer and a block of D positions with router logits z [D, E] (position 0 the root),
+under the model's router rule (`specmoe.routing.RouterScoring`):
 
-- own top-K of a position: the K largest z_d, ties to the lower expert index (as the routing core ranks).
+- selection scores s_d: what the router chooses on. Softmax routers (OLMoE, Qwen): s_d = z_d. Sigmoid
+  routers (DeepSeek-V3): s_d = sigmoid(z_d) + b_l, the layer's selection bias b_l included (or the scores
+  the caller passes, e.g. the model's own float32 ones).
+- router distribution r_d over all E experts: softmax(z_d) for softmax routers; for sigmoid routers the
+  unbiased sigmoid normalised to sum 1, r_d = sigmoid(z_d) / sum_e sigmoid(z_d,e) (the paper defines r_d as
+  the router softmax only; this is its sigmoid counterpart, a mass that sums to 1 like a softmax's, so that
+  gamma and the entropy keep their meaning; the bias steers choice only and carries no mass).
+- own top-K of a position: the K largest s_d, ties to the lower expert index, under group-limited choice
+  where the model has it (n_group > 1: the topk_group groups with the largest sum of their two best s_d,
+  then the top-K inside them): the experts the model itself executes, as the routing core ranks them.
 - ``exact``: every position executes its own top-K; the eligible set is the union.
-- otherwise A = the root's own top-K and r_d = softmax(z_d) over all E experts. The demand of an expert e
+- otherwise A = the root's own top-K (group-limited where the model is). The demand of an expert e
   outside A is u_e = sum_d alpha_d * r_{d,e} * [e in own top-K of d]; m = the number of experts outside A
   with u_e > 0; q = u / sum(u) over them; H = -sum q ln q (nats); extra = min(ceil(gamma * e^H), m), 0 if
   m = 0 (rounding noise below 1e-9 in gamma * e^H is ignored, so that n equally demanded candidates at
@@ -20,14 +30,17 @@ Definitions, for one layer and a block of D positions with router logits z [D, E
   outside A that are not resident are removed in increasing order of u (ties: higher index first) while the
   sum of v_e over the removed members, this one included, is at most prune_budget * a(S); pruning stops at
   the first member that would exceed it. prune_budget = 0 removes nothing (every candidate has v_e >= 1).
-- execution: the root executes A. Each position d >= 1 executes the top-K of z_d among S (ties: higher
-  logit, then lower index); S never has fewer than K members, because it contains A and pruning never removes
-  A. With a rescue threshold, a position with alpha_d >= threshold whose own top-1 is not in S executes that
-  top-1 plus the top-(K-1) of S instead.
-- execution weights: the unmodified softmax of z_d at the executed experts, renormalised over them if the
-  model's router renormalises.
+- execution: the root executes A. Each position d >= 1 executes the top-K of s_d among S (ties: higher
+  score, then lower index; no group step: S takes the place of the kept groups, and its candidates all come
+  from group-limited own top-Ks); S never has fewer than K members, because it contains A and pruning never
+  removes A. With a rescue threshold, a position with alpha_d >= threshold whose own top-1 is not in S
+  executes that top-1 plus the top-(K-1) of S instead.
+- execution weights: as the model weights its executed set (`specmoe.routing.kernels.execution_weights`):
+  the unmodified router probability at the executed experts (softmax(z_d) over all E, or sigmoid(z_d)),
+  renormalised over them if the model's router renormalises (a sigmoid router's sum plus 1e-20, as
+  DeepSeek-V3's), times the routed scaling factor.
 - union: the experts any position executes; missing: union members not resident (the block's copies).
-- displaced[d]: the router softmax mass of position d's own top-K that d does not execute.
+- displaced[d]: the r_d mass of position d's own top-K that d does not execute.
 
 Everything is computed in float64 from float32 or float64 logits.
 """
@@ -38,6 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
+
+from specmoe.routing import RouterScoring
+from specmoe.routing.scoring import check_groups
 
 from .config import SelectorConfig
 
@@ -88,24 +104,67 @@ def _top_k(score, members, count, k, out, start, scratch):
 
 
 @njit(cache=True)
-def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, iwork, sets, selected, weights,
+def _own_top_k(s, everyone, num_experts, k, out, n_group, topk_group, members, kept, group_score, scratch):
+    """The router's own top-K of one position, best first, on its selection scores s [E] (ties to the lower
+    index): under group-limited choice (n_group > 1 groups of consecutive experts, topk_group kept) the groups
+    are scored by the sum of their two best scores, the topk_group best kept (ties to the lower group index)
+    and the top-K taken inside them, as the routing core chooses (`specmoe.routing.kernels._rank_groups`).
+    members, kept, scratch: int64 scratch [E]; group_score: float64 scratch [>= n_group]."""
+    if n_group <= 1 or topk_group >= n_group:
+        _top_k(s, everyone, num_experts, k, out, 0, scratch)
+        return
+    size = num_experts // n_group
+    for grp in range(n_group):
+        best1 = -np.inf
+        best2 = -np.inf
+        for e in range(grp * size, (grp + 1) * size):
+            x = np.float64(s[e])
+            if x > best1:
+                best2 = best1
+                best1 = x
+            elif x > best2:
+                best2 = x
+        group_score[grp] = best1 + best2
+        kept[grp] = 0
+    for _ in range(topk_group):
+        best = -1
+        for grp in range(n_group):
+            if kept[grp] == 0 and (best < 0 or group_score[grp] > group_score[best]):
+                best = grp
+        kept[best] = 1
+    count = 0
+    for e in range(num_experts):
+        if kept[e // size]:
+            members[count] = e
+            count += 1
+    _top_k(s, members, count, k, out, 0, scratch)
+
+
+@njit(cache=True)
+def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work, iwork, sets, selected, weights,
             displaced):
     """The selection of the module docstring for one layer and block of D = z.shape[0] positions, top-K with
-    K = own.shape[1]. params: `SelectorConfig.kernel_params`; everyone: int64 [E], 0..E-1.
-    Scratch: own [D, K] (each position's own top-K), prob [D, E] (exp(z_d - max z_d)), work float64 [E + D]
-    (u, softmax normalisers), iwork int64 [5E] (v, marks, ranked candidates, last executing position, the
-    rankings' scratch).
+    K = own.shape[1]. params: `SelectorConfig.kernel_params`; rule: the router's rule, float64 [kind (0
+    softmax, 1 sigmoid), renormalise, scale, n_group, topk_group, scores given]; z [D, E]: router logits;
+    s [D, E]: selection scores (softmax: z itself; sigmoid: given, or written here as sigmoid(z) + bias
+    unless rule[5]); bias [E]: the layer's selection bias; everyone: int64 [E], 0..E-1.
+    Scratch: own [D, K] (each position's own top-K), prob [D, E] (exp(z_d - max z_d), or sigmoid(z_d)),
+    work float64 [2E + D] (u, the normalisers of r_d, group scores), iwork int64 [6E] (v, marks, ranked
+    candidates, last executing position, the rankings' scratch, kept groups).
     Outputs: sets [3, E] (eligible, union, missing), selected and weights [D, K], displaced [D].
     Returns (n_eligible, n_union, n_missing), or (-1, d, e) for a non-finite logit z[d, e] and (-2, d, 0)
     for a negative or non-finite alpha[d]."""
     block = params[0] != 0.0
     gamma, rescue, prune_budget = params[1], params[2], params[3]
+    sigmoid, renormalise, scale = rule[0] != 0.0, rule[1] != 0.0, rule[2]
+    n_group, topk_group, given = int(rule[3]), int(rule[4]), rule[5] != 0.0
     num_positions, num_experts = z.shape
     k = own.shape[1]
     u, norm = work[:num_experts], work[num_experts:num_experts + num_positions]
+    group_score = work[num_experts + num_positions:]
     v, mark = iwork[:num_experts], iwork[num_experts:2 * num_experts]
     ranked, stamp = iwork[2 * num_experts:3 * num_experts], iwork[3 * num_experts:4 * num_experts]
-    scratch = iwork[4 * num_experts:]
+    scratch, kept = iwork[4 * num_experts:5 * num_experts], iwork[5 * num_experts:]
     eligible, union, missing = sets[0], sets[1], sets[2]
     for e in range(num_experts):
         mark[e] = 0
@@ -113,22 +172,35 @@ def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, 
         v[e] = 0
         stamp[e] = -1
     for d in range(num_positions):
-        top = -np.inf
-        for e in range(num_experts):
-            top = max(top, np.float64(z[d, e]))
-        total = 0.0
-        for e in range(num_experts):
-            p = np.exp(np.float64(z[d, e]) - top)
-            if p == 0.0 and not z[d, e] > -np.inf:
-                return -1, d, e
-            prob[d, e] = p
-            total += p
-        norm[d] = total
-        if not total < np.inf:  # NaN or +inf somewhere: the exps are NaN
+        if sigmoid:
+            total = 0.0
             for e in range(num_experts):
                 if not np.isfinite(z[d, e]):
                     return -1, d, e
-        _top_k(z[d], everyone, num_experts, k, own[d], 0, scratch)
+                p = 1.0 / (1.0 + np.exp(-np.float64(z[d, e])))
+                prob[d, e] = p
+                total += p
+                if not given:
+                    s[d, e] = p + bias[e]
+            norm[d] = max(total, TINY)  # every sigmoid underflowed: r_d = 0, no demand
+        else:
+            top = -np.inf
+            for e in range(num_experts):
+                top = max(top, np.float64(z[d, e]))
+            total = 0.0
+            for e in range(num_experts):
+                p = np.exp(np.float64(z[d, e]) - top)
+                if p == 0.0 and not z[d, e] > -np.inf:
+                    return -1, d, e
+                prob[d, e] = p
+                total += p
+            norm[d] = total
+            if not total < np.inf:  # NaN or +inf somewhere: the exps are NaN
+                for e in range(num_experts):
+                    if not np.isfinite(z[d, e]):
+                        return -1, d, e
+        # `ranked` is free until the extra candidates are ranked: the kept groups' members
+        _own_top_k(s[d], everyone, num_experts, k, own[d], n_group, topk_group, ranked, kept, group_score, scratch)
         if block and not (alpha[d] >= 0.0 and alpha[d] < np.inf):
             return -2, d, 0
 
@@ -191,24 +263,32 @@ def _select(params, renormalise, z, resident, alpha, everyone, own, prob, work, 
             if rescue >= 0.0 and alpha[d] >= rescue and not mark[top1] & ELIGIBLE:
                 row[0] = top1
                 start = 1
-            _top_k(z[d], eligible, n_eligible, k, row, start, scratch)
-        scale = norm[d]
-        if renormalise:
-            scale = 0.0
+            _top_k(s[d], eligible, n_eligible, k, row, start, scratch)
+        if sigmoid:  # the router's arithmetic (`specmoe.routing.kernels.execution_weights`)
+            total = 0.0
             for j in range(k):
-                scale += prob[d, row[j]]
-        if scale >= TINY:
+                total += prob[d, row[j]]
+            total += 1e-20
             for j in range(k):
-                weights[d, j] = prob[d, row[j]] / scale
-        else:  # renormalised over experts whose softmax underflows: shift by their own maximum instead
-            shift = -np.inf
-            for j in range(k):
-                shift = max(shift, np.float64(z[d, row[j]]))
-            scale = 0.0
-            for j in range(k):
-                scale += np.exp(np.float64(z[d, row[j]]) - shift)
-            for j in range(k):
-                weights[d, j] = np.exp(np.float64(z[d, row[j]]) - shift) / scale
+                weights[d, j] = (prob[d, row[j]] / total if renormalise else prob[d, row[j]]) * scale
+        else:
+            denominator = norm[d]
+            if renormalise:
+                denominator = 0.0
+                for j in range(k):
+                    denominator += prob[d, row[j]]
+            if denominator >= TINY:
+                for j in range(k):
+                    weights[d, j] = prob[d, row[j]] / denominator * scale
+            else:  # renormalised over experts whose softmax underflows: shift by their own maximum instead
+                shift = -np.inf
+                for j in range(k):
+                    shift = max(shift, np.float64(z[d, row[j]]))
+                denominator = 0.0
+                for j in range(k):
+                    denominator += np.exp(np.float64(z[d, row[j]]) - shift)
+                for j in range(k):
+                    weights[d, j] = np.exp(np.float64(z[d, row[j]]) - shift) / denominator * scale
         for j in range(k):
             mark[row[j]] |= EXECUTED
             stamp[row[j]] = d
@@ -277,8 +357,28 @@ class SelectionBuffers:
         self._everyone = np.arange(num_experts, dtype=np.int64)
         self._own = np.empty((max_positions, top_k), dtype=np.int64)
         self._prob = np.empty((max_positions, num_experts))
-        self._work = np.empty(num_experts + max_positions)
-        self._iwork = np.empty(5 * num_experts, dtype=np.int64)
+        self._scores = np.empty((max_positions, num_experts))  # a sigmoid router's selection scores
+        self._zero_bias = np.zeros(num_experts)
+        self._work = np.empty(2 * num_experts + max_positions)
+        self._iwork = np.empty(6 * num_experts, dtype=np.int64)
+        self._rule_of: tuple = (None, None, None)  # the last scoring's key, its kernel rule, the scoring
+
+    def rule(self, scoring, given: bool) -> np.ndarray:
+        """The kernel's float64 rule of `scoring` (a `RouterScoring`, or a bool: a softmax router that
+        renormalises or not), remembered for the next call with the same scoring."""
+        key = (scoring if isinstance(scoring, bool) else id(scoring), given)
+        if self._rule_of[0] != key:
+            if isinstance(scoring, (bool, np.bool_)):
+                rule = np.array([0.0, float(scoring), 1.0, 1.0, 1.0, 0.0])
+            elif isinstance(scoring, RouterScoring):
+                rule = np.array([float(scoring.kind == "sigmoid"), float(scoring.renormalise), scoring.scale,
+                                 scoring.n_group, scoring.topk_group, float(given)])
+                check_groups(scoring.n_group, scoring.topk_group, self.num_experts, self.top_k)
+            else:
+                raise ValueError(f"scoring must be a RouterScoring or a bool (softmax, renormalised or not), "
+                                 f"got {type(scoring).__name__}")
+            self._rule_of = (key, rule, scoring)
+        return self._rule_of[1]
 
     def selection(self, positions: int, counts: tuple[int, int, int]) -> BlockSelection:
         """A `BlockSelection` of copies of the results of the last call (for tests and records)."""
@@ -289,14 +389,19 @@ class SelectionBuffers:
 
 
 def select_block(config: SelectorConfig, router_logits: np.ndarray, resident: np.ndarray, alpha: np.ndarray,
-                 top_k: int, renormalise: bool) -> BlockSelection:
+                 top_k: int, scoring: RouterScoring | bool, *, layer: int = 0,
+                 scores: np.ndarray | None = None) -> BlockSelection:
     """Select the experts of one layer for one verification block.
 
     router_logits: float32 or float64 [D, E] (D >= 1 positions, row 0 the root); resident: bool [E], the
     experts present before the block (the pool); alpha: float [D], the position weights (`position_weights`
-    or `confidence_weights`; ignored by ``exact``); top_k: K of the model (K <= E); renormalise: whether the
-    model's router renormalises its top-K weights. Weights come back in float64. Raises ValueError on wrong
-    shapes or non-finite values.
+    or `confidence_weights`; ignored by ``exact``); top_k: K of the model (K <= E); scoring: the model's
+    router rule (`RouterScoring`: softmax or sigmoid, its selection bias, expert groups, renormalisation and
+    scaling), or for a softmax router just whether it renormalises its top-K weights (True / False); layer:
+    the MoE layer, whose row of the scoring's selection bias applies; scores: float [D, E], a sigmoid router's
+    selection scores to rank by instead of sigmoid(z) + bias in float64 (the harness passes the model's own,
+    computed as the router computes them). Weights come back in float64. Raises ValueError on wrong shapes or
+    non-finite values.
     """
     shape = np.shape(router_logits)
     if len(shape) != 2 or shape[0] < 1 or isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) \
@@ -304,12 +409,14 @@ def select_block(config: SelectorConfig, router_logits: np.ndarray, resident: np
         raise ValueError(f"router logits must be [D >= 1, E >= top_k] with top_k >= 1, got shape {shape} and "
                          f"top_k={top_k!r}")
     buffers = SelectionBuffers(shape[0], shape[1], int(top_k), np.float64)
-    counts = select_block_into(config, router_logits, resident, alpha, top_k, renormalise, buffers)
+    counts = select_block_into(config, router_logits, resident, alpha, top_k, scoring, buffers, layer=layer,
+                               scores=scores)
     return buffers.selection(shape[0], counts)
 
 
 def select_block_into(config: SelectorConfig, router_logits: np.ndarray, resident: np.ndarray, alpha: np.ndarray,
-                      top_k: int, renormalise: bool, buffers: SelectionBuffers) -> tuple[int, int, int]:
+                      top_k: int, scoring: RouterScoring | bool, buffers: SelectionBuffers, *, layer: int = 0,
+                      scores: np.ndarray | None = None) -> tuple[int, int, int]:
     """`select_block` writing into `buffers` instead of allocating (the engine's per-layer call): returns
     (n_eligible, n_union, n_missing). The same checks as `select_block`; the weights take the buffers' dtype."""
     if not isinstance(config, SelectorConfig):
@@ -328,7 +435,24 @@ def select_block_into(config: SelectorConfig, router_logits: np.ndarray, residen
     if alpha.shape != (z.shape[0],):
         raise ValueError(f"alpha must have one weight per position, [D={z.shape[0]}], got shape {alpha.shape}")
     b = buffers
-    first, second, third = _select(config.kernel_params, bool(renormalise), z, resident, alpha, b._everyone, b._own,
+    rule = b.rule(scoring, scores is not None)
+    s, bias = z, b._zero_bias
+    if rule[0] != 0.0:  # sigmoid: rank the selection scores
+        if scores is None:
+            s = b._scores[:z.shape[0]]
+            if scoring.bias is not None:
+                if not 0 <= layer < scoring.bias.shape[0] or scoring.bias.shape[1] != z.shape[1]:
+                    raise ValueError(f"layer {layer} has no row of E={z.shape[1]} in the selection bias of shape "
+                                     f"{scoring.bias.shape}")
+                bias = scoring.bias[layer]
+        else:
+            s = np.asarray(scores)
+            if s.dtype not in _FLOATS:
+                s = s.astype(np.float64)
+            if s.shape != z.shape or not np.isfinite(s).all():
+                raise ValueError(f"selection scores must be finite and shaped like the router logits {z.shape}, "
+                                 f"got shape {s.shape}")
+    first, second, third = _select(config.kernel_params, rule, z, s, bias, resident, alpha, b._everyone, b._own,
                                    b._prob, b._work, b._iwork, b.sets, b.selected, b.weights, b.displaced)
     if first == -1:
         raise ValueError(f"router logit [{second}, {third}] is not finite ({z[second, third]})")
