@@ -152,6 +152,24 @@ class MoEAdapter:
                 del router.specmoe_context, router.specmoe_layer
 
 
+def routed_forward(router: nn.Module, original, hidden_states: torch.Tensor, keep_own_order: bool):
+    """The forward of a router patched by the harness (`MoEAdapter.patch_routers`): the original router's
+    outputs (`original`: the unpatched class's forward, e.g. `super().forward`), then the top-K the routing
+    context chooses (`router.specmoe_context.route` for MoE layer `router.specmoe_layer`) with the adapter's
+    execution weights. keep_own_order: rows whose executed set is the model's own keep the original's weights
+    and expert order (routers that renormalise sum the weights in torch.topk's unsorted order, and float addition
+    depends on the order: this keeps exact routing bitwise equal to the model's own). Returns (router_logits
+    [N, E], weights [N, K], selected [N, K] int64), as the original does."""
+    router_logits, own_weights, own_selected = original(hidden_states)
+    context = router.specmoe_context
+    selected = context.route(router.specmoe_layer, router_logits, hidden_states.reshape(-1, router.hidden_dim))
+    weights = context.adapter.execution_weights(router_logits, selected)
+    if not keep_own_order:
+        return router_logits, weights, selected
+    same = (selected.sort(dim=-1).values == own_selected.sort(dim=-1).values).all(dim=-1, keepdim=True)
+    return router_logits, torch.where(same, own_weights, weights), torch.where(same, own_selected, selected)
+
+
 def extract_context_feature(hidden_states, layer_ids: list[int]) -> torch.Tensor:
     """Concatenate the target's hidden states after each layer in `layer_ids` ([B, T, n*H]): the features a
     drafter that reads the target (`Drafter.target_layer_ids`, DFlash) is handed. `hidden_states` is

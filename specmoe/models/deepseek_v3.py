@@ -28,7 +28,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from specmoe.routing import RouterScoring, router_fingerprint
 from specmoe.routing.scoring import check_groups
 
-from .adapter import ModelSourceError, MoEAdapter
+from .adapter import ModelSourceError, MoEAdapter, routed_forward
 from .olmoe import init_random_weights
 
 _BIAS_STD = 0.1  # spread of the random selection bias (sigmoid scores lie in (0, 1))
@@ -78,12 +78,7 @@ class RoutedDeepseekV3TopkRouter(DeepseekV3TopkRouter):
     the order, so this keeps exact routing bitwise equal to the model's own."""
 
     def forward(self, hidden_states):
-        router_logits, own_weights, own_selected = super().forward(hidden_states)
-        context = self.specmoe_context
-        selected = context.route(self.specmoe_layer, router_logits, hidden_states.reshape(-1, self.hidden_dim))
-        weights = context.adapter.execution_weights(router_logits, selected)
-        same = (selected.sort(dim=-1).values == own_selected.sort(dim=-1).values).all(dim=-1, keepdim=True)
-        return router_logits, torch.where(same, own_weights, weights), torch.where(same, own_selected, selected)
+        return routed_forward(self, super().forward, hidden_states, keep_own_order=True)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import OlmoeConfig, OlmoeForCausalLM
 from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 
-from .adapter import ModelSourceError, MoEAdapter
+from .adapter import ModelSourceError, MoEAdapter, routed_forward
 
 # Routing geometry of OLMoE-1B-7B shared by every named config: 16 MoE layers of 64 experts, top-8.
 _ROUTING = dict(num_hidden_layers=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False)
@@ -49,10 +49,7 @@ class RoutedOlmoeTopKRouter(OlmoeTopKRouter):
     """
 
     def forward(self, hidden_states):
-        router_logits, _, _ = super().forward(hidden_states)
-        context = self.specmoe_context
-        selected = context.route(self.specmoe_layer, router_logits, hidden_states.reshape(-1, self.hidden_dim))
-        return router_logits, context.adapter.execution_weights(router_logits, selected), selected
+        return routed_forward(self, super().forward, hidden_states, keep_own_order=False)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from torch import nn
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 
-from .adapter import ModelSourceError, MoEAdapter
+from .adapter import ModelSourceError, MoEAdapter, routed_forward
 from .olmoe import init_random_weights
 
 # Qwen3.6-35B-A3B as the architecture's description gives it: 40 layers, three of every four Gated DeltaNet and
@@ -74,12 +74,7 @@ class RoutedQwen35MoeTopKRouter(Qwen3_5MoeTopKRouter):
     on the order of its terms), so exact routing stays bitwise equal to the model's own."""
 
     def forward(self, hidden_states):
-        router_logits, own_weights, own_selected = super().forward(hidden_states)
-        context = self.specmoe_context
-        selected = context.route(self.specmoe_layer, router_logits, hidden_states.reshape(-1, self.hidden_dim))
-        weights = context.adapter.execution_weights(router_logits, selected)
-        same = (selected.sort(dim=-1).values == own_selected.sort(dim=-1).values).all(dim=-1, keepdim=True)
-        return router_logits, torch.where(same, own_weights, weights), torch.where(same, own_selected, selected)
+        return routed_forward(self, super().forward, hidden_states, keep_own_order=True)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,33 @@ def _rank(score, raw, k, out):
 
 
 @njit(cache=True)
+def keep_groups(score, n_group, topk_group, kept, group_score):
+    """Group-limited choice's group step (DeepSeek-V3): the E experts of `score` [E] form n_group groups of
+    consecutive indices; a group scores the sum of its two best scores (float64, into group_score [>= n_group]);
+    kept [n_group] (bool) marks the topk_group best groups, ties to the lower group index. Shared by the routing
+    core and block-level selection (`specmoe.verifiers.selection`)."""
+    size = score.shape[0] // n_group
+    for grp in range(n_group):
+        best1 = -np.inf
+        best2 = -np.inf
+        for e in range(grp * size, (grp + 1) * size):
+            x = np.float64(score[e])
+            if x > best1:
+                best2 = best1
+                best1 = x
+            elif x > best2:
+                best2 = x
+        group_score[grp] = best1 + best2
+        kept[grp] = False
+    for _ in range(topk_group):
+        best = -1
+        for grp in range(n_group):
+            if not kept[grp] and (best < 0 or group_score[grp] > group_score[best]):
+                best = grp
+        kept[best] = True
+
+
+@njit(cache=True)
 def _rank_groups(score, raw, k, out, n_group, topk_group):
     """`_rank` under group-limited choice (DeepSeek-V3): the E experts form n_group groups of consecutive
     indices; a group scores the sum of its two best scores; the topk_group best groups are kept (ties to the
@@ -109,25 +136,8 @@ def _rank_groups(score, raw, k, out, n_group, topk_group):
         _rank(score, raw, k, out)
         return
     size = score.shape[0] // n_group
-    group_score = np.empty(n_group)
-    for grp in range(n_group):
-        best1 = -np.inf
-        best2 = -np.inf
-        for e in range(grp * size, (grp + 1) * size):
-            s = score[e]
-            if s > best1:
-                best2 = best1
-                best1 = s
-            elif s > best2:
-                best2 = s
-        group_score[grp] = best1 + best2
     kept = np.zeros(n_group, dtype=np.bool_)
-    for _ in range(topk_group):
-        best = -1
-        for grp in range(n_group):
-            if not kept[grp] and (best < 0 or group_score[grp] > group_score[best]):
-                best = grp
-        kept[best] = True
+    keep_groups(score, n_group, topk_group, kept, np.empty(n_group))
     masked = np.empty(score.shape[0])
     for e in range(score.shape[0]):
         masked[e] = score[e] if kept[e // size] else -np.inf

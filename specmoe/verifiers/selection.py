@@ -53,6 +53,7 @@ import numpy as np
 from numba import njit
 
 from specmoe.routing import RouterScoring
+from specmoe.routing.kernels import keep_groups
 from specmoe.routing.scoring import check_groups
 
 from .config import SelectorConfig
@@ -109,29 +110,13 @@ def _own_top_k(s, everyone, num_experts, k, out, n_group, topk_group, members, k
     index): under group-limited choice (n_group > 1 groups of consecutive experts, topk_group kept) the groups
     are scored by the sum of their two best scores, the topk_group best kept (ties to the lower group index)
     and the top-K taken inside them, as the routing core chooses (`specmoe.routing.kernels._rank_groups`).
-    members, kept, scratch: int64 scratch [E]; group_score: float64 scratch [>= n_group]."""
+    members, kept, scratch: int64 scratch [E]; group_score: float64 scratch [>= n_group]; the group step is the
+    routing core's (`keep_groups`)."""
     if n_group <= 1 or topk_group >= n_group:
         _top_k(s, everyone, num_experts, k, out, 0, scratch)
         return
     size = num_experts // n_group
-    for grp in range(n_group):
-        best1 = -np.inf
-        best2 = -np.inf
-        for e in range(grp * size, (grp + 1) * size):
-            x = np.float64(s[e])
-            if x > best1:
-                best2 = best1
-                best1 = x
-            elif x > best2:
-                best2 = x
-        group_score[grp] = best1 + best2
-        kept[grp] = 0
-    for _ in range(topk_group):
-        best = -1
-        for grp in range(n_group):
-            if kept[grp] == 0 and (best < 0 or group_score[grp] > group_score[best]):
-                best = grp
-        kept[best] = 1
+    keep_groups(s[:num_experts], n_group, topk_group, kept, group_score)
     count = 0
     for e in range(num_experts):
         if kept[e // size]:
