@@ -103,6 +103,26 @@ class DecodeStep:
         self.next_host.copy_(self.next_dev, non_blocking=True)
 
 
+def checkpoint_source(path):
+    """(config, weight) of a local checkpoint directory for a decoder's constructor: its transformers config and
+    weight(name) -> tensor reading one tensor by transformers' name (a tied LM head reads the embedding), so that
+    the routed experts are never read (the expert store reads them)."""
+    from transformers import AutoConfig
+
+    from .adapter import ModelSourceError
+    from .checkpoint import CheckpointReader
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    reader = CheckpointReader(path, ModelSourceError)
+
+    def weight(name):
+        if name == "lm_head.weight" and name not in reader:
+            name = "model.embed_tokens.weight"
+        return reader.get(name)
+
+    return config, weight
+
+
 class FeatureCapture:
     """The hidden states a drafter reads (DFlash), captured inside a decoder's steps: the shared part of
     `Decoder.capture_features` / `features`. A decoder sets `feature_layers = ()` and `_feature_slots = {}` at

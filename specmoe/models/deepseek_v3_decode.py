@@ -55,8 +55,7 @@ from specmoe.kernels.mla import mla_decode_attention, rotate_pairs
 from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
-from .checkpoint import CheckpointReader
-from .decoder import DecodeStep, FeatureCapture
+from .decoder import DecodeStep, FeatureCapture, checkpoint_source
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
 
@@ -169,17 +168,7 @@ class DeepseekV3Decoder(FeatureCapture):
     def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "DeepseekV3Decoder":
         """Read config.json and the weights but the routed experts of a local checkpoint (dense layers, shared
         experts, routers and their selection bias included)."""
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        reader = CheckpointReader(path, ModelSourceError)
-
-        def weight(name):
-            if name == "lm_head.weight" and name not in reader:
-                name = "model.embed_tokens.weight"
-            return reader.get(name)
-
-        return cls(config, weight, max_seq_len, device, dtype)
+        return cls(*checkpoint_source(path), max_seq_len, device, dtype)
 
     # -- kernels ---------------------------------------------------------------------------------------
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:

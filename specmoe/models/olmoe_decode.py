@@ -26,9 +26,7 @@ from specmoe.kernels import (GROUPED_DEFAULTS, MOE_DEFAULTS, LaunchChoice, causa
                              make_split_kv_workspace, moe_launch_params, norm_rope, slot_moe, slot_moe_grouped_triton,
                              slot_moe_vllm, split_kv_attention, triton_available)
 
-from .adapter import ModelSourceError
-from .checkpoint import CheckpointReader
-from .decoder import DecodeStep, FeatureCapture
+from .decoder import DecodeStep, FeatureCapture, checkpoint_source
 from .olmoe import OlmoeAdapter
 
 
@@ -97,17 +95,7 @@ class OlmoeDecoder(FeatureCapture):
     @classmethod
     def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "OlmoeDecoder":
         """Read config.json and the non-expert weights of a local checkpoint (experts are not read)."""
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        reader = CheckpointReader(path, ModelSourceError)
-
-        def weight(name):
-            if name == "lm_head.weight" and name not in reader:
-                name = "model.embed_tokens.weight"
-            return reader.get(name)
-
-        return cls(config, weight, max_seq_len, device, dtype)
+        return cls(*checkpoint_source(path), max_seq_len, device, dtype)
 
     # -- kernels ---------------------------------------------------------------------------------------
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
