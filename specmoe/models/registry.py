@@ -53,12 +53,15 @@ def _deepseek_v3() -> Architecture:
 
 def _qwen3_5_moe(image_text: bool) -> Architecture:
     """Qwen3.5-MoE: the text model (model_type qwen3_5_moe_text, what Qwen3_5MoeForCausalLM.save_pretrained
-    writes) or the shipped image-text model (qwen3_5_moe), whose text part Qwen3_5MoeForCausalLM loads. No
-    engine decoder yet (Gated DeltaNet layers)."""
+    writes) or the shipped image-text model (qwen3_5_moe), whose text part Qwen3_5MoeForCausalLM loads; one
+    decoder for both (`Qwen35MoeDecoder`, Gated DeltaNet on the torch path)."""
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+    from .qwen3_5_moe_decode import Qwen35MoeDecoder
+
     return Architecture(Qwen35MoeAdapter.from_config, Qwen3_5MoeForCausalLM,
-                        Qwen3_5MoeConfig if image_text else Qwen3_5MoeTextConfig, build_random_qwen3_5_moe, None)
+                        Qwen3_5MoeConfig if image_text else Qwen3_5MoeTextConfig, build_random_qwen3_5_moe,
+                        Qwen35MoeDecoder)
 
 
 # model_type -> Architecture
