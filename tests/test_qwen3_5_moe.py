@@ -9,7 +9,7 @@ import torch
 
 from specmoe.harness import collect_calibration
 from specmoe.harness.patch import exact_routing, patch_model, unpatch
-from specmoe.models import (ModelSourceError, Qwen35MoeAdapter, adapter_for, decoder_for, load_model,
+from specmoe.models import (Qwen35MoeAdapter, adapter_for, decoder_for, load_model,
                             named_config)
 from specmoe.models.checkpoint import CheckpointReader
 from specmoe.routing import preset, replay
@@ -77,8 +77,9 @@ def test_checkpoint_directory_loads_the_same_model(tiny):
     assert gate.shape == (16, 64, 64) and down.shape == (16, 64, 32)
     shared = adapter.shared_experts(model, 0)
     assert shared.mlp.gate_proj.out_features == 32 and shared.gate.weight.shape == (1, 64)
-    with pytest.raises(ModelSourceError, match="no decoder"):
-        decoder_for(model.config)
+    from specmoe.models.qwen3_5_moe_decode import Qwen35MoeDecoder
+
+    assert decoder_for(model.config) is Qwen35MoeDecoder
 
 
 def test_image_text_checkpoint_loads_its_text_model(tmp_path):
