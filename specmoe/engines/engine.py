@@ -621,9 +621,8 @@ def build_engine_from_checkpoint(path, policy: PolicyConfig | None, calibration:
     adapter = adapter_for(hf_config)
     geometry = Geometry.of(adapter)
     slots = _slots_needed(policy, speculative, geometry.num_experts)
-    experts = getattr(adapter, "checkpoint_prefix", "model.") + "layers.{layer}.mlp.experts"  # image-text layouts
     store = ExpertStore.from_checkpoint(path, geometry, dtype=dtype, host_memory_limit=host_memory_limit,
-                                        prefix=experts)
+                                        prefix=adapter.checkpoint_experts())
     residency = ExpertResidency(store, slots, device, memory_limit=device_memory_limit)
     decoder = decoder_for(hf_config).from_checkpoint(path, config.max_seq_len, device, dtype)
     fingerprint = adapter.checkpoint_fingerprint(CheckpointReader(path))

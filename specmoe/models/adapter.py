@@ -80,6 +80,11 @@ class MoEAdapter:
         """The checkpoint name of MoE layer `layer`'s router weight [E, H] (for fingerprints read from files)."""
         return f"model.layers.{self.moe_layer_ids[layer]}.mlp.gate.weight"
 
+    def checkpoint_experts(self) -> str:
+        """Where a checkpoint holds the routed experts of decoder layer {layer} (`ExpertStore.from_checkpoint`'s
+        prefix)."""
+        return "model.layers.{layer}.mlp.experts"
+
     def checkpoint_fingerprint(self, reader) -> str:
         """`fingerprint` of the model in a checkpoint directory, read tensor by tensor with `reader` (a
         `CheckpointReader`) without building the model."""

@@ -121,6 +121,9 @@ class Qwen35MoeAdapter(MoEAdapter):
     def router_weight_name(self, layer: int) -> str:
         return f"{self.checkpoint_prefix}layers.{self.moe_layer_ids[layer]}.mlp.gate.weight"
 
+    def checkpoint_experts(self) -> str:
+        return self.checkpoint_prefix + "layers.{layer}.mlp.experts"
+
     # -- routing arithmetic -------------------------------------------------------------------------
     def router_logits(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return Qwen3_5MoeTopKRouter.forward(router, hidden)[0]
