@@ -101,8 +101,9 @@ class BlockRoutingContext:
         with the pool's residency), recorded into the pool."""
         adapter = self.adapter
         z = router_logits.detach().to("cpu", torch.float32).numpy()
-        scores = z if self.scoring.kind == "softmax" else \
-            adapter.selection_scores(router_logits, layer, self.routers[layer]).detach().to("cpu", torch.float32).numpy()
+        # softmax: z is what selection ranks; sigmoid: the kernel ranks sigmoid(z) + bias from the raw logits and
+        # the scoring's bias, as the engine's `BlockRouter` does
+        scores = z if self.scoring.kind == "softmax" else None
         span = z.shape[0]
         select_block_into(self.selector, z, self.pool.resident(layer), self.alpha, adapter.top_k, self.scoring,
                           self.buffers, layer=layer, scores=scores)
@@ -111,11 +112,10 @@ class BlockRoutingContext:
         self.selected[:, layer] = selected
         self.displaced[:, layer] = self.buffers.displaced[:span]
         if self.record:
-            self.scores[:, layer] = scores
+            self.scores[:, layer] = z  # the raw logits (`specmoe.records.block_records`)
             if layer + 1 < adapter.num_moe_layers:
                 nxt = adapter.router_logits(self.routers[layer + 1], hidden)
-                self.pregate[:, layer + 1] = adapter.selection_scores(nxt, layer + 1, self.routers[layer + 1]) \
-                    .detach().float().cpu().numpy()
+                self.pregate[:, layer + 1] = nxt.detach().float().cpu().numpy()
         return torch.from_numpy(selected.copy()).to(router_logits.device)
 
 
