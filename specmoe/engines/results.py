@@ -142,7 +142,8 @@ class LogitFeed:
     router fingerprint of the model the logits come from (the run's calibration is checked against it).
     The logits are raw router logits z (as traces and `DecodeResult` hold them); `scoring`: the rule of the
     router they come from (`RouterScoring`, a trace's `scoring`), which routing applies to them (selection
-    scores, execution weights, groups); None: the engine's own model's rule."""
+    scores, execution weights, groups); None, or a softmax rule with the engine's groups (a file without a rule):
+    the engine's own model's rule."""
 
     def __init__(self, router_logits: np.ndarray, pregate_logits: np.ndarray, tokens: np.ndarray | None = None,
                  fingerprint: str | None = None, scoring: RouterScoring | None = None):

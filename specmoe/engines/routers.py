@@ -108,7 +108,11 @@ class CacheRouter:
         """Route the run's steps of `step` (D = 1) from `feed` (router and pre-gate logits), recording in `rec`."""
         self.feed, self.rec = feed, rec
         self.physical, self.max_in_flight = physical, max_in_flight
-        rule = getattr(feed, "scoring", None)  # a followed trace routes by its source's rule
+        # a followed trace routes by its source's rule; a softmax one with this model's groups selects as this model
+        # does, whose execution weights (renormalisation, scaling) then stay (files without a rule read as softmax)
+        rule = getattr(feed, "scoring", None)
+        if rule is not None and rule.kind == "softmax" and rule.groups == self.scoring_model.groups:
+            rule = None
         self.step_scoring = self.scoring if rule is None else EngineScoring.of(rule, self.num_layers, self.num_experts)
         self.step_rule = self.scoring_model if rule is None else rule
         self._slots = [step.slots_np[layer, 0] for layer in range(self.num_layers)]

@@ -11,8 +11,8 @@ One request (batch 1), `speculative_generate`:
   SGLang's first step, so the blocks that follow are theirs.
 - verification blocks: the root (the last committed token; the first root is the first new token, at
   position len(prompt)) and k drafts go through the target in one forward of D = k + 1 positions. At every
-  MoE layer the patched router hands the router logits and the adapter's selection scores of all D
-  positions to `specmoe.verifiers.select_block`, with the model's router rule (`model_scoring`: softmax, or
+  MoE layer the patched router hands the raw router logits of all D positions to
+  `specmoe.verifiers.select_block` (which computes a sigmoid router's selection scores, as the engine's does), with the model's router rule (`model_scoring`: softmax, or
   sigmoid with its bias, groups and scaling), the pool's residency and the position weights alpha of the
   selector (ones for ``exact``, `CommitRate`'s per-request commitment rates for ``acceptmoe``, the drafter's
   confidences for ``confidence_top1``); the pool records the block's union and copies its missing experts;
