@@ -220,7 +220,7 @@ def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[
     if len(spans) < count:
         raise ValueError(f"the trace has {len(spans)} sequences of at least {length} tokens; {count} needed")
     traces = [LogitFeed(rec.router_logits[lo:hi].astype(np.float32), rec.pregate_logits[lo:hi].astype(np.float32),
-                        rec.token_ids[lo:hi], rec.fingerprint or None) for lo, hi in spans]
+                        rec.token_ids[lo:hi], rec.fingerprint or None, rec.scoring) for lo, hi in spans]
     return {"calibration": calibration, "traces": traces, "windows": [t.tokens for t in traces],
             "info": {"model": rec.model, "sequences": len(spans), "tokens_per_window": length}}
 

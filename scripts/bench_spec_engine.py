@@ -88,7 +88,7 @@ def committed_feeds(blocks, fingerprint) -> list[LogitFeed]:
     rows, starts = blocks.committed_rows()
     bounds = list(starts) + [len(rows)]
     return [LogitFeed(blocks.router_logits[rows[lo:hi]], blocks.pregate_logits[rows[lo:hi]],
-                      blocks.tokens[rows[lo:hi]], fingerprint) for lo, hi in zip(bounds[:-1], bounds[1:])]
+                      blocks.tokens[rows[lo:hi]], fingerprint, blocks.scoring) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def spec_pass(engine: Engine, blocks, first_position: int) -> dict:

@@ -65,7 +65,7 @@ def _run_replay(args) -> int:
     calibration.check(trace.num_layers, trace.num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
     policy = parse_policy(args.policy, args.capacity, trace.top_k, args.set)
     result = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
-                    sequence_starts=trace.sequence_starts, groups=trace.groups)
+                    sequence_starts=trace.sequence_starts, scoring=trace.scoring)
     print(f"{policy.name} on {trace.router_logits.shape[0]} tokens")
     for key, value in result.summary().items():
         print(f"  {key:>15} per token: {value:.3f}")

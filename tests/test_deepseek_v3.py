@@ -139,10 +139,11 @@ def test_harness_and_replay_agree_decision_for_decision(tiny, name):
     for row, prompt in enumerate(prompts):
         z, g, tokens, selected = ctx.recorded(row)
         assert np.array_equal(tokens[len(prompt):], out.sequences[row, ids.shape[1]:-1].numpy())
-        trace = replay(policy, z, g if policy.insert_budget else None, tokens, calibration, groups=adapter.groups)
+        # the recordings are raw logits: the replay routes them through the model's rule, as the harness did
+        trace = replay(policy, z, g if policy.insert_budget else None, tokens, calibration, scoring=ctx.scoring)
         assert np.array_equal(trace.selected, selected)
         exact = replay(preset("exact_lru", adapter.num_experts, adapter.top_k), z, None, tokens, calibration,
-                       groups=adapter.groups)
+                       scoring=ctx.scoring)
         diverged += int((np.sort(exact.selected, -1) != np.sort(selected, -1)).any(-1).sum())
         if adapter.groups[0] > 1:  # every selection lies in topk_group groups
             size = adapter.num_experts // adapter.n_group
@@ -162,7 +163,7 @@ def test_calibration_counts_the_group_limited_choice(tiny):
         for window in windows:
             model(input_ids=window[None])
             z, _, tokens, selected = context.recorded(0)
-            builder.add(z.astype(np.float64), tokens)
+            builder.add(context.scoring.selection_scores(z), tokens)  # the raw logits through the rule
             for layer in range(adapter.num_moe_layers):
                 np.add.at(counts[layer], selected[:, layer].ravel(), 1)
     assert np.array_equal(builder.selection_counts, counts)

@@ -90,10 +90,13 @@ def test_drafter_layers_are_decoder_layers_dense_ones_included(tiny):
 
 
 @pytest.mark.parametrize("name", ["exact_lru", "psr"])
-def test_recorded_trace_carries_the_groups_and_replays_the_harness(tiny, name, tmp_path):
+def test_recorded_trace_carries_the_rule_and_replays_the_harness(tiny, name, tmp_path):
+    # a trace holds the raw logits and the router's rule; replayed through the stored rule it makes the
+    # harness's decisions, and the engine following it as a logit feed makes them too
+    from specmoe.engines import LogitFeed
     from specmoe.files import read_safetensors, write_safetensors
     from specmoe.harness import record_trace
-    from specmoe.harness.patch import patch_model, unpatch
+    from specmoe.harness.patch import model_scoring, patch_model, unpatch
     from specmoe.records import AcceptanceProfile, Trace, synthetic_blocks
     from specmoe.routing import replay
 
@@ -101,14 +104,21 @@ def test_recorded_trace_carries_the_groups_and_replays_the_harness(tiny, name, t
     rng = np.random.default_rng(11)
     sequences = [torch.as_tensor(rng.integers(0, adapter.vocab_size, n)) for n in (14, 9)]
     trace = record_trace(model, sequences, "tiny")
-    assert trace.groups == adapter.groups
+    rule = model_scoring(model, adapter)
+    assert trace.groups == adapter.groups and trace.scoring.kind == "sigmoid"
     path = trace.save(tmp_path / "trace.safetensors")
-    assert Trace.load(path).groups == adapter.groups
+    loaded = Trace.load(path)
+    assert (loaded.scoring.kind, loaded.scoring.renormalise, loaded.scoring.scale, loaded.scoring.groups) == \
+        (rule.kind, rule.renormalise, rule.scale, rule.groups)
+    np.testing.assert_array_equal(loaded.scoring.bias, rule.bias)
+    np.testing.assert_array_equal(loaded.router_logits, trace.router_logits)
     meta, arrays = read_safetensors(path, ValueError, "trace")  # a file written before traces carried groups
-    del meta["groups"]
+    del meta["groups"], meta["scoring"], arrays["selection_bias"]
     write_safetensors(tmp_path / "old.safetensors", arrays, meta)
-    assert Trace.load(tmp_path / "old.safetensors").groups == (1, 1)
-    assert synthetic_blocks(trace, 3, AcceptanceProfile.geometric(0.7)).groups == adapter.groups
+    old = Trace.load(tmp_path / "old.safetensors")
+    assert old.groups == (1, 1) and old.scoring.kind == "softmax" and old.scoring.bias is None
+    blocks = synthetic_blocks(trace, 3, AcceptanceProfile.geometric(0.7))
+    assert blocks.groups == adapter.groups and blocks.scoring is trace.scoring
 
     policy = preset(name, adapter.num_experts // 2, adapter.top_k)
     harness = []
@@ -117,17 +127,60 @@ def test_recorded_trace_carries_the_groups_and_replays_the_harness(tiny, name, t
         for seq in sequences:
             with torch.no_grad():
                 model(input_ids=seq[None])
-            harness.append(context.recorded(0)[3])
+            z, g, _, selected = context.recorded(0)
+            np.testing.assert_array_equal(z, trace.router_logits[len(np.concatenate(harness or [z[:0]])):][:len(z)])
+            harness.append(selected)
     finally:
         unpatch(model)
     harness = np.concatenate(harness)
-    ours = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
-                  sequence_starts=trace.sequence_starts, groups=trace.groups)
+    ours = replay(policy, loaded.router_logits, loaded.pregate_logits, loaded.token_ids, calibration,
+                  sequence_starts=loaded.sequence_starts, scoring=loaded.scoring)
     np.testing.assert_array_equal(ours.selected, harness)
-    if adapter.groups != (1, 1):  # the groups matter: without them the replay is another router's
-        ungrouped = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
-                           sequence_starts=trace.sequence_starts)
-        assert not np.array_equal(ungrouped.selected, harness)
+    # ranked as softmax logits (no rule), the same logits make another router's choices
+    assert not np.array_equal(replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
+                                     sequence_starts=trace.sequence_starts, groups=trace.groups).selected, harness)
+
+    engine = build_engine(model, policy, calibration, EngineConfig(max_seq_len=SEQ), store=store)
+    for (lo, hi), seq in zip(loaded.sequences(), sequences, strict=True):
+        feed = LogitFeed.of_trace(loaded)
+        piece = LogitFeed(feed.router_logits[lo:hi], feed.pregate_logits[lo:hi], feed.tokens[lo:hi],
+                          feed.fingerprint, feed.scoring)
+        followed = engine.follow(piece)
+        np.testing.assert_array_equal(followed.selected, harness[lo:hi])
+        np.testing.assert_array_equal(followed.router_logits, loaded.router_logits[lo:hi])  # raw, as recorded
+
+
+def test_block_records_replay_as_the_engine_follows_them(tiny, tmp_path):
+    # block records hold raw logits and the rule: the CPU replay of block selection (acceptmoe) and the engine
+    # following the records make the same selections and copies, the harness's
+    from specmoe.harness.patch import model_scoring
+    from specmoe.records import BlockRecords, blocks_from_records
+    from specmoe.replay import replay_block_selection
+
+    model, adapter, store, calibration, drafter, prompt = tiny
+    pool = adapter.num_experts // 4
+    config = SpeculativeConfig(selector_preset("acceptmoe"), k=K_DRAFTS, pool_size=pool, max_new_tokens=NEW)
+    runs = [speculative_generate(model, adapter, drafter, torch.tensor(p), config, calibration=calibration,
+                                 record=True, divergence=False) for p in (prompt, prompt[2:9])]
+    records = BlockRecords.from_requests([r.blocks for r in runs], top_k=adapter.top_k, vocab_size=adapter.vocab_size,
+                                         groups=adapter.groups, scoring=model_scoring(model, adapter))
+    records = BlockRecords.load(records.save(tmp_path / "blocks.safetensors"))
+    assert records.scoring.kind == "sigmoid" and records.groups == adapter.groups
+    blocks = blocks_from_records(records)
+    expected = replay_block_selection(config.selector, blocks, calibration, pool, keep_selected=True)
+    harness = np.concatenate([np.concatenate([b["selected"][: b["accepted"] + 1] for b in r.blocks]) for r in runs])
+    np.testing.assert_array_equal(expected.selected, harness)  # the replay makes the harness's selections
+    # the rule matters: ranked as softmax logits (a file without the rule) the same logits select otherwise
+    from dataclasses import replace
+    as_softmax = replay_block_selection(config.selector, replace(blocks, scoring=None, groups=(1, 1)), calibration,
+                                        pool, keep_selected=True)
+    assert not np.array_equal(as_softmax.selected, expected.selected)
+    engine, _ = _spec(tiny, "acceptmoe", pool)
+    results = engine.follow(blocks, first_position=len(prompt), record=True)
+    assert sum(r.counts()["copies"] for r in results) == expected.copies > 0
+    committed = np.concatenate([np.concatenate([s[: a + 1] for s, a in zip(r.block_selected, r.accepted)])
+                                for r in results])
+    np.testing.assert_array_equal(committed, expected.selected)
 
 
 def test_block_replays_route_with_the_recorded_groups(tiny):
@@ -144,7 +197,7 @@ def test_block_replays_route_with_the_recorded_groups(tiny):
     policy = preset("psr", adapter.num_experts // 2, adapter.top_k)
     rows, starts = blocks.committed_rows()
     expected = replay(policy, blocks.router_logits[rows], blocks.pregate_logits[rows], blocks.tokens[rows],
-                      calibration, sequence_starts=starts, groups=adapter.groups).selected
+                      calibration, sequence_starts=starts, scoring=blocks.scoring).selected
     np.testing.assert_array_equal(replay_ar(policy, blocks, calibration, keep_selected=True).selected, expected)
     rolled = replay_rollback(policy, blocks, calibration, keep_selected=True).selected
     size = adapter.num_experts // adapter.n_group

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specmoe.offload import CopyStats
+from specmoe.routing import RouterScoring
 
 COPY_FIELDS = CopyStats.FIELDS
 HOST_PARTS = ("routing", "copy_issue", "copy_checks")  # routing + slots + weights; demand copies; need + wait
@@ -138,11 +139,16 @@ class LogitFeed:
     logits of a trained model with the same L, E, K, e.g. from a `specmoe.records.Trace`). With `tokens` [T],
     the engine also feeds these input tokens (also in `generate`), so routing is the recorded run's exactly
     even when this model's outputs differ (copies-skipped mode computes on stale slots). `fingerprint`: the
-    router fingerprint of the model the logits come from (the run's calibration is checked against it)."""
+    router fingerprint of the model the logits come from (the run's calibration is checked against it).
+    The logits are raw router logits z (as traces and `DecodeResult` hold them); `scoring`: the rule of the
+    router they come from (`RouterScoring`, a trace's `scoring`), which routing applies to them (selection
+    scores, execution weights, groups); None, or a softmax rule with the engine's groups (a file without a rule):
+    the engine's own model's rule."""
 
     def __init__(self, router_logits: np.ndarray, pregate_logits: np.ndarray, tokens: np.ndarray | None = None,
-                 fingerprint: str | None = None):
+                 fingerprint: str | None = None, scoring: RouterScoring | None = None):
         self.fingerprint = fingerprint
+        self.scoring = scoring
         self.router_logits = np.ascontiguousarray(router_logits, dtype=np.float32)
         self.pregate_logits = np.ascontiguousarray(pregate_logits, dtype=np.float32)
         self.tokens = None if tokens is None else np.asarray(tokens, dtype=np.int64)
@@ -151,6 +157,12 @@ class LogitFeed:
     def of(cls, result: DecodeResult, with_tokens: bool = True) -> "LogitFeed":
         return cls(result.router_logits, result.pregate_logits, result.input_tokens if with_tokens else None,
                    result.info.get("fingerprint"))
+
+    @classmethod
+    def of_trace(cls, trace, with_tokens: bool = True) -> "LogitFeed":
+        """Follow a routing trace (`specmoe.records.Trace`): its raw logits, tokens, fingerprint and rule."""
+        return cls(trace.router_logits, trace.pregate_logits, trace.token_ids if with_tokens else None,
+                   trace.fingerprint or None, trace.scoring)
 
     def router(self, t: int, layer: int) -> np.ndarray:
         return self.router_logits[t, layer]

@@ -108,6 +108,13 @@ class CacheRouter:
         """Route the run's steps of `step` (D = 1) from `feed` (router and pre-gate logits), recording in `rec`."""
         self.feed, self.rec = feed, rec
         self.physical, self.max_in_flight = physical, max_in_flight
+        # a followed trace routes by its source's rule; a softmax one with this model's groups selects as this model
+        # does, whose execution weights (renormalisation, scaling) then stay (files without a rule read as softmax)
+        rule = getattr(feed, "scoring", None)
+        if rule is not None and rule.kind == "softmax" and rule.groups == self.scoring_model.groups:
+            rule = None
+        self.step_scoring = self.scoring if rule is None else EngineScoring.of(rule, self.num_layers, self.num_experts)
+        self.step_rule = self.scoring_model if rule is None else rule
         self._slots = [step.slots_np[layer, 0] for layer in range(self.num_layers)]
         self._weights = [step.weights_np[layer, 0] for layer in range(self.num_layers)]
 
@@ -126,7 +133,7 @@ class CacheRouter:
             return next(self._groups)
         cache, rec, t = self.cache, self.rec, self.t
         slots = self._slots[layer]
-        d = cache.route(layer, self.feed.router(t, layer), self.token, self.scoring, rec.router_logits[t, layer],
+        d = cache.route(layer, self.feed.router(t, layer), self.token, self.step_scoring, rec.router_logits[t, layer],
                         rec.selected[t, layer], slots, self._weights[layer])
         return slots, ((cache.demand_slots[:d], cache.demand[:d]) if d else NO_DEMAND)
 
@@ -139,13 +146,19 @@ class CacheRouter:
         # physical-cache mode: insert only what can be copied at once, so that routing sees issued copies
         budget = max(self.max_in_flight - self.copies.in_flight(), 0) if self.physical else None
         # float32 as recorded: part 1 only ranks g, and float32 -> float64 keeps every order and tie
-        inserted = self.cache.insert_predicted(layer, g, self.token, budget=budget)
+        inserted = self.cache.insert_predicted(layer, self._pregate_scores(g, layer, self.step_rule), self.token,
+                                               budget=budget)
         if inserted.size:
             self.copies.assign(layer, self.cache.slot_of(layer, inserted), inserted, prefetch=True,
                                issue_now=self.physical)
 
     def end_step(self, accepted: int) -> None:
         return None
+
+    @staticmethod
+    def _pregate_scores(g: np.ndarray, layer: int, rule: RouterScoring) -> np.ndarray:
+        """What part 1 ranks of the raw pre-gate logits g [E]: g itself (softmax), or its selection scores."""
+        return g if rule.kind == "softmax" else rule.selection_scores(g, layer)
 
     def next_group(self, layer: int):
         """The next group of a prompt chunk's `layer` ((executed slots, demand) as `route`), or None; call it once
@@ -173,7 +186,8 @@ class CacheRouter:
             t = self.t + i
             if layer > 0:
                 g = rec.pregate_logits[t, layer] = step.pregate_logits(layer)[i]
-                inserted = cache.insert_predicted(layer, g, token) if self.inserts else ()
+                inserted = cache.insert_predicted(layer, self._pregate_scores(g, layer, self.scoring_model), token) \
+                    if self.inserts else ()
                 if len(inserted):
                     taken = cache.slot_of(layer, inserted)
                     if used[taken].any():
@@ -206,7 +220,7 @@ class BlockRouter:
         self.commit_rate = CommitRate()
         self.buffers = SelectionBuffers(config.k + 1, g.num_experts, g.top_k, np.float32)
         self.union_used = 0  # the most union slots one layer of one block needed
-        self.step = self.selector = self.alpha = self.feed = self.feed_logits = self.displaced = self.selected = None
+        self.step = self.selector = self.alpha = self.feed = self.displaced = self.selected = None
 
     @property
     def num_slots(self) -> int:
@@ -229,27 +243,16 @@ class BlockRouter:
               selected: np.ndarray | None = None, feed: np.ndarray | None = None) -> None:
         """The next step's block: `selector` with position weights `alpha` [D]; displaced [D] accumulates the
         displaced router mass over layers; selected [D, L, K] receives the selections; feed [D, L, E]: router
-        logits that selection reads instead of the model's (trace-following; for a sigmoid router the recorded
-        selection scores sigmoid(z) + bias, as the harness records them)."""
+        raw logits that selection reads instead of the model's (trace-following; records hold raw logits), routed
+        by the decoder's rule like the model's own."""
         self.step, self.selector, self.alpha = step, selector, alpha
         self.displaced, self.selected, self.feed = displaced, selected, feed
-        self.feed_logits = None
-        if feed is not None and self.scoring.kind == "sigmoid":  # the logits back from the recorded scores
-            bias = self.scoring.bias_rows(self.geometry.num_layers, self.geometry.num_experts)
-            p = np.clip(np.asarray(feed, dtype=np.float64) - bias, 1e-300, 1.0 - 1e-16)
-            self.feed_logits = np.log(p) - np.log1p(-p)
 
     def route(self, layer: int):
         step, pool, b, d = self.step, self.pool, self.buffers, self.step.num_positions
-        scores = None
-        if self.feed is None:
-            z = np.ascontiguousarray(step.router_logits(layer))
-        elif self.feed_logits is None:
-            z = np.ascontiguousarray(self.feed[:, layer])
-        else:
-            z, scores = np.ascontiguousarray(self.feed_logits[:, layer]), np.ascontiguousarray(self.feed[:, layer])
+        z = np.ascontiguousarray(step.router_logits(layer) if self.feed is None else self.feed[:, layer])
         select_block_into(self.selector, z, pool.resident(layer), self.alpha, self.geometry.top_k, self.scoring, b,
-                          layer=layer, scores=scores)
+                          layer=layer)
         try:
             missing, slots = pool.use(layer, b.selected[:d])
         except ValueError as exc:

@@ -90,6 +90,7 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
     from specmoe.records import BlockRecords
     from specmoe.drafters import DrafterConfig, build_drafter
     from specmoe.harness import collect_calibration, sample_selfgen, speculative_generate
+    from specmoe.harness.patch import model_scoring
     from specmoe.speculation import SpeculativeConfig, summarize
     from specmoe.models import load_model
     from specmoe.routing import Calibration, preset, psr_bonus
@@ -132,7 +133,7 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
                     [r.blocks for r in results], top_k=adapter.top_k, vocab_size=adapter.vocab_size,
                     model=model.specmoe_source, fingerprint=adapter.fingerprint(model),
                     selector=config.selector.to_dict(), drafter=drafter_config.name, pool_size=pool_size,
-                    groups=adapter.groups,
+                    groups=adapter.groups, scoring=model_scoring(model, adapter),
                     info={"prompts": prompt_text, "calibration": calibration_text},
                 ).save(Path(records_dir) / f"blocks_{drafter_config.name}_{config.selector.kind}.safetensors")
     policy = preset("psr", pool_size, adapter.top_k, bonus=psr_bonus(pool_size, adapter.num_experts))

@@ -19,7 +19,8 @@ from .patch import exact_routing
 @torch.no_grad()
 def router_logits_of(model: nn.Module, adapter: MoEAdapter, windows, *, batch_size: int = 8):
     """Yield (selection scores [T, L, E] float64, token ids [T]) of each window under exact routing
-    (`exact_routing`; for softmax routers the selection scores are the router logits). The model's own
+    (`exact_routing`; the router's rule applied to its raw logits, `RouterScoring.selection_scores`: for
+    softmax routers the router logits). The model's own
     routing context is restored when the generator ends: consume it fully."""
     device = next(model.parameters()).device
     windows = [torch.as_tensor(w, dtype=torch.long).reshape(-1) for w in windows]
@@ -34,7 +35,7 @@ def router_logits_of(model: nn.Module, adapter: MoEAdapter, windows, *, batch_si
             model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
             for row in range(len(batch)):
                 z, _, tokens, _ = context.recorded(row)
-                yield z.astype(np.float64), tokens
+                yield context.scoring.selection_scores(z), tokens
 
 
 def collect_calibration(model: nn.Module, adapter: MoEAdapter, windows, provenance: dict | str, *,
@@ -64,8 +65,8 @@ def collect_calibration(model: nn.Module, adapter: MoEAdapter, windows, provenan
 
 
 def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) -> Trace:
-    """Run `model` over each sequence (1-D LongTensors, no padding) under exact routing and record the router
-    logits, the pre-gate logits, the token ids and the sequence boundaries. Sequences of equal length are
+    """Run `model` over each sequence (1-D LongTensors, no padding) under exact routing and record the raw router
+    logits, the raw pre-gate logits, the token ids, the sequence boundaries and the router's rule (`scoring`). Sequences of equal length are
     batched `batch_size` at a time. The recording is the harness's (`exact_routing(record=True)`): the same
     code records calibrations, and the pre-gate is the adapter's router applied to the previous layer's MoE
     input."""
@@ -98,4 +99,4 @@ def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) 
     return Trace(np.concatenate(parts_z), np.concatenate(parts_g), torch.cat(seqs).numpy(),
                  np.concatenate([[0], np.cumsum(lengths)[:-1]]), top_k=adapter.top_k,
                  vocab_size=adapter.vocab_size, model=model_source, fingerprint=adapter.fingerprint(model),
-                 info=info, groups=adapter.groups)
+                 info=info, groups=adapter.groups, scoring=context.scoring)

@@ -49,8 +49,11 @@ class RoutingContext:
     the forward in progress and (with `record=True`) what every routed position saw and selected."""
 
     def __init__(self, adapter: MoEAdapter, policy: PolicyConfig, calibration: Calibration,
-                 routers: list[nn.Module], record: bool = False):
+                 routers: list[nn.Module], record: bool = False, scoring: RouterScoring | None = None):
         self.adapter = adapter
+        # the router's rule: routing ranks its selection scores of the raw logits, computed by the routing core
+        self.scoring = scoring or RouterScoring("softmax", renormalise=adapter.norm_topk_prob,
+                                                n_group=adapter.groups[0], topk_group=adapter.groups[1])
         self.policy = policy
         self.calibration = calibration
         self.routers = routers
@@ -129,15 +132,15 @@ class RoutingContext:
         if router_logits.shape != (batch * span, num_experts):
             raise RuntimeError(f"router logits of layer {layer} have shape {tuple(router_logits.shape)}, "
                                f"expected {(batch * span, num_experts)} for a batch of {batch} x {span}")
-        z = self._host(self.adapter.selection_scores(router_logits, layer, self.routers[layer])).reshape(
-            batch, span, num_experts)
-        g = self._pregate[layer] if layer > 0 else None
+        raw = self._host(router_logits).reshape(batch, span, num_experts)
+        z = self._scores(raw, layer)
+        g_raw = self._pregate[layer] if layer > 0 else None
+        g = None if g_raw is None else self._scores(g_raw, layer)
         if layer > 0 and g is None and (self.uses_pregate or self.record):
             raise RuntimeError(f"no pre-gate logits for layer {layer}: MoE layers must run in order")
         if layer + 1 < self.adapter.num_moe_layers and (self.uses_pregate or self.record):
             nxt = self.adapter.router_logits(self.routers[layer + 1], hidden)
-            self._pregate[layer + 1] = self._host(
-                self.adapter.selection_scores(nxt, layer + 1, self.routers[layer + 1])).reshape(batch, span, num_experts)
+            self._pregate[layer + 1] = self._host(nxt).reshape(batch, span, num_experts)
         selected = np.empty((batch, span, self.policy.top_k), dtype=np.int64)
         for row, cache in enumerate(self.caches):
             pregate = None if g is None else g[row]
@@ -149,11 +152,15 @@ class RoutingContext:
                 fwd.record.update(z=np.full((*shape, num_experts), np.nan, dtype=dtype),
                                   g=np.full((*shape, num_experts), np.nan, dtype=dtype),
                                   selected=np.full((*shape, self.policy.top_k), -1, dtype=np.int64))
-            fwd.record["z"][:, :, layer] = z
-            if g is not None:
-                fwd.record["g"][:, :, layer] = g
+            fwd.record["z"][:, :, layer] = raw
+            if g_raw is not None:
+                fwd.record["g"][:, :, layer] = g_raw
             fwd.record["selected"][:, :, layer] = selected
         return torch.from_numpy(selected.reshape(batch * span, -1)).to(router_logits.device)
+
+    def _scores(self, logits: np.ndarray, layer: int) -> np.ndarray:
+        """The selection scores of raw logits [..., E] of MoE layer `layer` (the logits themselves for softmax)."""
+        return logits if self.scoring.kind == "softmax" else self.scoring.selection_scores(logits, layer)
 
     @staticmethod
     def _host(scores: torch.Tensor) -> np.ndarray:
@@ -163,7 +170,8 @@ class RoutingContext:
     # -- recordings ------------------------------------------------------------------------------------
     def recorded(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """What row `row` saw since its sequence started, over its unpadded positions in order:
-        (router_logits [T, L, E], pregate_logits [T, L, E] (layer 0 is NaN: no pre-gate), token_ids [T]
+        (raw router_logits [T, L, E], raw pregate_logits [T, L, E] (layer 0 is NaN: no pre-gate; selection
+        ranks `scoring.selection_scores` of both), token_ids [T]
         (-1 where the forward had no input ids), selected [T, L, K]). Needs `record=True`."""
         if not self.record:
             raise RuntimeError("this routing context does not record: patch_model(..., record=True)")
@@ -230,7 +238,8 @@ def patch_model(model: nn.Module, adapter: MoEAdapter, policy: PolicyConfig, cal
     policy.check_experts(adapter.num_experts)
     check_calibration(model, adapter, calibration)
     unpatch(model)
-    context = RoutingContext(adapter, policy, calibration, adapter.routers(model), record=record)
+    context = RoutingContext(adapter, policy, calibration, adapter.routers(model), record=record,
+                             scoring=model_scoring(model, adapter))
     attach_context(model, context)
     return context
 
@@ -293,7 +302,7 @@ def exact_routing(model: nn.Module, adapter: MoEAdapter | None = None, *, record
     adapter = adapter or adapter_for(model.config)
     context = RoutingContext(adapter, exact_policy(adapter),
                              Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size),
-                             adapter.routers(model), record=record)
+                             adapter.routers(model), record=record, scoring=model_scoring(model, adapter))
     with routed_by(model, context):
         yield context
 

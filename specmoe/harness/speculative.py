@@ -11,8 +11,8 @@ One request (batch 1), `speculative_generate`:
   SGLang's first step, so the blocks that follow are theirs.
 - verification blocks: the root (the last committed token; the first root is the first new token, at
   position len(prompt)) and k drafts go through the target in one forward of D = k + 1 positions. At every
-  MoE layer the patched router hands the router logits and the adapter's selection scores of all D
-  positions to `specmoe.verifiers.select_block`, with the model's router rule (`model_scoring`: softmax, or
+  MoE layer the patched router hands the raw router logits of all D positions to
+  `specmoe.verifiers.select_block` (which computes a sigmoid router's selection scores, as the engine's does), with the model's router rule (`model_scoring`: softmax, or
   sigmoid with its bias, groups and scaling), the pool's residency and the position weights alpha of the
   selector (ones for ``exact``, `CommitRate`'s per-request commitment rates for ``acceptmoe``, the drafter's
   confidences for ``confidence_top1``); the pool records the block's union and copies its missing experts;
@@ -101,8 +101,9 @@ class BlockRoutingContext:
         with the pool's residency), recorded into the pool."""
         adapter = self.adapter
         z = router_logits.detach().to("cpu", torch.float32).numpy()
-        scores = z if self.scoring.kind == "softmax" else \
-            adapter.selection_scores(router_logits, layer, self.routers[layer]).detach().to("cpu", torch.float32).numpy()
+        # softmax: z is what selection ranks; sigmoid: the kernel ranks sigmoid(z) + bias from the raw logits and
+        # the scoring's bias, as the engine's `BlockRouter` does
+        scores = z if self.scoring.kind == "softmax" else None
         span = z.shape[0]
         select_block_into(self.selector, z, self.pool.resident(layer), self.alpha, adapter.top_k, self.scoring,
                           self.buffers, layer=layer, scores=scores)
@@ -111,11 +112,10 @@ class BlockRoutingContext:
         self.selected[:, layer] = selected
         self.displaced[:, layer] = self.buffers.displaced[:span]
         if self.record:
-            self.scores[:, layer] = scores
+            self.scores[:, layer] = z  # the raw logits (`specmoe.records.block_records`)
             if layer + 1 < adapter.num_moe_layers:
                 nxt = adapter.router_logits(self.routers[layer + 1], hidden)
-                self.pregate[:, layer + 1] = adapter.selection_scores(nxt, layer + 1, self.routers[layer + 1]) \
-                    .detach().float().cpu().numpy()
+                self.pregate[:, layer + 1] = nxt.detach().float().cpu().numpy()
         return torch.from_numpy(selected.copy()).to(router_logits.device)
 
 

@@ -13,14 +13,18 @@ experts, top-K:
 - ``confidences`` float32 [N, k]: the drafter's probability of each of its drafts;
 - ``accepted`` int64 [N]: accepted drafts (the block commits tokens[1 : accepted + 1] and the bonus token);
 - ``bonus`` int64 [N]: the target's greedy token after the accepted drafts, the next block's root token;
-- ``router_logits`` float32 [N, D, L, E]: the router's selection scores at every position and layer (the
-  router logits for softmax routers);
+- ``router_logits`` float32 [N, D, L, E]: the router's raw logits z at every position and layer;
 - ``pregate_logits`` float32 [N, D, L, E]: router l applied to layer l-1's MoE input (layer 0 is zero);
+- ``selection_bias`` float64 [L, E], only for a router with a selection bias (sigmoid, DeepSeek-V3);
 - ``selected`` int64 [N, D, L, K]: the experts each position executed in the run (for checks).
 Metadata (strings): ``format`` = "specmoe-blocks", ``version`` = "1", ``geometry`` = JSON {num_layers,
 num_experts, top_k, vocab_size, k}, ``model``, ``fingerprint`` (the router fingerprint), ``selector`` (JSON
 of the `SelectorConfig`), ``drafter`` (its name), ``pool_size`` (P), ``groups`` (JSON [n_group, topk_group]
-of the router's group-limited choice; files without it read as [1, 1]), ``info`` (JSON: versions, time, ...).
+of the router's group-limited choice; files without it read as [1, 1]), ``scoring`` (JSON {"kind",
+"renormalise", "scale", "groups"}: the router's rule, `specmoe.routing.RouterScoring`, with ``selection_bias``
+its bias; files without it read as a softmax router with their ``groups``), ``info`` (JSON: versions, time, ...).
+What selection ranks follows from the raw logits by the stored rule (`RouterScoring.selection_scores`), which
+every replay applies, as a trace's (`specmoe.records.traces`)).
 Router logits of one position sit where a routing trace (`specmoe.records.traces`) keeps them; a block of the
 family (L = 16, E = 64) at k = 8 takes 74 KiB.
 """
@@ -36,7 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from ..files import read_safetensors, write_safetensors
-from .traces import read_groups
+from ..routing.scoring import RouterScoring
+from .traces import read_scoring, scoring_from_metadata
 
 FORMAT, VERSION = "specmoe-blocks", "1"
 TENSORS = {"request": np.int64, "root_position": np.int64, "tokens": np.int64, "confidences": np.float32,
@@ -62,6 +67,7 @@ class BlockRecords:
     pool_size: int = 0
     info: dict = field(default_factory=dict)
     groups: tuple[int, int] = (1, 1)  # (n_group, topk_group) of the router's group-limited choice
+    scoring: RouterScoring | None = None  # the router's rule (None: softmax with `groups`)
 
     def __post_init__(self) -> None:
         missing = set(TENSORS) - set(self.arrays)
@@ -82,7 +88,8 @@ class BlockRecords:
             raise BlockRecordError(f"top_k {self.top_k} outside [1, E={z.shape[3]}]")
         if n and (a["accepted"].min() < 0 or a["accepted"].max() > d - 1):
             raise BlockRecordError(f"accepted lengths must lie in [0, k={d - 1}]")
-        self.groups = read_groups(self.groups, z.shape[3], self.top_k, BlockRecordError)
+        self.groups, self.scoring = read_scoring(self.scoring, self.groups, z.shape[2], z.shape[3], self.top_k,
+                                                 BlockRecordError)
 
     @property
     def num_blocks(self) -> int:
@@ -114,7 +121,9 @@ class BlockRecords:
                 "selector": json.dumps(self.selector, sort_keys=True), "drafter": self.drafter,
                 "pool_size": str(self.pool_size), "groups": json.dumps(list(self.groups)),
                 "info": json.dumps(self.info, sort_keys=True)}
-        return write_safetensors(path, self.arrays, meta)
+        meta["scoring"], bias = self.scoring.to_metadata()
+        tensors = dict(self.arrays) if bias is None else {**self.arrays, "selection_bias": bias}
+        return write_safetensors(path, tensors, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, num_layers: int | None = None, num_experts: int | None = None,
@@ -131,7 +140,8 @@ class BlockRecords:
             records = cls(arrays, top_k=geometry["top_k"], vocab_size=geometry["vocab_size"], model=meta.get("model", ""),
                           fingerprint=meta.get("fingerprint", ""), selector=json.loads(meta.get("selector", "{}")),
                           drafter=meta.get("drafter", ""), pool_size=int(meta.get("pool_size", 0)),
-                          info=json.loads(meta.get("info", "{}")), groups=json.loads(meta.get("groups", "[1, 1]")))
+                          info=json.loads(meta.get("info", "{}")), groups=json.loads(meta.get("groups", "[1, 1]")),
+                          scoring=scoring_from_metadata(meta, arrays, BlockRecordError))
         except (KeyError, ValueError, TypeError) as exc:  # BlockRecordError from the checks is a ValueError
             raise BlockRecordError(f"{path}: invalid block records ({type(exc).__name__}: {exc})") from exc
         if geometry != records.geometry:

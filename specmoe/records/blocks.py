@@ -1,7 +1,8 @@
 """Verification blocks for the CPU replay: from block records, or from a synthetic drafter over an AR trace.
 
 A `Blocks` holds N blocks of D = k + 1 positions (the root, then k drafts) as row indices into one table of
-router and pre-gate logits [T, L, E] and input tokens [T], so that blocks cut from a trace share its rows
+raw router and pre-gate logits [T, L, E] and input tokens [T], with the router's rule (`scoring`, as the source
+stored it, which the replays route through), so that blocks cut from a trace share its rows
 without copies. Block b commits its root and its first ``accepted[b]`` drafts (the bonus token is the next
 block's root); blocks of one request follow each other in order.
 
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .block_records import BlockRecords
-from .traces import read_groups
+from ..routing.scoring import RouterScoring
+from .traces import read_scoring
 
 
 class BlockSourceError(ValueError):
@@ -47,6 +49,7 @@ class Blocks:
     true_rows: np.ndarray | None = None  # int64 [N, D], rows of the true continuation, -1 where unknown
     source: str = ""
     groups: tuple[int, int] = (1, 1)  # (n_group, topk_group) of the router's group-limited choice
+    scoring: RouterScoring | None = None  # the router's rule (None: softmax with `groups`), as the source stored it
 
     def __post_init__(self) -> None:
         self.router_logits = np.ascontiguousarray(self.router_logits, dtype=np.float32)
@@ -74,7 +77,8 @@ class Blocks:
             raise BlockSourceError("blocks of a request must be consecutive (request ids non-decreasing)")
         if not 1 <= self.top_k <= z.shape[2]:
             raise BlockSourceError(f"top_k {self.top_k} outside [1, E={z.shape[2]}]")
-        self.groups = read_groups(self.groups, z.shape[2], self.top_k, BlockSourceError)
+        self.groups, self.scoring = read_scoring(self.scoring, self.groups, z.shape[1], z.shape[2], self.top_k,
+                                                 BlockSourceError)
 
     @property
     def num_blocks(self) -> int:
@@ -155,7 +159,7 @@ def blocks_from_records(records: BlockRecords, k: int | None = None, source: str
                 true_rows[b, j] = where.get(root + j, -1)
     return Blocks(z, g, tokens, rows, accepted, a["request"], a["confidences"][:, :k].astype(np.float64),
                   records.top_k, true_rows=true_rows, source=source or f"records ({records.drafter})",
-                  groups=records.groups)
+                  groups=records.groups, scoring=records.scoring)
 
 
 # -- synthetic drafter over a trace --------------------------------------------------------------------------
@@ -249,7 +253,8 @@ def synthetic_blocks(trace, k: int, profile: AcceptanceProfile, seed: int = 0, m
     rows = np.asarray(rows, dtype=np.int64)
     return Blocks(trace.router_logits, trace.pregate_logits, trace.token_ids, rows, np.asarray(accepted),
                   np.asarray(request), np.tile(confidence, (n, 1)), trace.top_k, true_rows=rows.copy(),
-                  source=source or f"synthetic {profile.name}, k={k}", groups=getattr(trace, "groups", (1, 1)))
+                  source=source or f"synthetic {profile.name}, k={k}", groups=getattr(trace, "groups", (1, 1)),
+                  scoring=getattr(trace, "scoring", None))
 
 
 def with_true_continuation(blocks: Blocks) -> Blocks:
@@ -264,4 +269,5 @@ def with_true_continuation(blocks: Blocks) -> Blocks:
     rows = blocks.true_rows[keep]
     return Blocks(blocks.router_logits, blocks.pregate_logits, blocks.tokens, rows, blocks.accepted[keep],
                   blocks.request[keep], blocks.confidences[keep], blocks.top_k, true_rows=rows.copy(),
-                  source=f"{blocks.source}, true continuation", groups=blocks.groups)
+                  source=f"{blocks.source}, true continuation", groups=blocks.groups,
+                  scoring=blocks.scoring)

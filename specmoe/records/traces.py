@@ -12,9 +12,13 @@ File format (one safetensors file, version 1):
   {"num_layers": L, "num_experts": E, "top_k": K, "vocab_size": V}, ``model`` (the source it was recorded
   from), ``fingerprint`` (`specmoe.routing.router_fingerprint` of the routers), ``groups`` (JSON [n_group,
   topk_group], the router's group-limited choice, `specmoe.routing.RouterScoring.groups`; files without it
-  read as [1, 1], none), ``info`` (JSON: dtype, device, transformers version, creation time, ...).
-For a sigmoid router (DeepSeek-V3) ``router_logits`` and ``pregate_logits`` hold the selection scores
-sigmoid(z) + bias that routing ranks, as the harness records them.
+  read as [1, 1], none), ``scoring`` (JSON {"kind", "renormalise", "scale", "groups"}: the router's rule,
+  `specmoe.routing.RouterScoring`), ``info`` (JSON: dtype, device, transformers version, creation time, ...);
+  with a selection bias (sigmoid routers, DeepSeek-V3) also the tensor ``selection_bias`` float64 [L, E].
+The logits are always the router's raw logits z; what routing ranks follows from them by the stored rule
+(`RouterScoring.selection_scores`: z itself for softmax routers, sigmoid(z) + bias for sigmoid ones), which
+every consumer applies (`specmoe.routing.replay(..., scoring=trace.scoring)`, `LogitFeed.of_trace`). A file
+without ``scoring`` (written before traces carried the rule) reads as a softmax router with its ``groups``.
 Positions are concatenated over sequences; a policy's cache is reset at every sequence start. A trace is
 recorded by `specmoe.harness.record_trace` (the command: `specmoe trace`, `specmoe.experiments.trace`).
 """
@@ -31,7 +35,7 @@ import numpy as np
 from ..files import read_safetensors, write_safetensors
 from ..routing import validate
 from ..routing.replay import valid_sequence_starts
-from ..routing.scoring import check_groups
+from ..routing.scoring import RouterScoring, check_groups
 
 FORMAT, VERSION = "specmoe-trace", "1"
 
@@ -56,6 +60,7 @@ class Trace:
     fingerprint: str = ""
     info: dict = field(default_factory=dict)
     groups: tuple[int, int] = (1, 1)  # (n_group, topk_group) of the router's group-limited choice
+    scoring: RouterScoring | None = None  # the router's rule (None: softmax with `groups`)
 
     def __post_init__(self) -> None:
         self.top_k = validate.integer(self.top_k, "top_k", TraceError, minimum=1)
@@ -76,7 +81,8 @@ class Trace:
             raise TraceError("sequence_starts must begin at 0 and increase strictly within [0, T)")
         if not self.top_k <= z.shape[2]:
             raise TraceError(f"top_k {self.top_k} outside [1, E={z.shape[2]}]")
-        self.groups = read_groups(self.groups, z.shape[2], self.top_k, TraceError)
+        self.groups, self.scoring = read_scoring(self.scoring, self.groups, z.shape[1], z.shape[2], self.top_k,
+                                                 TraceError)
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +126,9 @@ class Trace:
         meta = {"format": FORMAT, "version": VERSION, "geometry": json.dumps(self.geometry, sort_keys=True),
                 "model": self.model, "fingerprint": self.fingerprint, "groups": json.dumps(list(self.groups)),
                 "info": json.dumps(self.info, sort_keys=True)}
+        meta["scoring"], bias = self.scoring.to_metadata()
+        if bias is not None:
+            tensors["selection_bias"] = bias
         return write_safetensors(path, tensors, meta)
 
     @classmethod
@@ -147,7 +156,8 @@ class Trace:
             trace = cls(arrays["router_logits"], arrays["pregate_logits"], arrays["token_ids"],
                         arrays["sequence_starts"], top_k=geometry["top_k"], vocab_size=geometry["vocab_size"],
                         model=meta.get("model", ""), fingerprint=meta.get("fingerprint", ""), info=info,
-                        groups=json.loads(meta.get("groups", "[1, 1]")))
+                        groups=json.loads(meta.get("groups", "[1, 1]")),
+                        scoring=scoring_from_metadata(meta, arrays, TraceError))
         except (TraceError, json.JSONDecodeError) as exc:
             raise TraceError(f"{path}: {exc}") from None
         if (geometry["num_layers"], geometry["num_experts"]) != (trace.num_layers, trace.num_experts):
@@ -155,6 +165,34 @@ class Trace:
                              f"{trace.router_logits.shape}")
         trace.check(num_layers, num_experts, top_k, vocab_size, fingerprint)
         return trace
+
+
+def scoring_from_metadata(meta: dict, arrays: dict, error: type[Exception]) -> RouterScoring | None:
+    """The router's rule a record file stores (``scoring`` metadata, ``selection_bias`` tensor), or None for a
+    file without one (read as softmax with the file's ``groups``)."""
+    if "scoring" not in meta:
+        return None
+    try:
+        return RouterScoring.from_metadata(meta["scoring"], arrays.get("selection_bias"))
+    except ValueError as exc:
+        raise error(str(exc)) from None
+
+
+def read_scoring(scoring, groups, num_layers: int, num_experts: int, top_k: int,
+                 error: type[Exception]) -> tuple[tuple[int, int], RouterScoring]:
+    """(groups, scoring) of a record: the rule given (its groups win; its bias must be [L, E]), or a softmax
+    router with `groups` (records without a rule)."""
+    if scoring is None:
+        groups = read_groups(groups, num_experts, top_k, error)
+        return groups, RouterScoring("softmax", n_group=groups[0], topk_group=groups[1])
+    if not isinstance(scoring, RouterScoring):
+        raise error(f"the router scoring must be a RouterScoring, got {type(scoring).__name__}")
+    groups = read_groups(scoring.groups, num_experts, top_k, error)
+    try:
+        scoring.bias_rows(num_layers, num_experts)
+    except ValueError as exc:
+        raise error(str(exc)) from None
+    return groups, scoring
 
 
 def read_groups(groups, num_experts: int, top_k: int, error: type[Exception]) -> tuple[int, int]:

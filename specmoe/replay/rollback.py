@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
-from specmoe.routing import Calibration, PolicyConfig, RouterScoring, replay
+from specmoe.routing import Calibration, PolicyConfig, replay
 from specmoe.routing import kernels as K
 from specmoe.routing.cache import LogicalCache
 from specmoe.speculation import block_weights
@@ -165,7 +165,7 @@ def replay_rollback(policy: PolicyConfig, blocks: Blocks, calibration: Calibrati
     pool_size = policy.capacity if pool_size is None else pool_size
     cache = RollbackCache(policy, calibration, num_layers, num_experts, d, blocks.groups)
     pool = ExpertPool(num_layers, num_experts, policy.top_k, pool_size, calibration)
-    zt, gt, tokens = blocks.router_logits, blocks.pregate_logits, blocks.tokens
+    zt, gt, tokens = _selection_tables(blocks)
     kept = np.empty((blocks.committed if keep_selected else 0, num_layers, policy.top_k), dtype=np.int64)
     at = 0
     copies = 0
@@ -204,9 +204,8 @@ def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration
     other = SelectionBuffers(d, num_experts, top_k, np.float64)
     rates = CommitRate()
     zt = blocks.router_logits
-    # the recorded scores ranked as softmax logits (the records hold no router kind), group-limited where recorded
-    scoring = False if blocks.groups == (1, 1) else RouterScoring("softmax", n_group=blocks.groups[0],
-                                                                   topk_group=blocks.groups[1])
+    # the source's router rule: selection ranks its scores of the raw logits, the engine's `select_block_into`
+    scoring = blocks.scoring
     kept = np.empty((blocks.committed if keep_selected else 0, num_layers, top_k), dtype=np.int64)
     result = MethodResult("block", selector.name, {"gamma": selector.gamma, "prune": selector.prune_budget},
                           blocks.num_blocks, 0, num_layers, 0, 0.0)
@@ -224,8 +223,9 @@ def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration
         for layer in range(num_layers):
             resident = pool.resident(layer)
             if compare:  # before `use`, which may not change the pool but reads it
-                select_block_into(selector, z_true[:, layer], resident, alpha, top_k, scoring, other)
-            _, _, n_missing = select_block_into(selector, z_block[:, layer], resident, alpha, top_k, scoring, buffers)
+                select_block_into(selector, z_true[:, layer], resident, alpha, top_k, scoring, other, layer=layer)
+            _, _, n_missing = select_block_into(selector, z_block[:, layer], resident, alpha, top_k, scoring, buffers,
+                                                layer=layer)
             selected = buffers.selected[:d]
             if compare:
                 a = np.sort(selected[:c], axis=1)
@@ -247,13 +247,22 @@ def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration
     return result
 
 
+def _selection_tables(blocks: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(selection scores [T, L, E], pre-gate selection scores [T, L, E], tokens [T]) of the blocks' logits table:
+    the raw logits through the source's rule (`RouterScoring.selection_scores`; the logits for softmax)."""
+    scoring = blocks.scoring
+    if scoring.kind == "softmax":
+        return blocks.router_logits, blocks.pregate_logits, blocks.tokens
+    return scoring.selection_scores(blocks.router_logits), scoring.selection_scores(blocks.pregate_logits), blocks.tokens
+
+
 def replay_ar(policy: PolicyConfig, blocks: Blocks, calibration: Calibration,
               keep_selected: bool = False) -> MethodResult:
     """The AR policy over the committed sequence of `blocks` (its requests as sequences): `specmoe.routing.replay`."""
     _check(blocks, calibration, policy.top_k)
     rows, starts = blocks.committed_rows()
     result = replay(policy, blocks.router_logits[rows], blocks.pregate_logits[rows], blocks.tokens[rows], calibration,
-                    sequence_starts=starts, groups=blocks.groups)
+                    sequence_starts=starts, scoring=blocks.scoring)
     return MethodResult("ar", policy.name, {"bonus": policy.bonus, "n": policy.insert_budget}, blocks.num_blocks,
                         rows.shape[0], blocks.num_layers, int(result.copies.sum()), float(result.displaced_mass.sum()),
                         result.selected if keep_selected else None,

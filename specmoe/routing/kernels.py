@@ -339,6 +339,13 @@ def selection_scores(z, scoring, bias, out):
 
 
 @njit(cache=True)
+def selection_score_rows(z, scoring, bias, layers, out):
+    """`selection_scores` of many rows: out[i] of z[i] [E] with the bias row of layer layers[i]."""
+    for i in range(z.shape[0]):
+        selection_scores(z[i], scoring, bias[layers[i]], out[i])
+
+
+@njit(cache=True)
 def execution_weights(z, selected, scoring, renormalise, scale, out):
     """out[j] = the unmodified router probability of selected[j] (softmax over all E of z, or sigmoid(z)),
     renormalised over the selection if the model's router renormalises, times the routed scaling factor."""

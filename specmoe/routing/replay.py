@@ -14,6 +14,7 @@ from . import validate
 from .cache import LogicalCache
 from .calibration import Calibration, CalibrationError
 from .policy import PolicyConfig
+from .scoring import RouterScoring
 
 
 @dataclass
@@ -56,13 +57,16 @@ def valid_sequence_starts(starts: np.ndarray, num_tokens: int) -> bool:
 
 def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.ndarray | None,
            token_ids: np.ndarray | None, calibration: Calibration,
-           sequence_starts: np.ndarray | None = None, groups: tuple[int, int] = (1, 1)) -> ReplayResult:
+           sequence_starts: np.ndarray | None = None, groups: tuple[int, int] = (1, 1),
+           scoring: RouterScoring | None = None) -> ReplayResult:
     """Run `policy` over router logits [T, L, E] and pre-gate logits [T, L, E] (row l = router of layer l
     on layer l-1's MoE input; row 0 is ignored; None for policies without a pre-gate), with the input
     token of each position [T] (None: the token prior is not used). `sequence_starts` lists the positions
-    where a new sequence begins (default: one sequence); the cache is reset at each. `groups`: the router's
-    group-limited choice (n_group, topk_group), as `LogicalCache` takes it; the logits are then selection
-    scores (sigmoid plus bias for DeepSeek-V3, as the harness records them)."""
+    where a new sequence begins (default: one sequence); the cache is reset at each. `scoring`: the router's
+    rule (`RouterScoring`, as traces and block records store it): the logits are the router's raw logits and
+    routing ranks `scoring.selection_scores` of them (sigmoid plus bias for DeepSeek-V3) under its groups, as
+    the harness and the engines do. Without it the logits are ranked as they are, under `groups` (n_group,
+    topk_group): a softmax router's logits, or selection scores computed elsewhere."""
     if not isinstance(calibration, Calibration):
         raise CalibrationError(f"expected a Calibration, got {type(calibration).__name__}")
     z = validate.real_array(router_logits, "router logits [T, L, E]", ValueError, 3)
@@ -72,6 +76,12 @@ def replay(policy: PolicyConfig, router_logits: np.ndarray, pregate_logits: np.n
     if pregate_logits is None and policy.insert_budget > 0:
         raise ValueError(f"policy {policy.name} inserts pre-gate predictions: pass pregate_logits")
     validate.check_real(z, "router logits", ValueError)
+    if scoring is not None:
+        groups = scoring.groups
+        if scoring.kind != "softmax":
+            z = scoring.selection_scores(z)
+            if pregate_logits is not None:
+                pregate_logits = scoring.selection_scores(pregate_logits)
     if pregate_logits is not None:  # row 0 is ignored (the harness records NaN there)
         pregate_logits = validate.real_array(pregate_logits, "pre-gate logits [T, L, E]", ValueError, 3)
         validate.check_real(pregate_logits[:, 1:], "pre-gate logits of layers 1..L-1", ValueError)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import json
+
 import numpy as np
 
 SCORINGS = ("softmax", "sigmoid")
@@ -60,6 +62,50 @@ class RouterScoring:
     @property
     def code(self) -> int:
         return SOFTMAX if self.kind == "softmax" else SIGMOID
+
+    def selection_scores(self, router_logits: np.ndarray, layer: int | None = None) -> np.ndarray:
+        """What routing ranks, float64: the logits of a softmax router, sigmoid(z) + bias of a sigmoid router,
+        computed by the routing core's own kernel (the engines' `route` step), so that the harness, the replays
+        and the engines rank the same numbers. router_logits: [..., L, E] (layer None) or [..., E] of `layer`."""
+        z = np.asarray(router_logits)
+        if self.kind == "softmax":
+            return z.astype(np.float64)
+        from .kernels import selection_score_rows
+
+        num_experts = z.shape[-1]
+        if layer is None:
+            num_layers = z.shape[-2]
+            layers = np.broadcast_to(np.arange(num_layers), z.shape[:-1]).reshape(-1)
+            bias = self.bias_rows(num_layers, num_experts)
+        else:
+            bias = self.bias if self.bias is not None else np.zeros((layer + 1, num_experts))
+            if not 0 <= layer < bias.shape[0] or bias.shape[1] != num_experts:
+                raise ValueError(f"layer {layer} has no row of E={num_experts} in the selection bias {bias.shape}")
+            layers = np.full(int(np.prod(z.shape[:-1])), layer, dtype=np.int64)
+        rows = np.ascontiguousarray(z.reshape(-1, num_experts))
+        out = np.empty(rows.shape)
+        selection_score_rows(rows, self.code, np.ascontiguousarray(bias), np.ascontiguousarray(layers), out)
+        return out.reshape(z.shape)
+
+    def to_metadata(self) -> tuple[str, np.ndarray | None]:
+        """(JSON of kind, renormalise, scale and groups; the [L, E] bias or None): how records store the rule."""
+        return json.dumps({"kind": self.kind, "renormalise": bool(self.renormalise), "scale": float(self.scale),
+                           "groups": [self.n_group, self.topk_group]}, sort_keys=True), self.bias
+
+    @classmethod
+    def from_metadata(cls, text: str | None, bias: np.ndarray | None = None,
+                      groups: tuple[int, int] = (1, 1)) -> "RouterScoring":
+        """The rule `to_metadata` wrote; without one (files written before records carried it) a softmax
+        router with `groups`. Raises ValueError for a malformed rule."""
+        if text is None:
+            return cls("softmax", n_group=int(groups[0]), topk_group=int(groups[1]))
+        try:
+            rule = json.loads(text)
+            n_group, topk_group = rule.get("groups", [1, 1])
+            return cls(str(rule["kind"]), renormalise=bool(rule.get("renormalise", False)),
+                       scale=float(rule.get("scale", 1.0)), bias=bias, n_group=n_group, topk_group=topk_group)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"invalid router scoring {text!r}: {exc}") from None
 
     def bias_rows(self, num_layers: int, num_experts: int) -> np.ndarray:
         """The [L, E] float64 bias the kernels read (zeros without one)."""

@@ -9,7 +9,7 @@ under the model's router rule (`specmoe.routing.RouterScoring`):
 
 - selection scores s_d: what the router chooses on. Softmax routers (OLMoE, Qwen): s_d = z_d. Sigmoid
   routers (DeepSeek-V3): s_d = sigmoid(z_d) + b_l, the layer's selection bias b_l included (or the scores
-  the caller passes, e.g. the model's own float32 ones).
+  the caller passes as `scores`).
 - router distribution r_d over all E experts: softmax(z_d) for softmax routers; for sigmoid routers the
   unbiased sigmoid normalised to sum 1, r_d = sigmoid(z_d) / sum_e sigmoid(z_d,e) (the paper defines r_d as
   the router softmax only; this is its sigmoid counterpart, a mass that sums to 1 like a softmax's, so that
@@ -384,8 +384,8 @@ def select_block(config: SelectorConfig, router_logits: np.ndarray, resident: np
     router rule (`RouterScoring`: softmax or sigmoid, its selection bias, expert groups, renormalisation and
     scaling), or for a softmax router just whether it renormalises its top-K weights (True / False); layer:
     the MoE layer, whose row of the scoring's selection bias applies; scores: float [D, E], a sigmoid router's
-    selection scores to rank by instead of sigmoid(z) + bias in float64 (the harness passes the model's own,
-    computed as the router computes them). Weights come back in float64. Raises ValueError on wrong shapes or
+    selection scores to rank by instead of sigmoid(z) + bias in float64 (the harness, the engine and the
+    replays pass none). Weights come back in float64. Raises ValueError on wrong shapes or
     non-finite values.
     """
     shape = np.shape(router_logits)
