@@ -183,6 +183,7 @@ class ModelFeed:
     """The model's own router and pre-gate logits, as the decoder's last step wrote them ([E] rows)."""
 
     tokens = None
+    scoring = None  # routed by the model's own rule
 
     def __init__(self, step):
         top = step.logits_np.shape[-1] // 2

@@ -110,7 +110,7 @@ class CacheRouter:
         self.physical, self.max_in_flight = physical, max_in_flight
         # a followed trace routes by its source's rule; a softmax one with this model's groups selects as this model
         # does, whose execution weights (renormalisation, scaling) then stay (files without a rule read as softmax)
-        rule = getattr(feed, "scoring", None)
+        rule = feed.scoring
         if rule is not None and rule.kind == "softmax" and rule.groups == self.scoring_model.groups:
             rule = None
         self.step_scoring = self.scoring if rule is None else EngineScoring.of(rule, self.num_layers, self.num_experts)
