@@ -1,8 +1,10 @@
-"""The engine on the DeepSeek-V3 architecture (CPU, float32, tiny configs with a random nonzero selection bias):
-all-resident exact decoding equals transformers (forward and greedy generate, one group and group-limited
-choice), PSR's selections and tokens do not depend on copy timing, the prompt chunks execute the experts the
-policy chose (a one-position run that follows the recorded logits computes the same outputs), and an engine read
-from a checkpoint directory equals one built from the model."""
+"""The engine on the architectures beyond OLMoE (CPU, float32, tiny seeded configs): DeepSeek-V3 (a random nonzero
+selection bias; one group and group-limited choice; a dense first layer, MLA) and Qwen3.5-MoE (3 Gated DeltaNet
+layers and 1 gated attention layer, gated shared expert). For each: all-resident exact decoding equals
+transformers (forward and greedy generate; a second run starts a fresh sequence), PSR's selections and tokens do
+not depend on copy timing, the prompt chunks execute the experts the policy chose (a one-position run that follows
+the recorded logits computes the same outputs), and an engine read from a checkpoint directory equals one built
+from the model. Qwen3.5-MoE's own cases (speculative rollbacks, the image-text layout): test_qwen3_5_moe_engine.py."""
 
 import numpy as np
 import pytest
@@ -14,13 +16,20 @@ from specmoe.offload import ExpertStore
 from specmoe.routing import Calibration, preset
 
 SEQ = 64
+FIRST_LAYER = {"deepseek-v3-tiny": ("attention", "dense_mlp"), "deepseek-v3-tiny-groups": ("attention", "dense_mlp"),
+               "qwen3.5-moe-tiny": ("linear_attention", "moe")}
 
 
-@pytest.fixture(scope="module", params=["deepseek-v3-tiny", "deepseek-v3-tiny-groups"])
-def tiny(request):
-    model, adapter = load_model(request.param, seed=0)
+def tiny_engine_model(name: str):
+    """(model, adapter, store) of a tiny named config, experts pinned to transformers' eager loop."""
+    model, adapter = load_model(name, seed=0)
     model.set_experts_implementation("eager")
     return model, adapter, ExpertStore.from_model(model, adapter)
+
+
+@pytest.fixture(scope="module", params=list(FIRST_LAYER))
+def tiny(request):
+    return (*tiny_engine_model(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +37,23 @@ def tokens(tiny):
     return np.random.default_rng(3).integers(0, tiny[1].vocab_size, 24)
 
 
-def _engine(tiny, name, capacity, **config):
-    model, adapter, store = tiny
+def make_engine(tiny, name, capacity, **config):
+    model, adapter, store = tiny[:3]
     calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
     return build_engine(model, preset(name, capacity, adapter.top_k), calibration,
                         EngineConfig(max_seq_len=SEQ, **config), store=store)
 
 
 def test_all_resident_exact_decoding_equals_transformers(tiny, tokens):
-    model, adapter, _ = tiny
-    engine = _engine(tiny, "exact_lru", adapter.num_experts)
-    assert engine.decoder.layer_kinds[0] == ("attention", "dense_mlp")
+    model, adapter, _, name = tiny
+    engine = make_engine(tiny, "exact_lru", adapter.num_experts)
+    assert engine.decoder.layer_kinds[0] == FIRST_LAYER[name]
     with torch.no_grad():
         ref = model(torch.as_tensor(tokens)[None]).logits[0].float().numpy()
     result = engine.teacher_forced(tokens, prompt_len=10, return_logits=True)
     assert np.abs(result.logits - ref).max() <= 1e-4 * np.abs(ref).max()
+    again = engine.teacher_forced(tokens, prompt_len=10, return_logits=True)  # a new sequence: the state is reset
+    np.testing.assert_allclose(again.logits, result.logits, rtol=1e-6, atol=1e-6)
     prompt = tokens[:6]
     with torch.no_grad():
         hf = model.generate(torch.as_tensor(prompt)[None], max_new_tokens=10, min_new_tokens=10, do_sample=False)
@@ -50,8 +61,8 @@ def test_all_resident_exact_decoding_equals_transformers(tiny, tokens):
 
 
 def test_psr_decisions_do_not_depend_on_copy_timing_and_chunks_execute_them(tiny, tokens):
-    model, adapter, _ = tiny
-    engine = _engine(tiny, "psr", adapter.num_experts // 2, prefill_chunk=4)
+    model, adapter = tiny[:2]
+    engine = make_engine(tiny, "psr", adapter.num_experts // 2, prefill_chunk=4)
     base = engine.teacher_forced(tokens, prompt_len=12, return_logits=True)
     assert base.copy_totals()["issued"] > 0
     for in_flight in (1, 4):
@@ -66,13 +77,13 @@ def test_psr_decisions_do_not_depend_on_copy_timing_and_chunks_execute_them(tiny
 
 
 def test_an_engine_read_from_a_checkpoint_equals_one_built_from_the_model(tiny, tokens, tmp_path):
-    model, adapter, _ = tiny
+    model, adapter = tiny[:2]
     model.save_pretrained(tmp_path)
     calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
     policy = preset("psr", adapter.num_experts // 2, adapter.top_k)
     read = build_engine_from_checkpoint(tmp_path, policy, calibration, EngineConfig(max_seq_len=SEQ),
                                         dtype=torch.float32)
-    built = _engine(tiny, "psr", adapter.num_experts // 2)
+    built = make_engine(tiny, "psr", adapter.num_experts // 2)
     assert read.fingerprint == built.fingerprint == adapter.fingerprint(model)
     a, b = read.teacher_forced(tokens, return_logits=True), built.teacher_forced(tokens, return_logits=True)
     np.testing.assert_array_equal(a.selected, b.selected)
