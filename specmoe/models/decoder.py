@@ -103,6 +103,42 @@ class DecodeStep:
         self.next_host.copy_(self.next_dev, non_blocking=True)
 
 
+def model_source(model):
+    """(config, weight, device, dtype) of a transformers model for a decoder's constructor: weight(name) reads a
+    parameter or buffer by transformers' name (a tied LM head reads the embedding); the model's device and dtype."""
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    if "lm_head.weight" not in params:  # tied embeddings
+        params["lm_head.weight"] = params["model.embed_tokens.weight"]
+    first = params["model.embed_tokens.weight"]
+    return model.config, lambda name: params[name].detach(), first.device, first.dtype
+
+
+def torch_kernels(decoder, architecture: str, backend: str, attention: str, moe: str, tune) -> dict:
+    """`Decoder.use_kernels` of a decoder that has only its torch path (torch SDPA, `slot_moe`'s torch version):
+    the choices are checked, any other request is noted in `decoder.notes`, and torch is used."""
+    from specmoe.kernels import check_kernel_choice, check_tune
+
+    check_kernel_choice(backend, attention, moe)
+    check_tune(tune)
+    for what, asked, used in (("backend", backend, "torch"), ("attention", attention, "sdpa"), ("moe", moe, "slot")):
+        if asked not in ("auto", used):
+            decoder.notes.append(f"{what} {asked!r} is not implemented for the {architecture} decoder; {used} used")
+    decoder.backend, decoder.attention = "torch", "sdpa"
+    return {"backend": "torch", "attention": "sdpa", "moe": "slot", "launch": decoder.launch}
+
+
+def residual_work(step: "DecodeStep", geometry: Geometry, dtype: torch.dtype, feature_layers) -> None:
+    """The workspaces every decoder's step of D positions has: the residual stream h, the normed input xn, the
+    MoE input moe_in, the per-token MoE kernel's activations act [K, I], the attention mask [D, S], and with
+    captured features work["features"] [D, len(feature_layers) * H]."""
+    g, d, dev = geometry, step.num_positions, step.input_dev.device
+    zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+    step.work.update(h=zeros(d, g.hidden), xn=zeros(d, g.hidden), moe_in=zeros(d, g.hidden),
+                     act=zeros(g.top_k, g.inter), mask=zeros(d, g.max_seq_len))
+    if feature_layers:
+        step.work["features"] = zeros(d, len(feature_layers) * g.hidden)
+
+
 def checkpoint_source(path):
     """(config, weight) of a local checkpoint directory for a decoder's constructor: its transformers config and
     weight(name) -> tensor reading one tensor by transformers' name (a tied LM head reads the embedding), so that

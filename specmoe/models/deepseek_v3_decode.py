@@ -50,12 +50,12 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
-from specmoe.kernels import causal_step_mask, check_kernel_choice, check_tune, norm_rope, slot_moe
+from specmoe.kernels import causal_step_mask, norm_rope, slot_moe
 from specmoe.kernels.mla import mla_decode_attention, rotate_pairs
 from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
-from .decoder import DecodeStep, FeatureCapture, checkpoint_source
+from .decoder import DecodeStep, FeatureCapture, checkpoint_source, model_source, residual_work, torch_kernels
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
 
@@ -158,11 +158,8 @@ class DeepseekV3Decoder(FeatureCapture):
     @classmethod
     def from_model(cls, model, max_seq_len: int) -> "DeepseekV3Decoder":
         """From a transformers DeepseekV3ForCausalLM, on its device and in its dtype."""
-        params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
-        if "lm_head.weight" not in params:  # tied embeddings
-            params["lm_head.weight"] = params["model.embed_tokens.weight"]
-        first = params["model.embed_tokens.weight"]
-        return cls(model.config, lambda name: params[name].detach(), max_seq_len, first.device, first.dtype)
+        config, weight, device, dtype = model_source(model)
+        return cls(config, weight, max_seq_len, device, dtype)
 
     @classmethod
     def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "DeepseekV3Decoder":
@@ -174,25 +171,14 @@ class DeepseekV3Decoder(FeatureCapture):
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
         """See `Decoder.use_kernels`. Only the torch path exists for this architecture (MLA through torch SDPA,
         the routed experts through `slot_moe`'s torch version): any other request is noted and torch used."""
-        check_kernel_choice(backend, attention, moe)
-        check_tune(tune)
-        for what, asked, used in (("backend", backend, "torch"), ("attention", attention, "sdpa"),
-                                  ("moe", moe, "slot")):
-            if asked not in ("auto", used):
-                self.notes.append(f"{what} {asked!r} is not implemented for the DeepSeek-V3 decoder; {used} used")
-        self.backend, self.attention = "torch", "sdpa"
-        return {"backend": "torch", "attention": "sdpa", "moe": "slot", "launch": self.launch}
+        return torch_kernels(self, "DeepSeek-V3", backend, attention, moe, tune)
 
     # -- buffers ---------------------------------------------------------------------------------------
     def step(self, num_positions: int) -> DecodeStep:
         if num_positions not in self._steps:
             c, d, dev, dt = self.geometry, num_positions, self.device, self.dtype
             step = DecodeStep.allocate(d, c, dev)
-            zeros = lambda *shape: torch.zeros(*shape, dtype=dt, device=dev)  # noqa: E731
-            step.work.update(h=zeros(d, c.hidden), xn=zeros(d, c.hidden), moe_in=zeros(d, c.hidden),
-                             act=zeros(c.top_k, c.inter), mask=zeros(d, c.max_seq_len))
-            if self.feature_layers:
-                step.work["features"] = zeros(d, len(self.feature_layers) * c.hidden)
+            residual_work(step, c, dt, self.feature_layers)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 

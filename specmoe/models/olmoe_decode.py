@@ -26,7 +26,7 @@ from specmoe.kernels import (GROUPED_DEFAULTS, MOE_DEFAULTS, LaunchChoice, causa
                              make_split_kv_workspace, moe_launch_params, norm_rope, slot_moe, slot_moe_grouped_triton,
                              slot_moe_vllm, split_kv_attention, triton_available)
 
-from .decoder import DecodeStep, FeatureCapture, checkpoint_source
+from .decoder import DecodeStep, FeatureCapture, checkpoint_source, model_source, residual_work
 from .olmoe import OlmoeAdapter
 
 
@@ -86,11 +86,8 @@ class OlmoeDecoder(FeatureCapture):
     @classmethod
     def from_model(cls, model, max_seq_len: int) -> "OlmoeDecoder":
         """From a transformers OlmoeForCausalLM, on its device and in its dtype."""
-        params = dict(model.named_parameters())
-        if "lm_head.weight" not in params:  # tied embeddings
-            params["lm_head.weight"] = params["model.embed_tokens.weight"]
-        first = params["model.embed_tokens.weight"]
-        return cls(model.config, lambda name: params[name].detach(), max_seq_len, first.device, first.dtype)
+        config, weight, device, dtype = model_source(model)
+        return cls(config, weight, max_seq_len, device, dtype)
 
     @classmethod
     def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "OlmoeDecoder":
@@ -201,16 +198,13 @@ class OlmoeDecoder(FeatureCapture):
     def step(self, num_positions: int) -> DecodeStep:
         if num_positions not in self._steps:
             c, d, dev, dt = self.geometry, num_positions, self.device, self.dtype
-            step = DecodeStep.allocate(d, self.geometry, dev)
-            zeros = lambda *shape: torch.zeros(*shape, dtype=dt, device=dev)  # noqa: E731
-            step.work.update(h=zeros(d, c.hidden), xn=zeros(d, c.hidden), moe_in=zeros(d, c.hidden),
-                             q=zeros(d, c.num_heads, c.head_dim), act=zeros(c.top_k, c.inter),
-                             att=zeros(d, c.num_heads * c.head_dim), mask=zeros(d, self.geometry.max_seq_len),
+            step = DecodeStep.allocate(d, c, dev)
+            residual_work(step, c, dt, self.feature_layers)
+            step.work.update(q=torch.zeros(d, c.num_heads, c.head_dim, dtype=dt, device=dev),
+                             att=torch.zeros(d, c.num_heads * c.head_dim, dtype=dt, device=dev),
                              seqlens=torch.zeros(1, dtype=torch.int32, device=dev))
-            step.work["split_kv"] = make_split_kv_workspace(d, c.num_heads, c.head_dim, self.geometry.max_seq_len, dev,
-                                                    num_kv_heads=c.num_kv_heads)
-            if self.feature_layers:
-                step.work["features"] = zeros(d, len(self.feature_layers) * c.hidden)
+            step.work["split_kv"] = make_split_kv_workspace(d, c.num_heads, c.head_dim, c.max_seq_len, dev,
+                                                            num_kv_heads=c.num_kv_heads)
             if d > 1:  # the grouped MoE kernel's scratch (distinct slots, activations, expert outputs per pair)
                 step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
                 if self.grouped_moe:

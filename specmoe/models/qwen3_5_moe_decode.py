@@ -46,10 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
-from specmoe.kernels import causal_step_mask, check_kernel_choice, check_tune, decode_attention, norm_rope, slot_moe
+from specmoe.kernels import causal_step_mask, decode_attention, norm_rope, slot_moe
 
 from .adapter import ModelSourceError
-from .decoder import DecodeStep, FeatureCapture, checkpoint_source
+from .decoder import DecodeStep, FeatureCapture, checkpoint_source, model_source, residual_work, torch_kernels
 from .qwen3_5_moe import Qwen35MoeAdapter
 
 L2NORM_EPS = 1e-6  # the reference's l2norm of q and k in the gated delta rule
@@ -187,11 +187,8 @@ class Qwen35MoeDecoder(FeatureCapture):
     @classmethod
     def from_model(cls, model, max_seq_len: int) -> "Qwen35MoeDecoder":
         """From a transformers Qwen3_5MoeForCausalLM, on its device and in its dtype."""
-        params = dict(model.named_parameters())
-        if "lm_head.weight" not in params:  # tied embeddings
-            params["lm_head.weight"] = params["model.embed_tokens.weight"]
-        first = params["model.embed_tokens.weight"]
-        return cls(model.config, lambda name: params[name].detach(), max_seq_len, first.device, first.dtype)
+        config, weight, device, dtype = model_source(model)
+        return cls(config, weight, max_seq_len, device, dtype)
 
     @classmethod
     def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "Qwen35MoeDecoder":
@@ -211,28 +208,17 @@ class Qwen35MoeDecoder(FeatureCapture):
         """See `Decoder.use_kernels`. Only the torch path exists for this architecture (the gated delta rule as a
         plain recurrence, attention through torch SDPA, the routed experts through `slot_moe`'s torch version):
         any other request is noted and torch used."""
-        check_kernel_choice(backend, attention, moe)
-        check_tune(tune)
-        for what, asked, used in (("backend", backend, "torch"), ("attention", attention, "sdpa"),
-                                  ("moe", moe, "slot")):
-            if asked not in ("auto", used):
-                self.notes.append(f"{what} {asked!r} is not implemented for the Qwen3.5-MoE decoder; {used} used")
-        self.backend, self.attention = "torch", "sdpa"
-        return {"backend": "torch", "attention": "sdpa", "moe": "slot", "launch": self.launch}
+        return torch_kernels(self, "Qwen3.5-MoE", backend, attention, moe, tune)
 
     # -- buffers ---------------------------------------------------------------------------------------
     def step(self, num_positions: int) -> DecodeStep:
         if num_positions not in self._steps:
             c, d, dev, dt = self.geometry, num_positions, self.device, self.dtype
             step = DecodeStep.allocate(d, c, dev)
-            zeros = lambda *shape, dtype=dt: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
-            n = len(self.linear_layers)
-            step.work.update(h=zeros(d, c.hidden), xn=zeros(d, c.hidden), moe_in=zeros(d, c.hidden),
-                             act=zeros(c.top_k, c.inter), mask=zeros(d, c.max_seq_len),
-                             conv_in=zeros(n, self.conv_dim, self.conv_width - 1 + d),
-                             recurrent=zeros(n, d, self.nv, self.dk, self.dv, dtype=torch.float32))
-            if self.feature_layers:
-                step.work["features"] = zeros(d, len(self.feature_layers) * c.hidden)
+            residual_work(step, c, dt, self.feature_layers)
+            n = len(self.linear_layers)  # the Gated DeltaNet state after every position (`rollback`)
+            step.work.update(conv_in=torch.zeros(n, self.conv_dim, self.conv_width - 1 + d, dtype=dt, device=dev),
+                             recurrent=torch.zeros(n, d, self.nv, self.dk, self.dv, dtype=torch.float32, device=dev))
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
