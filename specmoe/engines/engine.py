@@ -270,17 +270,18 @@ class Engine:
         rec.pregate_logits[t, 1:] = step.logits_np[:-1, 0, e:]
         rec.selected[t] = run.experts_np[:, 0]
 
-    def _need(self, router, what: str):
+    @staticmethod
+    def _need(router, what: str, setting: str):
+        """`router`, or a ValueError saying that `what` needs `setting` (a policy, or a SpeculativeConfig)."""
         if router is None:
-            raise ValueError(f"{what} needs {'a policy' if what.startswith('auto') else 'a SpeculativeConfig'}: "
-                             f"build the engine with one or set it with configure()")
+            raise ValueError(f"{what} needs {setting}: build the engine with one or set it with configure()")
         return router
 
     def _run(self, tokens_in, num_steps: int, timed_from: int, feed: LogitFeed | None, return_logits: bool,
              stop_tokens=(), feed_outputs_from: int | None = None, first_position: int = 0) -> DecodeResult:
         """An autoregressive run of `num_steps` one-position steps (the tokens fed, or from `feed_outputs_from`
         on the previous greedy token)."""
-        router = self._need(self.router, "autoregressive decoding")
+        router = self._need(self.router, "autoregressive decoding", "a policy")
         g = self.geometry
         first_position = validate.integer(first_position, "first_position", minimum=0)
         if first_position + num_steps > g.max_seq_len:
@@ -406,7 +407,7 @@ class Engine:
 
     def _speculate(self, tokens: list[int], max_new_tokens: int, stop_tokens, drafter: Drafter,
                    record: bool) -> DecodeResult:
-        router = self._need(self.block_router, "speculative decoding")
+        router = self._need(self.block_router, "speculative decoding", "a SpeculativeConfig")
         g, k = self.geometry, router.config.k
         self._check_logical(self.settings)
         stops = tuple(validate.token_ids(list(stop_tokens), None, g.vocab_size, "stop_tokens", ValueError).tolist())
@@ -530,7 +531,7 @@ class Engine:
             return self.teacher_forced(source.tokens, 0, source, return_logits, first_position)
         if not isinstance(source, Blocks):
             raise TypeError(f"follow takes a LogitFeed or Blocks, got {type(source).__name__}")
-        router = self._need(self.block_router, "following verification blocks")
+        router = self._need(self.block_router, "following verification blocks", "a SpeculativeConfig")
         g, k, blocks = self.geometry, router.config.k, source
         blocks.check(g.num_layers, g.num_experts, g.top_k)
         if blocks.k != k:

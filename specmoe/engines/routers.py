@@ -19,7 +19,8 @@ Two routers:
   expert is resident and the policy is the router's own top-K, the engine runs its fast form on the device
   (`device_reason`).
 - `BlockRouter`: speculative decoding's block-level selection (`select_block_into` with the selector's position
-  weights and the decoder's router rule, `RouterScoring`: softmax or sigmoid with its selection bias) over an `ExpertPool` of P experts plus U union slots, refilled by recency after each block.
+  weights and the decoder's router rule, `RouterScoring`: softmax or sigmoid with its selection bias) over an
+  `ExpertPool` of P experts plus U union slots, refilled by recency after each block.
 
 Adding a router: implement `Router` (and its `warm`, `reset`, `num_slots`) and give the engine a way to build
 it; the engine never looks inside one.
