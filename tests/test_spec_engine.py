@@ -262,3 +262,20 @@ def test_the_whole_token_graph_is_made_for_the_autoregressive_router_only(family
     both = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration, config,
                         speculative=speculative, residency=residency)
     assert spec_only.runner.resident_scoring is None and both.runner.resident_scoring is not None
+
+
+def test_an_engine_refuses_a_run_it_has_no_router_for(family, drafter, calibration, residency, prompt):
+    """One engine class: a run whose router the engine was not built with is a clear ValueError naming what to set;
+    follow takes a LogitFeed or Blocks."""
+    model, adapter = family
+    spec_only = spec(family, drafter, calibration, residency)
+    with pytest.raises(ValueError, match="autoregressive decoding needs a policy"):
+        spec_only.generate(prompt, 4)
+    ar_only = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration,
+                           EngineConfig(max_seq_len=SEQ), residency=residency)
+    with pytest.raises(ValueError, match="speculative decoding needs a SpeculativeConfig"):
+        ar_only.generate(prompt, 4, drafter=drafter)
+    with pytest.raises(TypeError, match="LogitFeed or Blocks"):
+        ar_only.follow(np.zeros(3))
+    with pytest.raises(ValueError, match="an engine needs a policy"):
+        build_engine(model, None, calibration, EngineConfig(max_seq_len=SEQ), residency=residency)
