@@ -80,7 +80,7 @@ class CacheRouter:
         self.copies, self.num_layers, self.num_experts = copies, g.num_layers, g.num_experts
         self.inserts = policy.insert_budget > 0
         self.physical, self.max_in_flight = False, 2
-        self.feed = self.rec = self.chunk = None
+        self.feed = self.rec = self.chunk = self.pregate_rule = None
         self.t = self.token = 0
         self.grouped = False  # a prompt chunk: `next_group` after each group's MoE
 
@@ -115,7 +115,9 @@ class CacheRouter:
         if rule is not None and rule.kind == "softmax" and rule.groups == self.scoring_model.groups:
             rule = None
         self.step_scoring = self.scoring if rule is None else EngineScoring.of(rule, self.num_layers, self.num_experts)
-        self.step_rule = self.scoring_model if rule is None else rule
+        step_rule = self.scoring_model if rule is None else rule
+        # what part 1 ranks: the raw pre-gate logits (softmax routers), else their selection scores
+        self.pregate_rule = None if step_rule.kind == "softmax" else step_rule
         self._slots = [step.slots_np[layer, 0] for layer in range(self.num_layers)]
         self._weights = [step.weights_np[layer, 0] for layer in range(self.num_layers)]
 
@@ -147,19 +149,15 @@ class CacheRouter:
         # physical-cache mode: insert only what can be copied at once, so that routing sees issued copies
         budget = max(self.max_in_flight - self.copies.in_flight(), 0) if self.physical else None
         # float32 as recorded: part 1 only ranks g, and float32 -> float64 keeps every order and tie
-        inserted = self.cache.insert_predicted(layer, self._pregate_scores(g, layer, self.step_rule), self.token,
-                                               budget=budget)
+        if self.pregate_rule is not None:
+            g = self.pregate_rule.selection_scores(g, layer)
+        inserted = self.cache.insert_predicted(layer, g, self.token, budget=budget)
         if inserted.size:
             self.copies.assign(layer, self.cache.slot_of(layer, inserted), inserted, prefetch=True,
                                issue_now=self.physical)
 
     def end_step(self, accepted: int) -> None:
         return None
-
-    @staticmethod
-    def _pregate_scores(g: np.ndarray, layer: int, rule: RouterScoring) -> np.ndarray:
-        """What part 1 ranks of the raw pre-gate logits g [E]: g itself (softmax), or its selection scores."""
-        return g if rule.kind == "softmax" else rule.selection_scores(g, layer)
 
     def next_group(self, layer: int):
         """The next group of a prompt chunk's `layer` ((executed slots, demand) as `route`), or None; call it once
@@ -187,8 +185,9 @@ class CacheRouter:
             t = self.t + i
             if layer > 0:
                 g = rec.pregate_logits[t, layer] = step.pregate_logits(layer)[i]
-                inserted = cache.insert_predicted(layer, self._pregate_scores(g, layer, self.scoring_model), token) \
-                    if self.inserts else ()
+                if self.pregate_rule is not None:  # chunks route the model's own logits: the model's rule
+                    g = self.pregate_rule.selection_scores(g, layer)
+                inserted = cache.insert_predicted(layer, g, token) if self.inserts else ()
                 if len(inserted):
                     taken = cache.slot_of(layer, inserted)
                     if used[taken].any():
