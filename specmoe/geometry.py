@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -65,3 +67,15 @@ class Geometry:
         return cls(adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size,
                    adapter.hidden_size, adapter.moe_intermediate_size,
                    None if max_seq_len is None else int(max_seq_len), layer_ids=tuple(adapter.moe_layer_ids))
+
+
+def tiled_layers(num_layers: int, source_layers: int) -> np.ndarray:
+    """The source layer of each of `num_layers` layers when recordings of `source_layers` layers (a trace, a
+    calibration, a router rule) stand for a deeper model: layer l reads layer l mod source_layers, the
+    recorded stack repeated. A trained member of the model family is shallower than the full-size config whose
+    timing follows its routing; each layer of the deep model then follows a real layer's routing sequence."""
+    num_layers, source_layers = int(num_layers), int(source_layers)
+    if source_layers < 1 or num_layers < source_layers:
+        raise ValueError(f"cannot tile {source_layers} recorded layers over {num_layers} layers: a recording "
+                         "stands only for a model with at least as many layers")
+    return np.arange(num_layers) % source_layers

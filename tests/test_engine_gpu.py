@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specmoe.engines import EngineConfig, RunSettings, build_engine
-from specmoe.engines.helpers import calibration_from_engine, random_olmoe_on_device
+from specmoe.engines.helpers import calibration_from_engine, random_model_on_device
 from specmoe.engines.results import LogitFeed
 from specmoe.offload import ExpertStore
 from specmoe.routing import Calibration, preset, replay
@@ -19,7 +19,7 @@ SEQ = 128
 
 @pytest.fixture(scope="module")
 def full():
-    model, adapter = random_olmoe_on_device("olmoe-1b-7b", seed=0, dtype=torch.bfloat16, device="cuda")
+    model, adapter = random_model_on_device("olmoe-1b-7b", seed=0, dtype=torch.bfloat16, device="cuda")
     store = ExpertStore.from_model(model, adapter)
     return model, adapter, store
 

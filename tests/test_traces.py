@@ -41,7 +41,6 @@ def test_recorded_logits_are_the_models_router_and_pregate(model, sequences, tra
         "num_layers": L, "num_experts": E, "top_k": K, "vocab_size": V}
     assert trace.sequence_starts.tolist() == [0, 7, 19, 31]
     assert np.array_equal(trace.token_ids, torch.cat(sequences).numpy())
-    assert not trace.pregate_logits[:, 0].any()
     for (lo, hi), seq in zip(trace.sequences(), sequences):
         moe_inputs = []
         hooks = [layer.mlp.register_forward_pre_hook(lambda m, a: moe_inputs.append(a[0][0]))
@@ -53,10 +52,9 @@ def test_recorded_logits_are_the_models_router_and_pregate(model, sequences, tra
         for layer in range(L):
             np.testing.assert_allclose(trace.router_logits[lo:hi, layer], out.router_logits[layer].numpy(),
                                        rtol=1e-5, atol=1e-5)
-            if layer:
-                gate = model.model.layers[layer].mlp.gate.weight
-                pregate = (moe_inputs[layer - 1] @ gate.T).detach().numpy()
-                np.testing.assert_allclose(trace.pregate_logits[lo:hi, layer], pregate, rtol=1e-5, atol=1e-5)
+            gate = model.model.layers[layer].mlp.gate.weight  # row 0: router 0 on the last layer's input
+            pregate = (moe_inputs[layer - 1] @ gate.T).detach().numpy()
+            np.testing.assert_allclose(trace.pregate_logits[lo:hi, layer], pregate, rtol=1e-5, atol=1e-5)
 
 
 def test_batched_recording_equals_one_sequence_at_a_time(model, sequences, trace):
@@ -141,3 +139,38 @@ def test_trace_without_geometry_metadata_is_a_clear_error(tmp_path, trace):
     write_safetensors(tmp_path / "bad.safetensors", arrays, meta)
     with pytest.raises(TraceError, match="no valid geometry metadata"):
         Trace.load(tmp_path / "bad.safetensors")
+
+
+def test_a_tiled_trace_repeats_the_recorded_layers_and_their_decisions(trace):
+    """A trace stands for a deeper model by repeating its layers; each repeat's first layer is predicted from
+    the last layer's input (row 0). Per-layer caches are independent, so a policy decides in layer l + L exactly
+    as in layer l, except in each repeat's first layer (L, 2L), which has a pre-gate where layer 0 has none."""
+    deep = trace.tiled(2 * L + 1)
+    assert deep.num_layers == 2 * L + 1 and deep.info["tiled_from_layers"] == L
+    for layer in range(2 * L + 1):
+        assert np.array_equal(deep.router_logits[:, layer], trace.router_logits[:, layer % L])
+    assert np.array_equal(deep.pregate_logits[:, L], trace.pregate_logits[:, 0])
+    builder = CalibrationBuilder(L, E, V, K)
+    builder.add(trace.router_logits.astype(np.float64), trace.token_ids)
+    calibration = builder.finish({"model": "tiny-random"})
+    deep_calibration = calibration.tiled(2 * L + 1)
+    assert np.array_equal(deep_calibration.delta, np.tile(calibration.delta, 3)[: 2 * L + 1])
+    for token in (2, 5):
+        assert np.array_equal(deep_calibration.token_prior.row(L + 1, token, E), calibration.token_prior.row(1, token, E))
+    for name in ("exact_lru", "psr"):
+        kwargs = dict(bonus=0.3, insert_budget=1) if name == "psr" else {}
+        policy = preset(name, 4, K, **kwargs)
+        shallow = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
+                         trace.sequence_starts)
+        tiled = replay(policy, deep.router_logits, deep.pregate_logits, deep.token_ids, deep_calibration,
+                       deep.sequence_starts)
+        for layer in range(2 * L + 1):
+            same = np.array_equal(tiled.selected[:, layer], shallow.selected[:, layer % L]) and np.array_equal(
+                tiled.copies[:, layer], shallow.copies[:, layer % L])
+            assert same == (name == "exact_lru" or layer % L != 0 or layer == 0), (name, layer)
+    with pytest.raises(ValueError, match="at least as many layers"):
+        trace.tiled(L - 1)
+    old = Trace(trace.router_logits, np.where(np.arange(L)[None, :, None] == 0, 0.0, trace.pregate_logits),
+                trace.token_ids, trace.sequence_starts, K, V)
+    with pytest.raises(TraceError, match="record it again"):
+        old.tiled(2 * L)

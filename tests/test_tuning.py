@@ -158,11 +158,11 @@ def test_kernel_wrappers_key_by_shape_and_call_their_tuner_once(monkeypatch, tmp
 def test_decoder_records_the_launch_parameters_that_run(monkeypatch, tmp_path):
     """OLMoE's decoder: `use_kernels` returns `launch` (kernel -> params and source); on the CPU the torch
     path runs, so nothing is launched with Triton parameters."""
-    from specmoe.engines.helpers import random_olmoe_on_device
+    from specmoe.engines.helpers import random_model_on_device
     from specmoe.models.olmoe_decode import OlmoeDecoder
     from specmoe.offload import ExpertStore
 
-    model, adapter = random_olmoe_on_device("olmoe-micro", 0, torch.float32, "cpu")
+    model, adapter = random_model_on_device("olmoe-micro", 0, torch.float32, "cpu")
     store = ExpertStore.from_model(model, adapter)
     decoder = OlmoeDecoder.from_model(model, 16)
     kernels = decoder.use_kernels("auto", "auto", "slot", store.layers[0][:16], tune="auto")
@@ -177,13 +177,13 @@ def test_second_build_reads_the_cache_and_picks_the_same_params(monkeypatch, tmp
     the same launch parameters, for the per-token kernel and the grouped kernel of a D = 5 step (chosen when
     the step is made); tune=False runs the defaults."""
     from specmoe.engines import build_engine
-    from specmoe.engines.helpers import random_olmoe_on_device
+    from specmoe.engines.helpers import random_model_on_device
     from specmoe.kernels import MOE_DEFAULTS, grouped_params
     from specmoe.offload import ExpertStore
     from specmoe.routing import Calibration, preset
 
     monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "tuning.json"))
-    model, adapter = random_olmoe_on_device("olmoe-1b-7b", seed=0, dtype=torch.bfloat16, device="cuda")
+    model, adapter = random_model_on_device("olmoe-1b-7b", seed=0, dtype=torch.bfloat16, device="cuda")
     store = ExpertStore.from_model(model, adapter)
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
 

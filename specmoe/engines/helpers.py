@@ -26,15 +26,17 @@ def calibration_from_engine(engine, windows, provenance: dict | None = None) -> 
     return builder.finish(info)
 
 
-def random_olmoe_on_device(name: str, seed: int, dtype: torch.dtype, device):
-    """(model, adapter) of a named config of `specmoe.models` with seeded random weights drawn on `device`
-    by one generator (`init_random_weights` with a generator: seconds for OLMoE-1B-7B on a GPU, where
-    `load_model`'s CPU draws take about a minute). The weights are not `load_model(name)`'s bit for bit."""
+def random_model_on_device(name: str, seed: int, dtype: torch.dtype, device):
+    """(model, adapter) of a named config of `specmoe.models` (any architecture) with seeded random weights drawn
+    on `device` by one generator (the architecture's `build_random` with a generator: seconds for a full-size
+    model on a GPU, where `load_model`'s per-parameter CPU draws take minutes). The weights are not
+    `load_model(name)`'s bit for bit."""
     from specmoe.models import adapter_for, named_config
-    from specmoe.models.olmoe import build_random_olmoe
+    from specmoe.models.registry import ARCHITECTURES
 
     config = named_config(name)
-    model = build_random_olmoe(config, seed, dtype, device, torch.Generator(device=device).manual_seed(int(seed)))
+    build = ARCHITECTURES[config.model_type].build_random
+    model = build(config, seed, dtype, device, torch.Generator(device=device).manual_seed(int(seed)))
     model.eval()
     model.set_experts_implementation("eager")
     return model, adapter_for(config)

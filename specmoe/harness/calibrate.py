@@ -87,7 +87,6 @@ def record_trace(model, sequences, model_source: str = "", batch_size: int = 1) 
             model(input_ids=torch.stack(seqs[i:j]).to(device))
             for row in range(j - i):
                 z, g, _, _ = context.recorded(row)
-                g[:, 0] = 0.0  # no pre-gate for the first MoE layer
                 parts_z.append(z)
                 parts_g.append(g)
             i = j

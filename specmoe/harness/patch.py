@@ -155,6 +155,9 @@ class RoutingContext:
             fwd.record["z"][:, :, layer] = raw
             if g_raw is not None:
                 fwd.record["g"][:, :, layer] = g_raw
+            if layer + 1 == self.adapter.num_moe_layers:  # row 0: router 0 on the last layer's input (tiling)
+                wrap = self.adapter.router_logits(self.routers[0], hidden)
+                fwd.record["g"][:, :, 0] = self._host(wrap).reshape(batch, span, num_experts)
             fwd.record["selected"][:, :, layer] = selected
         return torch.from_numpy(selected.reshape(batch * span, -1)).to(router_logits.device)
 
@@ -170,9 +173,9 @@ class RoutingContext:
     # -- recordings ------------------------------------------------------------------------------------
     def recorded(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """What row `row` saw since its sequence started, over its unpadded positions in order:
-        (raw router_logits [T, L, E], raw pregate_logits [T, L, E] (layer 0 is NaN: no pre-gate; selection
-        ranks `scoring.selection_scores` of both), token_ids [T]
-        (-1 where the forward had no input ids), selected [T, L, K]). Needs `record=True`."""
+        (raw router_logits [T, L, E], raw pregate_logits [T, L, E] (layer 0: router 0 on layer L-1's input,
+        which routing ignores and a tiled trace uses; selection ranks `scoring.selection_scores` of both),
+        token_ids [T] (-1 where the forward had no input ids), selected [T, L, K]). Needs `record=True`."""
         if not self.record:
             raise RuntimeError("this routing context does not record: patch_model(..., record=True)")
         if not 0 <= row < len(self.caches):

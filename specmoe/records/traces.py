@@ -5,8 +5,9 @@ A trace lets the AR engine follow realistic routing with random-weight full-size
 
 File format (one safetensors file, version 1):
 - tensors: ``router_logits`` float32 [T, L, E], z[t, l] of the model's own router; ``pregate_logits``
-  float32 [T, L, E], g[t, l] = router of layer l applied to the MoE input of layer l-1 (row l = 0 is zero
-  and ignored); ``token_ids`` int64 [T], the input token at each position; ``sequence_starts`` int64 [S],
+  float32 [T, L, E], g[t, l] = router of layer l applied to the MoE input of layer l-1; row 0 (no layer
+  before it) holds router 0 applied to the MoE input of layer L-1, which routing ignores but a tiled trace
+  uses (`Trace.tiled`; NaN in traces recorded before it was kept); ``token_ids`` int64 [T], the input token at each position; ``sequence_starts`` int64 [S],
   the position where each recorded sequence begins (first 0, strictly increasing).
 - metadata (strings): ``format`` = "specmoe-trace", ``version`` = "1", ``geometry`` = JSON
   {"num_layers": L, "num_experts": E, "top_k": K, "vocab_size": V}, ``model`` (the source it was recorded
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import read_safetensors, write_safetensors
+from ..geometry import tiled_layers
 from ..routing import validate
 from ..routing.replay import valid_sequence_starts
 from ..routing.scoring import RouterScoring, check_groups
@@ -117,6 +119,23 @@ class Trace:
         if problems:
             raise TraceError(f"trace recorded from {self.model or 'an unnamed model'} does not fit: "
                              + "; ".join(problems) + ". Record a trace of this model with `specmoe trace`.")
+
+    def tiled(self, num_layers: int) -> "Trace":
+        """This trace for a deeper model of the same E and K: layer l follows recorded layer l mod L
+        (`specmoe.geometry.tiled_layers`), with the pre-gate of each repeat's first layer from row 0 (router 0 on
+        the last layer's MoE input: the prediction a layer stack repeated this way would make). The router's
+        per-layer bias is tiled too; `info["tiled_from_layers"]` records the original depth."""
+        if num_layers == self.num_layers:
+            return self
+        source = tiled_layers(num_layers, self.num_layers)
+        wrap = self.pregate_logits[:, 0]
+        if not (np.isfinite(wrap).all() and np.any(wrap != 0)):
+            raise TraceError(f"the trace of {self.model or 'an unnamed model'} has no pre-gate logits for its first "
+                             "layer from its last (recorded before traces kept them), so it cannot be tiled over "
+                             f"{num_layers} layers: record it again with `specmoe trace`")
+        return Trace(self.router_logits[:, source], self.pregate_logits[:, source], self.token_ids,
+                     self.sequence_starts, self.top_k, self.vocab_size, self.model, self.fingerprint,
+                     {**self.info, "tiled_from_layers": self.num_layers}, self.groups, self.scoring.tiled(num_layers))
 
     # -- files ------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:

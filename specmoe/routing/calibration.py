@@ -25,6 +25,7 @@ from typing import Iterable
 import numpy as np
 
 from specmoe.files import read_safetensors, write_safetensors
+from specmoe.geometry import tiled_layers
 
 from . import validate
 from .scoring import check_groups
@@ -85,6 +86,17 @@ class TokenPrior:
         lo, hi = self.indptr[layer, token], self.indptr[layer, token + 1]
         out[self.experts[lo:hi]] = self.values[lo:hi]
         return out
+
+    def tiled(self, num_layers: int) -> "TokenPrior":
+        """This prior for a deeper model whose layers follow this one's repeated (`specmoe.geometry.tiled_layers`)."""
+        rows, experts, values, offset = [], [], [], 0
+        for source in tiled_layers(num_layers, self.num_layers):
+            lo, hi = self.indptr[source, 0], self.indptr[source, -1]
+            rows.append(self.indptr[source] - lo + offset)
+            experts.append(self.experts[lo:hi])
+            values.append(self.values[lo:hi])
+            offset += hi - lo
+        return TokenPrior(np.stack(rows), np.concatenate(experts), np.concatenate(values))
 
     def to_dense(self, num_experts: int) -> np.ndarray:
         dense = np.zeros((self.num_layers, self.vocab_size, num_experts))
@@ -152,6 +164,17 @@ class Calibration:
     @property
     def num_layers(self) -> int:
         return self.warm_ranking.shape[0]
+
+    def tiled(self, num_layers: int) -> "Calibration":
+        """This calibration for a deeper model whose layers follow this one's repeated, as a tiled trace does
+        (`specmoe.geometry.tiled_layers`): every per-layer array tiled, the provenance saying so."""
+        if num_layers == self.num_layers:
+            return self
+        source = tiled_layers(num_layers, self.num_layers)
+        provenance = {**self.provenance, "num_layers": int(num_layers),
+                      "tiled_from_layers": self.num_layers}
+        return Calibration(self.warm_ranking[source], self.token_prior.tiled(num_layers), self.delta[source],
+                           provenance)
 
     @property
     def num_experts(self) -> int:

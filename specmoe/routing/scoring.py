@@ -17,11 +17,13 @@ hand it to `LogicalCache.route`, so the numba routing step applies it without kn
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import json
 
 import numpy as np
+
+from specmoe.geometry import tiled_layers
 
 SCORINGS = ("softmax", "sigmoid")
 SOFTMAX, SIGMOID = 0, 1  # the numba kernels' codes
@@ -106,6 +108,13 @@ class RouterScoring:
                        scale=float(rule.get("scale", 1.0)), bias=bias, n_group=n_group, topk_group=topk_group)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"invalid router scoring {text!r}: {exc}") from None
+
+    def tiled(self, num_layers: int) -> "RouterScoring":
+        """This rule for a deeper model whose layers follow this one's repeated (`specmoe.geometry.tiled_layers`):
+        the per-layer selection bias tiled; everything else is per model."""
+        if self.bias is None:
+            return self
+        return replace(self, bias=self.bias[tiled_layers(num_layers, self.bias.shape[0])])
 
     def bias_rows(self, num_layers: int, num_experts: int) -> np.ndarray:
         """The [L, E] float64 bias the kernels read (zeros without one)."""
