@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.spec_config = {} if args.spec_device_routing == "auto" else {"device_routing": args.spec_device_routing}
     api = _api()
-    from specmoe.engines.helpers import random_olmoe_on_device
+    from specmoe.engines.helpers import random_model_on_device
     from specmoe.models import adapter_for, decoder_for
     from specmoe.offload import ExpertResidency, ExpertStore
     from specmoe.routing import Calibration, preset
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         from specmoe.traces import Trace
 
     started = time.time()
-    model, adapter = random_olmoe_on_device("olmoe-1b-7b", args.seed, torch.bfloat16, "cuda")
+    model, adapter = random_model_on_device("olmoe-1b-7b", args.seed, torch.bfloat16, "cuda")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
     store = ExpertStore.from_model(model, adapter)
     unit = ExpertResidency(store, E, "cuda")

@@ -42,7 +42,7 @@ from bench_engine import measure_bandwidth, ratio_ci  # noqa: E402
 from specmoe.drafters import DFlashDrafter, HFAutoregressiveDrafter, StaticARDrafter, StaticDFlashDrafter  # noqa: E402
 from specmoe.drafters.dflash_model import DFlashDraftModel, build_target_layer_ids, dflash_config  # noqa: E402
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
-from specmoe.engines.helpers import random_olmoe_on_device  # noqa: E402
+from specmoe.engines.helpers import random_model_on_device  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.routing import Calibration, preset  # noqa: E402
 
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     report["bandwidth_Bps"] = measure_bandwidth("cuda")
-    target, adapter = random_olmoe_on_device("olmoe-1b-7b", args.seed, torch.bfloat16, "cuda")
+    target, adapter = random_model_on_device("olmoe-1b-7b", args.seed, torch.bfloat16, "cuda")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
     window = args.prompt + args.target_tokens
     reach = args.prompt + max((k // 2 + 1) * args.blocks + k + 1 for k in [*args.ks, args.dflash_block])

@@ -45,22 +45,24 @@ import numpy as np
 import torch
 
 from specmoe.engines import EngineConfig, build_engine
-from specmoe.engines.helpers import calibration_from_engine, random_olmoe_on_device, weight_bytes_per_token
+from specmoe.engines.helpers import calibration_from_engine, random_model_on_device, weight_bytes_per_token
 from specmoe.engines.results import LogitFeed
 from specmoe.files import write_text_atomic
-from specmoe.offload import ExpertStore
-from specmoe.routing import Calibration, preset
+from specmoe.offload import ExpertResidency, ExpertStore
+from specmoe.routing import Calibration, preset, psr_bonus
 from specmoe.stats import log_ratio_ttest
 
-PSR_LAMBDA = {32: 0.3, 16: 0.25}
+def psr(capacity: int, num_experts: int, top_k: int, window: int = 8):
+    """PSR at the paper's operating point for C of E (`psr_bonus`), n = 1, pre-gate window `window`."""
+    return preset("psr", capacity, top_k, bonus=psr_bonus(capacity, num_experts), insert_budget=1, window=window)
 
 
-def policies(capacity: int, top_k: int) -> dict:
+def policies(capacity: int, num_experts: int, top_k: int, window: int = 8) -> dict:
     return {
         "exact_lru": preset("exact_lru", capacity, top_k),
         "exact_prefetch": preset("exact_prefetch", capacity, top_k),
         "cache_prior": preset("cache_prior", capacity, top_k, bonus=0.2),
-        "psr": preset("psr", capacity, top_k, bonus=PSR_LAMBDA[capacity], insert_budget=1),
+        "psr": psr(capacity, num_experts, top_k, window),
         "spec_exec": preset("spec_exec", capacity, top_k),
     }
 
@@ -202,27 +204,32 @@ def time_hf_generate(model, prompt: np.ndarray, new: int, impl: str) -> float:
     return (run(new) - run(1)) / (new - 1) * 1e3
 
 
-def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[int, int, int], count: int,
+def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[int, int, int, int], count: int,
                        length: int) -> dict:
     """The first `count` sequences of a recorded trace, cut to `length` tokens, as engine logit feeds (router and
-    pre-gate logits and input tokens), with the traced model's calibration."""
-    from specmoe.routing import Calibration
+    pre-gate logits and input tokens), with the traced model's calibration. A trace of a shallower model with the
+    same E and K (a trained member of the family standing for a full-size config) is tiled over the L layers,
+    and so is its calibration (`Trace.tiled`, `Calibration.tiled`); the info says so."""
     from specmoe.records import Trace as RecordedTrace
+    from specmoe.routing import Calibration
 
     if not calibration_path:
         raise ValueError("--trace needs --trace-calibration (the calibration of the traced model)")
-    num_layers, num_experts, top_k = geometry
-    rec = RecordedTrace.load(path, num_layers=num_layers, num_experts=num_experts, top_k=top_k)
+    num_layers, num_experts, top_k, vocab_size = geometry
+    rec = RecordedTrace.load(path, num_experts=num_experts, top_k=top_k)
     calibration = Calibration.load(calibration_path)
-    calibration.check(num_layers, num_experts)
+    calibration.check(rec.num_layers, num_experts)
+    rec, calibration = rec.tiled(num_layers), calibration.tiled(num_layers)
     bounds = list(rec.sequence_starts) + [len(rec.token_ids)]
     spans = [(lo, min(hi, lo + length)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi - lo >= length][:count]
     if len(spans) < count:
         raise ValueError(f"the trace has {len(spans)} sequences of at least {length} tokens; {count} needed")
     traces = [LogitFeed(rec.router_logits[lo:hi].astype(np.float32), rec.pregate_logits[lo:hi].astype(np.float32),
-                        rec.token_ids[lo:hi], rec.fingerprint or None, rec.scoring) for lo, hi in spans]
+                        rec.token_ids[lo:hi] % vocab_size, rec.fingerprint or None, rec.scoring) for lo, hi in spans]
+    # (only the embeddings read the tokens, routing follows the trace: a smaller vocabulary takes them modulo V)
     return {"calibration": calibration, "traces": traces, "windows": [t.tokens for t in traces],
-            "info": {"model": rec.model, "sequences": len(spans), "tokens_per_window": length}}
+            "info": {"model": rec.model, "sequences": len(spans), "tokens_per_window": length,
+                     "tiled_from_layers": rec.info.get("tiled_from_layers")}}
 
 
 def run_windows(engine, windows, trace=None, prompt: int = 0, first_position: int = 0) -> dict:
@@ -257,7 +264,7 @@ def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int
                                 f"{sorted(set(args.positions) - set(positions))}")
     configs = [("all_resident", E, preset("exact_lru", E, top_k)),
                ("all_resident_host_routing", "host", preset("exact_lru", E, top_k))]
-    configs += [(f"C{c}_psr", c, preset("psr", c, top_k, bonus=PSR_LAMBDA[c], insert_budget=1)) for c in args.capacities]
+    configs += [(f"C{c}_psr", c, psr(c, E, top_k, args.psr_window)) for c in args.capacities]
     with torch.no_grad():
         for i, engine in enumerate(engines.values()):  # the context below each window: random keys and values
             engine.decoder.randomize_cache(seed=i)
@@ -315,6 +322,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", help="run only these configurations (names as in the table; "
                     "all_resident is always run, efficiencies need it)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--psr-window", type=int, default=8, help="PSR's pre-gate window w (the paper's Moonlight: 4)")
     ap.add_argument("--unbatched-copies", action="store_true",
                     help="issue one cudaMemcpyAsync per copy even where cudaMemcpyBatchAsync works (A/B runs)")
     args = ap.parse_args(argv)
@@ -338,8 +346,9 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     dtype = getattr(torch, args.dtype)
-    model, adapter = random_olmoe_on_device(args.model, args.seed, dtype, args.device)
+    model, adapter = random_model_on_device(args.model, args.seed, dtype, args.device)
     store = ExpertStore.from_model(model, adapter)
+    report["host_store_GB"] = store.num_layers * store.num_experts * store.expert_bytes / 1e9
     report["setup_s"] = {"model_and_store": time.time() - t0}
     report["bandwidth_Bps"] = measure_bandwidth(args.device, 2 * 1024**3 if args.device == "cuda" else 64 * 1024**2)
     report["copy"] = measure_copy_ms(store, args.device)
@@ -351,17 +360,19 @@ def main(argv=None) -> int:
         raise SystemExit(f"--prompt + --tokens = {window} positions do not fit --max-seq-len {args.max_seq_len}")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
     cfg = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention)
-    engines = {E: build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, V), cfg, store=store)}
+    unit = ExpertResidency(store, E, args.device)  # one unit of E slots for every engine (a full-size model's
+    # slots fit the device once, not once per engine); each engine reloads its warm set when it runs
+    engines = {E: build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, V), cfg, residency=unit)}
     rng = np.random.default_rng(100)
     calib = calibration_from_engine(engines[E], [rng.integers(0, V, args.tokens) for _ in range(args.calib_windows)],
                                     {"model": f"{args.model} random (device draws) seed {args.seed}",
                                      "text": "uniform random tokens, seed 100"})
     engines[E].configure(calibration=calib)
     for c in args.capacities:
-        engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, store=store)
+        engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, residency=unit)
     engines["host"] = build_engine(model, preset("exact_lru", E, K), calib,  # all resident, routed on the host
                                    EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention,
-                                                device_routing="off"), store=store)
+                                                device_routing="off"), residency=unit)
     report["engine_notes"] = {str(c): e.notes for c, e in engines.items()}
     report["kernels"] = engines[E].kernels
     if args.unbatched_copies:
@@ -382,15 +393,14 @@ def main(argv=None) -> int:
     configs = [("all_resident", E, preset("exact_lru", E, K)),
                ("all_resident_host_routing", "host", preset("exact_lru", E, K))]
     for c in args.capacities:
-        PSR_LAMBDA.setdefault(c, 0.25)
-        configs += [(f"C{c}_{name}", c, pol) for name, pol in policies(c, K).items()]
+        configs += [(f"C{c}_{name}", c, pol) for name, pol in policies(c, E, K, args.psr_window).items()]
     # per configuration: the calibration, the windows and the trace each window follows (None: own router)
     setting = {name: (calib, windows, None) for name, _, _ in configs}
     if args.trace:
-        traced = load_trace_windows(args.trace, args.trace_calibration, (L, E, K), args.windows, window)
+        traced = load_trace_windows(args.trace, args.trace_calibration, (L, E, K, V), args.windows, window)
         report["trace"] = {"file": args.trace, "calibration": args.trace_calibration, **traced["info"]}
         for c in args.capacities:
-            for name, pol in policies(c, K).items():
+            for name, pol in policies(c, E, K, args.psr_window).items():
                 configs.append((f"trace_C{c}_{name}", c, pol))
                 setting[f"trace_C{c}_{name}"] = (traced["calibration"], traced["windows"], traced["traces"])
     if args.configs:

@@ -10,14 +10,17 @@ configuration is trace-following (`Engine.follow`) of
 - block records of the family's harness runs (`--records FILE ...`, `specmoe sd --records`: AR and DFlash
   drafters), cut to each k.
 For each source and selector (--selectors) the engine runs with pool P = --pool (default 24, the paper's
-37.5% of 64) and U = E - P union slots, rounds interleaved, with copies and with copies skipped (compute only,
-same selections). AR-PSR (lambda --psr-lambda, n=1) on the same unit follows the committed sequence of the
-same blocks (`LogitFeed`), at C = P and at C = P + U_max, the largest C within the speculative engine's peak
-slot memory (U_max: the most union slots any block's layer used, over all runs).
+37.5% of 64) and U = --union union slots (default E - P), with copies and with copies skipped (compute only, same
+selections). AR (--ar-policies, default PSR at the paper's lambda for C of E, n = 1) on the same unit follows the
+committed sequence of the same blocks (`LogitFeed`), at C = P, at C = P + U_max (the largest C within the
+speculative engine's peak slot memory; U_max: the most union slots any block's layer used in the warm-up round)
+and at --ar-capacities, with and without copies. Every configuration runs once per round, rounds interleaved, so
+that ratios pair measurements taken at the same time. A trace of a shallower family member with the target's E
+and K is tiled over the target's layers (`Trace.tiled`, `Calibration.tiled`).
 
 Reported per configuration: tau, copies per committed token, ms per committed token (verification, of it
 exposed copies = with copies - copies skipped, paired per round), p50 / p99 of the block time, and against
-AR-PSR: the paired ratio (paired t on log latency over rounds) at zero drafting cost, and the break-even
+each AR configuration (the fastest in the table): the paired ratio (paired t on log latency over rounds) at zero drafting cost, and the break-even
 drafting time per block, tau x AR ms/token - verification ms per block (Section 7 of the paper: speculative
 decoding beats AR-PSR when drafting a block costs less than this).
 
@@ -44,20 +47,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import measure_bandwidth, measure_copy_ms, ratio_ci  # noqa: E402
 
 from specmoe.engines import Engine, EngineConfig, LogitFeed, build_engine  # noqa: E402
-from specmoe.engines.helpers import random_olmoe_on_device  # noqa: E402
+from specmoe.engines.helpers import random_model_on_device  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.records import AcceptanceProfile, BlockRecords, Trace, blocks_from_records, synthetic_blocks  # noqa: E402
-from specmoe.routing import Calibration, preset  # noqa: E402
+from specmoe.routing import Calibration, preset, psr_bonus  # noqa: E402
 from specmoe.speculation import SpeculativeConfig  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
 
 
-def block_sources(args, geometry) -> dict:
+def block_sources(args, trace, geometry) -> dict:
     """name -> (k, Blocks): synthetic blocks over the trace at each tau and k, and the records cut to each k."""
     num_layers, num_experts, top_k = geometry
-    trace = Trace.load(args.trace, num_layers=num_layers, num_experts=num_experts, top_k=top_k)
     sources = {}
     for k in args.k:
         for tau in args.taus:
@@ -116,14 +118,19 @@ def ar_pass(engine, feeds, first_position: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--trace", required=True, help="routing trace of the family target (make_bench_trace.py)")
+    ap.add_argument("--trace", required=True, help="routing trace of a family target (make_bench_trace.py); a "
+                    "shallower trace with the target's E and K is tiled over its layers (`Trace.tiled`)")
     ap.add_argument("--trace-calibration", required=True, help="calibration of the traced model")
     ap.add_argument("--records", nargs="*", help="block record files of the family (specmoe sd --records)")
     ap.add_argument("--pool", type=int, default=24)
+    ap.add_argument("--union", type=int, default=None, help="union slots U per layer (default E - P)")
     ap.add_argument("--k", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--taus", type=float, nargs="+", default=[3, 5, 7])
     ap.add_argument("--selectors", nargs="+", default=["exact", "acceptmoe", "confidence_top1"])
-    ap.add_argument("--psr-lambda", type=float, default=0.25)
+    ap.add_argument("--ar-capacities", type=int, nargs="*", default=[],
+                    help="AR capacities beyond C = P and C = P + U_max (e.g. the paper's 64 128 148 for Qwen3.6)")
+    ap.add_argument("--ar-policies", nargs="+", default=["psr"], choices=["exact_lru", "cache_prior", "psr"],
+                    help="AR policies at each capacity (PSR at the paper's lambda for C of E, n = 1)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-blocks", type=int, default=None, help="blocks per source (default: all)")
     ap.add_argument("--max-seq-len", type=int, default=4096)
@@ -145,15 +152,18 @@ def main(argv=None) -> int:
         write_text_atomic(out_dir / "bench_spec_engine.json", json.dumps(report, indent=1, default=float))
 
     t0 = time.time()
-    model, adapter = random_olmoe_on_device(args.model, args.seed, getattr(torch, args.dtype), args.device)
+    model, adapter = random_model_on_device(args.model, args.seed, getattr(torch, args.dtype), args.device)
     store = ExpertStore.from_model(model, adapter)
+    report["host_store_GB"] = store.num_layers * store.num_experts * store.expert_bytes / 1e9
     report["bandwidth_Bps"] = measure_bandwidth(args.device, 2 * 1024**3 if args.device == "cuda" else 64 * 1024**2)
     report["copy"] = measure_copy_ms(store, args.device)
     L, E, K = adapter.num_moe_layers, adapter.num_experts, adapter.top_k
     calibration = Calibration.load(args.trace_calibration)
-    calibration.check(L, E)
-    trace_fingerprint = Trace.load(args.trace).fingerprint or None
-    sources = block_sources(args, (L, E, K))
+    trace = Trace.load(args.trace, num_experts=E, top_k=K)
+    calibration.check(trace.num_layers, E)
+    trace, calibration = trace.tiled(L), calibration.tiled(L)
+    report["trace"] = {"model": trace.model, "tiled_from_layers": trace.info.get("tiled_from_layers")}
+    sources = block_sources(args, trace, (L, E, K))
     for name, (k, blocks) in list(sources.items()):  # only the embeddings read the tokens; routing follows the record
         if blocks.tokens.max() >= adapter.vocab_size:
             from dataclasses import replace
@@ -166,7 +176,7 @@ def main(argv=None) -> int:
     engines = {}
     for k in args.k:
         for name in args.selectors:
-            config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool)
+            config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union)
             decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
             engines[(k, name)] = Engine(decoder, unit, None, calibration, cfg, fingerprint=fingerprint,
                                         speculative=config)
@@ -178,9 +188,14 @@ def main(argv=None) -> int:
     report["setup_s"] = time.time() - t0
     save()
 
+    # round 0 warms every speculative configuration up and gives U_max, the most union slots a block's layer
+    # used; then rounds 1..R run every configuration, speculative and AR, interleaved, so that round r of each
+    # is measured at the same time (paired)
+    feeds = {source: committed_feeds(blocks, trace.fingerprint or None) for source, (_, blocks) in sources.items()}
     rounds: dict[str, list] = {}
     details: dict[str, dict] = {}
-    for r in range(args.rounds + 1):  # round 0 warms up
+    ar_engines: dict = {}
+    for r in range(args.rounds + 1):
         for source, (k, blocks) in sources.items():
             for name in args.selectors:
                 key = f"{source}/{name}"
@@ -189,43 +204,54 @@ def main(argv=None) -> int:
                     for skip in (False, True):
                         engine.configure(skip_copies=skip)
                         res = spec_pass(engine, blocks, args.first_position)
+                        d = details.setdefault(key + ("/skip" if skip else ""), {"block_ms": []})
+                        d["union_used"] = max(d.get("union_used", 0), res["union_used"])
                         if r:
                             rounds.setdefault(key + ("/skip" if skip else ""), []).append(res["ms_per_token"])
-                            d = details.setdefault(key + ("/skip" if skip else ""), {"block_ms": []})
                             d["block_ms"].append(res["block_ms"])
                             d.update({x: res[x] for x in ("copies_per_token", "moves_per_token", "tau", "blocks",
                                                           "committed")})
-                            d["union_used"] = max(d.get("union_used", 0), res["union_used"])
+                except Exception as exc:
+                    report["errors"].append(f"{key} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
+                finally:
+                    engine.configure(skip_copies=False)
+            if r == 0:
+                continue
+            for (policy, c), engine in ar_engines.items():
+                key = f"{source}/ar_{policy}_C{c}"
+                try:
+                    for skip in (False, True):
+                        engine.configure(skip_copies=skip)
+                        res = ar_pass(engine, feeds[source], args.first_position)
+                        rounds.setdefault(key + ("/skip" if skip else ""), []).append(res["ms_per_token"])
+                        details[key + ("/skip" if skip else "")] = res
+                except Exception as exc:
+                    report["errors"].append(f"{key} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
                 finally:
                     engine.configure(skip_copies=False)
             print(f"round {r} {source}:", {n: round(v[-1], 3) for n, v in rounds.items() if n.startswith(source) and v},
                   flush=True)
+        if r == 0:
+            union_max = max(d["union_used"] for d in details.values())
+            capacities = sorted({args.pool, min(E, args.pool + union_max), *args.ar_capacities})
+            report["union_max"], report["capacities"] = union_max, capacities
+            for c in capacities:
+                for policy in args.ar_policies:
+                    extra = {"bonus": psr_bonus(c, E), "insert_budget": 1} if policy == "psr" else \
+                        {"bonus": 0.2} if policy == "cache_prior" else {}
+                    ar_engines[(policy, c)] = build_engine(model, preset(policy, c, K, **extra), calibration, cfg,
+                                                           residency=unit)
+            for (policy, c), engine in ar_engines.items():  # warm-up of the AR engines, untimed
+                for source in sources:
+                    ar_pass(engine, feeds[source][:1], args.first_position)
         report["rounds_ms"] = rounds
         save()
-    union_max = max(d["union_used"] for d in details.values())
-    capacities = sorted({args.pool, min(E, args.pool + union_max)})
-    report["union_max"] = union_max
-    ar_engines = {c: build_engine(model, preset("psr", c, K, bonus=args.psr_lambda, insert_budget=1), calibration,
-                                  cfg, residency=unit) for c in capacities}
-    feeds = {source: committed_feeds(blocks, trace_fingerprint) for source, (_, blocks) in sources.items()}
-    ar_rounds, ar_details = {}, {}
-    for r in range(args.rounds + 1):
-        for source in sources:
-            for c in capacities:
-                try:
-                    res = ar_pass(ar_engines[c], feeds[source], args.first_position)
-                    if r:
-                        ar_rounds.setdefault(f"{source}/ar_psr_C{c}", []).append(res["ms_per_token"])
-                        ar_details[f"{source}/ar_psr_C{c}"] = res
-                except Exception as exc:
-                    report["errors"].append(f"AR C={c} {source}: {exc!r}\n{traceback.format_exc()[-1500:]}")
-    report["ar_rounds_ms"] = ar_rounds
 
     table = []
     for source, (k, blocks) in sources.items():
         for name in args.selectors:
             key = f"{source}/{name}"
-            if key not in details:
+            if key not in rounds:
                 continue
             d, s = details[key], details.get(key + "/skip", {})
             ms, skip_ms = float(np.mean(rounds[key])), float(np.mean(rounds.get(key + "/skip", [math.nan])))
@@ -235,18 +261,25 @@ def main(argv=None) -> int:
                    "ms_per_token": ms, "compute_ms_per_token": skip_ms, "exposed_copy_ms_per_token": ms - skip_ms,
                    "block_ms_p50": float(np.percentile(block_ms, 50)), "block_ms_p99": float(np.percentile(block_ms, 99)),
                    "union_used": d["union_used"], "skip_copies_per_token": s.get("copies_per_token")}
-            for c in capacities:
-                ar = ar_rounds.get(f"{source}/ar_psr_C{c}")
-                if not ar:
+            fastest = None
+            for (policy, c) in ar_engines:
+                ar = rounds.get(f"{source}/ar_{policy}_C{c}")
+                if not ar or len(ar) != len(rounds[key]):
                     continue
                 ar_ms = float(np.mean(ar))
-                row[f"ar_C{c}_ms_per_token"] = ar_ms
-                row[f"ar_C{c}_copies_per_token"] = ar_details[f"{source}/ar_psr_C{c}"]["copies_per_token"]
-                row[f"ratio_sd0_over_ar_C{c}"] = ratio_ci(rounds[key], ar)
+                label = f"{policy}_C{c}"
+                row[f"ar_{label}_ms_per_token"] = ar_ms
+                row[f"ar_{label}_compute_ms_per_token"] = float(np.mean(rounds.get(f"{source}/ar_{label}/skip",
+                                                                                  [math.nan])))
+                row[f"ar_{label}_copies_per_token"] = details[f"{source}/ar_{label}"]["copies_per_token"]
+                row[f"ratio_sd0_over_ar_{label}"] = ratio_ci(rounds[key], ar)
                 # break-even drafting ms per block: tau * AR ms/token - verification ms per block
-                row[f"break_even_draft_ms_C{c}"] = d["tau"] * ar_ms - ms * d["tau"]
+                row[f"break_even_draft_ms_{label}"] = d["tau"] * ar_ms - ms * d["tau"]
+                if fastest is None or ar_ms < row[f"ar_{fastest}_ms_per_token"]:
+                    fastest = label
+            row["fastest_ar"] = fastest
             table.append(row)
-    report["capacities"] = capacities
+    report["ar_configs"] = [f"{policy}_C{c}" for policy, c in ar_engines]
     report["table"] = table
     report["total_s"] = time.time() - t0
     save()
@@ -257,29 +290,39 @@ def main(argv=None) -> int:
 
 
 def markdown(report: dict) -> str:
-    caps = report["capacities"]
-    lines = [f"# Speculative engine vs AR-PSR ({report['date']})", "",
+    lines = [f"# Speculative engine vs AR ({report['date']})", "",
              f"{report['machine']['gpu']}; torch {report['machine']['torch']}. Command: `{report['command']}`. "
-             f"Pool P = {report['args']['pool']}, U_max = {report['union_max']} union slots used at most; AR-PSR at C = "
-             + ", ".join(map(str, caps)) + ". Expert copy "
-             f"{report['copy']['stream_ms']:.3f} ms in a stream.", "",
+             f"Pool P = {report['args']['pool']}, U_max = {report['union_max']} union slots used at most; AR at C = "
+             + ", ".join(map(str, report["capacities"])) + f" ({', '.join(report['args']['ar_policies'])}). Expert "
+             f"copy {report['copy']['stream_ms']:.3f} ms in a stream. Ratios: SD at zero drafting cost / AR, paired "
+             "over interleaved rounds (95% interval).", "",
              "| source | selector | k | tau | copies/token | ms/token (SD, zero drafting) | compute-only | exposed copies | "
-             "block ms p50 / p99 | " + " | ".join(f"AR-PSR C={c} ms/token (copies) | SD/AR C={c} | break-even draft ms/block C={c}"
-                                                   for c in caps) + " |",
-             "|---|---|---|---|---|---|---|---|---|" + "---|---|---|" * len(caps)]
+             "block ms p50 / p99 | fastest AR: config, ms/token (copies) | SD / fastest AR | break-even draft ms/block |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["table"]:
         cells = [row["source"], row["selector"], str(row["k"]), f"{row['tau']:.2f}", f"{row['copies_per_token']:.2f}",
                  f"{row['ms_per_token']:.3f}", f"{row['compute_ms_per_token']:.3f}",
                  f"{row['exposed_copy_ms_per_token']:.3f}", f"{row['block_ms_p50']:.2f} / {row['block_ms_p99']:.2f}"]
-        for c in caps:
-            if f"ar_C{c}_ms_per_token" in row:
-                ratio = row[f"ratio_sd0_over_ar_C{c}"]
-                cells += [f"{row[f'ar_C{c}_ms_per_token']:.3f} ({row[f'ar_C{c}_copies_per_token']:.2f})",
-                          f"{ratio['ratio']:.3f} ({ratio['lo']:.3f}-{ratio['hi']:.3f})",
-                          f"{row[f'break_even_draft_ms_C{c}']:.2f}"]
-            else:
-                cells += ["-", "-", "-"]
+        best = row.get("fastest_ar")
+        if best:
+            ratio = row[f"ratio_sd0_over_ar_{best}"]
+            cells += [f"{best}, {row[f'ar_{best}_ms_per_token']:.3f} ({row[f'ar_{best}_copies_per_token']:.2f})",
+                      f"{ratio['ratio']:.3f} ({ratio['lo']:.3f}-{ratio['hi']:.3f})",
+                      f"{row[f'break_even_draft_ms_{best}']:.2f}"]
+        else:
+            cells += ["-", "-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    ar = {}
+    for row in report["table"]:
+        for label in report["ar_configs"]:
+            if f"ar_{label}_ms_per_token" in row:
+                ar.setdefault((row["source"], label), (row[f"ar_{label}_ms_per_token"],
+                                                       row[f"ar_{label}_compute_ms_per_token"],
+                                                       row[f"ar_{label}_copies_per_token"]))
+    if ar:
+        lines += ["", "| source | AR config | ms/token | compute-only ms/token | copies/token |", "|---|---|---|---|---|"]
+        lines += [f"| {source} | {label} | {ms:.3f} | {skip:.3f} | {copies:.2f} |"
+                  for (source, label), (ms, skip, copies) in ar.items()]
     if report["errors"]:
         lines += ["", "Errors:"] + [f"- {e.splitlines()[0]}" for e in report["errors"]]
     return "\n".join(lines) + "\n"
