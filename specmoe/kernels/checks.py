@@ -48,12 +48,16 @@ def _random_routes(s: Geometry, num_slots: int, num_positions: int, g: torch.Gen
     return route
 
 
-def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
-    """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
+def check_slot_moe(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, dtype: torch.dtype,
+                   device: torch.device) -> torch.Generator:
+    """The per-token Triton slot MoE kernel against its torch version on random input and K random slots of the
+    slot buffer (rows of the store's [gate | up | down] layout, `s.hidden` x `s.inter`); returns the generator
+    for further checks."""
     from . import moe as kmoe
-    from . import norm_rope as knr
 
+    if slot_buf.dim() != 2 or slot_buf.shape[1] < 3 * s.hidden * s.inter:
+        raise RuntimeError(f"slot buffer rows of {tuple(slot_buf.shape)[1:]} values cannot hold an expert of "
+                           f"[gate | up | down] with H={s.hidden}, I={s.inter}")
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     res = torch.zeros(s.hidden, device=device, dtype=dtype)  # compare the MoE output alone
@@ -63,6 +67,16 @@ def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, e
     kmoe.slot_moe_torch(x, res, slot_buf, route, act, ref, s.hidden, s.inter)
     kmoe.slot_moe_triton(x, res, slot_buf, route, act, out, s.hidden, s.inter, moe_params)
     _agree("slot MoE kernel", ref, out)
+    return g
+
+
+def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
+    from . import norm_rope as knr
+
+    g = check_slot_moe(s, slot_buf, moe_params, dtype, device)
+    x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     w = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, eps), knr.rmsnorm_triton(x, w, eps, torch.empty_like(x)))
     width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
@@ -161,3 +175,27 @@ def check_resident_routing(num_positions: int, num_experts: int, top_k: int, sco
     if not (torch.equal(e0, e1) and torch.equal(r0[:, :top_k], r1[:, :top_k])
             and torch.allclose(w0, w1, rtol=1e-6, atol=0)):
         raise RuntimeError("the resident routing kernel disagrees with its torch version")
+
+
+def check_latent_attention(s: Geometry, kv_lora_rank: int, name: str, attend, dtype: torch.dtype,
+                           device: torch.device) -> None:
+    """An MLA attention over the written positions of a latent cache, attend(q [D, NH, R + P], cache [S, R + P],
+    seq_len, scale) -> [D, NH, R] (split-KV), against `mla.mla_decode_attention` over the masked cache: random
+    queries and a random cache of the decoder's shapes (head_dim = R + P), the first two thirds of the positions
+    written, one query and a causal block of three."""
+    from .attention import causal_step_mask
+    from .mla import mla_decode_attention
+
+    g = torch.Generator(device=device).manual_seed(4)
+    cache = torch.randn(s.max_seq_len, s.head_dim, device=device, generator=g).to(dtype)
+    written = 2 * s.max_seq_len // 3 + 1
+    positions = torch.arange(s.max_seq_len, device=device)
+    scale = s.head_dim ** -0.5
+    for num_pos in (1, 3):
+        if num_pos > written:
+            continue
+        q = torch.randn(num_pos, s.num_heads, s.head_dim, device=device, generator=g).to(dtype)
+        first = torch.tensor([written - num_pos], device=device)
+        mask = causal_step_mask(positions, first, torch.empty(num_pos, s.max_seq_len, device=device, dtype=dtype))
+        seq_len = torch.full((1,), written, dtype=torch.int32, device=device)
+        _agree(name, mla_decode_attention(q, cache, mask, scale, kv_lora_rank), attend(q, cache, seq_len, scale))
