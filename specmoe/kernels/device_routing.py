@@ -117,7 +117,8 @@ def route_sigmoid_torch(z: torch.Tensor, top_k: int, scoring: RouterScoring, bia
         best = torch.topk(grouped, 2, dim=-1, sorted=True).values
         kept_groups = _top_by_score(best[..., 0] + best[..., 1], topk_group)  # [D, topk_group]
         kept = torch.zeros(num_pos, n_group, dtype=torch.bool, device=z.device).scatter_(1, kept_groups, True)
-        score = torch.where(kept.repeat_interleave(num_experts // n_group, dim=1), score, float("-inf"))
+        kept = kept[:, :, None].expand(num_pos, n_group, num_experts // n_group).reshape(num_pos, num_experts)
+        score = torch.where(kept, score, float("-inf"))
     selected = _top_by_score(score, top_k)
     experts_out.copy_(selected)
     weights = sig.gather(-1, selected)
