@@ -1,7 +1,8 @@
 """Self-checks of the kernels on the device they will run on: each compares a fast kernel with its torch
 reference on random inputs of a decoder's shapes (its `specmoe.geometry.Geometry`, in its dtype on its
 device), and raises RuntimeError if they disagree (relative L2 error above 2e-2). A decoder runs them when it
-chooses its kernels (`Decoder.use_kernels`, through `specmoe.models.decoder.verified`); one that fails is not used, and the decoder's notes say why."""
+chooses its kernels (`Decoder.use_kernels`, through `specmoe.models.decoder.verified`); one that fails is not
+used, and the decoder's notes say why."""
 
 from __future__ import annotations
 

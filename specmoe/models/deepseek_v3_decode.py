@@ -360,6 +360,7 @@ class DeepseekV3Decoder(FeatureCapture):
         item = self.embed.element_size()
         layers = sum(t.numel() * t.element_size() for lw in self.layers for t in lw.values() if t is not None)
         routers = sum(t.numel() * t.element_size() for t in self.router_pair)
-        attended = self.geometry.max_seq_len if self.attention == "sdpa" else min(position + 1, self.geometry.max_seq_len)
+        seq = self.geometry.max_seq_len
+        attended = seq if self.attention == "sdpa" else min(position + 1, seq)
         cache = attended * (self.kv_lora_rank + self.rope_dim) * item * self.num_decoder_layers
         return layers + routers + cache + (self.lm_head.numel() + 2 * self.geometry.hidden) * item
