@@ -185,6 +185,42 @@ print("resident routing ok")
 """
 
 
+_SIGMOID_KERNEL_CHECK = r"""
+import numpy as np, torch
+from specmoe.routing import RouterScoring
+from specmoe.kernels.device_routing import route_resident
+rng = np.random.default_rng(1)
+for E, K, D, groups in ((64, 6, 5, (1, 1)), (64, 6, 4, (8, 3)), (48, 6, 3, (4, 2)), (16, 4, 3, (4, 2))):
+    z = np.round(rng.normal(0, 1.5, (D, 2 * E)) * 4) / 4  # rows of stride 2E, as the decoder's [z | g] buffer
+    z[0, :8] = 0.0
+    z[-1, 3:9] = -0.0
+    z = torch.tensor(z, dtype=torch.float32).to(torch.bfloat16).float()[:, :E]
+    bias = torch.tensor(rng.normal(0, 0.1, (2, E)), dtype=torch.float32).to(torch.bfloat16).double()
+    bias[:, 2:6] = bias[:, 2:3]  # equal scores where the logits tie
+    slot_of = torch.tensor(rng.permutation(E), dtype=torch.int32)
+    for renorm, scale in ((False, 1.0), (True, 2.446)):
+        sc = RouterScoring("sigmoid", renormalise=renorm, scale=scale, bias=bias.numpy(), n_group=groups[0],
+                           topk_group=groups[1])
+        outs = []
+        for kernel in ("torch", "triton"):
+            ex, ro = torch.zeros(D, K, dtype=torch.int64), torch.zeros(D, 2 * K, dtype=torch.int32)
+            route_resident(z, K, sc, slot_of, ex, ro, kernel=kernel, bias=bias[1].contiguous())
+            outs.append((ex, ro))
+        assert torch.equal(outs[0][0], outs[1][0]), (E, groups, outs[0][0], outs[1][0])
+        assert torch.equal(outs[0][1][:, :K], outs[1][1][:, :K])
+        w0, w1 = outs[0][1][:, K:].view(torch.float32), outs[1][1][:, K:].view(torch.float32)
+        assert torch.allclose(w0, w1, rtol=1e-6, atol=0), (w0, w1)
+print("sigmoid resident routing ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_sigmoid_routing_kernel_matches_torch_in_the_interpreter():
+    done = run_in_interpreter(_SIGMOID_KERNEL_CHECK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sigmoid resident routing ok" in done.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_routing_kernel_matches_torch_in_the_interpreter():
     done = run_in_interpreter(_KERNEL_CHECK)
@@ -200,12 +236,18 @@ def test_gpu_routing_kernel_matches_torch(num_positions):
     for scoring in (RouterScoring("softmax"), RouterScoring("softmax", renormalise=True, scale=2.5)):
         checks.check_resident_routing(num_positions, 64, 8, scoring, "cuda")  # raises if they disagree
         checks.check_resident_routing(num_positions, 256, 8, scoring, "cuda")
+    for experts, groups in ((64, (1, 1)), (256, (8, 4))):  # sigmoid: Moonlight's and DeepSeek-V3's shapes
+        bias = np.random.default_rng(experts).normal(0, 0.1, (2, experts))
+        scoring = RouterScoring("sigmoid", renormalise=True, scale=2.446, bias=bias, n_group=groups[0],
+                                topk_group=groups[1])
+        checks.check_resident_routing(num_positions, experts, 8, scoring, "cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [(1, 1), (8, 3)])
 def test_gpu_sigmoid_device_routing_equals_host_routing(groups):
-    """The float64 torch ops on the device select and weight as the host (numba) does."""
+    """The float64 torch ops and the Triton kernel on the device select and weight as the torch ops on the CPU
+    (which are the host's routing: test_sigmoid_device_routing_equals_host_routing)."""
     from specmoe.kernels.device_routing import bias_rows_on
 
     z, bias = _sigmoid_logits_and_bias(11, num_positions=64)
@@ -213,12 +255,13 @@ def test_gpu_sigmoid_device_routing_equals_host_routing(groups):
                             topk_group=groups[1])
     slot_of = torch.arange(E, dtype=torch.int32)
     outs = []
-    for device in ("cpu", "cuda"):
+    for device, kernel in (("cpu", "torch"), ("cuda", "torch"), ("cuda", "triton")):
         ex = torch.zeros(len(z), K, dtype=torch.int64, device=device)
         ro = torch.zeros(len(z), 2 * K, dtype=torch.int32, device=device)
-        route_resident(z.to(device), K, scoring, slot_of.to(device), ex, ro,
+        route_resident(z.to(device), K, scoring, slot_of.to(device), ex, ro, kernel=kernel,
                        bias=bias_rows_on(scoring, L, E, device)[1])
         outs.append((ex.cpu(), ro.cpu()))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1][:, :K], outs[1][1][:, :K])
-    torch.testing.assert_close(outs[1][1][:, K:].view(torch.float32), outs[0][1][:, K:].view(torch.float32),
-                               rtol=1e-6, atol=0)
+    for ex, ro in outs[1:]:
+        assert torch.equal(outs[0][0], ex) and torch.equal(outs[0][1][:, :K], ro[:, :K])
+        torch.testing.assert_close(ro[:, K:].view(torch.float32), outs[0][1][:, K:].view(torch.float32),
+                                   rtol=1e-6, atol=0)

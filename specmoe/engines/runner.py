@@ -57,10 +57,6 @@ class StepRunner:
         """The one-launch Triton kernel on CUDA where it agrees with the torch version, else torch ops."""
         if not (self.cuda and triton_available()):
             return "torch"
-        if self.resident_scoring.kind != "softmax":
-            self.notes.append(f"resident routing of a {self.resident_scoring.kind} router: float64 torch ops (the "
-                              "one-launch kernel routes softmax routers only)")
-            return "torch"
         g = self.decoder.geometry
         try:
             checks.check_resident_routing(self.step.num_positions, g.num_experts, g.top_k, self.resident_scoring,

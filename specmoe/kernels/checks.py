@@ -157,10 +157,15 @@ def check_fused_experts(s: Geometry, slot_buf: torch.Tensor, fused_experts, dtyp
 
 def check_resident_routing(num_positions: int, num_experts: int, top_k: int, scoring, device) -> None:
     """The one-launch resident routing kernel against its torch version on bf16-rounded logits with ties:
-    the same experts and slots, weights within 1e-6 relative (RuntimeError otherwise)."""
+    the same experts and slots, weights within 1e-6 relative (RuntimeError otherwise). A sigmoid router is
+    checked with its last layer's selection bias (zeros without one) and its groups."""
     from .device_routing import route_resident
 
     gen = torch.Generator(device="cpu").manual_seed(0)
+    bias = None
+    if scoring.kind == "sigmoid":
+        rows = scoring.bias if scoring.bias is not None else torch.zeros(1, num_experts, dtype=torch.float64)
+        bias = torch.as_tensor(rows[-1], dtype=torch.float64).to(device)
     z = (torch.randn(num_positions, num_experts, generator=gen) * 4).round() / 4
     z[:, : min(top_k, num_experts)] = 0.0  # ties at the cut
     z = z.to(torch.bfloat16).float().to(device)
@@ -169,7 +174,7 @@ def check_resident_routing(num_positions: int, num_experts: int, top_k: int, sco
     for kernel in ("torch", "triton"):
         experts = torch.zeros(num_positions, top_k, dtype=torch.int64, device=device)
         route = torch.zeros(num_positions, 2 * top_k, dtype=torch.int32, device=device)
-        route_resident(z, top_k, scoring, slot_of, experts, route, kernel=kernel)
+        route_resident(z, top_k, scoring, slot_of, experts, route, kernel=kernel, bias=bias)
         outs.append((experts.cpu(), route.cpu()))
     (e0, r0), (e1, r1) = outs
     w0, w1 = r0[:, top_k:].view(torch.float32), r1[:, top_k:].view(torch.float32)

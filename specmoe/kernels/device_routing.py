@@ -14,8 +14,9 @@ give what `LogicalCache.route` gives on the same float32 logits:
   scoring has groups (`keep_groups`: a group scores the sum of its two best scores, the topk_group best kept,
   ties to the lower group), the K best of the kept experts by score, ties to the lower index, best first;
   weights: the unbiased sigmoid at the K, summed in selection order + 1e-20 where renormalised, times the
-  routed scaling factor (`execution_weights`), stored as float32. The layer's bias row comes as a device
-  tensor (`bias_rows_on`), so that the call captures into a CUDA graph.
+  routed scaling factor (`execution_weights`), stored as float32; one Triton launch per layer on CUDA
+  (`resident_routing`), checked against the torch version. The layer's bias row comes as a device tensor
+  (`bias_rows_on`), so that the call captures into a CUDA graph.
 
 Speculative execution is not covered (at C = E it still executes the predicted set): the engines keep the host
 path for it. With groups and a bonus policy (Cache-Prior, PSR) the host scores groups on score + bonus, whose
@@ -68,12 +69,14 @@ def route_resident(z: torch.Tensor, top_k: int, scoring: RouterScoring, slot_of:
     int64 (best first) and route_out [D, 2K] int32 (slot ids, then the execution weights' float32 bits).
     bias: the layer's selection bias [E] float64 on z's device (sigmoid routers; `bias_rows_on`).
     kernel: "torch" (this function's torch ops, the reference) or "triton" (one launch,
-    `resident_routing`; softmax routers only)."""
+    `resident_routing`)."""
     if scoring.kind == "sigmoid":
         if bias is None:
             raise ValueError("routing a sigmoid router on the device needs the layer's selection bias row")
-        if kernel != "torch":
-            raise ValueError("the resident routing kernel routes softmax routers only; use kernel='torch'")
+        if kernel == "triton":
+            from .resident_routing import route_sigmoid_triton
+
+            return route_sigmoid_triton(z, top_k, scoring, bias, slot_of, experts_out, route_out)
         return route_sigmoid_torch(z, top_k, scoring, bias, slot_of, experts_out, route_out)
     if kernel == "triton":
         from .resident_routing import route_resident_triton
