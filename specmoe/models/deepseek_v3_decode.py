@@ -187,8 +187,8 @@ class DeepseekV3Decoder(FeatureCapture):
         check_kernel_choice(backend, attention, moe)
         tune = check_tune(tune)
         cuda, g = self.device.type == "cuda", self.geometry
-        self.attention, self.backend, self.moe_params, self.grouped_moe, self.grouped_params = "sdpa", "torch", \
-            None, False, {}
+        self.attention, self.backend, self.moe_params = "sdpa", "torch", None
+        self.grouped_moe, self.grouped_params = False, {}
         self.launch.clear()
         self._tuning = (tune, slot_buf)
         if attention == "flash_attn":
