@@ -1,12 +1,18 @@
 """The DeepSeek-V3 decode path (MLA with the latent cache, dense first layer, shared experts, biased sigmoid
 router) against transformers' DeepseekV3ForCausalLM on tiny seeded models, CPU, float32: exact routing over
 every expert (slot = expert) gives transformers' logits for a prompt as one step of D positions and then
-single-position steps; rollback by position; from_checkpoint equals from_model."""
+single-position steps; rollback by position; from_checkpoint equals from_model; the split-KV latent attention
+in the decoder (its CPU path, and the Triton kernel in the interpreter)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from _interpreter import ROOT, run_in_interpreter
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from specmoe.models import ModelSourceError
@@ -111,8 +117,13 @@ def test_layout_geometry_and_scoring(tiny):
     assert s.bias.shape == (3, 12) and torch.equal(torch.from_numpy(s.bias).float(), bias) and bias.abs().min() > 0
     assert decoder.use_kernels("auto", "auto", "slot", rows_dummy := torch.zeros(12, g.expert_width)) == {
         "backend": "torch", "attention": "sdpa", "moe": "slot", "launch": {}}
-    decoder.use_kernels("triton", "split_kv", "slot", rows_dummy)
-    assert any("not implemented" in note for note in decoder.notes)
+    # R = 24, P = 8 are not shapes of the split-KV kernel, and Triton's MoE kernels need CUDA: both fall back, noted
+    used = decoder.use_kernels("triton", "split_kv", "slot", rows_dummy)
+    assert (used["backend"], used["attention"]) == ("torch", "sdpa")
+    assert any(n.startswith("split-KV latent attention (MLA) unusable") for n in decoder.notes)
+    assert any(n.startswith("Triton slot MoE kernel unusable") for n in decoder.notes)
+    decoder.use_kernels("torch", "flash_attn", "vllm", rows_dummy)
+    assert sum("not implemented" in note for note in decoder.notes) == 2
     assert decoder.bytes_per_token(0) > 0
 
 
@@ -250,3 +261,38 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16():
         return ((logits - reference).abs().amax(-1) / reference.abs().amax(-1)).median().item()
 
     assert error(ours) < max(2 * error(theirs), 0.02)
+
+
+_SPLIT_KV_DECODER = r"""
+import sys, torch
+sys.path.insert(0, "tests")
+from test_deepseek_v3_decode import build_model, expert_rows, run_step, tiny_config
+from specmoe.models.deepseek_v3_decode import DeepseekV3Decoder
+model = build_model(tiny_config(kv_lora_rank=32, qk_rope_head_dim=16))
+rows = [expert_rows(model, j) for j in (1, 2, 3)]
+tokens = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(4)).tolist()
+with torch.no_grad():
+    expected = model(torch.tensor([tokens])).logits[0]
+decoder = DeepseekV3Decoder.from_model(model, 40)
+used = decoder.use_kernels("torch", "split_kv", "slot", rows[0])
+assert used["attention"] == "split_kv", decoder.notes
+logits = [run_step(decoder, model, rows, tokens[:8], 0)]
+logits += [run_step(decoder, model, rows, tokens[p:p + 1], p) for p in range(8, 11)]
+torch.testing.assert_close(torch.cat(logits), expected, atol=1e-4, rtol=1e-4)
+assert decoder.bytes_per_token(3) < decoder.bytes_per_token(30)  # split-KV reads the written positions only
+print("split-KV decoder ok")
+"""
+
+
+@pytest.mark.parametrize("interpreted", [False, True], ids=["cpu", "interpreter"])
+def test_split_kv_latent_attention_in_the_decoder_gives_transformers_logits(interpreted):
+    """attention='split_kv' (R = 32, P = 16): the step's seq_len plumbing on the CPU path, and the Triton kernel
+    itself in Triton's interpreter."""
+    if interpreted:
+        pytest.importorskip("triton")
+        done = run_in_interpreter(_SPLIT_KV_DECODER)
+    else:
+        done = subprocess.run([sys.executable, "-c", _SPLIT_KV_DECODER], capture_output=True, text=True,
+                              cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "split-KV decoder ok" in done.stdout

@@ -163,8 +163,7 @@ class Engine:
         # the whole-token graph with routing on the device, for the autoregressive router only (a speculative-only
         # engine that held it too verified 7% slower on the H200: BENCHMARKS.md, "One engine")
         whole = (config.device_routing == "on" or (config.device_routing == "auto" and self.cuda)) \
-            and self.router is not None and self.residency.num_slots == g.num_experts \
-            and self.decoder.scoring.kind == "softmax"
+            and self.router is not None and self.residency.num_slots == g.num_experts
         sizes = {1} | ({self.block_router.config.k + 1} if self.block_router is not None else set()) \
             | ({config.prefill_chunk} if self.router is not None else set())
         for d in sorted(sizes - set(self._runners)):

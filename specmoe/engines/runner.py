@@ -16,7 +16,7 @@ from specmoe.kernels import checks, triton_available
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency
 from specmoe.routing import RouterScoring
-from specmoe.kernels.device_routing import route_resident
+from specmoe.kernels.device_routing import bias_rows_on, route_resident
 
 
 class StepRunner:
@@ -42,6 +42,7 @@ class StepRunner:
             self.experts_np = self.experts_host.numpy()
             self.slot_of = torch.arange(g.num_experts, dtype=torch.int32, device=residency.device)
             self.slot_of = self.slot_of.repeat(g.num_layers, 1).contiguous()
+            self.bias = bias_rows_on(resident_scoring, g.num_layers, g.num_experts, residency.device)  # sigmoid
             self.routing_kernel = self._choose_routing_kernel()
         if self.cuda:
             self.ev_attention = [torch.cuda.Event() for _ in range(self.num_layers)]
@@ -84,7 +85,7 @@ class StepRunner:
             dec.attention_router(step, layer, copy_out=False)
             route_resident(step.logits_dev[layer, :, : g.num_experts], g.top_k, self.resident_scoring,
                            self.slot_of[layer], self.experts_dev[layer], step.route_dev[layer],
-                           self.routing_kernel)
+                           self.routing_kernel, None if self.bias is None else self.bias[layer])
             dec.moe(step, layer, self.residency.slots.layer(layer), copy_in=False)
         dec.head(step, copy_out=False)
         if copy_out:

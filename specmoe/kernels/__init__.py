@@ -1,9 +1,9 @@
 """Kernels of the decode engines: slot-indexed MoE (Triton + torch; vLLM's fused_experts where installed) for one
 token and grouped for the D positions of a step (each distinct slot's expert read once), fused
 RMSNorm and attention prologue, attention over a static KV cache (a split-KV Triton kernel that reads only the
-written positions, for one query or a causal block of D; torch SDPA as the reference and CPU path; flash-attn
-where installed), and their self-checks on the device (`checks`); the MoE kernels' launch parameters are tuned
-once per device and shape and cached on disk (`tuning`)."""
+written positions, for one query or a causal block of D, also over MLA's latent cache; torch SDPA as the
+reference and CPU path; flash-attn where installed), and their self-checks on the device (`checks`); the MoE
+kernels' launch parameters are tuned once per device and shape and cached on disk (`tuning`)."""
 
 from . import checks, norm_rope, tuning
 from .attention import causal_step_mask, decode_attention, decode_attention_flash, load_flash_attn
@@ -13,7 +13,7 @@ from .moe import (MOE_DEFAULTS, load_fused_experts, moe_launch_params, slot_moe,
                   split_route, triton_available, tune_moe)
 from .norm_rope import qkv_prologue_torch, rmsnorm_torch
 from .split_kv import (SplitKVWorkspace, make_split_kv_workspace, split_kv_attention, split_kv_attention_reference,
-                       split_kv_bytes)
+                       split_kv_bytes, split_kv_latent_attention)
 from .tuning import TUNE_MODES, LaunchChoice, check_tune
 
 BACKENDS = ("auto", "triton", "torch")  # our Triton kernels or their torch versions ("auto": Triton on CUDA)
@@ -35,5 +35,6 @@ __all__ = ["ATTENTIONS", "BACKENDS", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", 
            "decode_attention", "decode_attention_flash", "load_flash_attn", "load_fused_experts",
            "make_grouped_workspace", "make_split_kv_workspace", "norm_rope", "qkv_prologue_torch", "rmsnorm_torch",
            "slot_moe", "slot_moe_grouped", "slot_moe_grouped_torch", "slot_moe_grouped_triton", "slot_moe_torch",
-           "slot_moe_vllm", "split_kv_attention", "split_kv_attention_reference", "split_kv_bytes", "split_route",
+           "slot_moe_vllm", "split_kv_attention", "split_kv_attention_reference", "split_kv_bytes",
+           "split_kv_latent_attention", "split_route",
            "triton_available", "tune_moe"]

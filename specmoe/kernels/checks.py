@@ -1,7 +1,8 @@
 """Self-checks of the kernels on the device they will run on: each compares a fast kernel with its torch
 reference on random inputs of a decoder's shapes (its `specmoe.geometry.Geometry`, in its dtype on its
 device), and raises RuntimeError if they disagree (relative L2 error above 2e-2). A decoder runs them when it
-chooses its kernels (`OlmoeDecoder.use_kernels`); one that fails is not used, and the decoder's notes say why."""
+chooses its kernels (`Decoder.use_kernels`, through `specmoe.models.decoder.verified`); one that fails is not
+used, and the decoder's notes say why."""
 
 from __future__ import annotations
 
@@ -48,12 +49,16 @@ def _random_routes(s: Geometry, num_slots: int, num_positions: int, g: torch.Gen
     return route
 
 
-def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
-    """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
+def check_slot_moe(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, dtype: torch.dtype,
+                   device: torch.device) -> torch.Generator:
+    """The per-token Triton slot MoE kernel against its torch version on random input and K random slots of the
+    slot buffer (rows of the store's [gate | up | down] layout, `s.hidden` x `s.inter`); returns the generator
+    for further checks."""
     from . import moe as kmoe
-    from . import norm_rope as knr
 
+    if slot_buf.dim() != 2 or slot_buf.shape[1] < 3 * s.hidden * s.inter:
+        raise RuntimeError(f"slot buffer rows of {tuple(slot_buf.shape)[1:]} values cannot hold an expert of "
+                           f"[gate | up | down] with H={s.hidden}, I={s.inter}")
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     res = torch.zeros(s.hidden, device=device, dtype=dtype)  # compare the MoE output alone
@@ -63,6 +68,16 @@ def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, e
     kmoe.slot_moe_torch(x, res, slot_buf, route, act, ref, s.hidden, s.inter)
     kmoe.slot_moe_triton(x, res, slot_buf, route, act, out, s.hidden, s.inter, moe_params)
     _agree("slot MoE kernel", ref, out)
+    return g
+
+
+def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
+    from . import norm_rope as knr
+
+    g = check_slot_moe(s, slot_buf, moe_params, dtype, device)
+    x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     w = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, eps), knr.rmsnorm_triton(x, w, eps, torch.empty_like(x)))
     width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
@@ -142,10 +157,15 @@ def check_fused_experts(s: Geometry, slot_buf: torch.Tensor, fused_experts, dtyp
 
 def check_resident_routing(num_positions: int, num_experts: int, top_k: int, scoring, device) -> None:
     """The one-launch resident routing kernel against its torch version on bf16-rounded logits with ties:
-    the same experts and slots, weights within 1e-6 relative (RuntimeError otherwise)."""
+    the same experts and slots, weights within 1e-6 relative (RuntimeError otherwise). A sigmoid router is
+    checked with its last layer's selection bias (zeros without one) and its groups."""
     from .device_routing import route_resident
 
     gen = torch.Generator(device="cpu").manual_seed(0)
+    bias = None
+    if scoring.kind == "sigmoid":
+        rows = scoring.bias if scoring.bias is not None else torch.zeros(1, num_experts, dtype=torch.float64)
+        bias = torch.as_tensor(rows[-1], dtype=torch.float64).to(device)
     z = (torch.randn(num_positions, num_experts, generator=gen) * 4).round() / 4
     z[:, : min(top_k, num_experts)] = 0.0  # ties at the cut
     z = z.to(torch.bfloat16).float().to(device)
@@ -154,10 +174,34 @@ def check_resident_routing(num_positions: int, num_experts: int, top_k: int, sco
     for kernel in ("torch", "triton"):
         experts = torch.zeros(num_positions, top_k, dtype=torch.int64, device=device)
         route = torch.zeros(num_positions, 2 * top_k, dtype=torch.int32, device=device)
-        route_resident(z, top_k, scoring, slot_of, experts, route, kernel=kernel)
+        route_resident(z, top_k, scoring, slot_of, experts, route, kernel=kernel, bias=bias)
         outs.append((experts.cpu(), route.cpu()))
     (e0, r0), (e1, r1) = outs
     w0, w1 = r0[:, top_k:].view(torch.float32), r1[:, top_k:].view(torch.float32)
     if not (torch.equal(e0, e1) and torch.equal(r0[:, :top_k], r1[:, :top_k])
             and torch.allclose(w0, w1, rtol=1e-6, atol=0)):
         raise RuntimeError("the resident routing kernel disagrees with its torch version")
+
+
+def check_latent_attention(s: Geometry, kv_lora_rank: int, name: str, attend, dtype: torch.dtype,
+                           device: torch.device) -> None:
+    """An MLA attention over the written positions of a latent cache, attend(q [D, NH, R + P], cache [S, R + P],
+    seq_len, scale) -> [D, NH, R] (split-KV), against `mla.mla_decode_attention` over the masked cache: random
+    queries and a random cache of the decoder's shapes (head_dim = R + P), the first two thirds of the positions
+    written, one query and a causal block of three."""
+    from .attention import causal_step_mask
+    from .mla import mla_decode_attention
+
+    g = torch.Generator(device=device).manual_seed(4)
+    cache = torch.randn(s.max_seq_len, s.head_dim, device=device, generator=g).to(dtype)
+    written = 2 * s.max_seq_len // 3 + 1
+    positions = torch.arange(s.max_seq_len, device=device)
+    scale = s.head_dim ** -0.5
+    for num_pos in (1, 3):
+        if num_pos > written:
+            continue
+        q = torch.randn(num_pos, s.num_heads, s.head_dim, device=device, generator=g).to(dtype)
+        first = torch.tensor([written - num_pos], device=device)
+        mask = causal_step_mask(positions, first, torch.empty(num_pos, s.max_seq_len, device=device, dtype=dtype))
+        seq_len = torch.full((1,), written, dtype=torch.int32, device=device)
+        _agree(name, mla_decode_attention(q, cache, mask, scale, kv_lora_rank), attend(q, cache, seq_len, scale))

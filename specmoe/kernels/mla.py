@@ -7,8 +7,9 @@ whole static sequence, so shapes never change. With the key projection absorbed 
 W_uk^T q_nope per head, R values) every head's query is [q_lat | q_pe] (R + P) and attends that one latent
 head; the values are the first R columns of the same rows (c), and the output, R values per head, leaves
 latent space through the value projection W_uv afterwards. This is what FlashMLA reads (one 576-wide head of
-which the first 512 are also the value, for kv_lora_rank 512 and qk_rope_head_dim 64); a device kernel takes
-the same arguments.
+which the first 512 are also the value, for kv_lora_rank 512 and qk_rope_head_dim 64); the device kernel,
+`specmoe.kernels.split_kv.split_kv_latent_attention`, takes the same q and cache and reads only the written
+positions (the number written, a device tensor, instead of the mask).
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ empty partial (log-sum-exp -inf), and an output row that sees none at all (seq_l
 
 `split_kv_attention_reference` is the torch definition (float32 softmax, explicit causal mask), used by the
 tests and on the CPU.
+
+Latent attention (MLA at decode, `split_kv_latent_attention`): the same two launches over one layer's latent
+cache [S, R + P] (`specmoe.kernels.mla`): one KV head (G = NH: every query head of a position is a row of the
+same program), keys R + P wide (the partial kernel's PE = P extra key columns, scored by a second tl.dot) and
+values the first R columns of the same rows (V_FROM_K: the key tile is the value tile, read once). The
+partials and the combine pass are the ones above with HD = R.
 """
 
 from __future__ import annotations
@@ -57,13 +63,15 @@ def block_params(rows: int, head_dim: int, itemsize: int) -> dict:
       together), 3 for a block of rows (the next tiles load into shared memory while these are used; 17.0
       against 19.6 µs with 2 stages for D = 17 at 4000 positions), 1 for float32, whose tl.dot runs on CUDA
       cores in full precision and needs the registers, with 8 warps for 32 rows or more.
-    Measured with scripts/bench_attention.py (BENCHMARKS.md); compiled for sm_90 with Triton 3.6.
+    Measured with scripts/bench_attention.py (BENCHMARKS.md); compiled for sm_90 with Triton 3.6. Value widths
+    above 256 (MLA's latent, R = 512) take at most 32 rows per block and 8 warps (the accumulator [32, 512] in
+    float32 over 256 threads); those were not measured.
     """
     block_m = min(max(16, _next_pow2(rows)), 64 if head_dim <= 128 else 32)
     block_n = min(128, max(16, (16384 if block_m < 64 else 8192) // (head_dim * itemsize)))
     wide = itemsize >= 4
     return dict(block_m=block_m, block_n=block_n, num_stages=1 if wide or rows == 1 else 3,
-                num_warps=8 if wide and block_m >= 32 else 4)
+                num_warps=8 if (wide or head_dim > 256) and block_m >= 32 else 4)
 
 
 def split_kv_config(num_queries: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
@@ -90,7 +98,8 @@ _OPTIONS = ("block_m", "block_n", "num_stages", "num_warps", "num_splits")
 class SplitKVWorkspace:
     """Scratch of one (D, NH, HD, S) shape: float32 partial outputs [D * NH, splits, HD] and log-sum-exps
     [D * NH, splits]. Made once (`make_split_kv_workspace`), reused by every call; the tile sizes follow the
-    dtype of the call (`block_params`) unless `overrides` fixes them."""
+    dtype of the call (`block_params`) unless `overrides` fixes them. rope_dim: the extra key columns P of a
+    latent cache (`split_kv_latent_attention`; 0 for `split_kv_attention`)."""
 
     num_queries: int
     num_heads: int
@@ -101,6 +110,7 @@ class SplitKVWorkspace:
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
     overrides: dict = field(default_factory=dict)
+    rope_dim: int = 0
     _launch: dict = field(default_factory=dict, repr=False)
 
     def launch_params(self, dtype: torch.dtype) -> dict:
@@ -127,17 +137,21 @@ def _check_options(cfg: dict, rows: int) -> None:
 
 
 def make_split_kv_workspace(num_queries: int, num_heads: int, head_dim: int, max_seq_len: int, device,
-                            num_kv_heads: int | None = None, **overrides) -> SplitKVWorkspace:
+                            num_kv_heads: int | None = None, rope_dim: int = 0, **overrides) -> SplitKVWorkspace:
     """The workspace of `split_kv_attention` for D = num_queries queries of num_heads heads over a cache of
     max_seq_len positions. Pass num_kv_heads for GQA (default: as many as the query heads; it sets the number
-    of splits, not the buffers). Overrides (block_m, block_n, num_stages, num_warps, num_splits) replace the
-    defaults of `split_kv_config`, e.g. in a benchmark sweep."""
+    of splits, not the buffers). For `split_kv_latent_attention`: head_dim = R (kv_lora_rank), rope_dim = P,
+    num_kv_heads = 1. Overrides (block_m, block_n, num_stages, num_warps, num_splits) replace the defaults of
+    `split_kv_config`, e.g. in a benchmark sweep."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if rope_dim and (rope_dim < 16 or rope_dim & (rope_dim - 1) or num_kv_heads != 1):
+        raise ValueError(f"a latent cache's rope dim must be a power of two >= 16 with one KV head, got rope_dim="
+                         f"{rope_dim}, num_kv_heads={num_kv_heads}")
     if min(num_queries, num_heads, num_kv_heads, head_dim, max_seq_len) < 1:
         raise ValueError("num_queries, num_heads, num_kv_heads, head_dim and max_seq_len must be positive")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    _check_head_dim(head_dim)
+    _check_head_dim(head_dim, 512 if rope_dim else 256)
     if num_queries > max_seq_len:
         raise ValueError(f"{num_queries} queries do not fit in a cache of {max_seq_len} positions")
     unknown = set(overrides) - set(_OPTIONS)
@@ -150,14 +164,16 @@ def make_split_kv_workspace(num_queries: int, num_heads: int, head_dim: int, max
         splits = split_kv_config(num_queries, num_heads, num_kv_heads, head_dim, max_seq_len, num_sms=sms)["num_splits"]
     ws = SplitKVWorkspace(num_queries, num_heads, head_dim, max_seq_len, num_kv_heads, splits,
                           torch.empty(num_queries * num_heads, splits, head_dim, dtype=torch.float32, device=device),
-                          torch.empty(num_queries * num_heads, splits, dtype=torch.float32, device=device), overrides)
+                          torch.empty(num_queries * num_heads, splits, dtype=torch.float32, device=device), overrides,
+                          int(rope_dim))
     ws.launch_params(torch.bfloat16)  # validates the overrides now rather than at the first call
     return ws
 
 
-def _check_head_dim(head_dim: int) -> None:
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"the head dim must be a power of two from 16 to 256, got {head_dim}")
+def _check_head_dim(head_dim: int, largest: int = 256) -> None:
+    """Head dims the partial kernel takes: powers of two from 16 to 256, to 512 for a latent cache's values."""
+    if head_dim < 16 or head_dim > largest or head_dim & (head_dim - 1):
+        raise ValueError(f"the head dim must be a power of two from 16 to {largest}, got {head_dim}")
 
 
 def _check_inputs(q, k_cache, v_cache, seq_len) -> None:
@@ -216,8 +232,11 @@ if triton is not None:
     def _split_kv_partial_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, po_ptr, plse_ptr, qk_scale, S,
                                  D: tl.constexpr, NH: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
                                  SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 STAGES: tl.constexpr, PRECISION: tl.constexpr):
-        """Partial attention of one (M block, split, KV head): rows r = query * G + group member."""
+                                 STAGES: tl.constexpr, PRECISION: tl.constexpr, PE: tl.constexpr = 0,
+                                 V_FROM_K: tl.constexpr = False):
+        """Partial attention of one (M block, split, KV head): rows r = query * G + group member. Rows of q and
+        of the key cache are HD + PE wide (PE > 0: a latent cache's rotary key part, scored by its own
+        product); V_FROM_K: the values are the key rows' first HD columns (v_ptr unused)."""
         mb = tl.program_id(0)
         split = tl.program_id(1)
         kv = tl.program_id(2)
@@ -235,8 +254,11 @@ if triton is not None:
         last_query = tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // G, D - 1)
         hi = tl.minimum(lo + chunk, seq_len - D + last_query + 1)  # this block's rows see nothing past hi
         offs_d = tl.arange(0, HD)
-        q = tl.load(q_ptr + qrow[:, None] * HD + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        kbase = k_ptr + kv.to(tl.int64) * S * HD
+        q = tl.load(q_ptr + qrow[:, None] * (HD + PE) + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        if PE > 0:
+            offs_p = tl.arange(0, PE)
+            q_pe = tl.load(q_ptr + qrow[:, None] * (HD + PE) + HD + offs_p[None, :], mask=row_ok[:, None], other=0.0)
+        kbase = k_ptr + kv.to(tl.int64) * S * (HD + PE)
         vbase = v_ptr + kv.to(tl.int64) * S * HD
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -244,10 +266,19 @@ if triton is not None:
         for start in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             offs_n = start + tl.arange(0, BLOCK_N)
             in_range = offs_n < hi
-            k = tl.load(kbase + offs_n[:, None] * HD + offs_d[None, :], mask=in_range[:, None], other=0.0)
-            v = tl.load(vbase + offs_n[:, None] * HD + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            k = tl.load(kbase + offs_n[:, None] * (HD + PE) + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            if V_FROM_K:
+                v = k
+            else:
+                v = tl.load(vbase + offs_n[:, None] * HD + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            if PE > 0:
+                k_pe = tl.load(kbase + offs_n[:, None] * (HD + PE) + HD + offs_p[None, :], mask=in_range[:, None],
+                               other=0.0)
             if BLOCK_M == 1:  # one row: scores as a column [BLOCK_N, 1], everything elementwise in float32
-                s = tl.sum(k.to(tl.float32) * q.to(tl.float32), axis=1, keep_dims=True) * qk_scale
+                s = tl.sum(k.to(tl.float32) * q.to(tl.float32), axis=1, keep_dims=True)
+                if PE > 0:
+                    s += tl.sum(k_pe.to(tl.float32) * q_pe.to(tl.float32), axis=1, keep_dims=True)
+                s = s * qk_scale
                 seen = (offs_n[:, None] <= limit[None, :]) & row_ok[None, :]
                 s = tl.where(seen, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -257,7 +288,10 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, axis=0)
                 acc = acc * alpha[:, None] + tl.sum(p * v.to(tl.float32), axis=0, keep_dims=True)
             else:
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                if PE > 0:
+                    s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+                s = s * qk_scale
                 seen = (offs_n[None, :] <= limit[:, None]) & row_ok[:, None]
                 s = tl.where(seen, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -324,11 +358,21 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
         raise ValueError("q, k_cache, v_cache and out must be contiguous")
     _check_head_dim(head_dim)
+    if ws.rope_dim:
+        raise ValueError("this workspace is for a latent cache (split_kv_latent_attention)")
     if not q.is_cuda and not _interpreting():
         out.copy_(split_kv_attention_reference(q, k_cache, v_cache, seq_len, scale))
         return out
+    return _launch(q, k_cache, v_cache, seq_len, scale, out, ws, num_kv, head_dim, 0)
+
+
+def _launch(q, k_cache, v_cache, seq_len, scale, out, ws: SplitKVWorkspace, num_kv: int, head_dim: int,
+            rope_dim: int) -> torch.Tensor:
+    """The partial and reduction launches (shared by `split_kv_attention` and `split_kv_latent_attention`)."""
     if triton is None:
-        raise ImportError("split_kv_attention needs Triton on a CUDA device (pip install triton)")
+        raise ImportError("split-KV attention needs Triton on a CUDA device (pip install triton)")
+    num_q, num_heads = q.shape[0], q.shape[1]
+    max_seq = ws.max_seq_len
     group = num_heads // num_kv
     if group != ws.num_heads // ws.num_kv_heads:
         raise ValueError(f"the workspace was made for {ws.num_kv_heads} KV heads, the cache has {num_kv}")
@@ -338,14 +382,55 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     _split_kv_partial_kernel[(m_blocks, ws.num_splits, num_kv)](
         q, k_cache, v_cache, seq_len, ws.partial_out, ws.partial_lse, float(scale) * LOG2E, max_seq,
         D=num_q, NH=num_heads, G=group, HD=head_dim, SPLITS=ws.num_splits, BLOCK_M=p["block_m"],
-        BLOCK_N=p["block_n"], STAGES=p["num_stages"], PRECISION=precision, num_warps=p["num_warps"],
-        num_stages=p["num_stages"])
+        BLOCK_N=p["block_n"], STAGES=p["num_stages"], PRECISION=precision, PE=rope_dim, V_FROM_K=rope_dim > 0,
+        num_warps=p["num_warps"], num_stages=p["num_stages"])
     splits_p2 = _next_pow2(ws.num_splits)
     block_d = min(head_dim, max(16, 4096 // splits_p2))
     _split_kv_reduce_kernel[(num_q * num_heads, head_dim // block_d)](
         ws.partial_out, ws.partial_lse, seq_len, out, max_seq, HD=head_dim, SPLITS=ws.num_splits,
         SPLITS_P2=splits_p2, BLOCK_N=p["block_n"], BLOCK_D=block_d, num_warps=4)
     return out
+
+
+def split_kv_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, seq_len: torch.Tensor, scale: float,
+                              out: torch.Tensor, workspace: SplitKVWorkspace) -> torch.Tensor:
+    """MLA's decode attention over the written positions of one layer's latent cache (module doc, "Latent").
+
+    q [D, NH, R + P] contiguous (absorbed queries at positions pos .. pos + D - 1); latent_cache [S, R + P]
+    contiguous, the step's own rows already written; seq_len int32/int64 [1] on q's device = pos + D; out
+    [D, NH, R] contiguous in q's dtype (written and returned): softmax(q k^T scale) c per head, query i
+    attending positions 0 .. pos + i, c = the first R columns of the rows. workspace: `make_split_kv_workspace`
+    (D, NH, R, S, num_kv_heads=1, rope_dim=P). Graph-capturable like `split_kv_attention`; on the CPU (no
+    Triton interpreter) the torch version (`specmoe.kernels.mla.mla_decode_attention` with a mask from
+    seq_len)."""
+    ws = workspace
+    rank, rope = ws.head_dim, ws.rope_dim
+    num_q, num_heads = ws.num_queries, ws.num_heads
+    if not rope or ws.num_kv_heads != 1:
+        raise ValueError("a latent workspace has rope_dim > 0 and one KV head (make_split_kv_workspace)")
+    if q.shape != (num_q, num_heads, rank + rope) or latent_cache.shape != (ws.max_seq_len, rank + rope):
+        raise ValueError(f"the workspace is for q [{num_q}, {num_heads}, {rank + rope}] over a latent cache "
+                         f"[{ws.max_seq_len}, {rank + rope}], got {tuple(q.shape)} and {tuple(latent_cache.shape)}")
+    if not (q.dtype == latent_cache.dtype == out.dtype) or not (q.device == latent_cache.device == out.device):
+        raise ValueError(f"q, the latent cache and out must share a dtype and a device, got {q.dtype} on {q.device}, "
+                         f"{latent_cache.dtype} on {latent_cache.device}, {out.dtype} on {out.device}")
+    if out.shape != (num_q, num_heads, rank):
+        raise ValueError(f"out must be [{num_q}, {num_heads}, {rank}], got {tuple(out.shape)}")
+    if not isinstance(seq_len, torch.Tensor) or seq_len.shape != (1,) or seq_len.device != q.device \
+            or seq_len.dtype not in (torch.int32, torch.int64):
+        raise ValueError("seq_len must be an int32/int64 tensor of shape [1] on q's device (positions written)")
+    if not (q.is_contiguous() and latent_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("q, the latent cache and out must be contiguous")
+    if ws.partial_out.device != q.device:
+        raise ValueError(f"the workspace is on {ws.partial_out.device}, q on {q.device}")
+    if not q.is_cuda and not _interpreting():
+        from .mla import mla_decode_attention
+
+        positions = torch.arange(ws.max_seq_len, device=q.device)
+        last = seq_len.long() - num_q + torch.arange(num_q, device=q.device)
+        mask = torch.where(positions[None, :] <= last[:, None], 0.0, torch.finfo(q.dtype).min).to(q.dtype)
+        return out.copy_(mla_decode_attention(q, latent_cache, mask, scale, rank))
+    return _launch(q, latent_cache, latent_cache, seq_len, scale, out, ws, 1, rank, rope)
 
 
 def split_kv_bytes(num_queries: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
@@ -355,4 +440,4 @@ def split_kv_bytes(num_queries: int, num_heads: int, num_kv_heads: int, head_dim
 
 
 __all__ = ["SplitKVWorkspace", "block_params", "make_split_kv_workspace", "split_kv_attention",
-           "split_kv_attention_reference", "split_kv_bytes", "split_kv_config"]
+           "split_kv_attention_reference", "split_kv_bytes", "split_kv_config", "split_kv_latent_attention"]

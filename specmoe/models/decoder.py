@@ -127,6 +127,76 @@ def torch_kernels(decoder, architecture: str, backend: str, attention: str, moe:
     return {"backend": "torch", "attention": "sdpa", "moe": "slot", "launch": decoder.launch}
 
 
+def verified(decoder, name: str, fallback: str, check) -> bool:
+    """Run a kernel's self-check (`specmoe.kernels.checks`) for `decoder.use_kernels`; a failure of any kind
+    (compile error, CUDA error, wrong result) must not cost the run: False, and `decoder.notes` says why and
+    that `fallback` is used. True (noted) if the check passes."""
+    device = decoder.device
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+    try:
+        check()
+    except Exception as exc:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        decoder.notes.append(f"{name} unusable ({type(exc).__name__}: {exc}); {fallback} used")
+        return False
+    decoder.notes.append(f"{name} checked against torch on {where}; used")
+    return True
+
+
+def use_grouped_moe(decoder, slot_buf: torch.Tensor) -> None:
+    """Check the grouped slot MoE kernel for steps of D > 1 positions (`decoder.grouped_moe`) and choose its
+    launch parameters for the steps made so far (later ones: `choose_grouped_params` when a step is made).
+    The decoder holds geometry, dtype, device, notes, launch, grouped_params and _tuning = (tune, slot_buf)."""
+    from specmoe.kernels import checks
+
+    decoder.grouped_moe = verified(decoder, "grouped slot MoE kernel (steps of D > 1 positions)",
+                                   "the slot MoE kernel once per position", lambda: (
+                                       checks.check_grouped_moe(decoder.geometry, slot_buf, decoder.dtype,
+                                                                decoder.device)))
+    if decoder.grouped_moe:
+        for d in [d for d in decoder._steps if d > 1]:
+            choose_grouped_params(decoder, d)
+
+
+def choose_grouped_params(decoder, num_positions: int) -> None:
+    """The grouped kernel's launch parameters for steps of D = num_positions (cached, tuned now, or the
+    defaults; tuned ones checked against torch at this D, the defaults used if they fail), into
+    decoder.grouped_params[D] and decoder.launch."""
+    from specmoe.kernels import GROUPED_DEFAULTS, LaunchChoice, checks, grouped_launch_params, grouped_params
+
+    tune, slot_buf = decoder._tuning
+    d, c, cuda = num_positions, decoder.geometry, decoder.device.type == "cuda"
+    try:
+        if cuda:  # the slot buffer's experts arrive on other streams
+            torch.cuda.synchronize(decoder.device)
+        choice = grouped_launch_params(tune, slot_buf, d, c.top_k, c.hidden, c.inter)
+        if choice.source != "defaults":
+            checks.check_grouped_moe(c, slot_buf, decoder.dtype, decoder.device, choice.params, num_positions=d)
+    except Exception as exc:  # a failed tune or check must not cost the run
+        if cuda:
+            torch.cuda.synchronize(decoder.device)
+        decoder.notes.append(f"grouped slot MoE kernel at D = {d}: tuned launch parameters unusable "
+                             f"({type(exc).__name__}: {exc}); its defaults used")
+        choice = LaunchChoice(dict(GROUPED_DEFAULTS), "defaults")
+    decoder.notes.extend(choice.notes)
+    decoder.grouped_params[d] = choice.params
+    decoder.launch[f"grouped_slot_moe D={d}"] = {"params": grouped_params(d, choice.params), "source": choice.source}
+
+
+def tune_slot_moe(decoder, slot_buf: torch.Tensor, tune, record: bool = True) -> None:
+    """The per-token slot MoE kernel's launch parameters (`moe_launch_params`: cached, tuned now or the
+    defaults) into decoder.moe_params, its notes into decoder.notes, and (record) into decoder.launch."""
+    from specmoe.kernels import MOE_DEFAULTS, moe_launch_params
+
+    g = decoder.geometry
+    choice = moe_launch_params(tune, slot_buf, g.top_k, g.hidden, g.inter)
+    decoder.notes.extend(choice.notes)
+    decoder.moe_params = choice.params
+    if record:
+        decoder.launch["slot_moe"] = {"params": {**MOE_DEFAULTS, **choice.params}, "source": choice.source}
+
+
 def residual_work(step: "DecodeStep", geometry: Geometry, dtype: torch.dtype, feature_layers) -> None:
     """The workspaces every decoder's step of D positions has: the residual stream h, the normed input xn, the
     MoE input moe_in, the per-token MoE kernel's activations act [K, I], the attention mask [D, S], and with

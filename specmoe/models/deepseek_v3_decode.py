@@ -16,7 +16,8 @@ moe(step, l) for each, then head(step). The dense layers run inside those launch
   engine's [z | g] rows, as OLMoE's; then the shared experts (resident, ungated) on the MoE input, added to
   the residual;
 - moe(step, l, slot_buf): the routed experts over the slot buffer at the host's slot ids and execution weights
-  (the expert store's [gate | up | down] rows, `specmoe.kernels.slot_moe`), added to the residual, and nothing
+  (the expert store's [gate | up | down] rows: `specmoe.kernels.slot_moe`, Triton or torch, per position; the
+  grouped Triton kernel for steps of D > 1, as OLMoE's), added to the residual, and nothing
   else (the engine may run it several times per layer, each time with other positions' weights nonzero);
 - head(step): any dense layers after the last MoE layer (none in DeepSeek-V3), final norm, LM head, greedy
   tokens.
@@ -26,7 +27,10 @@ layer 0 whole and decoder layer 1's attention and routers; MoE layer l is decode
 MLA at decode (`specmoe.kernels.mla`): the cache keeps, per decoder layer and position, the normed latent c
 (kv_lora_rank) and the rotated key part k_pe (qk_rope_head_dim) in one [S, R + P] row block; queries are
 absorbed (q_nope through kv_b_proj's key rows into latent space), every head attends the one latent head,
-and the latent output leaves through kv_b_proj's value rows, then o_proj. Query: q_proj, or q_a_proj ->
+and the latent output leaves through kv_b_proj's value rows, then o_proj. The attention itself is
+`split_kv_latent_attention` (Triton, reads positions 0 .. pos + i only, one 576-wide row per position for
+Moonlight) on CUDA, or `mla_decode_attention` (torch SDPA over the masked cache; the CPU path and the reference);
+`use_kernels` chooses, after a self-check on the device. Query: q_proj, or q_a_proj ->
 RMSNorm -> q_b_proj where q_lora_rank is set (DeepSeek-V3; Moonlight has none). Rotary: transformers' default
 rope over qk_rope_head_dim, interleaved pairs where `rope_interleave` (its default); other rope types (yarn,
 which DeepSeek-V3 itself uses) are refused, naming the config field. Softmax scale: qk_head_dim^-1/2.
@@ -50,12 +54,15 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
-from specmoe.kernels import causal_step_mask, norm_rope, slot_moe
+from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, make_grouped_workspace,
+                             make_split_kv_workspace, norm_rope, slot_moe, slot_moe_grouped_triton, triton_available)
 from specmoe.kernels.mla import mla_decode_attention, rotate_pairs
+from specmoe.kernels.split_kv import split_kv_latent_attention
 from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
-from .decoder import DecodeStep, FeatureCapture, checkpoint_source, model_source, residual_work, torch_kernels
+from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
+                      residual_work, tune_slot_moe, use_grouped_moe, verified)
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
 
@@ -111,6 +118,8 @@ class DeepseekV3Decoder(FeatureCapture):
         self.device, self.dtype = torch.device(device), dtype
         self.scoring = deepseek_v3_scoring(config, weight)
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
+        self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # set by use_kernels
+        self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
         # the dense decoder layers run before MoE layer l (dense_before[l]) and after the last one (dense_after)
         bounds = (-1,) + self.moe_layer_ids
         self.dense_before = [tuple(range(bounds[i] + 1, bounds[i + 1])) for i in range(len(self.moe_layer_ids))]
@@ -169,9 +178,51 @@ class DeepseekV3Decoder(FeatureCapture):
 
     # -- kernels ---------------------------------------------------------------------------------------
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
-        """See `Decoder.use_kernels`. Only the torch path exists for this architecture (MLA through torch SDPA,
-        the routed experts through `slot_moe`'s torch version): any other request is noted and torch used."""
-        return torch_kernels(self, "DeepSeek-V3", backend, attention, moe, tune)
+        """See `Decoder.use_kernels`; OLMoE's mechanism (`models.decoder.verified`, `tune_slot_moe`,
+        `use_grouped_moe`). attention: "split_kv" (MLA over the latent cache, `split_kv_latent_attention`; the
+        default on CUDA with Triton) or "sdpa" (`mla_decode_attention`); backend "triton": the Triton slot MoE
+        kernels over the store's [gate | up | down] rows (per token, and grouped for steps of D > 1), launch
+        parameters tuned and cached as OLMoE's. Each is checked against its torch version on this device and
+        falls back with a note. flash-attn and vLLM's experts are not implemented for this decoder (noted)."""
+        check_kernel_choice(backend, attention, moe)
+        tune = check_tune(tune)
+        cuda, g = self.device.type == "cuda", self.geometry
+        self.attention, self.backend, self.moe_params = "sdpa", "torch", None
+        self.grouped_moe, self.grouped_params = False, {}
+        self.launch.clear()
+        self._tuning = (tune, slot_buf)
+        if attention == "flash_attn":
+            self.notes.append("attention 'flash_attn' is not implemented for the DeepSeek-V3 decoder (MLA); chosen "
+                              "as for 'auto'")
+        if moe == "vllm":
+            self.notes.append("moe 'vllm' is not implemented for the DeepSeek-V3 decoder; the slot MoE kernels used")
+        if attention == "split_kv" or (attention in ("auto", "flash_attn") and cuda and triton_available()):
+            if verified(self, "split-KV latent attention (MLA)", "SDPA", lambda: checks.check_latent_attention(
+                    g, self.kv_lora_rank, "split-KV latent attention kernel", self._split_kv_check, self.dtype,
+                    self.device)):
+                self.attention = "split_kv"
+        if backend == "triton" or (backend == "auto" and cuda and triton_available()):
+            if verified(self, "Triton slot MoE kernel", "torch fallback", lambda: self._tune_and_check(slot_buf, tune)):
+                self.backend = "triton"
+            else:
+                self.moe_params = None
+                self.launch.clear()
+        if self.backend == "triton":
+            use_grouped_moe(self, slot_buf)
+        return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch}
+
+    def _tune_and_check(self, slot_buf: torch.Tensor, tune) -> None:
+        tune_slot_moe(self, slot_buf, tune)
+        checks.check_slot_moe(self.geometry, slot_buf, self.moe_params, self.dtype, self.device)
+
+    def _latent_workspace(self, num_positions: int, device):
+        """The split-KV workspace of a step (`make_split_kv_workspace` for the latent cache)."""
+        return make_split_kv_workspace(num_positions, self.geometry.num_heads, self.kv_lora_rank,
+                                       self.geometry.max_seq_len, device, num_kv_heads=1, rope_dim=self.rope_dim)
+
+    def _split_kv_check(self, q, cache, seq_len, scale):
+        out = torch.empty(*q.shape[:2], self.kv_lora_rank, dtype=q.dtype, device=q.device)
+        return split_kv_latent_attention(q, cache, seq_len, scale, out, self._latent_workspace(q.shape[0], q.device))
 
     # -- buffers ---------------------------------------------------------------------------------------
     def step(self, num_positions: int) -> DecodeStep:
@@ -179,6 +230,16 @@ class DeepseekV3Decoder(FeatureCapture):
             c, d, dev, dt = self.geometry, num_positions, self.device, self.dtype
             step = DecodeStep.allocate(d, c, dev)
             residual_work(step, c, dt, self.feature_layers)
+            step.work.update(att=torch.zeros(d, c.num_heads, self.kv_lora_rank, dtype=dt, device=dev),
+                             seqlens=torch.zeros(1, dtype=torch.int32, device=dev))
+            try:  # shapes the split-KV kernel does not take (R or P not a power of two) keep SDPA
+                step.work["split_kv"] = self._latent_workspace(d, dev)
+            except ValueError:
+                step.work["split_kv"] = None
+            if d > 1:  # the grouped MoE kernel's scratch
+                step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
+                if self.grouped_moe:
+                    choose_grouped_params(self, d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
@@ -222,7 +283,10 @@ class DeepseekV3Decoder(FeatureCapture):
                                                    rotate_pairs(k_pe, cos, sin, self.interleaved)], dim=-1))
         q_lat = torch.bmm(q_nope.transpose(0, 1), lw["w_uk"]).transpose(0, 1)  # [D, NH, R]
         query = torch.cat([q_lat, rotate_pairs(q_pe, cos[:, None], sin[:, None], self.interleaved)], dim=-1)
-        out_lat = mla_decode_attention(query, cache, w["mask"], self.scale, latent)  # [D, NH, R]
+        if self.attention == "split_kv":
+            out_lat = split_kv_latent_attention(query, cache, w["seqlens"], self.scale, w["att"], w["split_kv"])
+        else:
+            out_lat = mla_decode_attention(query, cache, w["mask"], self.scale, latent)  # [D, NH, R]
         out = torch.bmm(out_lat.transpose(0, 1), lw["w_uv"]).transpose(0, 1).reshape(d, heads * self.v_head_dim)
         w["h"].add_(F.linear(out, lw["o"], lw["o_bias"]))
 
@@ -244,7 +308,10 @@ class DeepseekV3Decoder(FeatureCapture):
         if layer == 0:
             step.input_dev.copy_(step.input_host, non_blocking=True)
             w["h"].copy_(self.embed.index_select(0, step.input_dev[:d]))
-            causal_step_mask(self.positions, step.input_dev[d:], w["mask"])
+            if self.attention == "split_kv":  # positions written, the step's own included
+                w["seqlens"].copy_(step.input_dev[d:] + d)
+            else:
+                causal_step_mask(self.positions, step.input_dev[d:], w["mask"])
         else:
             self._write_features(step, self.moe_layer_ids[layer - 1], w["h"])
         for j in self.dense_before[layer]:
@@ -263,10 +330,14 @@ class DeepseekV3Decoder(FeatureCapture):
         c, w = self.geometry, step.work
         if copy_in:  # else the route rows were written on the device (`specmoe.kernels.device_routing`)
             step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
+        if self.grouped_moe and step.num_positions > 1:  # each distinct slot's expert read once for the D positions
+            slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,
+                                    w["grouped"], self.grouped_params.get(step.num_positions))
+            return
         for i in range(step.num_positions):
             h = w["h"][i]
             slot_moe(w["moe_in"][i], h, slot_buf, step.route_dev[layer, i], w["act"], h, c.hidden, c.inter,
-                     self.backend)
+                     self.backend, self.moe_params)
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         w, last = step.work, self.num_decoder_layers - 1
@@ -284,9 +355,12 @@ class DeepseekV3Decoder(FeatureCapture):
     # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_token(self, position: int) -> int:
         """Weights read per step (every decoder layer's attention, dense MLPs, shared experts, float32 router
-        pairs; the embedding row, final norm and LM head) and the latent cache (SDPA reads all S positions)."""
+        pairs; the embedding row, final norm and LM head) and the latent cache: one row of R + P per decoder
+        layer and attended position (split-KV reads positions 0 .. position, SDPA all S)."""
         item = self.embed.element_size()
         layers = sum(t.numel() * t.element_size() for lw in self.layers for t in lw.values() if t is not None)
         routers = sum(t.numel() * t.element_size() for t in self.router_pair)
-        cache = self.latent_cache[0].numel() * item * self.num_decoder_layers
+        seq = self.geometry.max_seq_len
+        attended = seq if self.attention == "sdpa" else min(position + 1, seq)
+        cache = attended * (self.kv_lora_rank + self.rope_dim) * item * self.num_decoder_layers
         return layers + routers + cache + (self.lm_head.numel() + 2 * self.geometry.hidden) * item

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
-from specmoe.kernels import (GROUPED_DEFAULTS, MOE_DEFAULTS, LaunchChoice, causal_step_mask, check_kernel_choice,
-                             check_tune, checks, decode_attention, decode_attention_flash, grouped_launch_params,
-                             grouped_params, load_flash_attn, load_fused_experts, make_grouped_workspace,
-                             make_split_kv_workspace, moe_launch_params, norm_rope, slot_moe, slot_moe_grouped_triton,
-                             slot_moe_vllm, split_kv_attention, triton_available)
+from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
+                             decode_attention_flash, load_flash_attn, load_fused_experts, make_grouped_workspace,
+                             make_split_kv_workspace, norm_rope, slot_moe, slot_moe_grouped_triton, slot_moe_vllm,
+                             split_kv_attention, triton_available)
 
-from .decoder import DecodeStep, FeatureCapture, checkpoint_source, model_source, residual_work
+from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
+                      residual_work, tune_slot_moe, use_grouped_moe, verified)
 from .olmoe import OlmoeAdapter
 
 
@@ -111,78 +111,34 @@ class OlmoeDecoder(FeatureCapture):
         self.launch.clear()
         self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
-            if self._verified("split-KV attention", "SDPA", lambda: checks.check_attention(
+            if verified(self, "split-KV attention", "SDPA", lambda: checks.check_attention(
                     g, "split-KV attention kernel", self._split_kv_check, *on)):
                 self.attention = "split_kv"
-        if flash_attn is not None and self._verified("flash-attn's flash_attn_with_kvcache", "SDPA", lambda: (
+        if flash_attn is not None and verified(self, "flash-attn's flash_attn_with_kvcache", "SDPA", lambda: (
                 checks.check_attention(g, "flash_attn_with_kvcache", self._flash_check(flash_attn), *on))):
             self.flash_attn, self.attention = flash_attn, "flash_attn"
-        if fused_experts is not None and self._verified("vLLM's fused_experts", "the slot MoE kernel", lambda: (
+        if fused_experts is not None and verified(self, "vLLM's fused_experts", "the slot MoE kernel", lambda: (
                 checks.check_fused_experts(g, slot_buf, fused_experts, *on))):
             self.fused_experts = fused_experts
         self.backend = "torch"
         if backend == "triton" or (backend == "auto" and cuda and triton_available()):
             # vLLM's kernel runs the MoE otherwise: the slot kernel is checked with its defaults, not tuned
             slot_tune = tune if self.fused_experts is None else False
-            if self._verified("Triton kernels", "torch fallback", lambda: self._tune_and_check(
+            if verified(self, "Triton kernels", "torch fallback", lambda: self._tune_and_check(
                     slot_buf, slot_tune)):
                 self.backend = "triton"
             else:
                 self.moe_params = None
                 self.launch.clear()
         if self.backend == "triton" and self.fused_experts is None:
-            self.grouped_moe = self._verified("grouped slot MoE kernel (steps of D > 1 positions)",
-                                              "the slot MoE kernel once per position", lambda: (
-                                                  checks.check_grouped_moe(g, slot_buf, *on)))
-            for d in [d for d in self._steps if d > 1]:  # steps made before: their params now (later ones: `step`)
-                self._choose_grouped_params(d)
+            use_grouped_moe(self, slot_buf)
         return {"backend": self.backend, "attention": self.attention,
                 "moe": "slot" if self.fused_experts is None else "vllm", "launch": self.launch}
 
-    def _verified(self, name: str, fallback: str, check) -> bool:
-        """Run a kernel's self-check; a failure of any kind (compile error, CUDA error, wrong result) must not
-        cost the run: the fallback is used and `notes` says why."""
-        where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "the CPU"
-        try:
-            check()
-        except Exception as exc:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            self.notes.append(f"{name} unusable ({type(exc).__name__}: {exc}); {fallback} used")
-            return False
-        self.notes.append(f"{name} checked against torch on {where}; used")
-        return True
-
     def _tune_and_check(self, slot_buf: torch.Tensor, tune) -> None:
-        g = self.geometry
-        choice = moe_launch_params(tune, slot_buf, g.top_k, g.hidden, g.inter)
-        self.notes.extend(choice.notes)
-        self.moe_params = choice.params
-        checks.check_triton(g, slot_buf, self.moe_params, self.eps, self.clip_qkv, self.dtype, self.device)
-        if self.fused_experts is None:
-            self.launch["slot_moe"] = {"params": {**MOE_DEFAULTS, **choice.params}, "source": choice.source}
-
-    def _choose_grouped_params(self, num_positions: int) -> None:
-        """The grouped kernel's launch parameters for steps of D = num_positions (cached, tuned now, or the
-        defaults; tuned ones checked against torch at this D, the defaults used if they fail)."""
-        tune, slot_buf = self._tuning
-        d, c, cuda = num_positions, self.geometry, self.device.type == "cuda"
-        try:
-            if cuda:  # the slot buffer's experts arrive on other streams
-                torch.cuda.synchronize(self.device)
-            choice = grouped_launch_params(tune, slot_buf, d, c.top_k, c.hidden, c.inter)
-            if choice.source != "defaults":
-                checks.check_grouped_moe(c, slot_buf, self.dtype, self.device, choice.params, num_positions=d)
-        except Exception as exc:  # a failed tune or check must not cost the run
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            self.notes.append(f"grouped slot MoE kernel at D = {d}: tuned launch parameters unusable "
-                              f"({type(exc).__name__}: {exc}); its defaults used")
-            choice = LaunchChoice(dict(GROUPED_DEFAULTS), "defaults")
-        self.notes.extend(choice.notes)
-        self.grouped_params[d] = choice.params
-        self.launch[f"grouped_slot_moe D={d}"] = {"params": grouped_params(d, choice.params),
-                                                   "source": choice.source}
+        tune_slot_moe(self, slot_buf, tune, record=self.fused_experts is None)
+        checks.check_triton(self.geometry, slot_buf, self.moe_params, self.eps, self.clip_qkv, self.dtype,
+                            self.device)
 
     def _split_kv_check(self, q, k_cache, v_cache, seq_len, scale):
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
@@ -208,7 +164,7 @@ class OlmoeDecoder(FeatureCapture):
             if d > 1:  # the grouped MoE kernel's scratch (distinct slots, activations, expert outputs per pair)
                 step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
                 if self.grouped_moe:
-                    self._choose_grouped_params(d)
+                    choose_grouped_params(self, d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
