@@ -48,11 +48,10 @@ def _random_routes(s: Geometry, num_slots: int, num_positions: int, g: torch.Gen
     return route
 
 
-def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
-    """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
+def check_slot_moe(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, dtype: torch.dtype,
+                   device: torch.device) -> None:
+    """The per-token slot MoE Triton kernel against its torch version: random input, K random slots."""
     from . import moe as kmoe
-    from . import norm_rope as knr
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
@@ -63,6 +62,41 @@ def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, e
     kmoe.slot_moe_torch(x, res, slot_buf, route, act, ref, s.hidden, s.inter)
     kmoe.slot_moe_triton(x, res, slot_buf, route, act, out, s.hidden, s.inter, moe_params)
     _agree("slot MoE kernel", ref, out)
+
+
+def check_gdn(kernel: str, heads: tuple[int, int, int, int], device: torch.device, fla=None,
+              positions=(1, 16)) -> None:
+    """A gated delta rule kernel ("triton" or "fla", `specmoe.kernels.gdn`) against the torch recurrence at the
+    layer's heads (NK, NV, dk, dv), for each number of positions: outputs, final state and the state after every
+    position (relative L2 error above 1e-3 fails: everything is float32)."""
+    from .gdn import gdn_recurrence, random_gdn_inputs
+
+    nk, nv, dk, dv = heads
+    for d in positions:
+        q, k, v, decay, beta, state = random_gdn_inputs(d, nk, nv, dk, dv, device, seed=d)
+        for history in (False, True):
+            results = []
+            for name in ("torch", kernel):
+                st, hist = state.clone(), (torch.zeros(d, nv, dk, dv, device=device) if history else None)
+                out = gdn_recurrence(q, k, v, decay, beta, st, hist, kernel=name, fla=fla)
+                results.append((out, st) + ((hist,) if history else ()))
+            for ref, out in zip(*results):
+                if ref.is_cuda:
+                    torch.cuda.synchronize()
+                err = relative_error(ref, out)
+                if not err < 1e-3:
+                    raise RuntimeError(f"the {kernel} gated delta rule differs from torch at D = {d}: relative "
+                                       f"error {err:.3g}")
+
+
+def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
+    from . import norm_rope as knr
+
+    check_slot_moe(s, slot_buf, moe_params, dtype, device)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     w = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, eps), knr.rmsnorm_triton(x, w, eps, torch.empty_like(x)))
     width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim

@@ -127,6 +127,70 @@ def torch_kernels(decoder, architecture: str, backend: str, attention: str, moe:
     return {"backend": "torch", "attention": "sdpa", "moe": "slot", "launch": decoder.launch}
 
 
+def verified(decoder, name: str, fallback: str, check) -> bool:
+    """Run a kernel's self-check (`specmoe.kernels.checks`) for `decoder.use_kernels`: a failure of any kind
+    (compile error, CUDA error, wrong result) must not cost the run: False, and `decoder.notes` says why and
+    which fallback is used; True (noted) where the kernel agrees with torch on this device."""
+    where = torch.cuda.get_device_name(decoder.device) if decoder.device.type == "cuda" else "the CPU"
+    try:
+        check()
+    except Exception as exc:
+        if decoder.device.type == "cuda":
+            torch.cuda.synchronize()
+        decoder.notes.append(f"{name} unusable ({type(exc).__name__}: {exc}); {fallback} used")
+        return False
+    decoder.notes.append(f"{name} checked against torch on {where}; used")
+    return True
+
+
+def tune_slot_moe(decoder, slot_buf: torch.Tensor, tune, record: bool = True) -> None:
+    """The slot MoE kernel's launch parameters (`specmoe.kernels.tuning`: cached, tuned now or the defaults)
+    into `decoder.moe_params`, noted, and with `record` into decoder.launch["slot_moe"]; the caller checks them."""
+    from specmoe.kernels import MOE_DEFAULTS, moe_launch_params
+
+    g = decoder.geometry
+    choice = moe_launch_params(tune, slot_buf, g.top_k, g.hidden, g.inter)
+    decoder.notes.extend(choice.notes)
+    decoder.moe_params = choice.params
+    if record:
+        decoder.launch["slot_moe"] = {"params": {**MOE_DEFAULTS, **choice.params}, "source": choice.source}
+
+
+def choose_grouped_params(decoder, num_positions: int) -> None:
+    """The grouped slot MoE kernel's launch parameters for steps of D = num_positions (cached, tuned now, or
+    the defaults; tuned ones checked against torch at this D, the defaults used if they fail), into
+    decoder.grouped_params[D] and decoder.launch; decoder._tuning = (tune, slot buffer) from `use_kernels`."""
+    from specmoe.kernels import GROUPED_DEFAULTS, LaunchChoice, checks, grouped_launch_params, grouped_params
+
+    tune, slot_buf = decoder._tuning
+    d, c, cuda = num_positions, decoder.geometry, decoder.device.type == "cuda"
+    try:
+        if cuda:  # the slot buffer's experts arrive on other streams
+            torch.cuda.synchronize(decoder.device)
+        choice = grouped_launch_params(tune, slot_buf, d, c.top_k, c.hidden, c.inter)
+        if choice.source != "defaults":
+            checks.check_grouped_moe(c, slot_buf, decoder.dtype, decoder.device, choice.params, num_positions=d)
+    except Exception as exc:  # a failed tune or check must not cost the run
+        if cuda:
+            torch.cuda.synchronize(decoder.device)
+        decoder.notes.append(f"grouped slot MoE kernel at D = {d}: tuned launch parameters unusable "
+                             f"({type(exc).__name__}: {exc}); its defaults used")
+        choice = LaunchChoice(dict(GROUPED_DEFAULTS), "defaults")
+    decoder.notes.extend(choice.notes)
+    decoder.grouped_params[d] = choice.params
+    decoder.launch[f"grouped_slot_moe D={d}"] = {"params": grouped_params(d, choice.params), "source": choice.source}
+
+
+def split_kv_check(q, k_cache, v_cache, seq_len, scale):
+    """The split-KV kernel in the form `specmoe.kernels.checks.check_attention` calls (its own workspace)."""
+    from specmoe.kernels import make_split_kv_workspace, split_kv_attention
+
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    ws = make_split_kv_workspace(q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], q.device,
+                                 num_kv_heads=k_cache.shape[0])
+    return split_kv_attention(q, k_cache, v_cache, seq_len, scale, out, ws)
+
+
 def residual_work(step: "DecodeStep", geometry: Geometry, dtype: torch.dtype, feature_layers) -> None:
     """The workspaces every decoder's step of D positions has: the residual stream h, the normed input xn, the
     MoE input moe_in, the per-token MoE kernel's activations act [K, I], the attention mask [D, S], and with

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
-from specmoe.kernels import (GROUPED_DEFAULTS, MOE_DEFAULTS, LaunchChoice, causal_step_mask, check_kernel_choice,
-                             check_tune, checks, decode_attention, decode_attention_flash, grouped_launch_params,
-                             grouped_params, load_flash_attn, load_fused_experts, make_grouped_workspace,
-                             make_split_kv_workspace, moe_launch_params, norm_rope, slot_moe, slot_moe_grouped_triton,
-                             slot_moe_vllm, split_kv_attention, triton_available)
+from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
+                             decode_attention_flash, load_flash_attn, load_fused_experts, make_grouped_workspace,
+                             make_split_kv_workspace, norm_rope, slot_moe, slot_moe_grouped_triton, slot_moe_vllm,
+                             split_kv_attention, triton_available)
 
-from .decoder import DecodeStep, FeatureCapture, checkpoint_source, model_source, residual_work
+from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
+                      residual_work, split_kv_check, tune_slot_moe, verified)
 from .olmoe import OlmoeAdapter
 
 
@@ -112,7 +112,7 @@ class OlmoeDecoder(FeatureCapture):
         self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
             if self._verified("split-KV attention", "SDPA", lambda: checks.check_attention(
-                    g, "split-KV attention kernel", self._split_kv_check, *on)):
+                    g, "split-KV attention kernel", split_kv_check, *on)):
                 self.attention = "split_kv"
         if flash_attn is not None and self._verified("flash-attn's flash_attn_with_kvcache", "SDPA", lambda: (
                 checks.check_attention(g, "flash_attn_with_kvcache", self._flash_check(flash_attn), *on))):
@@ -140,55 +140,15 @@ class OlmoeDecoder(FeatureCapture):
                 "moe": "slot" if self.fused_experts is None else "vllm", "launch": self.launch}
 
     def _verified(self, name: str, fallback: str, check) -> bool:
-        """Run a kernel's self-check; a failure of any kind (compile error, CUDA error, wrong result) must not
-        cost the run: the fallback is used and `notes` says why."""
-        where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "the CPU"
-        try:
-            check()
-        except Exception as exc:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            self.notes.append(f"{name} unusable ({type(exc).__name__}: {exc}); {fallback} used")
-            return False
-        self.notes.append(f"{name} checked against torch on {where}; used")
-        return True
+        return verified(self, name, fallback, check)
 
     def _tune_and_check(self, slot_buf: torch.Tensor, tune) -> None:
-        g = self.geometry
-        choice = moe_launch_params(tune, slot_buf, g.top_k, g.hidden, g.inter)
-        self.notes.extend(choice.notes)
-        self.moe_params = choice.params
-        checks.check_triton(g, slot_buf, self.moe_params, self.eps, self.clip_qkv, self.dtype, self.device)
-        if self.fused_experts is None:
-            self.launch["slot_moe"] = {"params": {**MOE_DEFAULTS, **choice.params}, "source": choice.source}
+        tune_slot_moe(self, slot_buf, tune, record=self.fused_experts is None)
+        checks.check_triton(self.geometry, slot_buf, self.moe_params, self.eps, self.clip_qkv, self.dtype,
+                            self.device)
 
     def _choose_grouped_params(self, num_positions: int) -> None:
-        """The grouped kernel's launch parameters for steps of D = num_positions (cached, tuned now, or the
-        defaults; tuned ones checked against torch at this D, the defaults used if they fail)."""
-        tune, slot_buf = self._tuning
-        d, c, cuda = num_positions, self.geometry, self.device.type == "cuda"
-        try:
-            if cuda:  # the slot buffer's experts arrive on other streams
-                torch.cuda.synchronize(self.device)
-            choice = grouped_launch_params(tune, slot_buf, d, c.top_k, c.hidden, c.inter)
-            if choice.source != "defaults":
-                checks.check_grouped_moe(c, slot_buf, self.dtype, self.device, choice.params, num_positions=d)
-        except Exception as exc:  # a failed tune or check must not cost the run
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            self.notes.append(f"grouped slot MoE kernel at D = {d}: tuned launch parameters unusable "
-                              f"({type(exc).__name__}: {exc}); its defaults used")
-            choice = LaunchChoice(dict(GROUPED_DEFAULTS), "defaults")
-        self.notes.extend(choice.notes)
-        self.grouped_params[d] = choice.params
-        self.launch[f"grouped_slot_moe D={d}"] = {"params": grouped_params(d, choice.params),
-                                                   "source": choice.source}
-
-    def _split_kv_check(self, q, k_cache, v_cache, seq_len, scale):
-        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        ws = make_split_kv_workspace(q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], q.device,
-                                     num_kv_heads=k_cache.shape[0])
-        return split_kv_attention(q, k_cache, v_cache, seq_len, scale, out, ws)
+        choose_grouped_params(self, num_positions)
 
     @staticmethod
     def _flash_check(flash_attn):
