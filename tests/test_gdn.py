@@ -107,3 +107,45 @@ def test_gpu_fla_kernels_match_torch(d, history):
     if history and d == 64:
         pytest.skip("history runs fla's recurrent kernel per position: D = 16 covers it")
     _compare("fla", d, history)
+
+
+_DECODER_CHECK = r"""
+import sys
+import torch
+sys.path.insert(0, "tests")
+from test_qwen3_5_moe_decode import run_step
+from specmoe.kernels.gdn import load_fla
+from specmoe.models import load_model
+from specmoe.models.qwen3_5_moe_decode import Qwen35MoeDecoder
+from specmoe.offload.store import ExpertStore
+
+model, adapter = load_model("qwen3.5-moe-tiny", seed=0)
+store = ExpertStore.from_model(model, adapter, pin=False)
+rows = [store.layers[layer] for layer in range(store.num_layers)]
+tokens = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+reference = Qwen35MoeDecoder.from_model(model, 40)  # the torch recurrence (= transformers: test_qwen3_5_moe_decode)
+expected = torch.cat([run_step(reference, rows, tokens[:8], 0)[1], run_step(reference, rows, tokens[8:16], 8)[1]])
+kernels = ["triton"] + (["fla"] if load_fla() is not None else [])
+for kernel in kernels:
+    for mode in ("history", "recompute"):
+        # a 6-position block of which 2 are committed, rolled back, then the rest: the torch path's logits
+        dec = Qwen35MoeDecoder.from_model(model, 40)
+        dec.set_gdn(rollback=mode)
+        dec.gdn_kernel, dec.fla = kernel, load_fla()
+        _, first = run_step(dec, rows, tokens[:8], 0)
+        step, _ = run_step(dec, rows, tokens[8:10] + [(t + 5) % 512 for t in tokens[10:14]], 8)
+        dec.rollback(step, 2)
+        _, rest = run_step(dec, rows, tokens[10:16], 10)
+        torch.testing.assert_close(first, expected[:8], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(rest, expected[10:16], atol=1e-4, rtol=1e-4)
+        print("decoder ok", kernel, mode)
+"""
+
+
+@pytest.mark.skipif(_triton is None, reason="Triton is not installed")
+def test_decoder_with_the_triton_recurrence_in_the_interpreter_gives_the_torch_logits():
+    """The decoder's wiring of the kernels (buffers, history, recompute rollback) on the tiny model: our Triton
+    recurrence (and fla's, where installed) in Triton's interpreter, both rollback modes."""
+    done = run_in_interpreter(_DECODER_CHECK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("decoder ok") >= 2, done.stdout
