@@ -9,8 +9,8 @@ import pytest
 import torch
 from _interpreter import run_in_interpreter
 
-from specmoe.kernels.gdn import (gdn_recurrence, gdn_recurrence_torch, load_fla, random_gdn_inputs,
-                                 triton as _triton)
+from specmoe.kernels.gdn import (FLA_CHUNK_FROM, gdn_recurrence, gdn_recurrence_torch, load_fla,
+                                 random_gdn_inputs, triton as _triton)
 
 FULL = (16, 32, 128, 128)  # Qwen3.6-35B-A3B: 16 key heads, 32 value heads, d_k = d_v = 128
 
@@ -88,7 +88,8 @@ def _compare(kernel: str, d: int, history: bool):
         results.append((o, s) + ((hist,) if history else ()))
     for ref, out in zip(*results):
         err = float((out - ref).norm() / ref.norm())
-        assert err < 1e-4, (kernel, d, history, err)
+        chunked = kernel == "fla" and d >= FLA_CHUNK_FROM and not history  # products in lower precision
+        assert err < (1e-2 if chunked else 1e-4), (kernel, d, history, err)
 
 
 @pytest.mark.gpu

@@ -68,7 +68,8 @@ def check_gdn(kernel: str, heads: tuple[int, int, int, int], device: torch.devic
               positions=(1, 16)) -> None:
     """A gated delta rule kernel ("triton" or "fla", `specmoe.kernels.gdn`) against the torch recurrence at the
     layer's heads (NK, NV, dk, dv), for each number of positions: outputs, final state and the state after every
-    position (relative L2 error above 1e-3 fails: everything is float32)."""
+    position (relative L2 error above TOLERANCE fails; the recurrent kernels agree to about 1e-6 in float32,
+    fla's chunked one, D >= 64, computes its products in lower precision)."""
     from .gdn import gdn_recurrence, random_gdn_inputs
 
     nk, nv, dk, dv = heads
@@ -84,7 +85,7 @@ def check_gdn(kernel: str, heads: tuple[int, int, int, int], device: torch.devic
                 if ref.is_cuda:
                     torch.cuda.synchronize()
                 err = relative_error(ref, out)
-                if not err < 1e-3:
+                if not err < TOLERANCE:
                     raise RuntimeError(f"the {kernel} gated delta rule differs from torch at D = {d}: relative "
                                        f"error {err:.3g}")
 
