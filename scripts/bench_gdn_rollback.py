@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from specmoe.kernels.gdn import gdn_recurrence, load_fla, random_gdn_inputs
+from specmoe.kernels.gdn import fla_missing, gdn_recurrence, load_fla, random_gdn_inputs
 from specmoe.models import named_config
 
 PRINTED = (1, 2, 4, 8, 12, 15)
@@ -162,7 +162,7 @@ def main() -> None:
                if device == "cuda" else ["torch"])
     name = torch.cuda.get_device_name() if device == "cuda" else "the CPU"
     print(f"{args.model}: {layers} Gated DeltaNet layers, heads (NK, NV, dk, dv) = {heads}, D = {args.positions}; "
-          f"{name}; fla {'installed' if fla is not None else 'not installed'}")
+          f"{name}; " + ("fla installed" if fla is not None else fla_missing()))
     report = {"model": args.model, "layers": layers, "heads": heads, "positions": args.positions,
               "device": name, "host": platform.node(), "kernels": {}}
     for kernel in kernels:

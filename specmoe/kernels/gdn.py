@@ -32,17 +32,27 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 GDN_KERNELS = ("torch", "triton", "fla")
 FLA_CHUNK_FROM = 64  # fla's chunked kernel from this many positions (one chunk), its fused recurrent one below
-FLA_NOTE = ("flash-linear-attention (`fla`, the optional extra specmoe[fla]) is not installed: the Gated DeltaNet "
-            "runs on our Triton kernel (or torch)")
+FLA_NOTE = ("flash-linear-attention (`fla`, the optional extra specmoe[fla]) cannot be imported: the Gated "
+            "DeltaNet runs on our Triton kernel (or torch)")
 
 
 def load_fla():
-    """fla's (fused_recurrent_gated_delta_rule, chunk_gated_delta_rule), or None where fla is not installed."""
+    """fla's (fused_recurrent_gated_delta_rule, chunk_gated_delta_rule), or None where it cannot be imported
+    (`fla_missing()` says why: fla itself, or one of its imports such as einops)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    except ImportError:
+    except ImportError as exc:
+        _FLA_ERROR[:] = [f"{type(exc).__name__}: {exc}"]
         return None
     return fused_recurrent_gated_delta_rule, chunk_gated_delta_rule
+
+
+_FLA_ERROR: list[str] = []
+
+
+def fla_missing() -> str:
+    """The note for a run without fla: what the last `load_fla` could not import, and what runs instead."""
+    return f"{FLA_NOTE} ({_FLA_ERROR[0] if _FLA_ERROR else 'not imported'})"
 
 
 def gdn_recurrence_torch(q, k, v, decay, beta, state, history=None, out=None) -> torch.Tensor:

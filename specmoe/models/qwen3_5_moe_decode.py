@@ -59,7 +59,7 @@ from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
                              make_grouped_workspace, make_split_kv_workspace, norm_rope, slot_moe,
                              slot_moe_grouped_triton, split_kv_attention, triton_available)
-from specmoe.kernels.gdn import FLA_NOTE, gdn_recurrence, load_fla
+from specmoe.kernels.gdn import fla_missing, gdn_recurrence, load_fla
 
 from .adapter import ModelSourceError
 from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
@@ -266,7 +266,7 @@ class Qwen35MoeDecoder(FeatureCapture):
         heads, dev = (self.nk, self.nv, self.dk, self.dv), self.device
         self.fla = load_fla() if self.gdn_choice in ("auto", "fla") else None
         if self.gdn_choice in ("auto", "fla") and self.fla is None:
-            self.notes.append(FLA_NOTE)
+            self.notes.append(fla_missing())
         if self.fla is not None and verified(self, "fla's gated delta rule kernels (fused recurrent, chunked)",
                                              "our Triton kernel", lambda: checks.check_gdn(
                                                  "fla", heads, dev, self.fla, positions=(1, 16, 64))):
@@ -452,10 +452,12 @@ class Qwen35MoeDecoder(FeatureCapture):
     # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_token(self, position: int) -> int:
         """Weights read per step (every layer's token mixer, shared expert, router pair; the embedding row, final
-        norm and LM head), the KV caches (SDPA reads all S positions) and the Gated DeltaNet state."""
+        norm and LM head), the KV caches (SDPA reads all S positions, split-KV the written ones) and the Gated
+        DeltaNet state."""
         item = self.embed.element_size()
         layers = sum(t.numel() * t.element_size() for lw in self.layers for t in lw.values())
         routers = sum(t.numel() * t.element_size() for t in self.router_pair)
-        state = sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache, self.conv_state,
-                                                           self.recurrent_state))
-        return layers + routers + state + (self.lm_head.numel() + 2 * self.geometry.hidden) * item
+        state = sum(t.numel() * t.element_size() for t in (self.conv_state, self.recurrent_state))
+        attended = self.geometry.max_seq_len if self.attention == "sdpa" else position + 1
+        kv = 2 * self.k_cache[:, :, :attended].numel() * item
+        return layers + routers + state + kv + (self.lm_head.numel() + 2 * self.geometry.hidden) * item
