@@ -60,9 +60,14 @@ def test_layout_geometry_and_kernels(tiny):
     assert decoder.k_cache.shape == (1, 2, SEQ, 16)
     assert (decoder.scoring.kind, decoder.scoring.renormalise) == ("softmax", True)
     assert decoder.use_kernels("auto", "auto", "slot", rows[0]) == {
-        "backend": "torch", "attention": "sdpa", "moe": "slot", "launch": {}}
-    decoder.use_kernels("triton", "split_kv", "slot", rows[0])
+        "backend": "torch", "attention": "sdpa", "moe": "slot", "launch": {}, "gdn": "torch"}
+    # Triton kernels asked for on the CPU fail their self-checks: noted, torch used (split-KV runs its reference)
+    assert decoder.use_kernels("triton", "split_kv", "vllm", rows[0]) == {
+        "backend": "torch", "attention": "split_kv", "moe": "slot", "launch": {}, "gdn": "torch"}
     assert any("not implemented" in note for note in decoder.notes)
+    assert any(note.startswith("slot MoE Triton kernel unusable") for note in decoder.notes)
+    with pytest.raises(ValueError, match="rollback"):
+        decoder.set_gdn(rollback="never")
     assert decoder.bytes_per_token(0) > 0
 
 
@@ -91,7 +96,8 @@ def test_reset_starts_a_new_sequence(tiny):
     torch.testing.assert_close(logits, expected[:8], atol=1e-4, rtol=1e-4)
 
 
-def test_rollback_equals_a_run_without_the_rejected_positions(tiny):
+@pytest.mark.parametrize("mode", ["history", "recompute"])
+def test_rollback_equals_a_run_without_the_rejected_positions(tiny, mode):
     model, rows, tokens, _, _ = tiny
     prompt = 8
     plain = Qwen35MoeDecoder.from_model(model, SEQ)
@@ -100,6 +106,9 @@ def test_rollback_equals_a_run_without_the_rejected_positions(tiny):
     _, want = run_step(plain, rows, tokens[prompt + 2:prompt + 5], prompt + 2)
 
     spec = Qwen35MoeDecoder.from_model(model, SEQ)
+    spec.set_gdn(rollback=mode)
+    assert ("recurrent" in spec.step(4).work) == (mode == "history")
+    assert ("start" in spec.step(4).work) == (mode == "recompute")
     run_step(spec, rows, tokens[:prompt], 0)
     rejected = [(t + 7) % model.config.vocab_size for t in tokens[prompt + 2:prompt + 4]]
     step, _ = run_step(spec, rows, tokens[prompt:prompt + 2] + rejected, prompt)  # 4 positions, 2 committed

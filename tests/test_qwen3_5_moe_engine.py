@@ -22,8 +22,12 @@ def tokens(tiny):
     return np.random.default_rng(3).integers(0, tiny[1].vocab_size, 24)
 
 
-def test_speculative_exact_selection_equals_ar_greedy_through_rollbacks(tiny):
-    # rejected drafts pass through the Gated DeltaNet state: the engine rolls it back after every block
+@pytest.mark.parametrize("mode", ["history", "recompute"])
+def test_speculative_exact_selection_equals_ar_greedy_through_rollbacks(tiny, mode, monkeypatch):
+    # rejected drafts pass through the Gated DeltaNet state: the engine rolls it back after every block, from the
+    # kept per-position states or by recomputing the committed positions (the decoders built here take the mode)
+    from specmoe.models import qwen3_5_moe_decode
+    monkeypatch.setattr(qwen3_5_moe_decode, "DEFAULT_GDN_ROLLBACK", mode)
     from specmoe.drafters import DrafterConfig, build_drafter
     from specmoe.offload import ExpertResidency
     from specmoe.speculation import SpeculativeConfig

@@ -71,6 +71,32 @@ def check_slot_moe(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None,
     return g
 
 
+def check_gdn(kernel: str, heads: tuple[int, int, int, int], device: torch.device, fla=None,
+              positions=(1, 16)) -> None:
+    """A gated delta rule kernel ("triton" or "fla", `specmoe.kernels.gdn`) against the torch recurrence at the
+    layer's heads (NK, NV, dk, dv), for each number of positions: outputs, final state and the state after every
+    position (relative L2 error above TOLERANCE fails; the recurrent kernels agree to about 1e-6 in float32,
+    fla's chunked one, D >= 64, computes its products in lower precision)."""
+    from .gdn import gdn_recurrence, random_gdn_inputs
+
+    nk, nv, dk, dv = heads
+    for d in positions:
+        q, k, v, decay, beta, state = random_gdn_inputs(d, nk, nv, dk, dv, device, seed=d)
+        for history in (False, True):
+            results = []
+            for name in ("torch", kernel):
+                st, hist = state.clone(), (torch.zeros(d, nv, dk, dv, device=device) if history else None)
+                out = gdn_recurrence(q, k, v, decay, beta, st, hist, kernel=name, fla=fla)
+                results.append((out, st) + ((hist,) if history else ()))
+            for ref, out in zip(*results):
+                if ref.is_cuda:
+                    torch.cuda.synchronize()
+                err = relative_error(ref, out)
+                if not err < TOLERANCE:
+                    raise RuntimeError(f"the {kernel} gated delta rule differs from torch at D = {d}: relative "
+                                       f"error {err:.3g}")
+
+
 def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
                  dtype: torch.dtype, device: torch.device) -> None:
     """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""

@@ -195,6 +195,14 @@ def tune_slot_moe(decoder, slot_buf: torch.Tensor, tune, record: bool = True) ->
     decoder.moe_params = choice.params
     if record:
         decoder.launch["slot_moe"] = {"params": {**MOE_DEFAULTS, **choice.params}, "source": choice.source}
+def split_kv_check(q, k_cache, v_cache, seq_len, scale):
+    """The split-KV kernel in the form `specmoe.kernels.checks.check_attention` calls (its own workspace)."""
+    from specmoe.kernels import make_split_kv_workspace, split_kv_attention
+
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    ws = make_split_kv_workspace(q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], q.device,
+                                 num_kv_heads=k_cache.shape[0])
+    return split_kv_attention(q, k_cache, v_cache, seq_len, scale, out, ws)
 
 
 def residual_work(step: "DecodeStep", geometry: Geometry, dtype: torch.dtype, feature_layers) -> None:
@@ -293,7 +301,8 @@ class Decoder(Protocol):
         """Choose the kernels ("auto" / "triton" / "torch" backend, attention and MoE implementations) and their
         launch parameters (tune: "auto", True or False, `specmoe.kernels.tuning`), check each against its
         torch reference on this device (`specmoe.kernels.checks`), fall back where one fails, and return what
-        is used: {"backend", "attention", "moe", "launch"} (launch: kernel -> {"params", "source"})."""
+        is used: {"backend", "attention", "moe", "launch"} (launch: kernel -> {"params", "source"}), and any
+        kernel of the architecture's own (Qwen3.5-MoE: "gdn", its Gated DeltaNet recurrence)."""
 
     def step(self, num_positions: int) -> DecodeStep:
         """The buffers of D = num_positions (made at the first call, then reused)."""

@@ -26,7 +26,7 @@ from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, 
                              split_kv_attention, triton_available)
 
 from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
-                      residual_work, tune_slot_moe, use_grouped_moe, verified)
+                      residual_work, split_kv_check, tune_slot_moe, use_grouped_moe, verified)
 from .olmoe import OlmoeAdapter
 
 
@@ -112,7 +112,7 @@ class OlmoeDecoder(FeatureCapture):
         self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
             if verified(self, "split-KV attention", "SDPA", lambda: checks.check_attention(
-                    g, "split-KV attention kernel", self._split_kv_check, *on)):
+                    g, "split-KV attention kernel", split_kv_check, *on)):
                 self.attention = "split_kv"
         if flash_attn is not None and verified(self, "flash-attn's flash_attn_with_kvcache", "SDPA", lambda: (
                 checks.check_attention(g, "flash_attn_with_kvcache", self._flash_check(flash_attn), *on))):
@@ -139,12 +139,6 @@ class OlmoeDecoder(FeatureCapture):
         tune_slot_moe(self, slot_buf, tune, record=self.fused_experts is None)
         checks.check_triton(self.geometry, slot_buf, self.moe_params, self.eps, self.clip_qkv, self.dtype,
                             self.device)
-
-    def _split_kv_check(self, q, k_cache, v_cache, seq_len, scale):
-        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        ws = make_split_kv_workspace(q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], q.device,
-                                     num_kv_heads=k_cache.shape[0])
-        return split_kv_attention(q, k_cache, v_cache, seq_len, scale, out, ws)
 
     @staticmethod
     def _flash_check(flash_attn):

@@ -4,8 +4,16 @@ and the text part of `qwen3_5_moe`, e.g. Qwen3.6-35B-A3B).
 
 The weights are transformers' (taken from a Qwen3_5MoeForCausalLM, or read from a checkpoint without the routed
 experts); rounding points follow transformers' modules where the arithmetic is the same, so that all-resident
-exact decoding matches it (tested in float32). Only the torch path exists (CPU, and the GPU without its Triton
-kernels): the Gated DeltaNet runs as a plain recurrence, position by position.
+exact decoding matches it (tested in float32).
+
+Kernels (`use_kernels`, as OLMoE's: each checked against its torch version on the device, a failure noted and the
+torch path used): on CUDA the gated attention runs the split-KV kernel (`specmoe.kernels.split_kv`; the q/k
+norms, partial rotary and the sigmoid output gate are torch ops around it), the routed experts the slot MoE
+Triton kernels (per token; grouped for D > 1), and the Gated DeltaNet's recurrence fla's kernels where the
+optional `fla` is installed, else our Triton kernel (`specmoe.kernels.gdn`); `notes` and the returned "gdn" say
+which ran. On the CPU everything is torch: the recurrence position by position. Norms, the short convolution and
+the projections are torch ops everywhere. A step has static shapes and reads no host value, so each layer's
+launch captures into a CUDA graph; a prompt chunk runs through the same steps.
 
 Layers. Every decoder layer is an MoE layer (MoE layer l = decoder layer l). Its token mixer is, by the config's
 `layer_types`, either
@@ -30,11 +38,13 @@ nothing else; head(step): final norm, LM head, greedy tokens.
 
 State and rollback. The KV cache of the attention layers is indexed by position (rejected rows are overwritten by
 the next step). The Gated DeltaNet state is not: each layer has a live convolution state [C, K - 1] and
-recurrent state [NV, d_k, d_v] (float32), and every step of D positions keeps, in its own static buffers, its
-convolution input (the previous state followed by the D new inputs, [C, K - 1 + D], from which the state after
-any position is a window) and the recurrent state after each position ([D, NV, d_k, d_v]). A step leaves the live
-state after its last position; rollback(step, committed) restores the one after position committed - 1. `reset`
-zeroes the live state (a new sequence).
+recurrent state [NV, d_k, d_v] (float32), advanced in place by every step. A step of D positions keeps, in its
+own static buffers, its convolution input (the previous state followed by the D new inputs, [C, K - 1 + D], from
+which the state after any position is a window) and its recurrence's inputs; for D > 1, by the rollback mode
+(`set_gdn`, GDN_ROLLBACKS), either the recurrent state after each position ([D, NV, d_k, d_v], "history") or
+the one at its start ("recompute"). rollback(step, committed) restores the state after position committed - 1:
+a copy, or a rerun of the committed positions from the start state. `reset` zeroes the live state (a new
+sequence).
 
 Feature capture (`capture_features`): as OLMoE's, layer l's state at the start of launch l + 1, the last layer's
 after the final norm.
@@ -46,13 +56,25 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
-from specmoe.kernels import causal_step_mask, decode_attention, norm_rope, slot_moe
+from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
+                             make_grouped_workspace, make_split_kv_workspace, norm_rope, slot_moe,
+                             slot_moe_grouped_triton, split_kv_attention, triton_available)
+from specmoe.kernels.gdn import fla_missing, gdn_recurrence, load_fla
 
 from .adapter import ModelSourceError
-from .decoder import DecodeStep, FeatureCapture, checkpoint_source, model_source, residual_work, torch_kernels
+from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
+                      residual_work, split_kv_check, tune_slot_moe, use_grouped_moe, verified)
 from .qwen3_5_moe import Qwen35MoeAdapter
 
 L2NORM_EPS = 1e-6  # the reference's l2norm of q and k in the gated delta rule
+GDN_KERNEL_CHOICES = ("auto", "fla", "triton", "torch")  # "auto": fla where installed and checked, else ours
+# How a verification block's Gated DeltaNet state is rolled back (`Qwen35MoeDecoder.set_gdn`):
+# "history": the step keeps the state after every position (one more store per position and layer) and rollback
+# copies the committed one; "recompute": the step keeps the state at its start and its inputs, and rollback
+# reruns the committed positions' recurrence from it (only when a draft was rejected).
+# scripts/bench_gdn_rollback.py measures both.
+GDN_ROLLBACKS = ("history", "recompute")
+DEFAULT_GDN_ROLLBACK = "history"
 
 
 def _check_config(config) -> None:
@@ -89,21 +111,6 @@ def l2_normalise(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
 
 
-def gated_delta_rule(q, k, v, decay, beta, state, history) -> torch.Tensor:
-    """The gated delta rule of D positions in order, float32: q, k [D, NV, dk] (normed and scaled), v [D, NV, dv],
-    decay (log), beta [D, NV]; `state` [NV, dk, dv] is updated in place and copied into history[i] after
-    position i. Returns the outputs [D, NV, dv]."""
-    out = torch.empty_like(v)
-    for i in range(q.shape[0]):
-        state.mul_(decay[i].exp()[:, None, None])
-        remembered = (state * k[i][:, :, None]).sum(dim=-2)  # [NV, dv]
-        delta = (v[i] - remembered) * beta[i][:, None]
-        state.add_(k[i][:, :, None] * delta[:, None, :])
-        out[i] = (state * q[i][:, :, None]).sum(dim=-2)
-        history[i].copy_(state)
-    return out
-
-
 class Qwen35MoeDecoder(FeatureCapture):
     """Qwen3.5-MoE (Gated DeltaNet and gated attention, gated shared expert) without the routed experts; see the
     module docstring."""
@@ -128,6 +135,11 @@ class Qwen35MoeDecoder(FeatureCapture):
         self.device, self.dtype = torch.device(device), dtype
         self.scoring = adapter.router_scoring(weight)
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
+        self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # as OLMoE's (`use_kernels`)
+        self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
+        # the Gated DeltaNet's recurrence (`specmoe.kernels.gdn`): what was asked, what runs; rollback mode
+        self.gdn_choice, self.gdn_kernel, self.fla = "auto", "torch", None
+        self.gdn_rollback = DEFAULT_GDN_ROLLBACK
         self.mixers = tuple("linear_attention" if t == "linear_attention" else "attention"
                             for t in config.layer_types[:num_layers])
         # Gated DeltaNet sizes
@@ -205,10 +217,74 @@ class Qwen35MoeDecoder(FeatureCapture):
 
     # -- kernels ---------------------------------------------------------------------------------------
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
-        """See `Decoder.use_kernels`. Only the torch path exists for this architecture (the gated delta rule as a
-        plain recurrence, attention through torch SDPA, the routed experts through `slot_moe`'s torch version):
-        any other request is noted and torch used."""
-        return torch_kernels(self, "Qwen3.5-MoE", backend, attention, moe, tune)
+        """See `Decoder.use_kernels`; the same choices, self-checks and fallbacks as OLMoE's: attention through
+        the split-KV kernel (q/k norms, partial rotary and the output gate stay torch around it), the routed
+        experts through the slot MoE Triton kernels (per token, and grouped for D > 1) with tuned launch
+        parameters; and the Gated DeltaNet's recurrence through fla's kernels where installed, else our Triton
+        kernel (`specmoe.kernels.gdn`; `set_gdn` narrows the choice), each checked against torch on this device.
+        Norms, convolution and projections are torch ops on every path. The returned dict adds "gdn": the
+        recurrence's kernel. flash-attn and vLLM's experts are not implemented here: noted, split-KV / slot used."""
+        check_kernel_choice(backend, attention, moe)
+        tune = check_tune(tune)
+        for what, asked, used in (("attention", attention, "split_kv or sdpa"), ("moe", moe, "slot")):
+            if asked in ("flash_attn", "vllm"):
+                self.notes.append(f"{what} {asked!r} is not implemented for the Qwen3.5-MoE decoder; {used} used")
+        triton_ok = self.device.type == "cuda" and triton_available()
+        g, on = self.geometry, (self.dtype, self.device)
+        self.moe_params, self.grouped_moe, self.grouped_params, self.attention = None, False, {}, "sdpa"
+        self.gdn_kernel, self.backend = "torch", "torch"
+        self.launch.clear()
+        self._tuning = (tune, slot_buf)
+        if attention == "split_kv" or (attention == "auto" and triton_ok):
+            if verified(self, "split-KV attention", "SDPA", lambda: checks.check_attention(
+                    g, "split-KV attention kernel", split_kv_check, *on)):
+                self.attention = "split_kv"
+        if backend == "triton" or (backend == "auto" and triton_ok):
+            if verified(self, "slot MoE Triton kernel", "torch fallback", lambda: (
+                    tune_slot_moe(self, slot_buf, tune), checks.check_slot_moe(g, slot_buf, self.moe_params, *on))):
+                self.backend = "triton"
+            else:
+                self.moe_params = None
+                self.launch.clear()
+        if self.backend == "triton":
+            use_grouped_moe(self, slot_buf)
+            self._choose_gdn_kernel()
+        elif self.gdn_choice not in ("auto", "torch"):
+            self.notes.append(f"Gated DeltaNet kernel {self.gdn_choice!r} needs the triton backend; torch used")
+        self.notes.append(f"Gated DeltaNet recurrence: {self.gdn_kernel}, rollback by {self.gdn_rollback}")
+        return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
+                "gdn": self.gdn_kernel}
+
+    def _choose_gdn_kernel(self) -> None:
+        """fla's kernels where installed and asked ("auto" / "fla"), else our Triton kernel ("auto" / "triton"),
+        each checked against the torch recurrence at this layer's heads for D = 1, 16 and 64; else torch."""
+        heads, dev = (self.nk, self.nv, self.dk, self.dv), self.device
+        self.fla = load_fla() if self.gdn_choice in ("auto", "fla") else None
+        if self.gdn_choice in ("auto", "fla") and self.fla is None:
+            self.notes.append(fla_missing())
+        if self.fla is not None and verified(self, "fla's gated delta rule kernels (fused recurrent, chunked)",
+                                             "our Triton kernel", lambda: checks.check_gdn(
+                                                 "fla", heads, dev, self.fla, positions=(1, 16, 64))):
+            self.gdn_kernel = "fla"
+        elif self.gdn_choice in ("auto", "triton") and verified(
+                self, "Triton gated delta rule kernel", "the torch recurrence",
+                lambda: checks.check_gdn("triton", heads, dev, positions=(1, 16, 64))):
+            self.gdn_kernel = "triton"
+
+    def set_gdn(self, kernel: str | None = None, rollback: str | None = None) -> None:
+        """The Gated DeltaNet's settings: `kernel` (GDN_KERNEL_CHOICES; applied by the next `use_kernels`) and
+        `rollback` (GDN_ROLLBACKS, see there). A change of rollback mode drops the steps made so far (their
+        buffers differ): make the runners again."""
+        if kernel is not None:
+            if kernel not in GDN_KERNEL_CHOICES:
+                raise ValueError(f"the Gated DeltaNet kernel must be one of {GDN_KERNEL_CHOICES}, got {kernel!r}")
+            self.gdn_choice = kernel
+        if rollback is not None:
+            if rollback not in GDN_ROLLBACKS:
+                raise ValueError(f"the Gated DeltaNet rollback must be one of {GDN_ROLLBACKS}, got {rollback!r}")
+            if rollback != self.gdn_rollback:
+                self._steps.clear()
+            self.gdn_rollback = rollback
 
     # -- buffers ---------------------------------------------------------------------------------------
     def step(self, num_positions: int) -> DecodeStep:
@@ -216,9 +292,27 @@ class Qwen35MoeDecoder(FeatureCapture):
             c, d, dev, dt = self.geometry, num_positions, self.device, self.dtype
             step = DecodeStep.allocate(d, c, dev)
             residual_work(step, c, dt, self.feature_layers)
-            n = len(self.linear_layers)  # the Gated DeltaNet state after every position (`rollback`)
+            n, f32 = len(self.linear_layers), dict(dtype=torch.float32, device=dev)
+            nk, nv, dk, dv = self.nk, self.nv, self.dk, self.dv
+            # the Gated DeltaNet: convolution input (state, then the D inputs), the recurrence's inputs and output
             step.work.update(conv_in=torch.zeros(n, self.conv_dim, self.conv_width - 1 + d, dtype=dt, device=dev),
-                             recurrent=torch.zeros(n, d, self.nv, self.dk, self.dv, dtype=torch.float32, device=dev))
+                             gdn_q=torch.zeros(n, d, nk, dk, **f32), gdn_k=torch.zeros(n, d, nk, dk, **f32),
+                             gdn_v=torch.zeros(n, d, nv, dv, **f32), gdn_decay=torch.zeros(n, d, nv, **f32),
+                             gdn_beta=torch.zeros(n, d, nv, **f32), gdn_out=torch.zeros(d, nv, dv, **f32))
+            if d > 1:  # what `rollback` resumes from: every position's state, or the state at the step's start
+                shape = (n, d, nv, dk, dv) if self.gdn_rollback == "history" else (n, nv, dk, dv)
+                step.work["recurrent" if self.gdn_rollback == "history" else "start"] = torch.zeros(shape, **f32)
+            # the attention layers: the query, the written length, the split-KV kernel's scratch
+            step.work.update(q=torch.zeros(d, c.num_heads, c.head_dim, dtype=dt, device=dev),
+                             att=torch.zeros(d, c.num_heads * c.head_dim, dtype=dt, device=dev),
+                             seqlens=torch.zeros(1, dtype=torch.int32, device=dev))
+            if self.attention_layers:
+                step.work["split_kv"] = make_split_kv_workspace(d, c.num_heads, c.head_dim, c.max_seq_len, dev,
+                                                                num_kv_heads=c.num_kv_heads)
+            if d > 1:  # the grouped MoE kernel's scratch
+                step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
+                if self.grouped_moe:
+                    choose_grouped_params(self, d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
@@ -227,13 +321,26 @@ class Qwen35MoeDecoder(FeatureCapture):
         return tuple((mixer, "moe") for mixer in self.mixers)
 
     def rollback(self, step: DecodeStep, committed: int) -> None:
-        """Restore every Gated DeltaNet layer's state to the one after position committed - 1 of `step` (the
-        step keeps them all); the KV cache needs nothing (the next step overwrites rejected rows)."""
+        """Restore every Gated DeltaNet layer's state to the one after position committed - 1 of `step`: the
+        convolution state is a window of the step's convolution input; the recurrent state is the kept one
+        ("history") or recomputed from the step's start over the committed positions ("recompute"; eager, one
+        recurrence per layer). Nothing to do when every position is committed; the KV cache needs nothing (the
+        next step overwrites rejected rows)."""
         if not 1 <= committed <= step.num_positions:
             raise ValueError(f"committed must be 1 .. {step.num_positions}, got {committed}")
-        width = self.conv_width - 1
-        self.conv_state.copy_(step.work["conv_in"][:, :, committed:committed + width])
-        self.recurrent_state.copy_(step.work["recurrent"][:, committed - 1])
+        if committed == step.num_positions:
+            return
+        w, width = step.work, self.conv_width - 1
+        self.conv_state.copy_(w["conv_in"][:, :, committed:committed + width])
+        if "recurrent" in w:
+            self.recurrent_state.copy_(w["recurrent"][:, committed - 1])
+            return
+        self.recurrent_state.copy_(w["start"])
+        n = committed
+        for i in range(len(self.linear_layers)):
+            gdn_recurrence(w["gdn_q"][i, :n], w["gdn_k"][i, :n], w["gdn_v"][i, :n], w["gdn_decay"][i, :n],
+                           w["gdn_beta"][i, :n], self.recurrent_state[i], None, w["gdn_out"][:n], self.gdn_kernel,
+                           self.fla)
 
     def randomize_cache(self, seed: int) -> None:
         generator = torch.Generator(device=self.device).manual_seed(int(seed))
@@ -258,12 +365,16 @@ class Qwen35MoeDecoder(FeatureCapture):
         self.conv_state[i].copy_(conv_in[:, d:])
         mixed = F.silu(F.conv1d(conv_in[None], lw["conv"], groups=self.conv_dim))[0].t()  # [D, C]
         q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
-        repeat = self.nv // self.nk
-        q = l2_normalise(q.reshape(d, self.nk, self.dk).float()).repeat_interleave(repeat, dim=1) * self.dk ** -0.5
-        k = l2_normalise(k.reshape(d, self.nk, self.dk).float()).repeat_interleave(repeat, dim=1)
-        decay = lw["A"] * F.softplus(a.float() + lw["dt_bias"])
-        out = gated_delta_rule(q, k, v.reshape(d, self.nv, self.dv).float(), decay, b.sigmoid().float(),
-                               self.recurrent_state[i], w["recurrent"][i])
+        q = w["gdn_q"][i].copy_(l2_normalise(q.reshape(d, self.nk, self.dk).float()) * self.dk ** -0.5)
+        k = w["gdn_k"][i].copy_(l2_normalise(k.reshape(d, self.nk, self.dk).float()))
+        v = w["gdn_v"][i].copy_(v.reshape(d, self.nv, self.dv))
+        decay = w["gdn_decay"][i].copy_(lw["A"] * F.softplus(a.float() + lw["dt_bias"]))
+        beta = w["gdn_beta"][i].copy_(b.sigmoid())
+        state = self.recurrent_state[i]
+        if "start" in w:  # "recompute": the state this step starts from
+            w["start"][i].copy_(state)
+        history = w["recurrent"][i] if "recurrent" in w else None
+        out = gdn_recurrence(q, k, v, decay, beta, state, history, w["gdn_out"], self.gdn_kernel, self.fla)
         out = gated_rmsnorm(out.to(x.dtype), z.reshape(d, self.nv, self.dv), lw["norm"], self.eps)
         return F.linear(out.reshape(d, value_dim), lw["out"])
 
@@ -275,7 +386,7 @@ class Qwen35MoeDecoder(FeatureCapture):
         q, gate = query_gate.view(d, nh, 2 * hd).chunk(2, dim=-1)
         q = zero_centred_rmsnorm(q, lw["q_norm"], self.eps)
         k = zero_centred_rmsnorm(k.view(d, nkv, hd), lw["k_norm"], self.eps)
-        positions = step.input_dev[d:] + torch.arange(d, device=self.device)
+        positions = step.input_dev[d:] + self.positions[:d]
         cos = self.cos.index_select(0, positions).repeat(1, 2).to(x.dtype)[:, None]  # [D, 1, rd]
         sin = self.sin.index_select(0, positions).repeat(1, 2).to(x.dtype)[:, None]
         rotate = lambda t: torch.cat([t[..., :rd] * cos + norm_rope.rotate_half(t[..., :rd]) * sin,  # noqa: E731
@@ -283,7 +394,11 @@ class Qwen35MoeDecoder(FeatureCapture):
         q, k = rotate(q), rotate(k)
         self.k_cache[i].index_copy_(1, positions, k.transpose(0, 1))
         self.v_cache[i].index_copy_(1, positions, v.view(d, nkv, hd).transpose(0, 1))
-        att = decode_attention(q.contiguous(), self.k_cache[i], self.v_cache[i], w["mask"], self.scale)
+        if self.attention == "split_kv":
+            att = split_kv_attention(w["q"].copy_(q), self.k_cache[i], self.v_cache[i], w["seqlens"], self.scale,
+                                     w["att"], w["split_kv"])
+        else:
+            att = decode_attention(q.contiguous(), self.k_cache[i], self.v_cache[i], w["mask"], self.scale)
         return F.linear(att * torch.sigmoid(gate.reshape(d, nh * hd)), lw["o"])
 
     def attention_router(self, step: DecodeStep, layer: int, copy_out: bool = True) -> None:
@@ -291,7 +406,10 @@ class Qwen35MoeDecoder(FeatureCapture):
         if layer == 0:
             step.input_dev.copy_(step.input_host, non_blocking=True)
             w["h"].copy_(self.embed.index_select(0, step.input_dev[:d]))
-            causal_step_mask(self.positions, step.input_dev[d:], w["mask"])
+            if self.attention == "sdpa":
+                causal_step_mask(self.positions, step.input_dev[d:], w["mask"])
+            else:  # positions written, the step's own included
+                w["seqlens"].copy_(step.input_dev[d:] + d)
         else:
             self._write_features(step, layer - 1, w["h"])
         x = w["xn"].copy_(zero_centred_rmsnorm(w["h"], lw["input_ln"], self.eps))
@@ -309,10 +427,14 @@ class Qwen35MoeDecoder(FeatureCapture):
         c, w = self.geometry, step.work
         if copy_in:  # else the route rows were written on the device (`specmoe.kernels.device_routing`)
             step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
+        if self.grouped_moe and step.num_positions > 1:  # each distinct slot's expert read once for the D positions
+            slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,
+                                    w["grouped"], self.grouped_params.get(step.num_positions))
+            return
         for i in range(step.num_positions):
             h = w["h"][i]
             slot_moe(w["moe_in"][i], h, slot_buf, step.route_dev[layer, i], w["act"], h, c.hidden, c.inter,
-                     self.backend)
+                     self.backend, self.moe_params)
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = step.work["xn"].copy_(zero_centred_rmsnorm(step.work["h"], self.final_norm, self.eps))
@@ -325,10 +447,12 @@ class Qwen35MoeDecoder(FeatureCapture):
     # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_token(self, position: int) -> int:
         """Weights read per step (every layer's token mixer, shared expert, router pair; the embedding row, final
-        norm and LM head), the KV caches (SDPA reads all S positions) and the Gated DeltaNet state."""
+        norm and LM head), the KV caches (SDPA reads all S positions, split-KV the written ones) and the Gated
+        DeltaNet state."""
         item = self.embed.element_size()
         layers = sum(t.numel() * t.element_size() for lw in self.layers for t in lw.values())
         routers = sum(t.numel() * t.element_size() for t in self.router_pair)
-        state = sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache, self.conv_state,
-                                                           self.recurrent_state))
-        return layers + routers + state + (self.lm_head.numel() + 2 * self.geometry.hidden) * item
+        state = sum(t.numel() * t.element_size() for t in (self.conv_state, self.recurrent_state))
+        attended = self.geometry.max_seq_len if self.attention == "sdpa" else position + 1
+        kv = 2 * self.k_cache[:, :, :attended].numel() * item
+        return layers + routers + state + kv + (self.lm_head.numel() + 2 * self.geometry.hidden) * item
