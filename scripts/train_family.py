@@ -132,8 +132,41 @@ def cmd_install(args) -> None:
     print(f"installed into {dst}")
 
 
+def cmd_evaluate_member(args) -> None:
+    """`evaluate --member NAME`: the member's fixed slice (and with --locality its routing locality) at --dtype
+    on --device, checked against the record, into members_metrics.json with --write."""
+    import torch
+
+    from specmoe_train.corpus import load_corpus
+    from specmoe_train.family import EVAL_SETTINGS, measure_locality
+    from specmoe_train.members import load_member, member_slice_metrics
+
+    family = Path(args.family)
+    metrics_path = family / "members_metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {"members": {}}
+    entry = metrics["members"].setdefault(args.member, {})
+    streams = load_corpus(args.corpus)
+    target, dflash = load_member(family, args.member, args.device, getattr(torch, args.dtype))
+    target.set_experts_implementation("eager")
+    recomputed = member_slice_metrics(target, dflash, streams["evaluation"])
+    if "starts" in entry.get("slice", {}) and entry["slice"]["starts"] != recomputed["starts"]:
+        raise ValueError("the corpus's evaluation stream does not give the recorded slice")
+    entry[f"slice_{args.device}_{args.dtype}"] = {k: v for k, v in recomputed.items() if k != "starts"}
+    print(json.dumps({args.member: {"recorded": entry.get("slice"), "here": entry[f"slice_{args.device}_{args.dtype}"]}},
+                     indent=1))
+    if args.locality:
+        st = EVAL_SETTINGS[args.preset]
+        entry[f"locality_{args.device}_{args.dtype}"] = measure_locality(
+            target, streams["evaluation"], st["locality_sequences"], st["locality_length"], 16)
+    if args.write:
+        write_text_atomic(metrics_path, json.dumps(metrics, indent=1))
+
+
 def cmd_evaluate(args) -> None:
     import torch
+
+    if args.member:
+        return cmd_evaluate_member(args)
 
     from specmoe_train.corpus import load_corpus
     from specmoe_train.family import EVAL_SETTINGS, evaluate_family, load_family
@@ -219,6 +252,8 @@ def main(argv=None) -> None:
     p.add_argument("--locality", action="store_true", help="routing locality of the target at --dtype")
     p.add_argument("--slice", action="store_true", help="recompute the fixed held-out slice and record its tokens")
     p.add_argument("--full", action="store_true")
+    p.add_argument("--member", choices=sorted(FAMILY_MEMBERS), default=None,
+                   help="measure this member instead (--slice implied, --locality; members_metrics.json)")
     p.add_argument("--write", action="store_true", help="write the results into the family's metrics.json")
     p.set_defaults(func=cmd_evaluate)
     args = parser.parse_args(argv)

@@ -159,7 +159,7 @@ class MemberConfig:
 
 # DeepSeek-V3 (Moonlight's shape, scaled down): 6 layers, the first dense, 64 routed experts of width 16, top-6,
 # 2 ungated shared experts, one group, sigmoid router renormalised and scaled by Moonlight's 2.446, MLA without
-# query compression (latent 64 + rope 16), tied embeddings. About 3.6M parameters, 7.3 MB in bf16.
+# query compression (latent 64 + rope 16), tied embeddings. About 3.6M parameters, 7.4 MB in bf16.
 _DEEPSEEK_V3 = dict(
     hidden_size=128, intermediate_size=256, moe_intermediate_size=16, num_hidden_layers=6, num_attention_heads=4,
     num_key_value_heads=4, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6, routed_scaling_factor=2.446,
@@ -170,7 +170,7 @@ _DEEPSEEK_V3 = dict(
 # Qwen3.5-MoE (Qwen3.6's shape, scaled down): 4 layers, three Gated DeltaNet then one gated full attention, 256
 # experts of width 8, top-8 (softmax, renormalised), one shared expert of width 64 with its sigmoid gate, tied
 # embeddings; load balancing by the architecture's auxiliary loss at the family's weight 0.01. About 4.7M
-# parameters, 9.4 MB in bf16; its DFlash drafter (2 layers over the outputs of all four target layers) 0.8 MB.
+# parameters, 9.7 MB in bf16; its DFlash drafter (2 layers over the outputs of all four target layers) 0.8 MB.
 _QWEN3_5_MOE = dict(
     hidden_size=128, num_hidden_layers=4, full_attention_interval=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
@@ -181,19 +181,19 @@ _QWEN3_5_MOE = dict(
 _H200_TRAIN = FAMILY_PRESETS["h200"]
 _TINY_TRAIN = FAMILY_PRESETS["tiny"]
 
-# preset -> member -> config. h200: about 140 s per target and 70 s for the DFlash drafter on one H200 (steps
-# from the timing probe), the two members 17 MB of bf16 weights together.
+# preset -> member -> config. h200: about 135 s per target and 65 s for the DFlash drafter on one H200 (steps
+# from the timing probe; with the measurements about 7 minutes in all), the two members 18 MB of bf16 weights.
 MEMBER_PRESETS: dict[str, dict[str, MemberConfig]] = {
     "h200": {
         "deepseek_v3": MemberConfig(
             "deepseek_v3", _DEEPSEEK_V3, balance="bias_update", sequence_balance_coef=1e-4,
-            train=replace(_H200_TRAIN, target=StageConfig(time_budget_s=140.0, max_steps=2500, lr=3e-3))),
+            train=replace(_H200_TRAIN, target=StageConfig(time_budget_s=135.0, max_steps=2500, lr=3e-3))),
         "qwen3_5_moe": MemberConfig(
             "qwen3_5_moe_text", _QWEN3_5_MOE, dflash=True, dflash_rope={"rope_type": "default", "rope_theta": 10000.0},
             dflash_target_layers=(0, 1, 2, 3),
             train=replace(_H200_TRAIN, df_layers=2, df_intermediate=256,
-                          target=StageConfig(time_budget_s=140.0, max_steps=2500, lr=3e-3),
-                          drafters=StageConfig(time_budget_s=70.0, max_steps=1250, lr=2e-3))),
+                          target=StageConfig(time_budget_s=135.0, max_steps=2500, lr=3e-3),
+                          drafters=StageConfig(time_budget_s=65.0, max_steps=1250, lr=2e-3))),
     },
     "tiny": {
         "deepseek_v3": MemberConfig(

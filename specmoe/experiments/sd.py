@@ -157,8 +157,8 @@ def _names(text: str, what: str, known) -> tuple[str, ...]:
 def add_parser(sub) -> None:
     parser = sub.add_parser("sd", help="speculative decoding with block-level expert selection vs AR-PSR",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="target checkpoint directory or named config "
-                        "(default: the shipped family's target)")
+    parser.add_argument("--model", default=None, help="target checkpoint directory, named config or family target "
+                        "(family, family/deepseek_v3, family/qwen3_5_moe; default: family)")
     parser.add_argument("--drafters", default="ar,dflash", help="comma-separated: ar, dflash, synthetic (default ar,dflash)")
     parser.add_argument("--selectors", default="exact,acceptmoe,confidence_top1",
                         help="comma-separated selector presets (default exact,acceptmoe,confidence_top1)")
