@@ -194,6 +194,23 @@ def test_tiny_members_train_save_pack_install_and_load_everywhere(corpus, tmp_pa
         assert np.abs(result.logits - ref).max() <= 1e-4 * np.abs(ref).max(), name
 
 
+@pytest.mark.gpu
+def test_tiny_members_train_on_cuda_with_grouped_mm_experts(corpus, tmp_path):
+    """The device path of the members' training: bf16 models, grouped_mm experts where transformers has them
+    (DeepSeek-V3, Qwen3.5-MoE), flash-linear-attention's Gated DeltaNet where `fla` imports; every measurement
+    runs."""
+    from specmoe_train.family import run_family
+    from specmoe_train.members import run_members
+
+    run_family(corpus, tmp_path / "family", "tiny", device="cuda", log=lambda m: None)
+    metrics = run_members(corpus, tmp_path / "members", tmp_path / "family" / "ar_drafter", "tiny", device="cuda",
+                          log=print)
+    for name, m in metrics["members"].items():
+        assert m["training"]["target"]["experts_implementation"] == "grouped_mm", name
+        assert all("error" not in m["evaluation"][key] for key in ("perplexity", "tau", "locality")), name
+        assert "error" not in m["slice"], name
+
+
 # -- DFlash format -----------------------------------------------------------------------------------
 
 def test_target_layer_ids_follow_dflash_rule():
