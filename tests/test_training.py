@@ -178,6 +178,12 @@ def test_tiny_members_train_save_pack_install_and_load_everywhere(corpus, tmp_pa
     with pytest.raises(ModelSourceError, match="family/deepseek_v3, family/qwen3_5_moe"):
         load_model("family/mixtral")
     qwen, qwen_adapter = load_model("family/qwen3_5_moe")
+    from specmoe.experiments.config import load_config
+    from specmoe.experiments.grid import grid_model
+
+    toml = (Path(__file__).parents[1] / "experiments" / "quickstart.toml").read_text()
+    (tmp_path / "q.toml").write_text(toml.replace('source = "family"', 'source = "family/qwen3_5_moe"', 1))
+    assert grid_model(load_config(tmp_path / "q.toml")).source == str(family / "qwen3_5_moe")
     assert type(build_drafter(DrafterConfig("dflash", runtime="hf"), qwen).model.config).__name__ == "Qwen3Config"
     assert build_drafter(DrafterConfig("dflash", runtime="hf"), qwen).model.target_layer_ids == [0, 1, 2, 3]
     build_drafter(DrafterConfig("ar", runtime="hf"), qwen)
