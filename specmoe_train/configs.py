@@ -1,7 +1,9 @@
 """Sizes and training settings of the small model family, and the transformers configs built from them.
 
 `FAMILY_PRESETS["h200"]` is the shipped family (one H200, about 8 minutes of training, under 40 MB of
-bf16 weights); `FAMILY_PRESETS["tiny"]` runs a few steps on a CPU in seconds (tests).
+bf16 weights); `FAMILY_PRESETS["tiny"]` runs a few steps on a CPU in seconds (tests). `MEMBER_PRESETS` are the
+family's members (DeepSeek-V3 and Qwen3.5-MoE targets on the same tokenizer and corpus), with the same two
+presets.
 """
 
 from __future__ import annotations
@@ -123,3 +125,108 @@ def ar_drafter_config(fc: FamilyConfig, vocab_size: int, eos_id: int, pad_id: in
 def dflash_drafter_config(fc: FamilyConfig, target: OlmoeConfig, mask_id: int):
     return dflash_config(target, num_layers=fc.df_layers, block_size=fc.block_size, mask_token_id=mask_id,
                          intermediate_size=fc.df_intermediate, num_attention_heads=fc.df_heads)
+
+
+# -- members: more trained targets of other architectures, same tokenizer and corpus --------------------------
+
+@dataclass(frozen=True)
+class MemberConfig:
+    """A member of the family: a target of another architecture trained from scratch on the family's corpus
+    with its tokenizer (the family's AR drafter drafts for it), and optionally its own DFlash drafter.
+
+    model: the transformers config's keyword arguments (vocabulary and token ids come from the tokenizer);
+    balance: "aux_loss" (the architecture's load-balancing loss, weighted by router_aux_loss_coef) or
+    "bias_update" (DeepSeek-V3's auxiliary-loss-free balancing: after every optimizer step, per MoE layer,
+    bias_i += bias_update_rate * sign(mean load - load_i), load_i = the tokens of the step's batch whose biased
+    selection chose expert i; plus the sequence-wise balance loss weighted by `sequence_balance_coef`);
+    train: the data, stage (target: the target; drafters: the DFlash drafter) and DFlash settings, as the
+    family's (its OLMoE and AR sizes are unused); dflash_rope: the DFlash drafter's RoPE (None: the target's);
+    dflash_target_layers: the target layers whose outputs condition it."""
+
+    architecture: str  # model_type
+    model: dict
+    train: FamilyConfig
+    balance: str = "aux_loss"
+    bias_update_rate: float = 1e-3
+    sequence_balance_coef: float = 0.0
+    dflash: bool = False
+    dflash_rope: dict | None = None
+    dflash_target_layers: tuple[int, ...] | None = None  # None: DFlash's rule over the target's layers
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# DeepSeek-V3 (Moonlight's shape, scaled down): 6 layers, the first dense, 64 routed experts of width 16, top-6,
+# 2 ungated shared experts, one group, sigmoid router renormalised and scaled by Moonlight's 2.446, MLA without
+# query compression (latent 64 + rope 16), tied embeddings. About 3.6M parameters, 7.4 MB in bf16.
+_DEEPSEEK_V3 = dict(
+    hidden_size=128, intermediate_size=256, moe_intermediate_size=16, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=4, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6, routed_scaling_factor=2.446,
+    kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=1,
+    topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True, num_mtp_layers=0)
+
+# Qwen3.5-MoE (Qwen3.6's shape, scaled down): 4 layers, three Gated DeltaNet then one gated full attention, 256
+# experts of width 8, top-8 (softmax, renormalised), one shared expert of width 64 with its sigmoid gate, tied
+# embeddings; load balancing by the architecture's auxiliary loss at the family's weight 0.01. About 4.7M
+# parameters, 9.7 MB in bf16; its DFlash drafter (2 layers over the outputs of all four target layers) 0.8 MB.
+_QWEN3_5_MOE = dict(
+    hidden_size=128, num_hidden_layers=4, full_attention_interval=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=8,
+    shared_expert_intermediate_size=64, router_aux_loss_coef=0.01, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    tie_word_embeddings=True)
+
+_H200_TRAIN = FAMILY_PRESETS["h200"]
+_TINY_TRAIN = FAMILY_PRESETS["tiny"]
+
+# preset -> member -> config. h200: about 135 s per target and 65 s for the DFlash drafter on one H200 (steps
+# from the timing probe; with the measurements about 7 minutes in all), the two members 18 MB of bf16 weights.
+MEMBER_PRESETS: dict[str, dict[str, MemberConfig]] = {
+    "h200": {
+        "deepseek_v3": MemberConfig(
+            "deepseek_v3", _DEEPSEEK_V3, balance="bias_update", sequence_balance_coef=1e-4,
+            train=replace(_H200_TRAIN, target=StageConfig(time_budget_s=135.0, max_steps=2500, lr=3e-3))),
+        "qwen3_5_moe": MemberConfig(
+            "qwen3_5_moe_text", _QWEN3_5_MOE, dflash=True, dflash_rope={"rope_type": "default", "rope_theta": 10000.0},
+            dflash_target_layers=(0, 1, 2, 3),
+            train=replace(_H200_TRAIN, df_layers=2, df_intermediate=256,
+                          target=StageConfig(time_budget_s=135.0, max_steps=2500, lr=3e-3),
+                          drafters=StageConfig(time_budget_s=65.0, max_steps=1250, lr=2e-3))),
+    },
+    "tiny": {
+        "deepseek_v3": MemberConfig(
+            "deepseek_v3", {**_DEEPSEEK_V3, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                            "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 8,
+                            "num_experts_per_tok": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "v_head_dim": 8,
+                            "qk_nope_head_dim": 8, "max_position_embeddings": 256},
+            balance="bias_update", sequence_balance_coef=1e-4, train=_TINY_TRAIN),
+        "qwen3_5_moe": MemberConfig(
+            "qwen3_5_moe_text", {**_QWEN3_5_MOE, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                 "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                 "num_experts": 16, "num_experts_per_tok": 4, "shared_expert_intermediate_size": 16,
+                                 "max_position_embeddings": 256},
+            dflash=True, dflash_rope={"rope_type": "default", "rope_theta": 10000.0}, dflash_target_layers=(0, 1, 2, 3),
+            train=_TINY_TRAIN),
+    },
+}
+
+
+def member_config(mc: MemberConfig, vocab_size: int, eos_id: int, pad_id: int):
+    """The transformers config of a member's target."""
+    from specmoe.models import ARCHITECTURES
+
+    arch = ARCHITECTURES[mc.architecture]
+    config = arch.config_class(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+                               **{k: (dict(v) if isinstance(v, dict) else v) for k, v in mc.model.items()})
+    config.architectures = [arch.model_class.__name__]
+    return config
+
+
+def member_dflash_config(mc: MemberConfig, target, mask_id: int):
+    fc = mc.train
+    return dflash_config(target, num_layers=fc.df_layers, block_size=fc.block_size, mask_token_id=mask_id,
+                         intermediate_size=fc.df_intermediate, num_attention_heads=fc.df_heads,
+                         rope_parameters=mc.dflash_rope,
+                         target_layer_ids=list(mc.dflash_target_layers) if mc.dflash_target_layers else None)

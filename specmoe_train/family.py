@@ -91,7 +91,8 @@ def slice_metrics(target, ar, dflash, stream: np.ndarray) -> dict:
 def measure_tau(target, ar, dflash, stream: np.ndarray, prompts: int, prompt_len: int, new_tokens: int,
                 ks: tuple[int, ...], batch_size: int = 32, crosscheck: int = 0, crosscheck_tokens: int = 64,
                 log=print) -> dict:
-    """tau of both drafters at each k over the target's greedy continuations of held-out prompts."""
+    """tau of both drafters (dflash None: the AR drafter's only) at each k over the target's greedy
+    continuations of held-out prompts."""
     device = next(target.parameters()).device
     # spaced as windows of prompt_len + 1 tokens: every prompt has its next token in the stream
     prompt_rows = torch.from_numpy(np.ascontiguousarray(spaced_windows(stream, prompt_len + 1, prompts)[1][:, :-1]))
@@ -101,20 +102,24 @@ def measure_tau(target, ar, dflash, stream: np.ndarray, prompts: int, prompt_len
     match = np.concatenate([ar_accept_runs(ar, rows) for rows in seqs.split(batch_size)])
     # from the last prompt token on: the walk's first root is the prompt's next token, the harness loop's
     # (the cross-check) the last prompt token
-    accepted = np.concatenate([dflash_accept_lengths(target, dflash, rows, prompt_len - 1, k_max)
-                               for rows in seqs.split(batch_size)])
+    accepted = None if dflash is None else np.concatenate([
+        dflash_accept_lengths(target, dflash, rows, prompt_len - 1, k_max) for rows in seqs.split(batch_size)])
     result = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "distinct_continuations": int(len({tuple(r) for r in seqs[:, prompt_len:].tolist()}))}
     for k in ks:
-        ar_k = tau_from_runs(match, None, prompt_len, k)
-        df_k = tau_from_runs(None, accepted, prompt_len, k)  # the walk caps acceptance at k
-        result[f"k{k}"] = {"ar_drafter": ar_k, "dflash_drafter": df_k}
-        log(f"tau k={k}: ar {ar_k['tau']:.3f}  dflash {df_k['tau']:.3f}")
+        result[f"k{k}"] = {"ar_drafter": tau_from_runs(match, None, prompt_len, k)}
+        if accepted is not None:
+            result[f"k{k}"]["dflash_drafter"] = tau_from_runs(None, accepted, prompt_len, k)  # capped at k
+        log(f"tau k={k}: " + "  ".join(f"{name} {v['tau']:.3f}" for name, v in result[f"k{k}"].items()))
     if crosscheck:
         end = prompt_len + min(crosscheck_tokens, new_tokens)
-        result["crosscheck"] = tau_crosscheck(target, ar, dflash, prompt_rows[:crosscheck], seqs[:crosscheck, :end],
-                                              match[:crosscheck, :end - 1], accepted[:crosscheck, :end], prompt_len,
-                                              ks, log)
+        try:  # the harness's loop may not support the target (a cache it cannot roll back): keep tau
+            result["crosscheck"] = tau_crosscheck(
+                target, ar, dflash, prompt_rows[:crosscheck], seqs[:crosscheck, :end], match[:crosscheck, :end - 1],
+                None if accepted is None else accepted[:crosscheck, :end], prompt_len, ks, log)
+        except Exception as exc:
+            result["crosscheck"] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(f"FAILED crosscheck: {result['crosscheck']['error']}")
     return result
 
 
@@ -133,8 +138,10 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
     out = {"prompts": int(prompts.shape[0]), "new_tokens": int(new)}
     for k in ks:
         config = SpeculativeConfig(selector_preset("exact"), k=k, pool_size=adapter.num_experts, max_new_tokens=new)
-        for name, drafter in (("ar_drafter", HFAutoregressiveDrafter(ar, target)),
-                              ("dflash_drafter", DFlashDrafter(dflash, target))):
+        drafters = [("ar_drafter", HFAutoregressiveDrafter(ar, target))]
+        if dflash is not None:
+            drafters.append(("dflash_drafter", DFlashDrafter(dflash, target)))
+        for name, drafter in drafters:
             verifications = block_tokens = blocks = agreeing = same_tokens = 0
             for b in range(prompts.shape[0]):
                 res = speculative_generate(target, adapter, drafter, prompts[b], config, divergence=False)
@@ -165,7 +172,8 @@ def measure_locality(target, stream: np.ndarray, sequences: int, length: int, ba
 
 def evaluate_family(target, ar, dflash, streams: dict, settings: dict, log=print,
                     deadline: float | None = None) -> dict:
-    """Every held-out measurement, each skipped (and said so) once `deadline` (time.time()) has passed."""
+    """Every held-out measurement, each skipped (and said so) once `deadline` (time.time()) has passed (dflash
+    None: a target without a DFlash drafter, a member's)."""
     metrics: dict = {"settings": settings}
     evaluation = streams["evaluation"]
 
@@ -184,9 +192,9 @@ def evaluate_family(target, ar, dflash, streams: dict, settings: dict, log=print
 
     rows = torch.from_numpy(windows(evaluation, settings["ppl_window"] + 1)[: settings["ppl_max_windows"]])
     stage("perplexity", lambda: {"target": perplexity(target, rows, settings["batch_size"]),
-                                 "ar_drafter": perplexity(ar, rows, settings["batch_size"]),
+                                 "ar_drafter": perplexity(ar, rows, settings["batch_size"])} | ({} if dflash is None else {
                                  "dflash_drafter": dflash_block_nll(target, dflash, rows[: settings["dflash_windows"]],
-                                                                    batch_size=settings["batch_size"])})
+                                                                    batch_size=settings["batch_size"])}))
     stage("tau", lambda: measure_tau(target, ar, dflash, evaluation, settings["tau_prompts"], settings["prompt_len"],
                                      settings["new_tokens"], tuple(settings["ks"]), settings["batch_size"],
                                      settings["crosscheck"], settings["crosscheck_tokens"], log))

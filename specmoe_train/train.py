@@ -1,7 +1,10 @@
-"""Training of the family: the OLMoE target from scratch, then both drafters against the frozen target.
+"""Training of the family: the OLMoE target from scratch, then both drafters against the frozen target (and
+the members' targets, and a member's DFlash drafter alone, with the same loops).
 
-- target: next-token cross-entropy plus OLMoE's load-balancing loss (transformers' `aux_loss` with
-  ``output_router_logits=True``, weighted by ``router_aux_loss_coef``);
+- target: next-token cross-entropy plus the architecture's load-balancing loss (transformers' `aux_loss` with
+  ``output_router_logits=True``, weighted by ``router_aux_loss_coef``: OLMoE, Qwen3.5-MoE), or DeepSeek-V3's
+  auxiliary-loss-free balancing (`BiasBalance`: a selection-bias update after every step, plus its tiny
+  sequence-wise balance loss);
 - AR drafter (OLMo): (1 - w) * cross-entropy on the text + w * KL(target || drafter) on the target's
   teacher-forced next-token distribution;
 - DFlash drafter: `anchors_per_sequence` random anchors per training window; each block (anchor + mask
@@ -147,13 +150,79 @@ class _Curve:
                 "epochs": step * fc.batch_size / max(1, sampler.starts.size), **extra, "rows": self.rows}
 
 
-def choose_experts_implementation(model, batch: torch.Tensor, preferred: tuple[str, ...]) -> str:
-    """The first of `preferred` under which one forward and backward of `batch` runs (grads discarded)."""
+class BiasBalance:
+    """DeepSeek-V3's auxiliary-loss-free load balancing of a model's sigmoid routers (every module with an
+    `e_score_correction_bias`, kept in float32). Forward hooks on the routers count, while the model trains,
+    how many tokens each expert's biased selection chose (the router's returned top-K indices) and add up the
+    sequence-wise balance loss sum_i f_i P_i per sequence (f_i = E / (K T) x the sequence's tokens choosing i,
+    P_i = the mean over its tokens of the scores normalised to sum to one); `update()` after the optimizer step
+    moves every bias by rate * sign(mean load - load_i) and clears the counts."""
+
+    def __init__(self, model, rate: float, coef: float):
+        self.routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+        if not self.routers:
+            raise ValueError("bias balancing needs routers with an e_score_correction_bias")
+        self.rate, self.coef = rate, coef
+        for router in self.routers:
+            router.e_score_correction_bias = router.e_score_correction_bias.float()
+        first = self.routers[0].e_score_correction_bias
+        self.loads = torch.zeros(len(self.routers), first.numel(), device=first.device)
+        self.seq_loss = []
+        self.last_imbalance = float("nan")
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+
+    def _hook(self, index: int):
+        def hook(module, inputs, output):
+            if not module.training:
+                return
+            logits, _, chosen = output
+            experts, k = logits.shape[-1], chosen.shape[-1]
+            counts = torch.zeros(chosen.shape[0], experts, device=chosen.device).scatter_(1, chosen, 1.0)
+            self.loads[index] += counts.sum(0)
+            if self.coef:
+                batch, seq = inputs[0].shape[:2]
+                scores = logits.float().sigmoid()
+                p = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, experts).mean(1)
+                f = counts.view(batch, seq, experts).sum(1) * (experts / (k * seq))
+                self.seq_loss.append((f * p).sum(-1).mean())
+        return hook
+
+    def take_loss(self) -> torch.Tensor:
+        """The summed sequence-wise balance loss of the forward passes since the last call (zero without)."""
+        loss = torch.stack(self.seq_loss).sum() if self.seq_loss else self.loads.new_zeros(())
+        self.seq_loss = []
+        return loss
+
+    @torch.no_grad()
+    def update(self) -> None:
+        mean = self.loads.mean(-1, keepdim=True)
+        self.last_imbalance = (self.loads.max(-1).values / mean[:, 0].clamp_min(1)).mean()
+        step = self.rate * torch.sign(mean - self.loads)
+        for router, delta in zip(self.routers, step):
+            router.e_score_correction_bias += delta
+        self.loads.zero_()
+
+    def reset(self) -> None:
+        self.loads.zero_()
+        self.seq_loss = []
+
+    def remove(self) -> dict:
+        """Remove the hooks; the biases' spread per layer (for the record)."""
+        for handle in self.handles:
+            handle.remove()
+        biases = torch.stack([r.e_score_correction_bias for r in self.routers])
+        return {"bias_min": biases.min(-1).values.tolist(), "bias_max": biases.max(-1).values.tolist()}
+
+
+def choose_experts_implementation(model, batch: torch.Tensor, preferred: tuple[str, ...],
+                                  router_logits: bool = True) -> str:
+    """The first of `preferred` under which one forward and backward of `batch` runs (grads discarded);
+    router_logits: ask for the architecture's aux_loss too."""
     for name in preferred:
         try:
             model.set_experts_implementation(name)
-            out = model(input_ids=batch, output_router_logits=True)
-            (out.logits.float().mean() + out.aux_loss).backward()
+            out = model(input_ids=batch, output_router_logits=True) if router_logits else model(input_ids=batch)
+            (out.logits.float().mean() + (out.aux_loss if router_logits else 0)).backward()
             model.zero_grad(set_to_none=True)
             return name
         except Exception as exc:  # an unsupported kernel on this device / version
@@ -182,14 +251,19 @@ def monitor_rows(stream: np.ndarray | None, fc: FamilyConfig, device) -> torch.T
 
 
 def train_target(model, stream: np.ndarray, fc: FamilyConfig, device: torch.device,
-                 log: Callable[[str], None] = print, heldout: np.ndarray | None = None) -> dict:
-    """Train the OLMoE target on the train stream; returns steps, seconds, tokens and the curve rows
-    (with the held-out loss on `heldout` every `eval_every` steps, when given)."""
+                 log: Callable[[str], None] = print, heldout: np.ndarray | None = None,
+                 balance: BiasBalance | None = None) -> dict:
+    """Train a target on the train stream; returns steps, seconds, tokens and the curve rows (with the held-out
+    loss on `heldout` every `eval_every` steps, when given). Load balancing: the architecture's aux_loss, or
+    `balance` (its sequence-wise loss weighted by balance.coef, its bias update after every step)."""
     stage = fc.target
     sampler = BatchSampler(stream, fc.batch_size, fc.seq_len, seed=fc.seed)
     preferred = ("grouped_mm", "eager") if device.type == "cuda" else ("eager",)
     probe = torch.from_numpy(stream[: 2 * (fc.seq_len + 1)].astype(np.int64)).view(2, -1)[:, :-1].to(device)
-    impl = choose_experts_implementation(model, probe, preferred)
+    model.train()
+    impl = choose_experts_implementation(model, probe, preferred, router_logits=balance is None)
+    if balance is not None:
+        balance.reset()
     monitor = monitor_rows(heldout, fc, device)
     model.train()
     opt = MasterAdamW(model, stage)
@@ -197,23 +271,34 @@ def train_target(model, stream: np.ndarray, fc: FamilyConfig, device: torch.devi
     curve = _Curve("target", ("loss", "ce", "aux_loss", "grad_norm"), fc, stage, clock,
                    lambda: heldout_loss(model, monitor), device)
     step = 0
-    aux_coef = model.config.router_aux_loss_coef
+    aux_coef = model.config.router_aux_loss_coef if balance is None else balance.coef
     while clock.total is None or step < clock.total:
         clock.before_step(step)
         batch = torch.from_numpy(sampler.next()).to(device)
-        out = model(input_ids=batch[:, :-1], output_router_logits=True)
+        if balance is None:
+            out = model(input_ids=batch[:, :-1], output_router_logits=True)
+            aux = out.aux_loss
+        else:
+            out = model(input_ids=batch[:, :-1])
+            aux = balance.take_loss()
         ce = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        loss = ce + aux_coef * out.aux_loss
+        loss = ce + aux_coef * aux
         loss.backward()
         lr = lr_at(step, clock.horizon, stage)
         norm = opt.step(lr)
+        if balance is not None:
+            balance.update()
         step += 1
-        row = curve.add(step, lr, torch.stack([loss.detach(), ce.detach(), out.aux_loss.detach().float(),
+        row = curve.add(step, lr, torch.stack([loss.detach(), ce.detach(), aux.detach().float(),
                                                norm.detach().float()]))
         if row:
             log(f"target step {step}/{clock.total} loss {row['loss']:.4f} ce {row['ce']:.4f} "
                 f"aux {row['aux_loss']:.4f} lr {lr:.2e} {row['seconds']:.0f}s")
-    return curve.result(step, sampler, experts_implementation=impl)
+    extra = {"experts_implementation": impl}
+    if balance is not None:
+        extra["bias_balance"] = {"rate": balance.rate, "sequence_balance_coef": balance.coef,
+                                 "last_load_max_over_mean": float(balance.last_imbalance), **balance.remove()}
+    return curve.result(step, sampler, **extra)
 
 
 def _mixed_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_logp: torch.Tensor,
@@ -236,7 +321,8 @@ def sample_anchors(rng: np.random.Generator, batch: int, count: int, seq_len: in
 def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, device: torch.device,
                    log: Callable[[str], None] = print, heldout: np.ndarray | None = None) -> dict:
     """Train the AR and DFlash drafters on the same batches, each against the frozen target (the AR
-    drafter's held-out loss on `heldout` is logged every `eval_every` steps, when given)."""
+    drafter's held-out loss on `heldout` is logged every `eval_every` steps, when given). ar None: the DFlash
+    drafter alone (a member's)."""
     stage = fc.drafters
     sampler = BatchSampler(stream, fc.batch_size, fc.seq_len, seed=fc.seed + 1)
     rng = np.random.Generator(np.random.PCG64([fc.seed, 2]))
@@ -244,15 +330,17 @@ def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, dev
     for p in target.parameters():
         p.requires_grad_(False)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    ar.train()
     dflash.train()
-    opt_ar, opt_df = MasterAdamW(ar, stage), MasterAdamW(dflash, stage)
+    opt_df = MasterAdamW(dflash, stage)
+    if ar is not None:
+        ar.train()
+        opt_ar = MasterAdamW(ar, stage)
     block, n_anchor, w = fc.block_size, fc.anchors_per_sequence, fc.distill_weight
     pos_weight = torch.exp(-torch.arange(block - 1, device=device, dtype=torch.float32) / fc.block_loss_decay)
     clock = _Clock(stage, device)
     monitor = monitor_rows(heldout, fc, device)
     curve = _Curve("drafters", ("ar_loss", "dflash_loss", "dflash_acc1", "dflash_acc_mean"), fc, stage, clock,
-                   lambda: heldout_loss(ar, monitor), device)
+                   lambda: heldout_loss(ar, monitor if ar is not None else None), device)
     rows_of_batch = torch.arange(fc.batch_size, device=device)[:, None, None]
     step = 0
     while clock.total is None or step < clock.total:
@@ -263,7 +351,8 @@ def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, dev
             out = target(input_ids=inputs, output_hidden_states=True)
             teacher = F.log_softmax(out.logits.float(), dim=-1)  # [B, S, V]: position p predicts p + 1
             features = extract_context_feature(out.hidden_states, dflash.target_layer_ids)
-        ar_loss = _mixed_loss(ar(input_ids=inputs).logits, labels, teacher, w).mean()
+        ar_loss = _mixed_loss(ar(input_ids=inputs).logits, labels, teacher, w).mean() if ar is not None \
+            else torch.zeros((), device=device)
 
         anchors = torch.from_numpy(sample_anchors(rng, batch.shape[0], n_anchor, fc.seq_len, block)).to(device)
         logits = draft_block_logits(dflash, embed, head, features, batch, anchors)  # [B, N, block-1, V]
@@ -273,7 +362,8 @@ def train_drafters(target, ar, dflash, stream: np.ndarray, fc: FamilyConfig, dev
         df_loss = (per_pos * pos_weight).sum(-1).mean() / pos_weight.sum()
         (ar_loss + df_loss).backward()
         lr = lr_at(step, clock.horizon, stage)
-        opt_ar.step(lr)
+        if ar is not None:
+            opt_ar.step(lr)
         opt_df.step(lr)
         with torch.no_grad():
             hit = (logits.argmax(-1) == df_labels).float()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.assets import family_path
+from specmoe.assets import FAMILY_MEMBERS, family_path
 from specmoe.drafters.dflash_model import DFlashDraftModel
 from specmoe.harness import record_trace
 from specmoe.models import adapter_for
@@ -29,10 +29,44 @@ def family():
     return load_family(FAMILY, "cpu", torch.float32)
 
 
+MEMBER_DIRS = {*FAMILY_MEMBERS, *(d for d in FAMILY_MEMBERS.values() if d)}
+
+
 def test_the_family_fits_the_repository_limits():
     files = [p for p in FAMILY.rglob("*") if p.is_file()]
     assert all(p.stat().st_size < 16 * MiB for p in files), [p.name for p in files if p.stat().st_size >= 16 * MiB]
-    assert sum(p.stat().st_size for p in files) <= 40_000_000
+    in_members = lambda p: p.relative_to(FAMILY).parts[0] in MEMBER_DIRS or p.name.startswith("members_")  # noqa: E731
+    assert sum(p.stat().st_size for p in files if not in_members(p)) <= 40_000_000
+    member_weights = [p for p in files if in_members(p) and p.suffix == ".safetensors"]
+    assert all(p.stat().st_size < 12 * MiB for p in member_weights)
+    assert sum(p.stat().st_size for p in member_weights) <= 20_000_000
+
+
+INSTALLED = [m for m in FAMILY_MEMBERS if (family_path(m) / "config.json").is_file()]
+
+
+@pytest.mark.parametrize("member", INSTALLED or [pytest.param(None, marks=pytest.mark.skip("no member installed"))])
+def test_an_installed_member_loads_by_name_and_gives_its_recorded_slice(member):
+    """A member (family/<member>): loads through the registry, shares the family's tokenizer, and its float32
+    perplexity on the fixed slice is what training recorded (bf16 on the GPU there, so loosely)."""
+    from transformers import AutoTokenizer
+
+    from specmoe.models import load_model
+    from specmoe_train.members import load_member, member_slice_metrics
+
+    record = json.loads((FAMILY / "members_metrics.json").read_text())["members"][member]
+    model, adapter = load_model(f"family/{member}")
+    assert model.config.model_type == ("deepseek_v3" if member == "deepseek_v3" else "qwen3_5_moe_text")
+    tok = AutoTokenizer.from_pretrained(str(family_path(member)), local_files_only=True)
+    assert tok.get_vocab() == AutoTokenizer.from_pretrained(str(FAMILY / "target"), local_files_only=True).get_vocab()
+    tokens = np.array(json.loads((FAMILY / "metrics.json").read_text())["slice"]["slice"]["token_ids"])
+    stream = np.zeros(record["slice"]["starts"][-1] + tokens.shape[1], dtype=np.int64)
+    for start, row in zip(record["slice"]["starts"], tokens):
+        stream[start:start + tokens.shape[1]] = row
+    again = member_slice_metrics(*load_member(FAMILY, member), stream)
+    for key in ("target_ppl", "dflash_ppl_mean_nll"):
+        if key in record["slice"]:
+            assert again[key] == pytest.approx(record["slice"][key], rel=0.05), key
 
 
 def test_checkpoints_load_offline_from_the_package(family):

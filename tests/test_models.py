@@ -47,7 +47,8 @@ def test_full_size_config_is_olmoe_1b_7b():
 def test_unknown_named_config_is_a_clear_error():
     with pytest.raises(ModelSourceError, match="unknown named config 'olmoe-huge'.*olmoe-tiny"):
         named_config("olmoe-huge")
-    with pytest.raises(ModelSourceError, match="not a checkpoint directory.*nor a named config"):
+    with pytest.raises(ModelSourceError,
+                       match="not a checkpoint directory.*named config.*family target .family, family/deepseek_v3"):
         load_model("olmoe-huge")
 
 

@@ -129,6 +129,94 @@ def test_the_tiny_family_trains_saves_and_measures_end_to_end(corpus, tmp_path):
         assert again[key] == pytest.approx(metrics["slice"][key], rel=1e-4)
 
 
+def test_tiny_members_train_save_pack_install_and_load_everywhere(corpus, tmp_path, monkeypatch):
+    """The members' pipeline end to end on the CPU: train (DeepSeek-V3 with the bias update, Qwen3.5-MoE and its
+    DFlash drafter), save, measure, pack, install next to a family, then load by name through the model
+    registry, the engines' checkpoint reader and the drafters' defaults."""
+    import specmoe.assets
+    from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
+    from specmoe.engines import EngineConfig, build_engine_from_checkpoint
+    from specmoe.models import ModelSourceError, load_model, resolve_source
+    from specmoe.routing import Calibration, preset
+    from specmoe_train.configs import MEMBER_PRESETS
+    from specmoe_train.family import run_family
+    from specmoe_train.members import load_member, member_slice_metrics, run_members
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_family", Path(__file__).parents[1] / "scripts" / "train_family.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    train_family = script.main
+
+    family = tmp_path / "family"
+    run_family(corpus, family, "tiny", device="cpu", log=lambda m: None)  # the AR drafter of this tokenizer
+    metrics = run_members(corpus, tmp_path / "members", family / "ar_drafter", "tiny", device="cpu",
+                          log=lambda m: None)
+    ds, qw = metrics["members"]["deepseek_v3"], metrics["members"]["qwen3_5_moe"]
+    assert ds["training"]["target"]["steps"] == MEMBER_PRESETS["tiny"]["deepseek_v3"].train.target.steps
+    balance = ds["training"]["target"]["bias_balance"]
+    assert any(lo < 0 < hi for lo, hi in zip(balance["bias_min"], balance["bias_max"]))  # the update moved them
+    assert qw["training"]["dflash_drafter"]["steps"] > 0 and set(qw["bytes"]) == {"qwen3_5_moe", "qwen3_5_moe_dflash"}
+    for m in (ds, qw):
+        assert all("error" not in m["evaluation"][key] for key in ("perplexity", "tau", "locality"))
+        assert 1.0 <= m["evaluation"]["tau"]["k4"]["ar_drafter"]["tau"] <= 5
+    assert "dflash_drafter" in qw["evaluation"]["tau"]["k4"] and "dflash_drafter" not in ds["evaluation"]["tau"]["k4"]
+    again = member_slice_metrics(*load_member(tmp_path / "members", "qwen3_5_moe"), load_corpus(corpus)["evaluation"])
+    assert again["target_ppl"] == pytest.approx(qw["slice"]["target_ppl"], rel=1e-4)
+    assert again["dflash_ppl_mean_nll"] == pytest.approx(qw["slice"]["dflash_ppl_mean_nll"], rel=1e-4)
+    bias = load_member(tmp_path / "members", "deepseek_v3")[0].model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and bias.abs().max() > 0
+
+    train_family(["pack", "--family", str(tmp_path / "members"), "--out", str(tmp_path / "packed")])
+    assert len(list((tmp_path / "packed").iterdir())) <= 8
+    train_family(["install", "--packed", str(tmp_path / "packed"), "--family", str(family)])
+    assert (family / "members_metrics.json").is_file() and (family / "target" / "config.json").is_file()
+    monkeypatch.setattr(specmoe.assets, "FAMILY", family)
+
+    model, adapter = load_model("family/deepseek_v3")
+    assert model.config.model_type == "deepseek_v3" and adapter.num_experts == 8
+    with pytest.raises(ModelSourceError, match="family/deepseek_v3, family/qwen3_5_moe"):
+        load_model("family/mixtral")
+    qwen, qwen_adapter = load_model("family/qwen3_5_moe")
+    from specmoe.experiments.config import load_config
+    from specmoe.experiments.grid import grid_model
+
+    toml = (Path(__file__).parents[1] / "experiments" / "quickstart.toml").read_text()
+    (tmp_path / "q.toml").write_text(toml.replace('source = "family"', 'source = "family/qwen3_5_moe"', 1))
+    assert grid_model(load_config(tmp_path / "q.toml")).source == str(family / "qwen3_5_moe")
+    assert type(build_drafter(DrafterConfig("dflash", runtime="hf"), qwen).model.config).__name__ == "Qwen3Config"
+    assert build_drafter(DrafterConfig("dflash", runtime="hf"), qwen).model.target_layer_ids == [0, 1, 2, 3]
+    build_drafter(DrafterConfig("ar", runtime="hf"), qwen)
+    with pytest.raises(DrafterError, match="no DFlash drafter"):
+        build_drafter(DrafterConfig("dflash"), model)
+    tokens = load_corpus(corpus)["evaluation"][:20].astype(np.int64)
+    for m, a, name in ((model, adapter, "family/deepseek_v3"), (qwen, qwen_adapter, "family/qwen3_5_moe")):
+        engine = build_engine_from_checkpoint(resolve_source(name), preset("exact_lru", a.num_experts, a.top_k),
+                                              Calibration.uniform(a.num_moe_layers, a.num_experts, a.vocab_size),
+                                              EngineConfig(max_seq_len=64), dtype=torch.float32)
+        with torch.no_grad():
+            ref = m(torch.as_tensor(tokens)[None]).logits[0].float().numpy()
+        result = engine.teacher_forced(tokens, prompt_len=8, return_logits=True)
+        assert np.abs(result.logits - ref).max() <= 1e-4 * np.abs(ref).max(), name
+
+
+@pytest.mark.gpu
+def test_tiny_members_train_on_cuda_with_grouped_mm_experts(corpus, tmp_path):
+    """The device path of the members' training: bf16 models, grouped_mm experts where transformers has them
+    (DeepSeek-V3, Qwen3.5-MoE), flash-linear-attention's Gated DeltaNet where `fla` imports; every measurement
+    runs."""
+    from specmoe_train.family import run_family
+    from specmoe_train.members import run_members
+
+    run_family(corpus, tmp_path / "family", "tiny", device="cuda", log=lambda m: None)
+    metrics = run_members(corpus, tmp_path / "members", tmp_path / "family" / "ar_drafter", "tiny", device="cuda",
+                          log=print)
+    for name, m in metrics["members"].items():
+        assert m["training"]["target"]["experts_implementation"] == "grouped_mm", name
+        assert all("error" not in m["evaluation"][key] for key in ("perplexity", "tau", "locality")), name
+        assert "error" not in m["slice"], name
+
+
 # -- DFlash format -----------------------------------------------------------------------------------
 
 def test_target_layer_ids_follow_dflash_rule():

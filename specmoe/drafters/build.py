@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from specmoe.assets import family_path
+from specmoe.assets import FAMILY_MEMBERS, family_path, family_target_dirs, member_dflash_path
 from specmoe.speculation import Drafter
 
 from .base import ATTENTIONS, COST_MODES, RUNTIMES, DrafterError
@@ -20,8 +20,8 @@ from .base import ATTENTIONS, COST_MODES, RUNTIMES, DrafterError
 class DrafterConfig:
     """A drafter by name, with what building it needs.
 
-    path: checkpoint directory of ``ar`` or ``dflash`` (None: the shipped family's drafter). Synthetic:
-    `acceptance` is the rate of a geometric acceptance profile (draft d is committed with probability
+    path: checkpoint directory of ``ar`` or ``dflash`` (None: the shipped family's drafter for the target,
+    `family_drafter_path`). Synthetic: `acceptance` is the rate of a geometric acceptance profile (draft d is committed with probability
     acceptance^d), or `commit_probs` a table q_1 >= q_2 >= ... of the probability that draft d is committed
     (drafts beyond the table are wrong); `seed` seeds its draws (combined with the prompt, so a request's
     drafts do not depend on the order of requests); `cost_s` is the drafting time per block, which
@@ -73,9 +73,22 @@ class DrafterConfig:
         return asdict(self)
 
 
-def family_drafter_path(name: str) -> Path:
-    """The shipped family's checkpoint of drafter `name` ("ar" or "dflash")."""
-    return family_path({"ar": "ar_drafter", "dflash": "dflash_drafter"}[name])
+def family_drafter_path(name: str, target_source: str | None = None) -> Path:
+    """The shipped family's checkpoint of drafter `name` ("ar" or "dflash") for a target (its resolved
+    checkpoint directory, `model.specmoe_source`): one AR drafter drafts for every family target (one
+    tokenizer); a DFlash drafter reads its own target's features, so a family member's target gets the member's
+    DFlash drafter (DrafterError where it has none), any other target the OLMoE target's."""
+    if name == "ar":
+        return family_path("ar_drafter")
+    source = Path(target_source) if target_source else None
+    if source is not None and source.is_dir() and source.resolve() in family_target_dirs():
+        path = member_dflash_path(source)
+        if path is None:
+            members = ", ".join(f"family/{m}" for m, d in FAMILY_MEMBERS.items() if d)
+            raise DrafterError(f"the shipped family has no DFlash drafter for the target {source}; give a drafter "
+                               f"path (drafters.dflash.path), or use a target that has one (family, {members})")
+        return path
+    return family_path("dflash_drafter")
 
 
 def build_drafter(config: DrafterConfig, target) -> Drafter:
@@ -84,9 +97,11 @@ def build_drafter(config: DrafterConfig, target) -> Drafter:
     return DRAFTERS[config.name](config, target)
 
 
-def _checkpoint(config: DrafterConfig) -> Path:
-    """The checkpoint directory of an ``ar`` or ``dflash`` config (None: the shipped family's drafter)."""
-    path = Path(config.path) if config.path else family_drafter_path(config.name)
+def _checkpoint(config: DrafterConfig, target) -> Path:
+    """The checkpoint directory of an ``ar`` or ``dflash`` config (None: the shipped family's drafter for
+    `target`, `family_drafter_path`)."""
+    path = Path(config.path) if config.path else family_drafter_path(config.name,
+                                                                     getattr(target, "specmoe_source", None))
     if not (path / "config.json").is_file():
         raise DrafterError(f"no {config.name} drafter checkpoint at {path} (config.json missing)")
     return path
@@ -104,7 +119,7 @@ def build_ar(config: DrafterConfig, target) -> Drafter:
     from .hf_autoregressive import HFAutoregressiveDrafter, check_tokenizer
     from .static_ar import ARCHITECTURES, StaticARDrafter
 
-    path, param = _checkpoint(config), next(target.parameters())
+    path, param = _checkpoint(config, target), next(target.parameters())
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=param.dtype, local_files_only=True)
     check_tokenizer(path, getattr(target, "specmoe_source", None) or target.name_or_path)
     model = model.to(param.device).eval()
@@ -119,7 +134,7 @@ def build_dflash(config: DrafterConfig, target) -> Drafter:
     from .dflash import DFlashDrafter
     from .dflash_model import DFlashDraftModel
 
-    path, param = _checkpoint(config), next(target.parameters())
+    path, param = _checkpoint(config, target), next(target.parameters())
     model = DFlashDraftModel.from_pretrained(str(path), dtype=param.dtype, local_files_only=True)
     model = model.to(param.device).eval()
     layer_types = getattr(model.config, "layer_types", None) or []

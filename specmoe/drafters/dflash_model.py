@@ -44,9 +44,10 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 def dflash_config(target_config, num_layers: int, block_size: int, mask_token_id: int,
                   intermediate_size: int, num_attention_heads: int, num_key_value_heads: int | None = None,
-                  target_layer_ids: list[int] | None = None) -> Qwen3Config:
-    """A DFlash drafter config for `target_config`: the hidden size, vocabulary, RoPE and norm epsilon are
-    the target's (the drafter reads the target's embeddings and writes into its LM head)."""
+                  target_layer_ids: list[int] | None = None, rope_parameters: dict | None = None) -> Qwen3Config:
+    """A DFlash drafter config for `target_config`: the hidden size, vocabulary, RoPE (unless `rope_parameters`
+    gives the drafter's own) and norm epsilon are the target's (the drafter reads the target's embeddings and
+    writes into its LM head)."""
     hidden = target_config.hidden_size
     if hidden % num_attention_heads:
         raise ValueError(f"hidden size {hidden} is not divisible by {num_attention_heads} heads")
@@ -56,7 +57,7 @@ def dflash_config(target_config, num_layers: int, block_size: int, mask_token_id
         num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads or num_attention_heads, head_dim=hidden // num_attention_heads,
         max_position_embeddings=target_config.max_position_embeddings, rms_norm_eps=target_config.rms_norm_eps,
-        rope_parameters=dict(target_config.rope_parameters), tie_word_embeddings=False, use_cache=False,
+        rope_parameters=dict(rope_parameters or target_config.rope_parameters), tie_word_embeddings=False, use_cache=False,
         block_size=block_size, num_target_layers=target_config.num_hidden_layers,
         dflash_config={"target_layer_ids": list(layer_ids), "mask_token_id": int(mask_token_id)},
     )

@@ -65,7 +65,8 @@ def load_token_file(path: str | Path) -> np.ndarray:
 def add_parser(sub) -> None:
     parser = sub.add_parser("calibrate", help="calibrate the routing policies of a model on held-out text",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="checkpoint directory or named config")
+    parser.add_argument("--model", required=True,
+                        help="checkpoint directory, named config, or family / family/<member> (the shipped targets)")
     parser.add_argument("--seed", type=int, default=0, help="weights of a named config, and selfgen sampling")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", nargs="+", metavar="FILE", help="held-out plain-text files")
@@ -82,7 +83,7 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     from specmoe.harness import collect_calibration, sample_selfgen
-    from specmoe.models import load_model
+    from specmoe.models import load_model, resolve_source
 
     check_output_file(args.out, "--out")
     ids = load_token_file(args.tokens) if args.tokens else None
@@ -96,7 +97,7 @@ def main(args) -> int:
         windows = token_windows(ids, args.length, args.windows)
         what = f"token ids from {Path(args.tokens).resolve()}"
     else:
-        windows = token_windows(text_tokens(texts, args.tokenizer or args.model), args.length, args.windows)
+        windows = token_windows(text_tokens(texts, args.tokenizer or resolve_source(args.model)), args.length, args.windows)
         what = "text files " + ", ".join(str(Path(f).resolve()) for f in args.text)
     if not windows:
         raise ValueError("the held-out text gave no window of at least 2 tokens")

@@ -36,8 +36,9 @@ class ConfigError(ValueError):
 # -- the sections -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelSpec:
-    """The target: `source` is "family" (the shipped trained target), a checkpoint directory or a named config
-    of `specmoe.models`; dtype of its weights; max_seq_len of the engines' static KV cache (None: what the
+    """The target: `source` is "family" (the shipped trained OLMoE target), "family/<member>" (a member's
+    target: family/deepseek_v3, family/qwen3_5_moe), a checkpoint directory or a named config of
+    `specmoe.models`; dtype of its weights; max_seq_len of the engines' static KV cache (None: what the
     workload needs)."""
 
     source: str = "family"

@@ -75,8 +75,8 @@ def run_demo(model_source: str, capacities: tuple[int, ...], *, windows: int = 1
 def add_parser(sub) -> None:
     parser = sub.add_parser("demo", help="copies and excess NLL of the paper's policies on a small model",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint directory or named config "
-                        "(default: the shipped trained model, else olmoe-tiny)")
+    parser.add_argument("--model", default=None, help="checkpoint directory, named config or family target "
+                        "(family, family/deepseek_v3, family/qwen3_5_moe; default: family, else olmoe-tiny)")
     parser.add_argument("--capacities", type=int_list(1), default=(32, 16),
                         help="comma-separated C values (default 32,16)")
     parser.add_argument("--windows", type=int_at_least(1), default=16, help="selfgen windows to score (default 16)")

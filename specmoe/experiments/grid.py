@@ -34,10 +34,11 @@ class GridModel:
 
 
 def model_source(source: str) -> str:
-    """The `[model] source` as `load_model` takes it ("family" is the shipped target's directory)."""
-    from specmoe.assets import family_path
+    """The `[model] source` as a checkpoint directory or named config ("family" and "family/<member>" are the
+    shipped targets' directories: `resolve_source`)."""
+    from specmoe.models import resolve_source
 
-    return str(family_path("target")) if source == "family" else source
+    return resolve_source(source)
 
 
 def grid_model(config: ExperimentConfig) -> GridModel:
@@ -46,8 +47,8 @@ def grid_model(config: ExperimentConfig) -> GridModel:
     from specmoe.models import ModelSourceError, adapter_for, named_config
     from specmoe.models.registry import NAMED_CONFIGS, _checkpoint_config
 
-    source = model_source(config.model.source)
     try:
+        source = model_source(config.model.source)
         hf = named_config(source) if source in NAMED_CONFIGS else _checkpoint_config(Path(source))
         adapter = adapter_for(hf)
     except (ModelSourceError, ValueError, OSError) as exc:

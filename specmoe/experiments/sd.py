@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from specmoe.files import write_text_atomic
-from specmoe.assets import family_path
+from specmoe.assets import family_path, family_target_dirs
 
 COLUMNS = ["drafter", "selector", "tau", "copies_per_token", "displaced_per_token_layer", "kl", "excess_nll",
            "committed", "verifications", "draft_ms_per_token", "target_ms_per_token"]
@@ -50,7 +50,7 @@ def sd_prompts(model, count: int, length: int, seed: int) -> tuple[list[torch.Te
 
     if length < 1 or count < 1:
         raise ValueError(f"need at least one prompt of at least one token, got {count} x {length}")
-    if Path(model.specmoe_source) == family_path("target").resolve():
+    if Path(model.specmoe_source) in family_target_dirs():  # the family's targets share its tokenizer
         return family_prompts(count, length), "family evaluation slice (metrics.json)"
     windows = sample_selfgen(model, count, max(length, 2), seed=seed + 3).windows
     return [w[:length] for w in windows], f"sampled from the model, seed {seed + 3}"
@@ -157,8 +157,8 @@ def _names(text: str, what: str, known) -> tuple[str, ...]:
 def add_parser(sub) -> None:
     parser = sub.add_parser("sd", help="speculative decoding with block-level expert selection vs AR-PSR",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="target checkpoint directory or named config "
-                        "(default: the shipped family's target)")
+    parser.add_argument("--model", default=None, help="target checkpoint directory, named config or family target "
+                        "(family, family/deepseek_v3, family/qwen3_5_moe; default: family)")
     parser.add_argument("--drafters", default="ar,dflash", help="comma-separated: ar, dflash, synthetic (default ar,dflash)")
     parser.add_argument("--selectors", default="exact,acceptmoe,confidence_top1",
                         help="comma-separated selector presets (default exact,acceptmoe,confidence_top1)")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from specmoe.arguments import check_positions, int_at_least
 from specmoe.files import check_output_file, read_utf8
-from specmoe.assets import family_path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -16,7 +15,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("trace", help="record router and pre-gate logits of exact routing over a text",
                               description="Record a routing trace (see specmoe.records.traces for the file format).")
     p.add_argument("--model", default="family",
-                   help="a local checkpoint directory, or 'family' for the shipped small OLMoE target")
+                   help="a local checkpoint directory, 'family' for the shipped small OLMoE target or "
+                        "'family/<member>' for a member's target (family/deepseek_v3, family/qwen3_5_moe)")
     p.add_argument("--text", required=True, help="a UTF-8 text file; tokenized with the model's tokenizer")
     p.add_argument("--out", required=True, help="output trace file (.safetensors)")
     p.add_argument("--window", type=int_at_least(1), default=1024,
@@ -33,9 +33,9 @@ def main(args) -> int:
     from transformers import AutoTokenizer
 
     from specmoe.harness import record_trace
-    from specmoe.models import load_model
+    from specmoe.models import load_model, resolve_source
 
-    source = family_path("target") if args.model == "family" else Path(args.model)
+    source = Path(resolve_source(args.model))
     if not Path(source).is_dir():
         raise FileNotFoundError(f"no checkpoint directory at {source}")
     check_output_file(args.out, "--out")

@@ -7,12 +7,12 @@ from .deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepseekV3Adapter, RoutedDeepseekV
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, RoutedOlmoeTopKRouter, init_random_weights
 from .qwen3_5_moe import QWEN3_5_MOE_CONFIGS, Qwen35MoeAdapter, RoutedQwen35MoeTopKRouter
 from .registry import (ARCHITECTURES, NAMED_CONFIGS, adapter_for, decoder_for, default_model, load_model,
-                       named_config)
+                       named_config, resolve_source)
 
 __all__ = [
     "ARCHITECTURES", "CheckpointReader", "DEEPSEEK_V3_CONFIGS", "DeepseekV3Adapter", "ModelSourceError",
     "MoEAdapter", "NAMED_CONFIGS", "OLMOE_CONFIGS", "OlmoeAdapter", "QWEN3_5_MOE_CONFIGS", "Qwen35MoeAdapter",
     "RoutedDeepseekV3TopkRouter", "RoutedOlmoeTopKRouter", "RoutedQwen35MoeTopKRouter", "adapter_for",
     "decoder_for", "default_model", "extract_context_feature", "init_random_weights", "load_model",
-    "named_config",
+    "named_config", "resolve_source",
 ]

@@ -1,8 +1,9 @@
 """Which adapter serves which architecture, the named configs, and `load_model`.
 
 A model source is either a local checkpoint directory (config.json + *.safetensors, as written by
-save_pretrained; nothing is downloaded) or the name of a config with seeded random weights (NAMED_CONFIGS).
-The config's model_type picks the adapter.
+save_pretrained; nothing is downloaded), the name of a config with seeded random weights (NAMED_CONFIGS), or
+the name of a shipped family target ("family", "family/<member>": `resolve_source`). The config's model_type
+picks the adapter.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from specmoe.assets import family_path
+from specmoe.assets import family_path, family_source, family_sources
 
 from .adapter import ModelSourceError, MoEAdapter
 from .deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepseekV3Adapter, build_random_deepseek_v3
@@ -127,9 +128,12 @@ def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
     on the model ("eager" by default; None keeps transformers' choice), because generate() may switch
     kernels between prefill and decode and paired comparisons must run the same arithmetic. The source is
     kept as `model.specmoe_source` (calibration provenance). A name in NAMED_CONFIGS is a named config even
-    if a directory of that name exists (write ./name to load the directory)."""
+    if a directory of that name exists (write ./name to load the directory); "family" and "family/<member>"
+    name the shipped family's targets (`resolve_source`)."""
     dtype = _as_dtype(dtype)
     source = str(source)
+    if source not in NAMED_CONFIGS:
+        source = resolve_source(source)
     if source in NAMED_CONFIGS:
         config = named_config(source)
         adapter = adapter_for(config)
@@ -152,13 +156,29 @@ def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
     return model, adapter
 
 
+def resolve_source(source) -> str:
+    """A model source as `load_model` reads it: the shipped family's names ("family" is the OLMoE target,
+    "family/<member>" a member's target, see `specmoe.assets.family_source`) become their checkpoint
+    directories; any other source is returned as given. ModelSourceError for an unknown or uninstalled member."""
+    try:
+        path = family_source(str(source))
+    except ValueError as exc:
+        raise ModelSourceError(str(exc)) from None
+    if path is None:
+        return str(source)
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"the family target {source!r} is not installed ({path} has no config.json): train it "
+                               "with scripts/train_family.py train-members and install it (see the README)")
+    return str(path)
+
+
 def _checkpoint_config(path: Path):
     """Check that `path` is a loadable checkpoint directory and read its config."""
     from transformers import AutoConfig
 
     if not path.exists():
-        raise ModelSourceError(f"{str(path)!r} is not a checkpoint directory (no such path) nor a named config "
-                               f"({', '.join(NAMED_CONFIGS)})")
+        raise ModelSourceError(f"{str(path)!r} is not a checkpoint directory (no such path), a named config "
+                               f"({', '.join(NAMED_CONFIGS)}) nor a family target ({', '.join(family_sources())})")
     if not path.is_dir():
         raise ModelSourceError(f"{path} is not a directory: a checkpoint is a directory with config.json and "
                                "*.safetensors weights")
