@@ -1,0 +1,176 @@
+"""FP8 experts (`specmoe.kernels.fp8`): the block quantiser against transformers' convention, the FP8 row, the
+torch slot MoE paths over FP8 rows against the same paths over the dequantised weights (bitwise), the Triton
+per-token and grouped kernels over FP8 rows in the interpreter (several 128 x 128 blocks and a partial one),
+and, marked gpu, the kernels at Qwen3.6-35B-A3B's expert size (H 2048, I 512, 256 experts, top-8)."""
+
+import importlib.util
+
+import pytest
+import torch
+from _interpreter import run_in_interpreter
+
+from specmoe.kernels.fp8 import (FP8_BLOCK, dequantize_fp8, fp8_row_layout, fp8_rows_of, quantize_fp8,
+                                 unpack_fp8_rows)
+from specmoe.kernels.grouped_moe import slot_moe_grouped_torch, zipf_routes
+from specmoe.kernels.moe import slot_moe_torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def experts(n, hidden, inter, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(n, 2 * inter, hidden, generator=g) * hidden ** -0.5
+    down = torch.randn(n, hidden, inter, generator=g) * inter ** -0.5
+    gate_up[0, :3, :5] *= 40.0  # one block with an outlier: its own scale
+    return gate_up, down
+
+
+def bf16_rows(fp8_rows, hidden, inter, dtype):
+    """The dequantised rows in the model dtype: the bf16 reference's slot buffer."""
+    gate_up, down = unpack_fp8_rows(fp8_rows, hidden, inter, dtype)
+    return torch.cat([gate_up.flatten(1), down.flatten(1)], dim=1)
+
+
+def test_quantiser_is_transformers_convention_and_round_trips():
+    w = torch.randn(3, 300, 200) * 0.05
+    w[1, 130:140, 10:20] = 0.0
+    q, s = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (3, 3, 2)
+    # the convention: w ~ q.float() * scale_inv broadcast over each 128 x 128 block
+    expand = s.repeat_interleave(FP8_BLOCK, 1).repeat_interleave(FP8_BLOCK, 2)[:, :300, :200]
+    deq = dequantize_fp8(q, s)
+    assert torch.equal(deq, q.float() * expand)
+    torch.testing.assert_close(deq, w, rtol=0.07, atol=1e-3)
+    assert torch.all(torch.log2(s) == torch.round(torch.log2(s)))  # power-of-two inverse scales
+    assert q.float().abs().amax() <= 448
+    # dequantised weights are exact in bf16, and quantising them again gives the same weights
+    deq_bf16 = dequantize_fp8(q, s, torch.bfloat16)
+    assert torch.equal(deq_bf16.float(), deq)
+    q2, s2 = quantize_fp8(deq_bf16)
+    assert torch.equal(dequantize_fp8(q2, s2), deq)
+
+
+def test_row_layout_and_torch_paths_equal_the_dequantised_reference():
+    h, i, c, k = 256, 160, 6, 4
+    lay = fp8_row_layout(h, i)
+    assert lay.gate_blocks == (2, 2) and lay.num_scales == 12 and lay.scale_offset % 16 == 0
+    assert fp8_row_layout(2048, 512).width == 3 * 512 * 2048 + 192 * 4  # Qwen3.6: 3 MiB + 768 bytes of scales
+    gate_up, down = experts(c, h, i)
+    rows = fp8_rows_of(gate_up, down)
+    assert rows.dtype == torch.uint8 and rows.shape == (c, lay.width)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref_buf = bf16_rows(rows, h, i, dtype)
+        gu, dn = unpack_fp8_rows(rows, h, i, dtype)
+        torch.testing.assert_close(gu.float(), gate_up, rtol=0.07, atol=2e-3)
+        torch.testing.assert_close(dn.float(), down, rtol=0.07, atol=2e-3)
+        g = torch.Generator().manual_seed(1)
+        route = zipf_routes(1, 5, k, c, 1.0, g)[0]
+        x = torch.randn(5, h, generator=g).to(dtype)
+        res = torch.randn(5, h, generator=g).to(dtype)
+        out = slot_moe_grouped_torch(x, res, rows, route, torch.empty_like(x), h, i)
+        ref = slot_moe_grouped_torch(x, res, ref_buf, route, torch.empty_like(x), h, i)
+        assert torch.equal(out, ref)
+        one = torch.empty(h, dtype=dtype)
+        slot_moe_torch(x[0], res[0], rows, route[0], torch.empty(k, i, dtype=dtype), one, h, i)
+        assert torch.equal(one, ref[0])
+
+
+_KERNEL_CHECK = r"""
+import torch
+from specmoe.kernels.fp8 import fp8_rows_of, unpack_fp8_rows
+from specmoe.kernels.grouped_moe import make_grouped_workspace, slot_moe_grouped_torch, slot_moe_grouped_triton, zipf_routes
+from specmoe.kernels.moe import slot_moe_torch, slot_moe_triton
+
+h, i, c, k = 256, 160, 6, 4  # gate/up: 2 x 2 blocks (the second row block partial), down: 2 x 2
+g = torch.Generator().manual_seed(0)
+gate_up = torch.randn(c, 2 * i, h, generator=g) * h ** -0.5
+down = torch.randn(c, h, i, generator=g) * i ** -0.5
+gate_up[2, 150:, 200:] *= 4.0  # a block of its own scale
+rows = fp8_rows_of(gate_up, down)
+for dtype in (torch.float32, torch.bfloat16):
+    gu, dn = unpack_fp8_rows(rows, h, i, dtype)
+    ref_buf = torch.cat([gu.flatten(1), dn.flatten(1)], dim=1)
+    route = zipf_routes(1, 5, k, c, 1.0, g)[0]
+    x = torch.randn(5, h, generator=g).to(dtype)
+    res = torch.randn(5, h, generator=g).to(dtype)
+    for pos in range(2):
+        ref, out = torch.empty(h, dtype=dtype), torch.empty(h, dtype=dtype)
+        slot_moe_torch(x[pos], res[pos], ref_buf, route[pos], torch.empty(k, i, dtype=dtype), ref, h, i)
+        slot_moe_triton(x[pos], res[pos], rows, route[pos], torch.empty(k, i, dtype=dtype), out, h, i,
+                        dict(block_n=16, block_k=64, block_h=32, block_k2=64, warps1=4, warps2=4))
+        # the per-token kernel over FP8 rows is the same kernel over the dequantised rows
+        same = torch.empty(h, dtype=dtype)
+        slot_moe_triton(x[pos], res[pos], ref_buf, route[pos], torch.empty(k, i, dtype=dtype), same, h, i,
+                        dict(block_n=16, block_k=64, block_h=32, block_k2=64, warps1=4, warps2=4))
+        assert torch.equal(out, same), (dtype, pos)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
+    ws = make_grouped_workspace(5, k, h, i, dtype, "cpu")
+    ref = slot_moe_grouped_torch(x, res, ref_buf, route, torch.empty_like(x), h, i)
+    out = slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), h, i, ws,
+                                  dict(block_n=32, block_k=64, block_h=32, block_k2=64))
+    same = slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), h, i, ws,
+                                   dict(block_n=32, block_k=64, block_h=32, block_k2=64))
+    assert torch.equal(out, same), dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
+print("fp8 kernels ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_triton_kernels_dequantise_fp8_rows_in_the_interpreter():
+    done = run_in_interpreter(_KERNEL_CHECK, 900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fp8 kernels ok" in done.stdout
+
+
+# -- on a CUDA device, at Qwen3.6-35B-A3B's expert size ------------------------------------------------------------
+H, I, E, K = 2048, 512, 256, 8
+
+
+@pytest.fixture(scope="module")
+def gpu_rows():
+    gate_up, down = experts(E, H, I, seed=3)
+    rows = fp8_rows_of(gate_up, down)
+    return rows.cuda(), bf16_rows(rows, H, I, torch.bfloat16).cuda()
+
+
+@pytest.mark.gpu
+def test_per_token_kernel_on_fp8_rows_equals_the_dequantised_reference_on_gpu(gpu_rows):
+    from specmoe.kernels.moe import slot_moe_triton
+
+    rows, ref_buf = gpu_rows
+    g = torch.Generator().manual_seed(5)
+    for trial in range(4):
+        route = zipf_routes(1, 1, K, E, 0.0, g, "cuda")[0, 0]
+        x = torch.randn(H, generator=g).to("cuda", torch.bfloat16)
+        res = torch.randn(H, generator=g).to("cuda", torch.bfloat16)
+        act = torch.empty(K, I, device="cuda", dtype=torch.bfloat16)
+        ref, out, same = (torch.empty_like(x) for _ in range(3))
+        slot_moe_torch(x, res, ref_buf, route, act, ref, H, I)
+        slot_moe_torch(x, res, rows, route, act, same, H, I)
+        assert torch.equal(same, ref)  # the torch path dequantises exactly as the reference buffer holds
+        slot_moe_triton(x, res, rows, route, act, out, H, I)
+        bf16 = torch.empty_like(x)
+        slot_moe_triton(x, res, ref_buf, route, act, bf16, H, I)
+        assert torch.equal(out, bf16), trial  # same kernel, same dequantised weights: bitwise
+        torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)  # a unit or two in bf16's last place
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [1, 9, 16])
+def test_grouped_kernel_on_fp8_rows_equals_the_dequantised_reference_on_gpu(gpu_rows, d):
+    from specmoe.kernels.grouped_moe import make_grouped_workspace, slot_moe_grouped_triton
+
+    rows, ref_buf = gpu_rows
+    g = torch.Generator().manual_seed(d)
+    route = zipf_routes(1, d, K, E, 1.2, g, "cuda")[0]
+    x = torch.randn(d, H, generator=g).to("cuda", torch.bfloat16)
+    res = torch.randn(d, H, generator=g).to("cuda", torch.bfloat16)
+    ws = make_grouped_workspace(d, K, H, I, torch.bfloat16, "cuda")
+    ref = slot_moe_grouped_torch(x, res, ref_buf, route, torch.empty_like(x), H, I)
+    out = slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), H, I, ws).clone()
+    bf16 = slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), H, I, ws)
+    assert torch.equal(out, bf16)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)  # a unit or two in bf16's last place
