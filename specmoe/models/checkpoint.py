@@ -1,15 +1,56 @@
 """Lazy reads of tensors from a local safetensors checkpoint (one file or a sharded index), one at a time,
 so that building the expert store never holds a second copy of the model's weights (the store's and the
-decoders' reader)."""
+decoders' reader), and block-wise FP8 checkpoints.
+
+FP8 checkpoints (DeepSeek-V3's and Qwen's FP8 releases): a weight `name.weight` stored as float8 e4m3 has its
+block inverse scales in `name.weight_scale_inv` (`specmoe.kernels.fp8` has the format), and config.json a
+`quantization_config` with quant_method "fp8" and weight_block_size [128, 128]. `CheckpointReader.get`
+returns such a weight dequantised (float32), so the decoders and `load_model` read FP8 checkpoints as they
+read bf16 ones; the expert store reads the FP8 bytes and scales themselves (`get_fp8`). `quantize_experts_fp8`
+writes an FP8 copy of a checkpoint (its routed experts quantised), `round_experts_to_fp8` makes a model's
+experts exactly FP8-representable (the named FP8 configs).
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import torch
 
+from specmoe.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, check_scale_grid, dequantize_fp8, quantize_fp8
+
 from .adapter import ModelSourceError
+
+# config.json's quantization_config of an FP8 checkpoint written here (transformers' FineGrainedFP8Config names)
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+
+
+def fp8_quantized(config) -> bool:
+    """Whether a transformers config (or its text part) declares block-wise FP8 weights (quantization_config
+    with quant_method "fp8"); ModelSourceError for a block size other than 128 x 128, the only one the expert
+    rows hold."""
+    q = getattr(config, "quantization_config", None)
+    if q is None and hasattr(config, "get_text_config"):
+        q = getattr(config.get_text_config(), "quantization_config", None)
+    if q is None:
+        return False
+    q = q if isinstance(q, dict) else q.to_dict()
+    if q.get("quant_method") != "fp8":
+        return False
+    block = q.get("weight_block_size")
+    if block is not None and [int(b) for b in block] != [FP8_BLOCK, FP8_BLOCK]:
+        raise ModelSourceError(f"FP8 weights in blocks of {list(block)}: specmoe reads blocks of "
+                               f"[{FP8_BLOCK}, {FP8_BLOCK}] only")
+    return True
+
+
+def scale_key(key: str) -> str:
+    """The name of the inverse scales of FP8 tensor `key` (`x.weight` -> `x.weight_scale_inv`)."""
+    return key[: -len(".weight")] + ".weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
 
 
 class CheckpointReader:
@@ -50,7 +91,101 @@ class CheckpointReader:
     def __contains__(self, key: str) -> bool:
         return key in self.weight_map
 
-    def get(self, key: str) -> torch.Tensor:
+    def keys(self) -> list[str]:
+        """The weights' names, without the FP8 inverse scales."""
+        return [k for k in self.weight_map if not k.endswith("_scale_inv")]
+
+    def is_fp8(self, key: str) -> bool:
+        """Whether tensor `key` is stored in FP8 with block inverse scales."""
+        return scale_key(key) in self.weight_map
+
+    def _raw(self, key: str) -> torch.Tensor:
         if key not in self.weight_map:
             raise self.error(f"checkpoint {self.path} has no tensor {key!r}")
         return self._handles[self.weight_map[key]].get_tensor(key)
+
+    def get(self, key: str) -> torch.Tensor:
+        """Tensor `key`; an FP8 one dequantised to float32."""
+        if self.is_fp8(key):
+            return dequantize_fp8(*self.get_fp8(key))
+        return self._raw(key)
+
+    def get_fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q float8 e4m3, scale_inv float32) of FP8 tensor `key`, checked against the 128 x 128 block grid."""
+        q, scale = self._raw(key), self._raw(scale_key(key))
+        if q.dtype != FP8_DTYPE:
+            raise self.error(f"checkpoint {self.path}: {key!r} has inverse scales but dtype {q.dtype}, not "
+                             "float8_e4m3fn")
+        problem = check_scale_grid(tuple(q.shape), tuple(scale.shape))
+        if problem:
+            raise self.error(f"checkpoint {self.path}: {key!r} has {problem}")
+        return q, scale.float()
+
+
+def dequantized_state_dict(path) -> dict[str, torch.Tensor]:
+    """Every weight of a checkpoint directory, FP8 ones dequantised to float32 (`load_model`'s FP8 path)."""
+    reader = CheckpointReader(path)
+    return {key: reader.get(key) for key in reader.keys()}
+
+
+def _expert_pattern(adapter) -> re.Pattern:
+    """Matches the per-expert routed-expert weights of the adapter's checkpoint layout."""
+    prefix = re.escape(adapter.checkpoint_experts()).replace(re.escape("{layer}"), r"\d+")
+    return re.compile(rf"^{prefix}\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def quantize_experts_fp8(source, destination) -> int:
+    """Write an FP8 copy of checkpoint directory `source` to `destination`: the routed experts' weights
+    (per-expert layout, as save_pretrained writes it) in float8 e4m3 with 128 x 128 block `weight_scale_inv`
+    (`specmoe.kernels.fp8.quantize_fp8`), every other tensor and file as it was, config.json with FP8's
+    quantization_config; one shard at a time. Returns the number of tensors quantised."""
+    from safetensors.torch import save_file
+
+    from .registry import _checkpoint_config, adapter_for
+
+    source, destination = Path(source), Path(destination)
+    config = _checkpoint_config(source)
+    pattern = _expert_pattern(adapter_for(config))
+    reader = CheckpointReader(source)
+    if any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in reader.keys()):
+        raise ModelSourceError(f"{source} holds fused expert tensors; quantize_experts_fp8 reads the per-expert "
+                               "layout that save_pretrained writes")
+    destination.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():  # config, tokenizer, generation config: as they are
+        if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
+            shutil.copy2(item, destination / item.name)
+    shards: dict[str, list[str]] = {}
+    for key, shard in reader.weight_map.items():
+        shards.setdefault(shard, []).append(key)
+    weight_map, count = {}, 0
+    for shard, keys in sorted(shards.items()):
+        tensors = {}
+        for key in keys:
+            tensor = reader._raw(key)
+            if pattern.match(key) and not reader.is_fp8(key):
+                tensors[key], tensors[scale_key(key)] = quantize_fp8(tensor)
+                weight_map[scale_key(key)] = shard
+                count += 1
+            else:
+                tensors[key] = tensor
+            weight_map[key] = shard
+        save_file(tensors, str(destination / shard), metadata={"format": "pt"})
+    if (source / "model.safetensors.index.json").is_file():
+        (destination / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    cfg = json.loads((source / "config.json").read_text())
+    cfg["quantization_config"] = dict(FP8_QUANTIZATION)
+    (destination / "config.json").write_text(json.dumps(cfg, indent=2))
+    return count
+
+
+def round_experts_to_fp8(model, adapter) -> None:
+    """Replace the routed experts' weights of a model in place by their FP8 values dequantised (quantise with
+    `quantize_fp8`, dequantise to the weights' dtype): the named FP8 configs' random weights. The FP8 expert
+    store made from the model (`ExpertStore.from_model`) then holds exactly these weights."""
+    with torch.no_grad():
+        for layer in range(adapter.num_moe_layers):
+            gate_up, down = adapter.experts(model, layer)
+            inter = gate_up.shape[1] // 2
+            for w in (gate_up[:, :inter], gate_up[:, inter:], down):
+                w.copy_(dequantize_fp8(*quantize_fp8(w), w.dtype))

@@ -16,6 +16,7 @@ from torch import nn
 from specmoe.assets import family_path
 
 from .adapter import ModelSourceError, MoEAdapter
+from .checkpoint import dequantized_state_dict, fp8_quantized, round_experts_to_fp8
 from .deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepseekV3Adapter, build_random_deepseek_v3
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, build_random_olmoe
 from .qwen3_5_moe import QWEN3_5_MOE_CONFIGS, Qwen35MoeAdapter, build_random_qwen3_5_moe
@@ -127,20 +128,33 @@ def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
     on the model ("eager" by default; None keeps transformers' choice), because generate() may switch
     kernels between prefill and decode and paired comparisons must run the same arithmetic. The source is
     kept as `model.specmoe_source` (calibration provenance). A name in NAMED_CONFIGS is a named config even
-    if a directory of that name exists (write ./name to load the directory)."""
+    if a directory of that name exists (write ./name to load the directory).
+
+    FP8 (a config with an FP8 quantization_config): a checkpoint's FP8 weights are dequantised to `dtype`
+    (transformers' own classes then run them); a named FP8 config's routed experts are rounded to FP8 values.
+    The model's config keeps the quantization_config, so `ExpertStore.from_model` makes an FP8 store."""
     dtype = _as_dtype(dtype)
     source = str(source)
     if source in NAMED_CONFIGS:
         config = named_config(source)
         adapter = adapter_for(config)
         model = ARCHITECTURES[config.model_type].build_random(config, seed, dtype, device)
+        if fp8_quantized(config):
+            round_experts_to_fp8(model, adapter)
         label = f"{source} (random weights, seed {seed})"
     else:
         config = _checkpoint_config(Path(source))
         adapter = adapter_for(config)
         model_class = ARCHITECTURES[config.model_type].model_class
         try:
-            model = model_class.from_pretrained(source, dtype=dtype, local_files_only=True).to(device)
+            if fp8_quantized(config):  # dequantised here: transformers' FP8 path needs accelerate and a GPU
+                quantization = config.quantization_config
+                del config.quantization_config
+                model = model_class.from_pretrained(None, config=config, state_dict=dequantized_state_dict(source),
+                                                    dtype=dtype).to(device)
+                model.config.quantization_config = quantization
+            else:
+                model = model_class.from_pretrained(source, dtype=dtype, local_files_only=True).to(device)
         except Exception as exc:  # a truncated or corrupt weights file: safetensors' and transformers' errors
             raise ModelSourceError(f"cannot load the weights of checkpoint directory {source}: "
                                    f"{type(exc).__name__}: {exc}") from exc
