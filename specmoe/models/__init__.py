@@ -2,7 +2,7 @@
 `load_model`."""
 
 from .adapter import ModelSourceError, MoEAdapter, extract_context_feature
-from .checkpoint import CheckpointReader
+from .checkpoint import CheckpointReader, quantize_experts_fp8
 from .deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepseekV3Adapter, RoutedDeepseekV3TopkRouter
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, RoutedOlmoeTopKRouter, init_random_weights
 from .qwen3_5_moe import QWEN3_5_MOE_CONFIGS, Qwen35MoeAdapter, RoutedQwen35MoeTopKRouter
@@ -14,5 +14,5 @@ __all__ = [
     "MoEAdapter", "NAMED_CONFIGS", "OLMOE_CONFIGS", "OlmoeAdapter", "QWEN3_5_MOE_CONFIGS", "Qwen35MoeAdapter",
     "RoutedDeepseekV3TopkRouter", "RoutedOlmoeTopKRouter", "RoutedQwen35MoeTopKRouter", "adapter_for",
     "decoder_for", "default_model", "extract_context_feature", "init_random_weights", "load_model",
-    "named_config",
+    "named_config", "quantize_experts_fp8",
 ]
