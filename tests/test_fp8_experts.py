@@ -97,11 +97,11 @@ for dtype in (torch.float32, torch.bfloat16):
         ref, out = torch.empty(h, dtype=dtype), torch.empty(h, dtype=dtype)
         slot_moe_torch(x[pos], res[pos], ref_buf, route[pos], torch.empty(k, i, dtype=dtype), ref, h, i)
         slot_moe_triton(x[pos], res[pos], rows, route[pos], torch.empty(k, i, dtype=dtype), out, h, i,
-                        dict(block_n=16, block_k=64, block_h=32, block_k2=64, warps1=4, warps2=4))
+                        dict(block_n=16, block_k=64, block_h=32, block_k2=256, warps1=4, warps2=4))
         # the per-token kernel over FP8 rows is the same kernel over the dequantised rows
         same = torch.empty(h, dtype=dtype)
         slot_moe_triton(x[pos], res[pos], ref_buf, route[pos], torch.empty(k, i, dtype=dtype), same, h, i,
-                        dict(block_n=16, block_k=64, block_h=32, block_k2=64, warps1=4, warps2=4))
+                        dict(block_n=16, block_k=64, block_h=32, block_k2=256, warps1=4, warps2=4))
         assert torch.equal(out, same), (dtype, pos)
         torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2 if dtype == torch.bfloat16 else 1e-5,
                                    atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -112,6 +112,14 @@ for dtype in (torch.float32, torch.bfloat16):
     same = slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), h, i, ws,
                                    dict(block_n=32, block_k=64, block_h=32, block_k2=64))
     assert torch.equal(out, same), dtype
+    wide = dict(block_n=128, block_k=256, block_h=128, block_k2=256)  # tiles of a whole block, K across blocks
+    assert torch.equal(slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), h, i, ws, wide),
+                       slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), h, i, ws, wide)), dtype
+    try:
+        slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), h, i, ws, dict(block_n=256))
+        raise AssertionError("a tile of 256 rows over FP8 rows was accepted")
+    except ValueError as exc:
+        assert "at most 128 rows" in str(exc)
     torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=3e-2 if dtype == torch.bfloat16 else 1e-5)
 print("fp8 kernels ok")
@@ -123,6 +131,70 @@ def test_triton_kernels_dequantise_fp8_rows_in_the_interpreter():
     done = run_in_interpreter(_KERNEL_CHECK, 900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fp8 kernels ok" in done.stdout
+
+
+_DECODER_CHECK = r"""
+import numpy as np
+import torch
+from transformers import OlmoeConfig
+from specmoe.kernels.fp8 import fp8_rows_of, unpack_fp8_rows
+from specmoe.models.olmoe import OLMOE_CONFIGS, build_random_olmoe
+from specmoe.models.olmoe_decode import OlmoeDecoder
+
+SEQ, C = 8, 16
+model = build_random_olmoe(OlmoeConfig(**{**OLMOE_CONFIGS["olmoe-micro"], "num_hidden_layers": 2}), 0, torch.float32,
+                           "cpu")
+c = OlmoeDecoder.from_model(model, SEQ).geometry
+k, num_layers = c.top_k, c.num_layers
+g = torch.Generator().manual_seed(0)
+fp8_bufs = [fp8_rows_of(torch.randn(C, 2 * c.inter, c.hidden, generator=g) * 0.3,
+                        torch.randn(C, c.hidden, c.inter, generator=g) * 0.3) for _ in range(num_layers)]
+deq_bufs = [torch.cat([t.flatten(1) for t in unpack_fp8_rows(b, c.hidden, c.inter, torch.float32)], 1)
+            for b in fp8_bufs]
+rng = np.random.default_rng(4)
+routes = np.zeros((5, num_layers, 2 * k), np.int32)
+for i in range(5):
+    for layer in range(num_layers):
+        routes[i, layer, :k] = rng.choice(C, k, replace=False)
+        routes[i, layer].view(np.float32)[k:] = rng.dirichlet(np.ones(k))
+ids = rng.integers(0, c.vocab_size, 5)
+
+
+def run(decoder, bufs, d):
+    out = []
+    with torch.no_grad():
+        step = decoder.step(d)
+        for start in range(0, 5, d):
+            step.set_input(ids[start: start + d], start, SEQ)
+            for layer in range(num_layers):
+                decoder.attention_router(step, layer)
+                step.route_np[layer] = routes[start: start + d, layer]
+                decoder.moe(step, layer, bufs[layer])
+            decoder.head(step)
+            out.append(step.out_logits.clone())
+    return torch.cat(out)
+
+
+kernels = OlmoeDecoder.from_model(model, SEQ)
+assert kernels.use_kernels("triton", "sdpa", "slot", fp8_bufs[0], tune=False)["backend"] == "triton", kernels.notes
+assert kernels.grouped_moe, kernels.notes
+reference = OlmoeDecoder.from_model(model, SEQ)
+reference.use_kernels("torch", "sdpa", "slot", deq_bufs[0], tune=False)
+ref = run(reference, deq_bufs, 1)
+torch.testing.assert_close(run(kernels, fp8_bufs, 1), ref, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(run(kernels, fp8_bufs, 5), ref, rtol=1e-5, atol=1e-5)
+print("decoder ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_a_decoder_runs_fp8_slot_buffers_through_the_triton_kernels_in_the_interpreter():
+    """OLMoE's decoder (float32 olmoe-micro, two layers) on FP8 slot buffers with backend "triton": its kernel
+    self-checks pass on FP8 rows, and single steps (per-token kernel) and a 5-position step (grouped kernel) give
+    the torch decoder's logits over the dequantised rows."""
+    done = run_in_interpreter(_DECODER_CHECK, 900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "decoder ok" in done.stdout
 
 
 # -- on a CUDA device, at Qwen3.6-35B-A3B's expert size ------------------------------------------------------------

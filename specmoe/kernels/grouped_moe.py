@@ -209,10 +209,10 @@ if triton is not None:
             m2 = cmask[:, None] & rmask[None, :]
             wg = tl.load(base + rows[None, :] * H + cols[:, None], mask=m2, other=0.0)  # gate^T tile [BLOCK_K, BLOCK_N]
             wu = tl.load(base + (rows[None, :] + I) * H + cols[:, None], mask=m2, other=0.0)
-            if FP8:
-                index = (rows // B)[None, :] * NH + (cols // B)[:, None]
-                wg = fp8_weights(wg, scales, index, m2).to(dt)
-                wu = fp8_weights(wu, scales + NI * NH, index, m2).to(dt)
+            if FP8:  # the tile's rows lie in one row block (BLOCK_N divides B): one scale per column block
+                index = ((tl.program_id(1) * BLOCK_N) // B * NH + cols // B)[:, None]
+                wg = fp8_weights(wg, scales, index, cmask[:, None]).to(dt)
+                wu = fp8_weights(wu, scales + NI * NH, index, cmask[:, None]).to(dt)
             acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
         g = acc_g.to(dt).to(tl.float32)
@@ -250,8 +250,8 @@ if triton is not None:
             wd = tl.load(base + rows[None, :] * I + cols[:, None], mask=cmask[:, None] & rmask[None, :],
                          other=0.0)  # down^T tile [BLOCK_K, BLOCK_H]
             if FP8:
-                wd = fp8_weights(wd, scales, (rows // B)[None, :] * NI + (cols // B)[:, None],
-                                 cmask[:, None] & rmask[None, :]).to(dt)
+                wd = fp8_weights(wd, scales, ((tl.program_id(1) * BLOCK_H) // B * NI + cols // B)[:, None],
+                                 cmask[:, None]).to(dt)
             acc = tl.dot(a, wd, acc, input_precision=PRECISION)
         y = acc.to(dt)
         for j in tl.static_range(K):  # every pair of the position on this slot (a repeated slot: each copy)
@@ -313,7 +313,7 @@ def slot_moe_grouped_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: t
                               G_PAD=_next_pow2(g), BLOCK_P=min(_next_pow2(pairs), max(16, 8192 // c_pad)),
                               num_warps=4)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16 operands
-    fp8 = fp8_kernel_args(slot_buf, hidden, inter)
+    fp8 = fp8_kernel_args(slot_buf, hidden, inter, p["block_n"], p["block_h"])
     m_chunks = triton.cdiv(d, p["block_m"])
     _grouped_gate_up_kernel[(g, triton.cdiv(inter, p["block_n"]), m_chunks)](
         x, slot_buf, route, workspace.groups, workspace.act, D=d, K=top_k, H=hidden, I=inter, W=width,

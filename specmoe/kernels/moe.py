@@ -57,11 +57,16 @@ def expert_weights(rows: torch.Tensor, hidden: int, inter: int, dtype: torch.dty
     return rows[:, : 2 * inter * hidden].view(n, 2 * inter, hidden), rows[:, 2 * inter * hidden:].view(n, hidden, inter)
 
 
-def fp8_kernel_args(slot_buf: torch.Tensor, hidden: int, inter: int) -> dict:
+def fp8_kernel_args(slot_buf: torch.Tensor, hidden: int, inter: int, *row_tiles: int) -> dict:
     """The Triton MoE kernels' FP8 constants for this slot buffer (FP8=False and zeros for rows in the model
-    dtype): the scales' byte offset in a row, the block grid (NI, NH) and the block edge B."""
+    dtype): the scales' byte offset in a row, the block grid (NI, NH) and the block edge B. The kernels' weight
+    tiles span `row_tiles` output rows each (powers of two), which must divide B: a tile's rows then share one
+    row of scales, and only the scales along the reduction are gathered."""
     if not is_fp8_rows(slot_buf):
         return dict(FP8=False, SOFF=0, NI=1, NH=1, B=FP8_BLOCK)
+    if any(FP8_BLOCK % t for t in row_tiles):
+        raise ValueError(f"FP8 rows need weight tiles of at most {FP8_BLOCK} rows dividing {FP8_BLOCK}, got "
+                         f"{list(row_tiles)}")
     lay = fp8_row_layout(hidden, inter)
     return dict(FP8=True, SOFF=lay.scale_offset, NI=lay.gate_blocks[0], NH=lay.gate_blocks[1], B=FP8_BLOCK)
 
@@ -84,8 +89,8 @@ if triton is not None:
 
     @triton.jit
     def fp8_weights(w, scale_ptr, index, mask):
-        """FP8 bytes w times their block scales at scale_ptr + index, in float32 (callers round the result to
-        the model dtype, as `fp8.dequantize_fp8` does)."""
+        """FP8 bytes w times their block scales at scale_ptr + index (broadcast over w), in float32 (callers
+        round the result to the model dtype, as `fp8.dequantize_fp8` does)."""
         s = tl.load(scale_ptr + index, mask=mask, other=0.0)
         return w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
 
@@ -111,10 +116,10 @@ if triton is not None:
             m2 = rmask[:, None] & cmask[None, :]
             wg = tl.load(base + rows[:, None] * H + cols[None, :], mask=m2, other=0.0)
             wu = tl.load(base + (rows[:, None] + I) * H + cols[None, :], mask=m2, other=0.0)
-            if FP8:
-                index = (rows // B)[:, None] * NH + (cols // B)[None, :]
-                wg = fp8_weights(wg, scales, index, m2).to(dt)
-                wu = fp8_weights(wu, scales + NI * NH, index, m2).to(dt)
+            if FP8:  # this program's rows lie in one row block (BLOCK_N divides B): one scale per column block
+                index = ((pid_n * BLOCK_N) // B * NH + cols // B)[None, :]
+                wg = fp8_weights(wg, scales, index, cmask[None, :]).to(dt)
+                wu = fp8_weights(wu, scales + NI * NH, index, cmask[None, :]).to(dt)
             acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
             acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
         g = acc_g.to(dt).to(tl.float32)
@@ -146,8 +151,8 @@ if triton is not None:
                 wd = tl.load(base + rows[:, None] * I + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                              other=0.0)
                 if FP8:
-                    wd = fp8_weights(wd, scales, (rows // B)[:, None] * NI + (cols // B)[None, :],
-                                     rmask[:, None] & cmask[None, :]).to(dt)
+                    wd = fp8_weights(wd, scales, ((pid * BLOCK_H) // B * NI + cols // B)[None, :],
+                                     cmask[None, :]).to(dt)
                 acc_j += tl.sum(wd.to(tl.float32) * a[None, :], axis=1)
             acc += (acc_j.to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
         res = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -160,7 +165,7 @@ def slot_moe_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Ten
     p = {**MOE_DEFAULTS, **(params or {})}
     top_k = route.numel() // 2
     width = slot_buf.shape[-1]
-    fp8 = fp8_kernel_args(slot_buf, hidden, inter)
+    fp8 = fp8_kernel_args(slot_buf, hidden, inter, p["block_n"], p["block_h"])
     grid1 = (top_k, triton.cdiv(inter, p["block_n"]))
     _gate_up_act_kernel[grid1](x, slot_buf, route, act, H=hidden, I=inter, W=width,
                                BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], num_warps=p["warps1"], **fp8)
