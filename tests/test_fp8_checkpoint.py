@@ -13,7 +13,8 @@ from specmoe.engines import EngineConfig, build_engine, build_engine_from_checkp
 from specmoe.geometry import Geometry
 from specmoe.kernels.fp8 import fp8_row_layout
 from specmoe.models import ModelSourceError, load_model
-from specmoe.models.checkpoint import CheckpointReader, fp8_quantized, quantize_experts_fp8
+from specmoe.models.checkpoint import CheckpointReader, fp8_quantized
+from specmoe.models.fp8_checkpoint import quantize_experts_fp8
 from specmoe.models.qwen3_5_moe import build_random_qwen3_5_moe
 from specmoe.models.registry import named_config
 from specmoe.offload import ExpertStore, OffloadError

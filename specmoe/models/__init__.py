@@ -2,8 +2,9 @@
 `load_model`."""
 
 from .adapter import ModelSourceError, MoEAdapter, extract_context_feature
-from .checkpoint import CheckpointReader, quantize_experts_fp8
+from .checkpoint import CheckpointReader
 from .deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepseekV3Adapter, RoutedDeepseekV3TopkRouter
+from .fp8_checkpoint import quantize_experts_fp8
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, RoutedOlmoeTopKRouter, init_random_weights
 from .qwen3_5_moe import QWEN3_5_MOE_CONFIGS, Qwen35MoeAdapter, RoutedQwen35MoeTopKRouter
 from .registry import (ARCHITECTURES, NAMED_CONFIGS, adapter_for, decoder_for, default_model, load_model,
