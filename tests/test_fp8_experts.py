@@ -1,10 +1,12 @@
 """FP8 experts (`specmoe.kernels.fp8`): the block quantiser against transformers' convention, the FP8 row, the
 torch slot MoE paths over FP8 rows against the same paths over the dequantised weights (bitwise), the Triton
 per-token and grouped kernels over FP8 rows in the interpreter (several 128 x 128 blocks and a partial one),
-and, marked gpu, the kernels at Qwen3.6-35B-A3B's expert size (H 2048, I 512, 256 experts, top-8)."""
+an OLMoE decoder running FP8 slot buffers through the Triton kernels (interpreter), and, marked gpu, the kernels at
+Qwen3.6-35B-A3B's expert size (H 2048, I 512, 256 experts, top-8) and the OLMoE-1B-7B engine over an FP8 store."""
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 from _interpreter import run_in_interpreter
@@ -246,3 +248,44 @@ def test_grouped_kernel_on_fp8_rows_equals_the_dequantised_reference_on_gpu(gpu_
     bf16 = slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), H, I, ws)
     assert torch.equal(out, bf16)
     torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)  # a unit or two in bf16's last place
+
+
+@pytest.mark.gpu
+def test_engine_over_an_fp8_store_decodes_as_over_the_dequantised_bf16_store_on_gpu():
+    """OLMoE-1B-7B (the decoder with the GPU path: CUDA graphs, Triton kernels, cuda-python copies), random bf16
+    experts rounded to FP8: PSR at C = 16 over the FP8 store (copies of FP8 rows) selects and decodes as over the
+    bf16 store of the same weights, logits bitwise equal (both with the default launch parameters: the same
+    kernels over the same dequantised weights), and each slot holds its expert's FP8 row."""
+    from specmoe.engines import EngineConfig, build_engine
+    from specmoe.engines.helpers import random_olmoe_on_device
+    from specmoe.models.checkpoint import round_experts_to_fp8
+    from specmoe.offload import ExpertStore
+    from specmoe.routing import Calibration, preset
+
+    model, adapter = random_olmoe_on_device("olmoe-1b-7b", seed=0, dtype=torch.bfloat16, device="cuda")
+    round_experts_to_fp8(model, adapter)
+    stores = {"fp8": ExpertStore.from_model(model, adapter, fp8=True),
+              "bf16": ExpertStore.from_model(model, adapter, fp8=False)}
+    assert stores["fp8"].expert_bytes < 0.51 * stores["bf16"].expert_bytes
+    cal = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    tokens = np.random.default_rng(2).integers(0, adapter.vocab_size, 32)
+    runs = {}
+    for name, store in stores.items():
+        engine = build_engine(model, preset("psr", 16, adapter.top_k), cal, EngineConfig(max_seq_len=128, tune=False),
+                              store=store)
+        print(name, "engine notes:", engine.notes)
+        runs[name] = engine.teacher_forced(tokens, prompt_len=8, return_logits=True)
+        if name == "fp8":
+            assert engine.residency.slots.data.dtype == torch.uint8
+            copies = engine.residency.copies
+            copies.synchronize()
+            for layer in (0, 15):
+                for slot in range(16):
+                    expert = int(copies.content[layer, slot])
+                    if expert >= 0:
+                        assert torch.equal(engine.residency.slots.data[layer, slot].cpu(), store.expert(layer, expert))
+        del engine
+    np.testing.assert_array_equal(runs["fp8"].selected, runs["bf16"].selected)
+    np.testing.assert_array_equal(runs["fp8"].output_tokens, runs["bf16"].output_tokens)
+    np.testing.assert_array_equal(runs["fp8"].logits, runs["bf16"].logits)
+    assert runs["fp8"].copy_totals()["issued"] > 0
