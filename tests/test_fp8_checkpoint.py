@@ -132,3 +132,35 @@ def test_fp8_errors(checkpoints, tmp_path):
     geometry = Geometry(4, model_config["num_experts"], 4, 512, 192, 160, layer_ids=(0, 1, 2, 3))
     with pytest.raises(OffloadError, match=r"inverse scales of shape \(1, 1\), expected \(2, 2\)"):
         ExpertStore.from_checkpoint(bad, geometry)
+
+
+def test_the_shipped_image_text_layout_in_fp8(tmp_path):
+    """Qwen3.5-MoE's shipped layout (model_type qwen3_5_moe, tensors under model.language_model.) converted to FP8:
+    load_model gives its text model dequantised, and the engine read from the directory (FP8 store) equals it."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    model, adapter = load_model("qwen3.5-moe-tiny", seed=0)
+    config = Qwen3_5MoeConfig(text_config=model.config.to_dict(),
+                              vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                                 out_hidden_size=64))
+    full = Qwen3_5MoeForConditionalGeneration(config).eval()
+    full.model.language_model.load_state_dict(model.model.state_dict())
+    full.lm_head.load_state_dict(model.lm_head.state_dict())
+    src, dst = tmp_path / "bf16", tmp_path / "fp8"
+    full.save_pretrained(src)
+    assert quantize_experts_fp8(src, dst) == adapter.num_moe_layers * adapter.num_experts * 3
+    loaded, loaded_adapter = load_model(str(dst))
+    assert loaded_adapter.checkpoint_prefix == "model.language_model." and fp8_quantized(loaded.config)
+    reader = CheckpointReader(dst)
+    assert torch.equal(loaded.model.layers[1].mlp.experts.down_proj[4],
+                       reader.get("model.language_model.layers.1.mlp.experts.4.down_proj.weight"))
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    read = build_engine_from_checkpoint(dst, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration,
+                                        EngineConfig(max_seq_len=SEQ), dtype=torch.float32)
+    assert read.residency.store.fp8
+    tokens = np.random.default_rng(3).integers(0, adapter.vocab_size, 16)
+    with torch.no_grad():
+        ref = loaded(torch.as_tensor(tokens)[None]).logits[0].float().numpy()
+    logits = read.teacher_forced(tokens, prompt_len=6, return_logits=True).logits
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()

@@ -148,11 +148,7 @@ def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
         model_class = ARCHITECTURES[config.model_type].model_class
         try:
             if fp8_quantized(config):  # dequantised here: transformers' FP8 path needs accelerate and a GPU
-                quantization = config.quantization_config
-                del config.quantization_config
-                model = model_class.from_pretrained(None, config=config, state_dict=dequantized_state_dict(source),
-                                                    dtype=dtype).to(device)
-                model.config.quantization_config = quantization
+                model = _load_dequantized(model_class, config, adapter, source, dtype).to(device)
             else:
                 model = model_class.from_pretrained(source, dtype=dtype, local_files_only=True).to(device)
         except Exception as exc:  # a truncated or corrupt weights file: safetensors' and transformers' errors
@@ -164,6 +160,26 @@ def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
     model.eval()
     model.specmoe_source = label
     return model, adapter
+
+
+def _load_dequantized(model_class, config, adapter, source: str, dtype: torch.dtype) -> nn.Module:
+    """The model of an FP8 checkpoint directory with every FP8 tensor dequantised (`dequantized_state_dict`);
+    the image-text layout's text part under the text model's names. The model's config keeps the
+    quantization_config (the FP8 store follows it), which transformers must not see while loading."""
+    weights = dequantized_state_dict(source)
+    prefix = getattr(adapter, "checkpoint_prefix", "model.")
+    if prefix != "model.":  # e.g. Qwen3.5-MoE's shipped model.language_model.: the text model's model.
+        weights = {"model." + k[len(prefix):] if k.startswith(prefix) else k: v for k, v in weights.items()
+                   if k.startswith(prefix) or k.startswith("lm_head.")}
+    quantization = config.quantization_config
+    text = config.get_text_config()
+    for c in {id(config): config, id(text): text}.values():
+        if "quantization_config" in c.__dict__:
+            del c.quantization_config
+    model = model_class.from_pretrained(None, config=text if prefix != "model." else config, state_dict=weights,
+                                        dtype=dtype)
+    model.config.quantization_config = quantization
+    return model
 
 
 def _checkpoint_config(path: Path):
