@@ -166,7 +166,7 @@ def _load_dequantized(model_class, config, adapter, source: str, dtype: torch.dt
     """The model of an FP8 checkpoint directory with every FP8 tensor dequantised (`dequantized_state_dict`);
     the image-text layout's text part under the text model's names. The model's config keeps the
     quantization_config (the FP8 store follows it), which transformers must not see while loading."""
-    weights = dequantized_state_dict(source)
+    weights = dequantized_state_dict(source, dtype)
     prefix = getattr(adapter, "checkpoint_prefix", "model.")
     if prefix != "model.":  # e.g. Qwen3.5-MoE's shipped model.language_model.: the text model's model.
         weights = {"model." + k[len(prefix):] if k.startswith(prefix) else k: v for k, v in weights.items()
