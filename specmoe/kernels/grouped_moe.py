@@ -31,6 +31,10 @@ occasionally one unit in the last place of the model dtype, not bitwise (bitwise
 are exact, as the tests check). Slot ids must lie in [0, C); a position may repeat a slot (its pairs then
 share one activation, as they would share the value).
 
+FP8 slot buffers (uint8 rows, `specmoe.kernels.fp8`): both weight kernels dequantise each loaded tile with its
+block scales and round it to the model dtype before tl.dot, so they compute what they compute over the
+dequantised weights.
+
 `slot_moe_grouped_torch` is the reference and the CPU path: `moe.slot_moe_torch` once per position.
 """
 
@@ -41,12 +45,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .moe import fastest, slot_moe_torch
+from .fp8 import is_fp8_rows
+from .moe import compute_dtype, fastest, fp8_kernel_args, slot_moe_torch
 from .tuning import LaunchChoice, device_identity, dtype_name, launch_params
 
 try:  # Triton is optional: CPU machines run the torch reference
     import triton
     import triton.language as tl
+
+    from .moe import fp8_weights
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -114,9 +121,10 @@ def _check_inputs(x, residual, slot_buf, route, out, hidden, inter, ws: GroupedM
         raise ValueError(f"route must be int32 [D={d}, 2K], got {tuple(route.shape)} {route.dtype}")
     if route.device != x.device or slot_buf.device != x.device:
         raise ValueError("x, route and the slot buffer must be on one device")
-    if slot_buf.dim() != 2 or slot_buf.shape[1] < 3 * hidden * inter or slot_buf.dtype != x.dtype:
-        raise ValueError(f"the slot buffer must be [C, >= 3 * H * I] in x's dtype, got {tuple(slot_buf.shape)} "
-                         f"{slot_buf.dtype}")
+    if slot_buf.dim() != 2 or slot_buf.shape[1] < 3 * hidden * inter or \
+            not (slot_buf.dtype == x.dtype or is_fp8_rows(slot_buf)):
+        raise ValueError(f"the slot buffer must be [C, >= 3 * H * I] in x's dtype or FP8 rows (uint8), got "
+                         f"{tuple(slot_buf.shape)} {slot_buf.dtype}")
     if not all(t.is_contiguous() for t in (x, residual, route, out)) or slot_buf.stride(1) != 1:
         raise ValueError("x, residual, route and out must be contiguous, and the slot buffer's rows too")
     if ws is not None:
@@ -175,7 +183,8 @@ if triton is not None:
     def _grouped_gate_up_kernel(x_ptr, buf_ptr, route_ptr, groups_ptr, act_ptr, D: tl.constexpr,
                                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, W: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                PRECISION: tl.constexpr):
+                                PRECISION: tl.constexpr, FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr,
+                                NH: tl.constexpr, B: tl.constexpr):
         """act[i, first j on slot, rows] = silu(gate x_i) * (up x_i) for the positions i of this chunk on this
         program's slot, rows of this program."""
         slot = tl.load(groups_ptr + tl.program_id(0))
@@ -190,6 +199,7 @@ if triton is not None:
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < I
         base = buf_ptr + slot.to(tl.int64) * W
+        scales = (base + SOFF).to(tl.pointer_type(tl.float32))  # FP8 rows only
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -199,6 +209,10 @@ if triton is not None:
             m2 = cmask[:, None] & rmask[None, :]
             wg = tl.load(base + rows[None, :] * H + cols[:, None], mask=m2, other=0.0)  # gate^T tile [BLOCK_K, BLOCK_N]
             wu = tl.load(base + (rows[None, :] + I) * H + cols[:, None], mask=m2, other=0.0)
+            if FP8:  # the tile's rows lie in one row block (BLOCK_N divides B): one scale per column block
+                index = ((tl.program_id(1) * BLOCK_N) // B * NH + cols // B)[:, None]
+                wg = fp8_weights(wg, scales, index, cmask[:, None]).to(dt)
+                wu = fp8_weights(wu, scales + NI * NH, index, cmask[:, None]).to(dt)
             acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
         g = acc_g.to(dt).to(tl.float32)
@@ -210,7 +224,9 @@ if triton is not None:
     @triton.jit
     def _grouped_down_kernel(act_ptr, buf_ptr, route_ptr, groups_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr,
                              H: tl.constexpr, I: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                             BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                             FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
+                             B: tl.constexpr):
         """y[i, j, rows] = down(act_i) for every pair (i, j) of this chunk on this program's slot."""
         slot = tl.load(groups_ptr + tl.program_id(0))
         if slot < 0:
@@ -224,6 +240,7 @@ if triton is not None:
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         rmask = rows < H
         base = buf_ptr + slot.to(tl.int64) * W + 2 * I * H
+        scales = (buf_ptr + slot.to(tl.int64) * W + SOFF).to(tl.pointer_type(tl.float32)) + 2 * NI * NH
         acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -232,6 +249,9 @@ if triton is not None:
                         mask=on_slot[:, None] & cmask[None, :], other=0.0)
             wd = tl.load(base + rows[None, :] * I + cols[:, None], mask=cmask[:, None] & rmask[None, :],
                          other=0.0)  # down^T tile [BLOCK_K, BLOCK_H]
+            if FP8:
+                wd = fp8_weights(wd, scales, ((tl.program_id(1) * BLOCK_H) // B * NI + cols // B)[:, None],
+                                 cmask[:, None]).to(dt)
             acc = tl.dot(a, wd, acc, input_precision=PRECISION)
         y = acc.to(dt)
         for j in tl.static_range(K):  # every pair of the position on this slot (a repeated slot: each copy)
@@ -293,15 +313,16 @@ def slot_moe_grouped_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: t
                               G_PAD=_next_pow2(g), BLOCK_P=min(_next_pow2(pairs), max(16, 8192 // c_pad)),
                               num_warps=4)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16 operands
+    fp8 = fp8_kernel_args(slot_buf, hidden, inter, p["block_n"], p["block_h"])
     m_chunks = triton.cdiv(d, p["block_m"])
     _grouped_gate_up_kernel[(g, triton.cdiv(inter, p["block_n"]), m_chunks)](
         x, slot_buf, route, workspace.groups, workspace.act, D=d, K=top_k, H=hidden, I=inter, W=width,
         BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], PRECISION=precision,
-        num_warps=p["warps"], num_stages=p["stages"])
+        num_warps=p["warps"], num_stages=p["stages"], **fp8)
     _grouped_down_kernel[(g, triton.cdiv(hidden, p["block_h"]), m_chunks)](
         workspace.act, slot_buf, route, workspace.groups, workspace.y, D=d, K=top_k, H=hidden, I=inter, W=width,
         BLOCK_M=p["block_m"], BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], PRECISION=precision,
-        num_warps=p["warps"], num_stages=p["stages"])
+        num_warps=p["warps"], num_stages=p["stages"], **fp8)
     _combine_kernel[(d, triton.cdiv(hidden, p["block_c"]))](workspace.y, route, residual, out, K=top_k, H=hidden,
                                                            BLOCK_C=p["block_c"], num_warps=4)
     return out
@@ -334,7 +355,7 @@ def zipf_routes(num_routes: int, num_positions: int, top_k: int, num_slots: int,
 
 def grouped_moe_bytes(route: torch.Tensor, hidden: int, inter: int, itemsize: int) -> int:
     """Expert bytes the grouped kernel must read for `route` [D, 2K] (host-side, for benchmarks): distinct
-    slots x 3 * H * I * itemsize."""
+    slots x 3 * H * I * itemsize (itemsize 1 for FP8 rows, whose scales add < 0.1%)."""
     top_k = route.shape[-1] // 2
     return int(torch.unique(route[:, :top_k].cpu()).numel()) * 3 * hidden * inter * itemsize
 
@@ -344,7 +365,7 @@ def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hid
     """Pick the fastest of GROUPED_CANDIDATES for D = num_positions on this device (CUDA only), on Zipf-like
     routes (`zipf_routes`). Returns (params, {candidate index: median ms}); candidates that fail to compile
     are skipped."""
-    device, dtype = slot_buf.device, slot_buf.dtype
+    device, dtype = slot_buf.device, compute_dtype(slot_buf)
     g = torch.Generator().manual_seed(seed)
     route = zipf_routes(1, num_positions, top_k, slot_buf.shape[0], exponent, g, device)[0]
     x = torch.randn(num_positions, hidden, generator=g).to(device=device, dtype=dtype)

@@ -1,7 +1,9 @@
 """Slot-indexed MoE for one token: the executed experts' weights are read from a slot buffer at slot ids.
 
 The slot buffer of a layer is [C, W], one row per slot, each row one expert laid out as
-[gate (I x H) | up (I x H) | down (H x I)] (the expert store's row layout, see `specmoe.offload.store`).
+[gate (I x H) | up (I x H) | down (H x I)] (the expert store's row layout, see `specmoe.offload.store`), in the
+model dtype, or FP8 rows (uint8: the same weights in float8 e4m3 followed by their 128 x 128 block scales,
+`specmoe.kernels.fp8`), which every path here dequantises on the fly to the model dtype (the dtype of x).
 The routing of a token arrives in a small int32 device tensor `route` [2K]: K slot ids, then the K execution
 weights as float32 bit patterns. `slot_moe` computes
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import FP8_BLOCK, fp8_row_layout, is_fp8_rows, unpack_fp8_rows
 from .tuning import LaunchChoice, device_identity, dtype_name, launch_params
 
 try:  # Triton is optional: CPU machines and CI run the torch path
@@ -45,14 +48,35 @@ def split_route(route: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Te
     return route[:top_k].long(), route[top_k:].view(torch.float32)
 
 
+def expert_weights(rows: torch.Tensor, hidden: int, inter: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [N, 2I, H], down [N, H, I]) of expert rows [N, W]: views of rows in the model dtype, the
+    weights dequantised to `dtype` of FP8 rows."""
+    if is_fp8_rows(rows):
+        return unpack_fp8_rows(rows, hidden, inter, dtype)
+    n = rows.shape[0]
+    return rows[:, : 2 * inter * hidden].view(n, 2 * inter, hidden), rows[:, 2 * inter * hidden:].view(n, hidden, inter)
+
+
+def fp8_kernel_args(slot_buf: torch.Tensor, hidden: int, inter: int, *row_tiles: int) -> dict:
+    """The Triton MoE kernels' FP8 constants for this slot buffer (FP8=False and zeros for rows in the model
+    dtype): the scales' byte offset in a row, the block grid (NI, NH) and the block edge B. The kernels' weight
+    tiles span `row_tiles` output rows each (powers of two), which must divide B: a tile's rows then share one
+    row of scales, and only the scales along the reduction are gathered."""
+    if not is_fp8_rows(slot_buf):
+        return dict(FP8=False, SOFF=0, NI=1, NH=1, B=FP8_BLOCK)
+    if any(FP8_BLOCK % t for t in row_tiles):
+        raise ValueError(f"FP8 rows need weight tiles of at most {FP8_BLOCK} rows dividing {FP8_BLOCK}, got "
+                         f"{list(row_tiles)}")
+    lay = fp8_row_layout(hidden, inter)
+    return dict(FP8=True, SOFF=lay.scale_offset, NI=lay.gate_blocks[0], NH=lay.gate_blocks[1], B=FP8_BLOCK)
+
+
 def slot_moe_torch(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Tensor, route: torch.Tensor,
                    act: torch.Tensor, out: torch.Tensor, hidden: int, inter: int) -> None:
     """Reference implementation: out = residual + MoE(x) over the slots in `route` (see module doc)."""
     top_k = route.numel() // 2
     slots, weights = split_route(route, top_k)
-    rows = slot_buf.index_select(0, slots)  # [K, W]
-    gate_up = rows[:, : 2 * inter * hidden].view(top_k, 2 * inter, hidden)
-    down = rows[:, 2 * inter * hidden:].view(top_k, hidden, inter)
+    gate_up, down = expert_weights(slot_buf.index_select(0, slots), hidden, inter, x.dtype)  # [K, 2I, H], [K, H, I]
     h = torch.bmm(gate_up, x.view(1, hidden, 1).expand(top_k, hidden, 1)).view(top_k, 2 * inter)
     gate, up = h.split(inter, dim=-1)
     act.copy_(F.silu(gate) * up)
@@ -64,14 +88,23 @@ def slot_moe_torch(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Tens
 if triton is not None:
 
     @triton.jit
+    def fp8_weights(w, scale_ptr, index, mask):
+        """FP8 bytes w times their block scales at scale_ptr + index (broadcast over w), in float32 (callers
+        round the result to the model dtype, as `fp8.dequantize_fp8` does)."""
+        s = tl.load(scale_ptr + index, mask=mask, other=0.0)
+        return w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+
+    @triton.jit
     def _gate_up_act_kernel(x_ptr, buf_ptr, route_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr,
-                            W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+                            SOFF: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr, B: tl.constexpr):
         """act[j, n] = silu(gate_j[n] . x) * (up_j[n] . x) for the rows n of this program, expert j."""
         j = tl.program_id(0)
         pid_n = tl.program_id(1)
         dt = act_ptr.dtype.element_ty
         slot = tl.load(route_ptr + j).to(tl.int64)
         base = buf_ptr + slot * W
+        scales = (base + SOFF).to(tl.pointer_type(tl.float32))  # FP8 rows only
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < I
         acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -83,6 +116,10 @@ if triton is not None:
             m2 = rmask[:, None] & cmask[None, :]
             wg = tl.load(base + rows[:, None] * H + cols[None, :], mask=m2, other=0.0)
             wu = tl.load(base + (rows[:, None] + I) * H + cols[None, :], mask=m2, other=0.0)
+            if FP8:  # this program's rows lie in one row block (BLOCK_N divides B): one scale per column block
+                index = ((pid_n * BLOCK_N) // B * NH + cols // B)[None, :]
+                wg = fp8_weights(wg, scales, index, cmask[None, :]).to(dt)
+                wu = fp8_weights(wu, scales + NI * NH, index, cmask[None, :]).to(dt)
             acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
             acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
         g = acc_g.to(dt).to(tl.float32)
@@ -92,7 +129,9 @@ if triton is not None:
 
     @triton.jit
     def _down_combine_kernel(act_ptr, buf_ptr, route_ptr, res_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
-                             W: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                             W: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                             FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
+                             B: tl.constexpr):
         """out[rows] = residual[rows] + sum_j w_j * (down_j[rows] . act_j) for this program's rows."""
         pid = tl.program_id(0)
         dt = out_ptr.dtype.element_ty
@@ -103,6 +142,7 @@ if triton is not None:
             slot = tl.load(route_ptr + j).to(tl.int64)
             w = tl.load(route_ptr + TOP_K + j).to(tl.float32, bitcast=True).to(dt).to(tl.float32)
             base = buf_ptr + slot * W + 2 * I * H
+            scales = (buf_ptr + slot * W + SOFF).to(tl.pointer_type(tl.float32)) + 2 * NI * NH  # FP8 rows only
             acc_j = tl.zeros([BLOCK_H], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
@@ -110,6 +150,9 @@ if triton is not None:
                 a = tl.load(act_ptr + j * I + cols, mask=cmask, other=0.0).to(tl.float32)
                 wd = tl.load(base + rows[:, None] * I + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                              other=0.0)
+                if FP8:
+                    wd = fp8_weights(wd, scales, ((pid * BLOCK_H) // B * NI + cols // B)[None, :],
+                                     cmask[None, :]).to(dt)
                 acc_j += tl.sum(wd.to(tl.float32) * a[None, :], axis=1)
             acc += (acc_j.to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
         res = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -122,12 +165,13 @@ def slot_moe_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Ten
     p = {**MOE_DEFAULTS, **(params or {})}
     top_k = route.numel() // 2
     width = slot_buf.shape[-1]
+    fp8 = fp8_kernel_args(slot_buf, hidden, inter, p["block_n"], p["block_h"])
     grid1 = (top_k, triton.cdiv(inter, p["block_n"]))
     _gate_up_act_kernel[grid1](x, slot_buf, route, act, H=hidden, I=inter, W=width,
-                               BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], num_warps=p["warps1"])
+                               BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], num_warps=p["warps1"], **fp8)
     grid2 = (triton.cdiv(hidden, p["block_h"]),)
     _down_combine_kernel[grid2](act, slot_buf, route, residual, out, H=hidden, I=inter, W=width, TOP_K=top_k,
-                                BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], num_warps=p["warps2"])
+                                BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], num_warps=p["warps2"], **fp8)
 
 
 def load_fused_experts():
@@ -144,6 +188,9 @@ def slot_moe_vllm(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Tenso
                   out: torch.Tensor, hidden: int, inter: int, fused_experts) -> None:
     """`slot_moe_torch` through vLLM's fused_experts (see module doc; no `act` buffer: vLLM allocates its own
     intermediates); `out` may alias `residual`."""
+    if is_fp8_rows(slot_buf):
+        raise ValueError("moe='vllm' does not run FP8 expert rows; use moe='slot' (the Triton kernels dequantise "
+                         "them on the fly)")
     top_k = route.numel() // 2
     num_slots = slot_buf.shape[0]
     w1 = slot_buf[:, : 2 * inter * hidden].view(num_slots, 2 * inter, hidden)  # [gate; up], no copy
@@ -174,6 +221,11 @@ MOE_CANDIDATES = (  # smaller row blocks = more programs in flight, which a batc
 )
 
 
+def compute_dtype(slot_buf: torch.Tensor) -> torch.dtype:
+    """The activations' dtype to tune a slot buffer's kernels with: its own, bfloat16 for FP8 rows."""
+    return torch.bfloat16 if is_fp8_rows(slot_buf) else slot_buf.dtype
+
+
 def tune_moe(slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int, dtype: torch.dtype) -> tuple[dict, dict]:
     """Pick the fastest of MOE_CANDIDATES on this device for one layer's slot buffer (CUDA only).
 
@@ -197,7 +249,7 @@ def moe_launch_params(tune, slot_buf: torch.Tensor, top_k: int, hidden: int, int
     depend on it."""
     shape = {"hidden": hidden, "inter": inter, "top_k": top_k, "dtype": dtype_name(slot_buf.dtype)}
     return launch_params(tune, "slot_moe", shape, device_identity(slot_buf.device), MOE_CANDIDATES, MOE_DEFAULTS,
-                         lambda: tune_moe(slot_buf, top_k, hidden, inter, slot_buf.dtype))
+                         lambda: tune_moe(slot_buf, top_k, hidden, inter, compute_dtype(slot_buf)))
 
 
 def fastest(candidates, run, what: str) -> tuple[dict, dict]:

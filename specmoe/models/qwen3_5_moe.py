@@ -26,6 +26,7 @@ from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 
 from .adapter import ModelSourceError, MoEAdapter, routed_forward
+from .checkpoint import FP8_QUANTIZATION
 from .olmoe import init_random_weights
 
 # Qwen3.6-35B-A3B as the architecture's description gives it: 40 layers, three of every four Gated DeltaNet and
@@ -47,9 +48,15 @@ _TINY = dict(
     moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=2048, rms_norm_eps=1e-6,
     tie_word_embeddings=False, bos_token_id=None, pad_token_id=1, eos_token_id=511)
 
+# The FP8 variants declare block-wise FP8 weights (quantization_config, as the shipped FP8 checkpoints): their
+# random routed experts are rounded to FP8 values (`checkpoint.round_experts_to_fp8`) and the expert store keeps
+# them in FP8. The tiny one has a hidden size and expert width of two 128-blocks each, the second partial.
 QWEN3_5_MOE_CONFIGS: dict[str, dict] = {
     "qwen3.6-35b-a3b": QWEN36_35B_A3B,
+    "qwen3.6-35b-a3b-fp8": {**QWEN36_35B_A3B, "quantization_config": FP8_QUANTIZATION},
     "qwen3.5-moe-tiny": _TINY,
+    "qwen3.5-moe-tiny-fp8": {**_TINY, "hidden_size": 192, "moe_intermediate_size": 160,
+                             "quantization_config": FP8_QUANTIZATION},
 }
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from specmoe.assets import family_path, family_source, family_sources
 
 from .adapter import ModelSourceError, MoEAdapter
+from .checkpoint import dequantized_state_dict, fp8_quantized, round_experts_to_fp8
 from .deepseek_v3 import DEEPSEEK_V3_CONFIGS, DeepseekV3Adapter, build_random_deepseek_v3
 from .olmoe import OLMOE_CONFIGS, OlmoeAdapter, build_random_olmoe
 from .qwen3_5_moe import QWEN3_5_MOE_CONFIGS, Qwen35MoeAdapter, build_random_qwen3_5_moe
@@ -129,7 +130,11 @@ def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
     kernels between prefill and decode and paired comparisons must run the same arithmetic. The source is
     kept as `model.specmoe_source` (calibration provenance). A name in NAMED_CONFIGS is a named config even
     if a directory of that name exists (write ./name to load the directory); "family" and "family/<member>"
-    name the shipped family's targets (`resolve_source`)."""
+    name the shipped family's targets (`resolve_source`).
+
+    FP8 (a config with an FP8 quantization_config): a checkpoint's FP8 weights are dequantised to `dtype`
+    (transformers' own classes then run them); a named FP8 config's routed experts are rounded to FP8 values.
+    The model's config keeps the quantization_config, so `ExpertStore.from_model` makes an FP8 store."""
     dtype = _as_dtype(dtype)
     source = str(source)
     if source not in NAMED_CONFIGS:
@@ -138,13 +143,18 @@ def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
         config = named_config(source)
         adapter = adapter_for(config)
         model = ARCHITECTURES[config.model_type].build_random(config, seed, dtype, device)
+        if fp8_quantized(config):
+            round_experts_to_fp8(model, adapter)
         label = f"{source} (random weights, seed {seed})"
     else:
         config = _checkpoint_config(Path(source))
         adapter = adapter_for(config)
         model_class = ARCHITECTURES[config.model_type].model_class
         try:
-            model = model_class.from_pretrained(source, dtype=dtype, local_files_only=True).to(device)
+            if fp8_quantized(config):  # dequantised here: transformers' FP8 path needs accelerate and a GPU
+                model = _load_dequantized(model_class, config, adapter, source, dtype).to(device)
+            else:
+                model = model_class.from_pretrained(source, dtype=dtype, local_files_only=True).to(device)
         except Exception as exc:  # a truncated or corrupt weights file: safetensors' and transformers' errors
             raise ModelSourceError(f"cannot load the weights of checkpoint directory {source}: "
                                    f"{type(exc).__name__}: {exc}") from exc
@@ -170,6 +180,24 @@ def resolve_source(source) -> str:
         raise ModelSourceError(f"the family target {source!r} is not installed ({path} has no config.json): train it "
                                "with scripts/train_family.py train-members and install it (see the README)")
     return str(path)
+def _load_dequantized(model_class, config, adapter, source: str, dtype: torch.dtype) -> nn.Module:
+    """The model of an FP8 checkpoint directory with every FP8 tensor dequantised (`dequantized_state_dict`);
+    the image-text layout's text part under the text model's names. The model's config keeps the
+    quantization_config (the FP8 store follows it), which transformers must not see while loading."""
+    weights = dequantized_state_dict(source, dtype)
+    prefix = getattr(adapter, "checkpoint_prefix", "model.")
+    if prefix != "model.":  # e.g. Qwen3.5-MoE's shipped model.language_model.: the text model's model.
+        weights = {"model." + k[len(prefix):] if k.startswith(prefix) else k: v for k, v in weights.items()
+                   if k.startswith(prefix) or k.startswith("lm_head.")}
+    quantization = config.quantization_config
+    text = config.get_text_config()
+    for c in {id(config): config, id(text): text}.values():
+        if "quantization_config" in c.__dict__:
+            del c.quantization_config
+    model = model_class.from_pretrained(None, config=text if prefix != "model." else config, state_dict=weights,
+                                        dtype=dtype)
+    model.config.quantization_config = quantization
+    return model
 
 
 def _checkpoint_config(path: Path):

@@ -52,10 +52,11 @@ class ExpertResidency:
     def check_fits(self, num_layers: int, num_experts: int, width: int, dtype: torch.dtype, capacity: int) -> None:
         """ValueError unless a model of this geometry with `capacity` logical slots can run on this unit."""
         s = self.store
-        if (s.num_layers, s.num_experts, s.width) != (num_layers, num_experts, width):
-            raise ValueError(f"the expert store ({s.num_layers} layers x {s.num_experts} experts, row {s.width}) "
+        row = s.geometry.expert_width if s.fp8 else s.width  # an FP8 row holds 3 I H weights, dequantised on the fly
+        if (s.num_layers, s.num_experts, row) != (num_layers, num_experts, width):
+            raise ValueError(f"the expert store ({s.num_layers} layers x {s.num_experts} experts, row {row}) "
                              f"does not match the decoder ({num_layers} x {num_experts}, row {width})")
-        if s.dtype != dtype:
+        if s.dtype != dtype and not s.fp8:
             raise ValueError(f"the expert store holds {s.dtype}, the decoder computes in {dtype}")
         if capacity > self.num_slots:
             raise ValueError(f"capacity C={capacity} exceeds the {self.num_slots} slots per layer of the expert "
