@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import measure_bandwidth, measure_copy_ms, ratio_ci  # noqa: E402
 
 from specmoe.engines import Engine, EngineConfig, LogitFeed, build_engine  # noqa: E402
-from specmoe.engines.helpers import random_model_on_device  # noqa: E402
+from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     model, adapter = random_model_on_device(args.model, args.seed, getattr(torch, args.dtype), args.device)
     store = ExpertStore.from_model(model, adapter)
+    report["model_experts_freed_GB"] = free_routed_experts(model) / 1e9  # the engines read the store
     report["host_store_GB"] = store.num_layers * store.num_experts * store.expert_bytes / 1e9
     report["bandwidth_Bps"] = measure_bandwidth(args.device, 2 * 1024**3 if args.device == "cuda" else 64 * 1024**2)
     report["copy"] = measure_copy_ms(store, args.device)

@@ -88,3 +88,17 @@ def test_an_engine_read_from_a_checkpoint_equals_one_built_from_the_model(tiny, 
     a, b = read.teacher_forced(tokens, return_logits=True), built.teacher_forced(tokens, return_logits=True)
     np.testing.assert_array_equal(a.selected, b.selected)
     np.testing.assert_allclose(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_over_a_model_whose_experts_were_freed_decodes_the_same(tiny, tokens):
+    """`free_routed_experts` (benchmarks of full-size models): once the store holds the experts, the model's own
+    copies go, and an engine built after that decodes exactly as one built before."""
+    from specmoe.engines.helpers import free_routed_experts
+
+    name = tiny[3]
+    before = make_engine(tiny, "psr", 6).teacher_forced(tokens, prompt_len=4, return_logits=True)
+    model, adapter, store = tiny_engine_model(name)
+    assert free_routed_experts(model) == store.num_layers * store.num_experts * store.expert_bytes
+    after = make_engine((model, adapter, store), "psr", 6).teacher_forced(tokens, prompt_len=4, return_logits=True)
+    np.testing.assert_array_equal(after.logits, before.logits)
+    np.testing.assert_array_equal(after.selected, before.selected)

@@ -42,6 +42,22 @@ def random_model_on_device(name: str, seed: int, dtype: torch.dtype, device):
     return model, adapter_for(config)
 
 
+def free_routed_experts(model) -> int:
+    """Release a transformers MoE model's routed expert weights once an `ExpertStore` holds them: the engines read
+    experts from the store and their decoders every other weight from the model, so a full-size model and a slot
+    buffer of all its experts then fit one GPU. The model can no longer run its own forward. Returns the bytes
+    freed."""
+    freed = 0
+    for name, module in model.named_modules():
+        if name.endswith(".experts"):
+            for param in module.parameters(recurse=False):
+                freed += param.numel() * param.element_size()
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    if freed and next(model.parameters()).is_cuda:
+        torch.cuda.empty_cache()
+    return freed
+
+
 def weight_bytes_per_token(engine, position: int = 0, experts_per_layer: int | None = None) -> int:
     """Bytes a decode step at `position` must read with every executed expert resident: the decoder's weights
     and the KV cache its attention reads, plus K expert rows per layer (the memory-bandwidth floor's
