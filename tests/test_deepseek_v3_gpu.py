@@ -58,11 +58,15 @@ def test_gpu_moonlight_kernels_and_graphs_match_the_torch_path(moonlight, tokens
     ref = slow.teacher_forced(tokens, prompt_len=32, return_logits=True)
     assert ref.info["routing"] == "host"
     rel = np.linalg.norm(run.logits - ref.logits, axis=1) / np.linalg.norm(ref.logits, axis=1)
-    print(f"relative L2 error of the logits per position: median {np.median(rel):.4f}, max {rel.max():.4f}")
-    assert np.median(rel) < 0.03 and rel.max() < 0.15
-    same = (np.sort(run.selected, axis=-1) == np.sort(ref.selected, axis=-1)).all(axis=-1).mean()
-    print(f"(position, layer) selections equal: {same:.3f}")
-    assert same > 0.9  # bf16 rounding in other places may flip near-ties, nothing more
+    print(f"relative L2 error of the logits per position: median {np.median(rel):.4f}, max {rel.max():.4f}; per "
+          f"position {np.round(rel, 3).tolist()}; greedy tokens equal at "
+          f"{(run.logits.argmax(1) == ref.logits.argmax(1)).mean():.3f} of positions")
+    agree = (np.sort(run.selected, axis=-1) == np.sort(ref.selected, axis=-1)).all(axis=-1)  # [T, L]
+    print(f"(position, layer) selections equal: {agree.mean():.3f}")
+    # bf16 rounding elsewhere may flip a near-tie of the sigmoid scores (they lie close together), and a position
+    # that executes another expert has other logits; every position whose selections agree must agree closely
+    assert agree.mean() > 0.9
+    assert np.median(rel) < 0.03 and rel[agree.all(axis=1)].max() < 0.05
     assert fast.decoder.bytes_per_token(10) < slow.decoder.bytes_per_token(10)  # split-KV reads written rows only
 
 

@@ -246,7 +246,9 @@ def test_grouped_kernel_on_fp8_rows_equals_the_dequantised_reference_on_gpu(gpu_
     ref = slot_moe_grouped_torch(x, res, ref_buf, route, torch.empty_like(x), H, I)
     out = slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), H, I, ws).clone()
     bf16 = slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), H, I, ws)
-    assert torch.equal(out, bf16)
+    # not bitwise on the H200 (relative error about 7e-5, compiled tile order of the FP8 path), unlike the
+    # per-token kernel and the interpreter
+    assert float((out.float() - bf16.float()).norm() / bf16.float().norm()) < 1e-3
     torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)  # a unit or two in bf16's last place
 
 
@@ -254,15 +256,16 @@ def test_grouped_kernel_on_fp8_rows_equals_the_dequantised_reference_on_gpu(gpu_
 def test_engine_over_an_fp8_store_decodes_as_over_the_dequantised_bf16_store_on_gpu():
     """OLMoE-1B-7B (the decoder with the GPU path: CUDA graphs, Triton kernels, cuda-python copies), random bf16
     experts rounded to FP8: PSR at C = 16 over the FP8 store (copies of FP8 rows) selects and decodes as over the
-    bf16 store of the same weights, logits bitwise equal (both with the default launch parameters: the same
-    kernels over the same dequantised weights), and each slot holds its expert's FP8 row."""
+    bf16 store of the same weights, logits equal to 1e-3 (both with the default launch parameters: the same
+    kernels over the same dequantised weights; the grouped kernel of the prompt chunks is not bitwise on the
+    device), and each slot holds its expert's FP8 row."""
     from specmoe.engines import EngineConfig, build_engine
-    from specmoe.engines.helpers import random_olmoe_on_device
+    from specmoe.engines.helpers import random_model_on_device
     from specmoe.models.checkpoint import round_experts_to_fp8
     from specmoe.offload import ExpertStore
     from specmoe.routing import Calibration, preset
 
-    model, adapter = random_olmoe_on_device("olmoe-1b-7b", seed=0, dtype=torch.bfloat16, device="cuda")
+    model, adapter = random_model_on_device("olmoe-1b-7b", seed=0, dtype=torch.bfloat16, device="cuda")
     round_experts_to_fp8(model, adapter)
     stores = {"fp8": ExpertStore.from_model(model, adapter, fp8=True),
               "bf16": ExpertStore.from_model(model, adapter, fp8=False)}
@@ -287,5 +290,6 @@ def test_engine_over_an_fp8_store_decodes_as_over_the_dequantised_bf16_store_on_
         del engine
     np.testing.assert_array_equal(runs["fp8"].selected, runs["bf16"].selected)
     np.testing.assert_array_equal(runs["fp8"].output_tokens, runs["bf16"].output_tokens)
-    np.testing.assert_array_equal(runs["fp8"].logits, runs["bf16"].logits)
+    a, b = runs["fp8"].logits, runs["bf16"].logits
+    assert (np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)).max() < 1e-3
     assert runs["fp8"].copy_totals()["issued"] > 0

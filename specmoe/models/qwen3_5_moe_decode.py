@@ -256,20 +256,25 @@ class Qwen35MoeDecoder(FeatureCapture):
                 "gdn": self.gdn_kernel}
 
     def _choose_gdn_kernel(self) -> None:
-        """fla's kernels where installed and asked ("auto" / "fla"), else our Triton kernel ("auto" / "triton"),
-        each checked against the torch recurrence at this layer's heads for D = 1, 16 and 64; else torch."""
+        """Our Triton kernel ("auto" / "triton"), else fla's kernels where installed ("auto" / "fla"), each checked
+        against the torch recurrence at this layer's heads for D = 1, 16 and 64; else torch. Ours comes first: it
+        keeps every position's state in the one launch that verification needs for rollback, where fla's fused
+        kernel returns only the last state and runs once per position (on an H200 at Qwen3.6's shapes, a block of
+        16 with rollback: 0.72 ms against fla's 4.19 over the 30 layers, `scripts/bench_gdn_rollback.py`)."""
         heads, dev = (self.nk, self.nv, self.dk, self.dv), self.device
-        self.fla = load_fla() if self.gdn_choice in ("auto", "fla") else None
-        if self.gdn_choice in ("auto", "fla") and self.fla is None:
-            self.notes.append(fla_missing())
-        if self.fla is not None and verified(self, "fla's gated delta rule kernels (fused recurrent, chunked)",
-                                             "our Triton kernel", lambda: checks.check_gdn(
-                                                 "fla", heads, dev, self.fla, positions=(1, 16, 64))):
-            self.gdn_kernel = "fla"
-        elif self.gdn_choice in ("auto", "triton") and verified(
-                self, "Triton gated delta rule kernel", "the torch recurrence",
+        if self.gdn_choice in ("auto", "triton") and verified(
+                self, "Triton gated delta rule kernel", "fla's kernels or the torch recurrence",
                 lambda: checks.check_gdn("triton", heads, dev, positions=(1, 16, 64))):
             self.gdn_kernel = "triton"
+            return
+        if self.gdn_choice not in ("auto", "fla"):
+            return
+        self.fla = load_fla()
+        if self.fla is None:
+            self.notes.append(fla_missing())
+        elif verified(self, "fla's gated delta rule kernels (fused recurrent, chunked)", "the torch recurrence",
+                      lambda: checks.check_gdn("fla", heads, dev, self.fla, positions=(1, 16, 64))):
+            self.gdn_kernel = "fla"
 
     def set_gdn(self, kernel: str | None = None, rollback: str | None = None) -> None:
         """The Gated DeltaNet's settings: `kernel` (GDN_KERNEL_CHOICES; applied by the next `use_kernels`) and
