@@ -144,6 +144,23 @@ def verified(decoder, name: str, fallback: str, check) -> bool:
     return True
 
 
+def use_slot_moe(decoder, slot_buf: torch.Tensor, tune) -> bool:
+    """The Triton slot MoE kernels for `decoder.use_kernels`: launch parameters cached or tuned (`tune_slot_moe`),
+    the per-token kernel checked on the device, then the grouped kernel for steps of D > 1 (`use_grouped_moe`).
+    True and decoder.backend = "triton" where the check passes; else the torch version, the reason noted."""
+    from specmoe.kernels import checks
+
+    if not verified(decoder, "Triton slot MoE kernel", "torch fallback", lambda: (
+            tune_slot_moe(decoder, slot_buf, tune),
+            checks.check_slot_moe(decoder.geometry, slot_buf, decoder.moe_params, decoder.dtype, decoder.device))):
+        decoder.moe_params = None
+        decoder.launch.clear()
+        return False
+    decoder.backend = "triton"
+    use_grouped_moe(decoder, slot_buf)
+    return True
+
+
 def use_grouped_moe(decoder, slot_buf: torch.Tensor) -> None:
     """Check the grouped slot MoE kernel for steps of D > 1 positions (`decoder.grouped_moe`) and choose its
     launch parameters for the steps made so far (later ones: `choose_grouped_params` when a step is made).

@@ -62,7 +62,7 @@ from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
 from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
-                      residual_work, tune_slot_moe, use_grouped_moe, verified)
+                      residual_work, use_slot_moe, verified)
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
 
@@ -178,7 +178,7 @@ class DeepseekV3Decoder(FeatureCapture):
 
     # -- kernels ---------------------------------------------------------------------------------------
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
-        """See `Decoder.use_kernels`; OLMoE's mechanism (`models.decoder.verified`, `tune_slot_moe`,
+        """See `Decoder.use_kernels`; OLMoE's mechanism (`models.decoder.verified`, `use_slot_moe`,
         `use_grouped_moe`). attention: "split_kv" (MLA over the latent cache, `split_kv_latent_attention`; the
         default on CUDA with Triton) or "sdpa" (`mla_decode_attention`); backend "triton": the Triton slot MoE
         kernels over the store's [gate | up | down] rows (per token, and grouped for steps of D > 1), launch
@@ -202,18 +202,8 @@ class DeepseekV3Decoder(FeatureCapture):
                     self.device)):
                 self.attention = "split_kv"
         if backend == "triton" or (backend == "auto" and cuda and triton_available()):
-            if verified(self, "Triton slot MoE kernel", "torch fallback", lambda: self._tune_and_check(slot_buf, tune)):
-                self.backend = "triton"
-            else:
-                self.moe_params = None
-                self.launch.clear()
-        if self.backend == "triton":
-            use_grouped_moe(self, slot_buf)
+            use_slot_moe(self, slot_buf, tune)
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch}
-
-    def _tune_and_check(self, slot_buf: torch.Tensor, tune) -> None:
-        tune_slot_moe(self, slot_buf, tune)
-        checks.check_slot_moe(self.geometry, slot_buf, self.moe_params, self.dtype, self.device)
 
     def _latent_workspace(self, num_positions: int, device):
         """The split-KV workspace of a step (`make_split_kv_workspace` for the latent cache)."""

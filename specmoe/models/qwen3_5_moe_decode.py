@@ -63,7 +63,7 @@ from specmoe.kernels.gdn import fla_missing, gdn_recurrence, load_fla
 
 from .adapter import ModelSourceError
 from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
-                      residual_work, split_kv_check, tune_slot_moe, use_grouped_moe, verified)
+                      residual_work, split_kv_check, use_slot_moe, verified)
 from .qwen3_5_moe import Qwen35MoeAdapter
 
 L2NORM_EPS = 1e-6  # the reference's l2norm of q and k in the gated delta rule
@@ -239,15 +239,7 @@ class Qwen35MoeDecoder(FeatureCapture):
             if verified(self, "split-KV attention", "SDPA", lambda: checks.check_attention(
                     g, "split-KV attention kernel", split_kv_check, *on)):
                 self.attention = "split_kv"
-        if backend == "triton" or (backend == "auto" and triton_ok):
-            if verified(self, "slot MoE Triton kernel", "torch fallback", lambda: (
-                    tune_slot_moe(self, slot_buf, tune), checks.check_slot_moe(g, slot_buf, self.moe_params, *on))):
-                self.backend = "triton"
-            else:
-                self.moe_params = None
-                self.launch.clear()
-        if self.backend == "triton":
-            use_grouped_moe(self, slot_buf)
+        if (backend == "triton" or (backend == "auto" and triton_ok)) and use_slot_moe(self, slot_buf, tune):
             self._choose_gdn_kernel()
         elif self.gdn_choice not in ("auto", "torch"):
             self.notes.append(f"Gated DeltaNet kernel {self.gdn_choice!r} needs the triton backend; torch used")
