@@ -1,5 +1,6 @@
 """The engine on Qwen3.5-MoE's own cases (CPU, float32, the tiny seeded model): speculative decoding with exact
-selection equals AR greedy through the Gated DeltaNet state's rollbacks, and an engine read from the shipped
+selection equals AR greedy through the Gated DeltaNet state's rollbacks (the tiny model with a synthetic drafter; the
+family's trained member with its AR and DFlash drafters), and an engine read from the shipped
 image-text layout equals the text model. The cases every architecture shares: test_architectures_engine.py."""
 
 import numpy as np
@@ -66,3 +67,29 @@ def test_an_engine_read_from_an_image_text_checkpoint_equals_the_text_model(tiny
         ref = model(torch.as_tensor(tokens)[None]).logits[0].float().numpy()
     result = read.teacher_forced(tokens, prompt_len=10, return_logits=True)
     assert np.abs(result.logits - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("drafter_name", ["ar", "dflash"])
+def test_the_trained_member_decodes_speculatively_as_greedy_with_each_drafter(drafter_name):
+    """The family's Qwen3.5-MoE member in the engine with the family's AR drafter and its own DFlash drafter (real
+    checkpoints, real acceptance): exact selection commits exactly the AR greedy tokens, through rollbacks."""
+    from specmoe.drafters import DrafterConfig, build_drafter
+    from specmoe.models import load_model
+    from specmoe.offload import ExpertResidency, ExpertStore
+    from specmoe.speculation import SpeculativeConfig
+    from specmoe.verifiers import selector_preset
+
+    model, adapter = load_model("family/qwen3_5_moe")
+    store = ExpertStore.from_model(model, adapter)
+    calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    prompt = np.random.default_rng(7).integers(4, adapter.vocab_size, 24).tolist()
+    residency = ExpertResidency(store, adapter.num_experts, "cpu")
+    config = EngineConfig(max_seq_len=SEQ)
+    expected = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration, config,
+                            residency=residency).generate(prompt, 24).generated
+    drafter = build_drafter(DrafterConfig(drafter_name), model)
+    speculative = SpeculativeConfig(selector_preset("exact"), k=8, pool_size=64, union_slots=64, max_new_tokens=24)
+    engine = build_engine(model, None, calibration, config, speculative=speculative, residency=residency)
+    result = engine.generate(prompt, 24, drafter=drafter)
+    assert result.generated == expected
+    assert 0 < sum(result.accepted) < 8 * len(result.accepted)  # drafts accepted and rejected: rollbacks happened
