@@ -103,7 +103,12 @@ def make_split(sources: list[Source]) -> dict:
 
 def read_part(split: dict, part: str, roots: dict[str, Path] | None = None) -> list[str]:
     """The texts of one part, in split order, after checking each file's hash against the split."""
-    roots = roots or {name: Path(info["root"]) for name, info in split["sources"].items()}
+    recorded = {name: Path(info["root"]) for name, info in split["sources"].items()}
+    unknown = sorted(set(roots or ()) - set(recorded))
+    if unknown:
+        raise CorpusError(f"--root names {', '.join(unknown)}, which the split does not list; its sources: "
+                          f"{', '.join(sorted(recorded))}")
+    roots = {**recorded, **(roots or {})}  # a source not given keeps the path the split recorded
     texts = []
     for f in split["files"]:
         if f["part"] != part:

@@ -47,6 +47,10 @@ def test_split_is_by_file_disjoint_and_deterministic(tmp_path):
     assert make_split(sources) == split  # deterministic
     texts = {p: read_part(split, p) for p in PARTS}
     assert sum(len(t) for t in texts.values()) == 120
+    # the files found through --root (here the same place), and a root the split does not list named
+    assert read_part(split, "train", {"sample": sources[0].root}) == texts["train"]
+    with pytest.raises(CorpusError, match="does not list; its sources: sample"):
+        read_part(split, "train", {"python-doc": tmp_path})
     # a file that changed after the split was recorded is refused
     changed = next(f for f in split["files"] if f["part"] == "evaluation")
     (sources[0].root / changed["path"]).write_text("changed")
