@@ -1,14 +1,16 @@
 """Cost of the drafters on one CUDA GPU against the target's decode step (issue 12: drafters on the GPU).
 
 Seeded random weights in bf16 drawn on the device:
-- target: the full-size OLMoE-1B-7B config in the AR engine with every expert resident (C = E, exact routing,
+- target: a full-size named config (--model, default OLMoE-1B-7B; its own expert copies freed once the engine's store
+  holds them) in the AR engine with every expert resident (C = E, exact routing,
   `scripts/bench_engine.py`'s all-resident row): ms per decoded token, teacher-forced windows of --prompt
   untimed and --target-tokens timed random tokens in a static cache of --max-seq-len positions;
-- AR drafter: the OLMo-1B-0724 geometry (dense, 16 layers, hidden 2048, vocabulary 50304) on the static runtime
+- AR drafter (unless --no-ar): the OLMo-1B-0724 geometry (dense, 16 layers, hidden 2048) with the target's
+  vocabulary (50304 for OLMoE) on the static runtime
   (`specmoe.drafters.static_ar`: one CUDA graph per drafted token, static cache of --max-seq-len positions),
   per block of k drafts for each k in --ks, after a prompt of --prompt random tokens; with --eager also the
   same steps without graphs, and (unless --no-hf) the transformers drafter (`runtime="hf"`) on the same weights;
-- DFlash drafter: a `DFlashDraftModel` for OLMoE's hidden size (2048) reading --dflash-target-layers target
+- DFlash drafter: a `DFlashDraftModel` for the target's hidden size reading --dflash-target-layers target
   layers, block --dflash-block (anchor + block - 1 masks), --dflash-layers layers, on the static runtime (one CUDA
   graph per block), fed random context features; likewise --eager and the transformers drafter.
 A drafter block is `propose(k)` and `commit` (accepted k // 2, so the position advances by k // 2 + 1), up to the
@@ -42,7 +44,7 @@ from bench_engine import measure_bandwidth, ratio_ci  # noqa: E402
 from specmoe.drafters import DFlashDrafter, HFAutoregressiveDrafter, StaticARDrafter, StaticDFlashDrafter  # noqa: E402
 from specmoe.drafters.dflash_model import DFlashDraftModel, build_target_layer_ids, dflash_config  # noqa: E402
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
-from specmoe.engines.helpers import random_model_on_device  # noqa: E402
+from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.routing import Calibration, preset  # noqa: E402
 
@@ -71,7 +73,12 @@ def parse(argv):
     p.add_argument("--blocks", type=int, default=10)
     p.add_argument("--eager", action="store_true", help="also the static drafters without CUDA graphs")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers drafters")
-    p.add_argument("--no-target", action="store_true", help="skip the OLMoE target (no ratios)")
+    p.add_argument("--no-target", action="store_true", help="skip the target's step (no ratios)")
+    p.add_argument("--model", default="olmoe-1b-7b", help="the target: a named config of specmoe.models (e.g. "
+                   "qwen3.6-35b-a3b with --dflash-layers 6 --dflash-target-layers 8 --no-ar, the paper's Qwen3.6 "
+                   "setting)")
+    p.add_argument("--no-ar", action="store_true", help="skip the AR drafter (OLMo-1B-0724's geometry with the "
+                   "target's vocabulary)")
     return p.parse_args(argv)
 
 
@@ -156,7 +163,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     report["bandwidth_Bps"] = measure_bandwidth("cuda")
-    target, adapter = random_model_on_device("olmoe-1b-7b", args.seed, torch.bfloat16, "cuda")
+    target, adapter = random_model_on_device(args.model, args.seed, torch.bfloat16, "cuda")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
     window = args.prompt + args.target_tokens
     reach = args.prompt + max((k // 2 + 1) * args.blocks + k + 1 for k in [*args.ks, args.dflash_block])
@@ -169,9 +176,11 @@ def main(argv=None) -> int:
                               EngineConfig(max_seq_len=args.max_seq_len), store=None)
         report["target_notes"] = engine.notes
         report["target_kernels"] = engine.kernels  # launch parameters and their source (cache, tuned, defaults)
+    report["target_experts_freed_GB"] = free_routed_experts(target) / 1e9  # the engine reads its store
 
     with torch.device("cuda"):
-        ar_model = OlmoForCausalLM(OlmoConfig(**OLMO_1B_0724)).to(torch.bfloat16).eval()
+        ar_model = None if args.no_ar else \
+            OlmoForCausalLM(OlmoConfig(**{**OLMO_1B_0724, "vocab_size": V})).to(torch.bfloat16).eval()
         ids = build_target_layer_ids(L, args.dflash_target_layers)  # DFlash's spacing: [1, 4, 7, 10, 13] for 5
         df_config = dflash_config(target.config, num_layers=args.dflash_layers, block_size=args.dflash_block,
                                   mask_token_id=V - 1, intermediate_size=args.dflash_inter,
@@ -181,7 +190,8 @@ def main(argv=None) -> int:
     report["dflash"] = {"target_layer_ids": ids, "layers": args.dflash_layers, "block": args.dflash_block,
                         "heads": args.dflash_heads, "kv_heads": args.dflash_kv_heads, "inter": args.dflash_inter,
                         "params": sum(p.numel() for p in df_model.parameters())}
-    report["ar"] = {"config": "OLMo-1B-0724", "params": sum(p.numel() for p in ar_model.parameters())}
+    if ar_model is not None:
+        report["ar"] = {"config": f"OLMo-1B-0724, vocabulary {V}", "params": sum(p.numel() for p in ar_model.parameters())}
     width = len(ids) * target.config.hidden_size
     static = dict(max_seq_len=args.max_seq_len)
     runs: dict[str, DrafterRun] = {}
@@ -189,14 +199,16 @@ def main(argv=None) -> int:
     if args.eager:
         builders["eager"] = lambda m, cls: cls(m, target, cuda_graphs=False, **static)
     for kind, make in builders.items():
-        ar = make(ar_model, StaticARDrafter)
         df = make(df_model, StaticDFlashDrafter)
-        report[f"notes_{kind}"] = {"ar": ar.notes, "dflash": df.notes}
-        for k in args.ks:
-            runs[f"ar_{kind}_k{k}"] = DrafterRun(ar, k, args.prompt, V, 0, args.seed + k)
+        report[f"notes_{kind}"] = {"dflash": df.notes}
+        if ar_model is not None:
+            ar = make(ar_model, StaticARDrafter)
+            report[f"notes_{kind}"]["ar"] = ar.notes
+            for k in args.ks:
+                runs[f"ar_{kind}_k{k}"] = DrafterRun(ar, k, args.prompt, V, 0, args.seed + k)
         runs[f"dflash_{kind}"] = DrafterRun(df, args.dflash_block - 1, args.prompt, V, width, args.seed)
     if not args.no_hf:
-        for k in args.ks:
+        for k in ([] if ar_model is None else args.ks):
             runs[f"ar_hf_k{k}"] = DrafterRun(HFAutoregressiveDrafter(ar_model, target), k, args.prompt, V, 0,
                                              args.seed + k)
         runs["dflash_hf"] = DrafterRun(DFlashDrafter(df_model, target), args.dflash_block - 1, args.prompt, V, width,
@@ -256,7 +268,7 @@ def main(argv=None) -> int:
              "step (95% CI) | step / target step (95% CI) |", "|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         if name == "target_step":
-            lines.append(f"| target step (OLMoE-1B-7B all resident) | – | – | {row['ms_per_token']:.3f} | – | 1 | 1 |")
+            lines.append(f"| target step ({args.model} all resident) | – | – | {row['ms_per_token']:.3f} | – | 1 | 1 |")
             continue
         gbps = f"{row['achieved_GBps']:.0f} ({row['bandwidth_fraction']:.0%})" if "achieved_GBps" in row else "–"
         lines.append(f"| {name} | {row['ms_per_block']:.3f} | {row['steps_per_block']:.1f} | {row['ms_per_step']:.3f} "
