@@ -2,15 +2,19 @@
 experiments/quickstart.toml (`specmoe demo` is the earlier main job).
 
 Every fault a user can cause (a bad argument or value, a missing, unreadable or unwritable file, a file of
-another model) ends in one line on stderr naming the file or argument, and exit status 2."""
+another model) ends in one line on stderr naming the file or argument, and exit status 2. Ctrl-C ends in one
+line ("interrupted", with what is kept where a run directory holds finished cells) and exit status 130.
+
+Building the parser imports no torch, transformers, scipy, pandas or numba (`--help` is fast): the commands
+import what they use inside their functions."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .arguments import int_at_least
-from .routing import PRESETS, parse_policy
 
 
 class UsageError(Exception):
@@ -25,7 +29,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_policy_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", default="psr", help=f"preset: {', '.join(PRESETS)} (default psr)")
+    parser.add_argument("--policy", default="psr", help="a preset of specmoe.routing.PRESETS, e.g. psr, cache_prior, "
+                        "exact_lru (default psr; an unknown name lists them all)")
     parser.add_argument("--capacity", "-C", type=int_at_least(1), required=True, help="expert slots per layer")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a policy field, e.g. --set bonus=0.25 --set window=4")
@@ -57,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_replay(args) -> int:
-    from .routing import Calibration, replay
+    from .routing import Calibration, parse_policy, replay
     from .records import Trace
 
     calibration = Calibration.load(args.calibration)
@@ -72,10 +77,16 @@ def _run_replay(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from transformers.utils import logging as hf_logging
+def _no_checkpoint_bars() -> None:
+    """One line per result, not a bar per checkpoint load (transformers reads the variable when imported)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # one line per result, not a bar per checkpoint load
+        hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         from .experiments.run import quickstart_config
@@ -90,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return 2
+    _no_checkpoint_bars()
     try:
         return args.func(args) or 0
+    except KeyboardInterrupt as exc:  # finished cells are written atomically: nothing to clean up
+        print(f"specmoe {args.command}: interrupted" + (f"; {exc}" if str(exc) else ""), file=sys.stderr)
+        return 130
     except (ValueError, OSError) as exc:  # PolicyError, CalibrationError, TraceError, ...; files and permissions
         message = " ".join(str(exc).split())
         print(f"specmoe {args.command}: error: {message}", file=sys.stderr)

@@ -37,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 
-from specmoe import stats
 from specmoe.files import check_output_file, write_text_atomic
 
 _SAMPLE_FILE = re.compile(r"^samples_(?P<task>.+)_(?P<date>\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}(?:\.\d+)?)\.jsonl$")
@@ -140,6 +139,8 @@ class Row:
 def paired_row(task: str, metric: str, filter_: str, pairs: list[tuple[object, object]], *, resamples: int,
                seed: int) -> Row | str:
     """The row of paired per-question values (value in A, value in B), or why there is none."""
+    from specmoe import stats
+
     scored = [(_score(a), _score(b)) for a, b in pairs]
     if any(a is None or b is None for a, b in scored):
         return "per-question values are not scores"
@@ -182,6 +183,8 @@ def _question_order(question) -> tuple:
 def compare_runs(run_a: str | Path, run_b: str | Path, *, metrics=None, pools: dict[str, str] | None = None,
                  resamples: int = 20000, seed: int = 0) -> tuple[list[Row], list[str]]:
     """The table's rows (Holm-adjusted together) and notes on what was left out."""
+    from specmoe import stats
+
     pools = pools or {}
     side_a, side_b = _by_question(run_a, pools), _by_question(run_b, pools)
     rows, notes = [], []
@@ -227,6 +230,8 @@ def _p(value: float) -> str:
 
 def markdown(rows: list[Row], notes: list[str], run_a: str, run_b: str) -> str:
     """The comparison table as markdown (see the module docstring)."""
+    from specmoe import stats
+
     lines = [f"A: `{run_a}`  ", f"B: `{run_b}`", "",
              "| task | metric | filter | n | A | B | A − B | se | test | p | p (Holm) |",
              "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]

@@ -17,8 +17,10 @@ import math
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from specmoe.drafters import DrafterConfig
+if TYPE_CHECKING:
+    from specmoe.drafters import DrafterConfig
 
 MODES = ("teacher_forced", "generation", "replay")
 ENGINES = ("harness", "engine")
@@ -144,6 +146,8 @@ class ExperimentConfig:
 
     def drafter(self, name: str) -> DrafterConfig:
         """How to build the drafter `name` (`build_drafter`): its [drafters.NAME] table, or the defaults."""
+        from specmoe.drafters import DrafterConfig
+
         return next((d for d in self.drafters if d.name == name), DrafterConfig(name))
 
     def resolved(self) -> dict:
@@ -365,7 +369,7 @@ def _engine_config(t: _Table) -> tuple[tuple[str, object], ...]:
 
 
 def _drafters(t: _Table) -> tuple[DrafterConfig, ...]:
-    from specmoe.drafters import DRAFTERS
+    from specmoe.drafters import DRAFTERS, DrafterConfig
 
     specs = []
     for name in list(t.data):

@@ -16,9 +16,10 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
-import torch
+if TYPE_CHECKING:
+    import pandas as pd
 
 from specmoe.arguments import check_positions, int_at_least, int_list
 from specmoe.files import check_output_dir, write_run_dir
@@ -31,6 +32,9 @@ def run_demo(model_source: str, capacities: tuple[int, ...], *, windows: int = 1
              calibration_windows: int = 32, seed: int = 0, policies=DEMO_POLICIES,
              threads: int | None = None) -> tuple[pd.DataFrame, dict]:
     """Run the demo; returns the table and a dict describing the run."""
+    import pandas as pd
+    import torch
+
     from specmoe.harness import collect_calibration, excess_nll, patch_model, sample_selfgen, token_nll, unpatch
     from specmoe.models import load_model
     from specmoe.routing import preset, psr_bonus
@@ -91,6 +95,8 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    import pandas as pd
+
     from specmoe.models import default_model
 
     out = Path(args.out)

@@ -21,12 +21,14 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 from specmoe.files import write_file_atomic, write_text_atomic
-from specmoe.stats import log_ratio_ttest
 
 from .run import MANIFEST, means_table, read_table, summary_table
 
@@ -37,6 +39,8 @@ def paired_log_ratio(a, b) -> tuple[float, float, float]:
     """The geometric-mean ratio of paired positive values a / b and its 95% interval (`specmoe.stats.
     log_ratio_ttest`, a paired t-test on their logarithms): (ratio, lo, hi); the interval is NaN with fewer than
     two pairs."""
+    from specmoe.stats import log_ratio_ttest
+
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
         raise ValueError(f"paired_log_ratio needs two 1-D arrays of the same non-zero length, got {a.shape}, {b.shape}")
@@ -49,6 +53,8 @@ def paired_log_ratio(a, b) -> tuple[float, float, float]:
 def spread_table(table: pd.DataFrame) -> pd.DataFrame:
     """Per configuration, the minimum and maximum over rounds of the quality figures (perplexity exp(nll)
     where there is an NLL) and of copies and ms per token."""
+    import pandas as pd
+
     rows = []
     for config, group in table.groupby("config", sort=True):
         row = {"configuration": group.label.iloc[0], "rounds": len(group)}
@@ -87,6 +93,8 @@ def frontier(x, y) -> np.ndarray:
 
 def paired_ratios(table: pd.DataFrame, baseline: int) -> pd.DataFrame:
     """ms per token of every configuration over the baseline's, paired by (round, request)."""
+    import pandas as pd
+
     rows = []
     base = {r.round: np.asarray(r.request_ms, float) for r in table[table.config == baseline].itertuples()}
     for config, group in table.groupby("config", sort=True):
@@ -209,6 +217,8 @@ def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
 # -- the report -------------------------------------------------------------------------------------------------
 def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | None = None) -> Path:
     """Write report.md and the plots for `run_dir` into `out` (default RUN_DIR/report); returns report.md."""
+    import pandas as pd
+
     run_dir = Path(run_dir)
     table = read_table(run_dir)
     manifest = json.loads((run_dir / MANIFEST).read_text()) if (run_dir / MANIFEST).is_file() else {}

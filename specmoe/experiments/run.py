@@ -27,8 +27,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
+if TYPE_CHECKING:
+    import pandas as pd
 
 from specmoe.arguments import int_at_least
 from specmoe.files import write_file_atomic, write_text_atomic
@@ -149,6 +151,8 @@ class RunDir:
         return rows
 
     def write_table(self) -> pd.DataFrame:
+        import pandas as pd
+
         table = pd.DataFrame(self.rows())
         write_file_atomic(self.path / RESULTS, lambda tmp: table.to_parquet(tmp, index=False, engine="pyarrow"))
         return table
@@ -156,6 +160,8 @@ class RunDir:
 
 def read_table(run_dir: str | Path) -> pd.DataFrame:
     """The results table of a run directory (FileNotFoundError naming it if there is none)."""
+    import pandas as pd
+
     path = Path(run_dir) / RESULTS
     if not path.is_file():
         raise FileNotFoundError(f"no {RESULTS} in {run_dir}: not a run directory of `specmoe run`, or no cell "
@@ -165,6 +171,8 @@ def read_table(run_dir: str | Path) -> pd.DataFrame:
 
 def means_table(table: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration: the identifying columns and the means over rounds of the figures."""
+    import pandas as pd
+
     numeric = [c for c in table.columns if c not in ("token_ms", "request_ms", "round") and
                pd.api.types.is_numeric_dtype(table[c]) and c != "config"]
     ident = ["config", "label", "kind"]
@@ -289,6 +297,9 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
             bar.update(1)
             if on_cell is not None:
                 on_cell(row)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"{len(run_dir.done())} of {len(cells)} cells done, kept in {run_dir.path}; run "
+                                "the same command to resume") from None
     finally:
         bar.close()
         table = run_dir.write_table()
@@ -318,6 +329,8 @@ def add_options(parser) -> None:
 
 
 def main(args) -> int:
+    import pandas as pd
+
     config = load_config(args.config)
     table, manifest = run_experiment(config, args.out, max_cells=args.max_cells, dry_run=args.dry_run,
                                      progress=not args.no_progress)

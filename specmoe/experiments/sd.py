@@ -21,9 +21,11 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
-import torch
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
 
 from specmoe.files import write_text_atomic
 from specmoe.assets import family_path, family_target_dirs
@@ -35,6 +37,8 @@ COLUMNS = ["drafter", "selector", "tau", "copies_per_token", "displaced_per_toke
 def family_prompts(count: int, length: int) -> list[torch.Tensor]:
     """`count` prompts of `length` tokens: consecutive pieces of the family's held-out slice windows, the
     first piece of every window first."""
+    import torch
+
     slice_ = json.loads((family_path().parent / "metrics.json").read_text())["slice"]["slice"]
     windows = slice_["token_ids"]
     pieces = [torch.tensor(w[i * length:(i + 1) * length]) for i in range(len(windows[0]) // length) for w in windows]
@@ -87,6 +91,9 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
            drafter_paths: dict | None = None, synthetic_acceptance: float = 0.8, seed: int = 0,
            threads: int | None = None, records_dir: str | None = None) -> tuple[pd.DataFrame, dict]:
     """Run the comparison; returns the table and a dict describing the run (with per-row acceptance)."""
+    import pandas as pd
+    import torch
+
     from specmoe.records import BlockRecords
     from specmoe.drafters import DrafterConfig, build_drafter
     from specmoe.harness import collect_calibration, sample_selfgen, speculative_generate
@@ -182,6 +189,8 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    import pandas as pd
+
     from specmoe.drafters import DRAFTERS
     from specmoe.models import default_model
     from specmoe.verifiers import SELECTORS

@@ -18,13 +18,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from specmoe.files import write_text_atomic
-from specmoe.records import (AcceptanceProfile, BlockSourceError, blocks_from_records, synthetic_blocks,
-                             with_true_continuation)
 
-from . import report
+from . import sweeps
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -60,11 +57,11 @@ def add_parser(sub) -> None:
                    help="synthetic: the accepted-length histogram of a block record file")
     p.add_argument("-k", default="8,16", help="synthetic: drafts per block, comma-separated (default 8,16)")
     p.add_argument("--capacity", "-C", type=int, default=32, help="C = P, experts per layer (default 32)")
-    p.add_argument("--lambdas", default=",".join(map(str, report.LAMBDAS)), help="rollback bonus sweep")
-    p.add_argument("--budgets", default=",".join(map(str, report.BUDGETS)), help="rollback insertion budgets n")
-    p.add_argument("--gammas", default=",".join(map(str, report.GAMMAS)), help="block selection gamma sweep")
-    p.add_argument("--prune-budgets", default=",".join(map(str, report.PRUNE_BUDGETS)), help="prune budget sweep")
-    p.add_argument("--selectors", default=",".join(report.SELECTORS), help="block selectors besides exact")
+    p.add_argument("--lambdas", default=",".join(map(str, sweeps.LAMBDAS)), help="rollback bonus sweep")
+    p.add_argument("--budgets", default=",".join(map(str, sweeps.BUDGETS)), help="rollback insertion budgets n")
+    p.add_argument("--gammas", default=",".join(map(str, sweeps.GAMMAS)), help="block selection gamma sweep")
+    p.add_argument("--prune-budgets", default=",".join(map(str, sweeps.PRUNE_BUDGETS)), help="prune budget sweep")
+    p.add_argument("--selectors", default=",".join(sweeps.SELECTORS), help="block selectors besides exact")
     p.add_argument("--max-blocks", type=int, default=None, help="synthetic: at most this many blocks per source")
     p.add_argument("--seed", type=int, default=0, help="synthetic acceptance draws")
     p.add_argument("--no-plot", action="store_true", help="skip frontier.png")
@@ -73,7 +70,8 @@ def add_parser(sub) -> None:
 
 
 def _sources(args, calibration):
-    from specmoe.records import BlockRecords, Trace
+    from specmoe.records import (AcceptanceProfile, BlockRecords, Trace, blocks_from_records, synthetic_blocks,
+                                 with_true_continuation)
 
     num_layers, num_experts = calibration.warm_ranking.shape
     for path in args.records:
@@ -112,7 +110,12 @@ def _sources(args, calibration):
 
 
 def main(args) -> int:
+    import pandas as pd
+
+    from specmoe.records import BlockSourceError
     from specmoe.routing import Calibration
+
+    from . import report
 
     started = time.time()
     if not args.records and args.trace is None:

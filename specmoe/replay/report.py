@@ -27,11 +27,7 @@ from specmoe.verifiers import selector_preset
 from specmoe.records import Blocks
 from .rollback import replay_ar, replay_block_selection, replay_rollback
 
-LAMBDAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
-BUDGETS = (1, 2)
-GAMMAS = (0.5, 1.0, 1.25, 1.5, 1.75, 2.0, 3.0)
-PRUNE_BUDGETS = (0.0, 1.0)
-SELECTORS = ("acceptmoe", "confidence_top1")
+from .sweeps import BUDGETS, GAMMAS, LAMBDAS, PRUNE_BUDGETS, SELECTORS
 
 
 def rollback_policy(capacity: int, top_k: int, bonus: float, budget: int):
