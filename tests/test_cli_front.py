@@ -100,3 +100,56 @@ def test_ctrl_c_in_a_run_keeps_finished_cells_and_says_how_to_resume(tmp_path, m
     monkeypatch.setattr(Session, "measure", measure)
     assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+
+
+QUICKSTART = ROOT / "experiments" / "quickstart.toml"
+
+
+def test_a_copied_config_refused_by_its_run_directory_says_what_to_do(tmp_path, capsys):
+    out = tmp_path / "quickstart"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"digest": "0123456789abcdef"}))  # the original's run
+    copy = tmp_path / "mine.toml"
+    copy.write_text(QUICKSTART.read_text().replace('drafters = ["ar", "dflash"]', 'drafters = ["synthetic"]'))
+    assert main(["run", str(copy), "--dry-run", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds a run of another config" in err
+    assert f"change `name` in {copy}" in err and "pass --out DIR" in err
+
+
+def test_set_overrides_keys_before_the_checks_and_makes_another_run(tmp_path, capsys):
+    from specmoe.experiments.config import load_config
+    from specmoe.experiments.run import default_run_dir
+
+    sets = ['sd.drafters=["synthetic"]', "rounds=2", "model.source=family"]
+    plain, overridden = load_config(QUICKSTART), load_config(QUICKSTART, sets)
+    assert overridden.sd.drafters == ("synthetic",) and overridden.rounds == 2 and overridden.overrides == tuple(sets)
+    assert overridden.resolved()["rounds"] == 2 and overridden.digest() != plain.digest()
+    assert load_config(QUICKSTART, ["rounds=1"]).digest() == plain.digest()  # the same values: the same run
+    assert default_run_dir(plain).name == "quickstart"
+    assert default_run_dir(overridden).name == f"quickstart-{overridden.digest()}"
+
+    argv = ["--dry-run", "--out", str(tmp_path / "r")]
+    assert main([*argv, "--set", 'sd.drafters=["synthetic"]', "--set", "rounds=2"]) == 0
+    out = capsys.readouterr().out
+    assert "SD synthetic + exact, k=8, P=32" in out and "dflash" not in out and "2 rounds" in out
+    for bad, message in [("sd.drafterz=1", "sd.drafterz: unknown key"), ("rounds=0", "rounds: expected an integer"),
+                         ("rounds", "expected KEY=VALUE"), ('sd.drafters=["medusa"]', "sd.drafters: expected some")]:
+        assert main([*argv, "--set", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_set_overrides_are_recorded_in_the_manifest(tmp_path, capsys):
+    from specmoe.experiments.config import load_config
+
+    config, out = tmp_path / "micro.toml", tmp_path / "run"
+    config.write_text(MICRO)
+    sets = ['ar.policies=["exact_lru"]']
+    assert main(["run", str(config), "--out", str(out), "--no-progress", "--set", sets[0]]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["overrides"] == sets and manifest["cells_total"] == 1
+    assert manifest["config"]["ar"]["policies"] == [{"preset": "exact_lru", "overrides": []}]
+    assert manifest["digest"] == load_config(config, sets).digest() != load_config(config).digest()
+    assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 2  # without them: another run
+    assert "holds a run of another config" in capsys.readouterr().err

@@ -6,16 +6,18 @@ into frozen dataclasses. Every error is a `ConfigError` naming the file, the key
 A config says what to run (the model, the workload, the policy grid, the speculative grid, the engine and its
 run settings, rounds, seed, device); `specmoe.experiments.run` expands it into configurations and runs them
 interleaved over rounds. The keys are listed in README.md ("Experiment configs"). A list where one value is
-expected is a grid axis: `capacity = [32, 16]` runs every configuration at both.
+expected is a grid axis: `capacity = [32, 16]` runs every configuration at both. `specmoe run CONFIG --set
+KEY=VALUE` overrides one key of the file before it is checked (`apply_overrides`).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -143,6 +145,7 @@ class ExperimentConfig:
     run_settings: tuple[tuple[str, tuple], ...] = ()
     replay: ReplaySpec = ReplaySpec()
     text: str = field(default="", compare=False, repr=False)
+    overrides: tuple[str, ...] = field(default=(), compare=False)  # the --set KEY=VALUE applied to the file
 
     def drafter(self, name: str) -> DrafterConfig:
         """How to build the drafter `name` (`build_drafter`): its [drafters.NAME] table, or the defaults."""
@@ -155,6 +158,7 @@ class ExperimentConfig:
         data = asdict(self)
         data.pop("text")
         data.pop("path")
+        data.pop("overrides")  # their values are in the config; a config without them keeps its digest
         return json.loads(json.dumps(data, default=list))
 
     def digest(self) -> str:
@@ -514,8 +518,39 @@ def _check_entries(config: ExperimentConfig, top: _Table) -> None:
                 top.fail(f"sd.selectors[{i}]", f"{entry.preset} with {overrides or 'no overrides'}: {exc}")
 
 
-def load_config(path: str | Path) -> ExperimentConfig:
-    """Read and check the config file at `path`."""
+def apply_overrides(data: dict, overrides, path: str = "<config>") -> dict:
+    """`data` (parsed TOML) with each `KEY=VALUE` of `overrides` set: KEY a dotted TOML key (`sd.drafters`),
+    VALUE a TOML value (`'["synthetic"]'`, `2`, `0.25`, `true`, `"text"`); a VALUE that is not one is taken as
+    a string (`model.source=olmoe-micro`). A table given whole replaces the table. The result is checked like
+    the file itself."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"{path}: --set {item!r}: expected KEY=VALUE, e.g. --set rounds=2")
+        try:
+            nested, parts = tomllib.loads(f"{key} = 0"), []
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(f"{path}: --set {item!r}: {key!r} is not a TOML key (e.g. sd.drafters)") from None
+        while isinstance(nested, dict):
+            (part, nested), = nested.items()
+            parts.append(part)
+        try:
+            parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value.strip()
+        table = data
+        for part in parts[:-1]:
+            if not isinstance(table.get(part), dict):
+                table[part] = {}
+            table = table[part]
+        table[parts[-1]] = parsed
+    return data
+
+
+def load_config(path: str | Path, overrides=()) -> ExperimentConfig:
+    """Read and check the config file at `path`, with `--set KEY=VALUE` overrides (`apply_overrides`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
@@ -524,4 +559,8 @@ def load_config(path: str | Path) -> ExperimentConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
-    return parse_config(data, str(path), text)
+    if not overrides:
+        return parse_config(data, str(path), text)
+    overrides = tuple(overrides)
+    config = parse_config(apply_overrides(data, overrides, str(path)), f"{path} with --set", text)
+    return replace(config, path=str(path), overrides=overrides)

@@ -3,11 +3,12 @@
 Round r measures configuration 0, 1, ..., N-1 in turn (A B C A B C ...), so slow drifts of the machine hit
 every configuration alike. Each finished (configuration, round) cell is written at once, atomically, as one
 small file (RUN_DIR/cells/cNNNN_rRRR.json); a run that was killed, or stopped by `--max-cells`, resumes where it
-stopped when the same command runs again: finished cells are not redone. RUN_DIR (default runs/NAME) holds:
+stopped when the same command runs again: finished cells are not redone. RUN_DIR (default runs/NAME, or
+runs/NAME-DIGEST with `--set KEY=VALUE` overrides) holds:
 
 - results.parquet: one row per finished cell (the cells combined, rewritten after each invocation);
-- manifest.json: the resolved config and its digest, the grid, the model's geometry, and per invocation the
-  command line, git commit, package versions, hardware, set-up time and the cells it ran;
+- manifest.json: the resolved config (overrides applied, and listed) and its digest, the grid, the model's
+  geometry, and per invocation the command line, git commit, package versions, hardware, set-up time and the cells it ran;
 - config.toml: the config file as read; calibration.safetensors: the calibration every cell uses (sampled once,
   reused on resume unless the config names a file).
 
@@ -130,8 +131,9 @@ class RunDir:
             return
         if manifest.get("digest") != config.digest():
             raise ValueError(f"run directory {self.path} holds a run of another config (digest "
-                             f"{manifest.get('digest')}, this config {config.digest()}): give a new --out, or remove "
-                             "it to start again")
+                             f"{manifest.get('digest')}, this config {config.digest()}): change `name` in "
+                             f"{config.path} (the run directory is runs/NAME) or pass --out DIR, or remove "
+                             f"{self.path} to start again")
 
     def done(self) -> set[tuple[int, int]]:
         if not self.cells.is_dir():
@@ -223,10 +225,15 @@ def describe_grid(config: ExperimentConfig, geo: Geometry, grid: list[Configurat
     return "\n".join(lines)
 
 
+def default_run_dir(config: ExperimentConfig) -> Path:
+    """runs/NAME, or runs/NAME-DIGEST for a config with --set overrides (each set of values its own run)."""
+    return Path("runs") / (f"{config.name}-{config.digest()}" if config.overrides else config.name)
+
+
 def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, max_cells: int | None = None,
                    dry_run: bool = False, on_cell=None, progress: bool = True, command: list[str] | None = None,
                    log=None) -> tuple[pd.DataFrame | None, dict]:
-    """Run (or resume) `config` into `out` (default runs/NAME); returns the results table and the manifest.
+    """Run (or resume) `config` into `out` (default `default_run_dir`); returns the results table and the manifest.
 
     max_cells: run at most this many new cells, then stop (rerun to resume). on_cell(row): called after each
     cell is written (tests use it to interrupt a run). dry_run: print the grid, run nothing."""
@@ -236,7 +243,7 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
     target = grid_model(config)
     geo = target.geometry
     grid = expand(config, geo)
-    run_dir = RunDir(out if out is not None else Path("runs") / config.name)
+    run_dir = RunDir(out if out is not None else default_run_dir(config))
     run_dir.check(config)
     done = run_dir.done()
     if dry_run:
@@ -256,7 +263,8 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
                   "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "git": git_state(), "versions": versions(), "hardware": hardware(), "cells_run": 0}
     manifest = run_dir.manifest() or {"name": config.name, "description": config.description,
-                                      "config_file": str(config.path), "digest": config.digest(),
+                                      "config_file": str(config.path), "overrides": list(config.overrides),
+                                      "digest": config.digest(),
                                       "config": config.resolved(), "geometry": target.describe(),
                                       "grid": [c.describe() for c in grid], "rounds": config.rounds,
                                       "cells_total": len(cells), "invocations": []}
@@ -321,7 +329,11 @@ def add_parser(sub) -> None:
 
 
 def add_options(parser) -> None:
-    parser.add_argument("--out", default=None, help="run directory (default runs/NAME, NAME from the config)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override a key of the config, a dotted TOML key and a TOML value, e.g. --set rounds=2 "
+                        "--set sd.drafters='[\"synthetic\"]' (repeatable; recorded in the manifest)")
+    parser.add_argument("--out", default=None, help="run directory (default runs/NAME, NAME from the config; "
+                        "runs/NAME-DIGEST with --set)")
     parser.add_argument("--dry-run", action="store_true", help="print the grid and what is done; run nothing")
     parser.add_argument("--max-cells", type=int_at_least(1), default=None,
                         help="run at most this many new cells, then stop (run again to resume)")
@@ -331,12 +343,12 @@ def add_options(parser) -> None:
 def main(args) -> int:
     import pandas as pd
 
-    config = load_config(args.config)
+    config = load_config(args.config, args.overrides)
     table, manifest = run_experiment(config, args.out, max_cells=args.max_cells, dry_run=args.dry_run,
                                      progress=not args.no_progress)
     if table is None:
         return 0
-    out = args.out or Path("runs") / config.name
+    out = args.out or default_run_dir(config)
     print(f"{config.name}: {manifest['cells_done']} of {manifest['cells_total']} cells done; model "
           f"{config.model.source}, workload {config.workload.source} ({config.workload.count} x "
           f"{config.workload.length} tokens), {config.rounds} round(s); means over rounds")
