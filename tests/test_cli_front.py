@@ -153,3 +153,50 @@ def test_set_overrides_are_recorded_in_the_manifest(tmp_path, capsys):
     assert manifest["digest"] == load_config(config, sets).digest() != load_config(config).digest()
     assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 2  # without them: another run
     assert "holds a run of another config" in capsys.readouterr().err
+
+
+class _Loaded(Exception):
+    """Raised by the stand-in loader: the command got as far as loading its model."""
+
+
+def test_every_command_resolves_a_model_name_alike(tmp_path, monkeypatch, capsys):
+    import specmoe.models
+    from specmoe.experiments.grid import model_source
+    from specmoe.models import resolve_source
+
+    family = resolve_source("family")
+    seen = []
+
+    def load_model(source, **kwargs):
+        seen.append(resolve_source(source))  # what load_model itself would load
+        raise _Loaded
+
+    monkeypatch.setattr(specmoe.models, "load_model", load_model)
+    text = tmp_path / "held_out.txt"
+    text.write_text("a held-out text\n")
+    for argv in (["calibrate", "--model", "family", "--selfgen", "1", "--out", str(tmp_path / "c.safetensors")],
+                 ["demo", "--model", "family", "--out", str(tmp_path / "demo")],
+                 ["sd", "--model", "family", "--threads", str(__import__("torch").get_num_threads())],
+                 ["trace", "--model", "family", "--text", str(text), "--out", str(tmp_path / "t.safetensors")]):
+        with pytest.raises(_Loaded):
+            main(argv)
+        assert seen.pop() == family, argv[0]
+    assert model_source("family") == family  # `specmoe run`: [model] source
+
+    # calibrate --text also reads the model's tokenizer: the same directory
+    import types
+
+    import specmoe.experiments.calibrate as calibrate
+
+    def text_tokens(texts, tokenizer_dir):
+        seen.append(tokenizer_dir)
+        raise _Loaded
+
+    monkeypatch.setattr(specmoe.models, "load_model", lambda source, **kw: (
+        seen.append(resolve_source(source)) or types.SimpleNamespace(config=types.SimpleNamespace()), None))
+    monkeypatch.setattr(calibrate, "text_tokens", text_tokens)
+    with pytest.raises(_Loaded):
+        main(["calibrate", "--model", "family", "--text", str(text), "--out", str(tmp_path / "c.safetensors")])
+    assert seen[-2:] == [family, family]
+    assert main(["run", str(QUICKSTART), "--dry-run", "--set", "model.source=family", "--out", str(tmp_path / "r")]) == 0
+    assert "model family (L=16, E=64, K=8)" in capsys.readouterr().out
