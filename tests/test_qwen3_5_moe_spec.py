@@ -12,7 +12,7 @@ from specmoe.harness import speculative_generate
 from specmoe.harness.patch import exact_routing
 from specmoe.harness.recurrent import MixerStates, recurrent_mixers
 from specmoe.harness.speculative import greedy_decode
-from specmoe.models import load_model
+from specmoe.models import adapter_for, load_model
 from specmoe.routing import Calibration
 from specmoe.speculation import SpeculativeConfig, crop_cache
 from specmoe.verifiers import selector_preset
@@ -135,3 +135,27 @@ def test_the_member_s_recorded_blocks_replay(member):
     # the replay starts from the calibration's pool (the loop's from the prompt's experts): same blocks, own copies
     assert replayed.blocks == result.verifications and replayed.committed == sum(a + 1 for a in result.accepted)
     assert replayed.copies > 0 and replayed.selected.shape == (replayed.committed, adapter.num_moe_layers, adapter.top_k)
+
+
+def test_the_member_s_loop_and_teacher_forced_walk_agree():
+    """The family's tau cross-check (`tau_crosscheck`: the loop against the teacher-forced walk) now runs on the Qwen
+    member, with the family's AR drafter and the member's DFlash drafter."""
+    from specmoe.assets import family_path
+    from specmoe_train.evaluate import ar_accept_runs, dflash_accept_lengths, greedy_continuation
+    from specmoe_train.family import load_family, tau_crosscheck
+    from specmoe_train.members import load_member
+
+    root = family_path("qwen3_5_moe").parent
+    target, dflash = load_member(root, "qwen3_5_moe")
+    ar = load_family(root)[1]
+    prompt, new, k = torch.tensor(_prompt(adapter_for(target.config), 24)), 24, 8
+    greedy = greedy_continuation(target, prompt[None], new)
+    match = ar_accept_runs(ar, greedy)
+    accepted = dflash_accept_lengths(target, dflash, greedy, prompt.numel() - 1, k)
+    check = tau_crosscheck(target, ar, dflash, prompt[None], greedy, match, accepted, prompt.numel(), (k,),
+                           log=lambda message: None)
+    for name in ("ar_drafter", "dflash_drafter"):
+        result = check[f"k{k}_{name}"]
+        assert result["prompts_with_identical_tokens"] == 1, name
+        assert result["blocks"] > 0 and result["blocks_agreeing"] == result["blocks"], name
+
