@@ -49,9 +49,6 @@ class MixerStates:
         self.armed = False
         self.handles = []
 
-    def __bool__(self) -> bool:
-        return bool(self.mixers)
-
     def __enter__(self) -> "MixerStates":
         """Hook every mixer so that its input hidden states [1, D, H] of a snapshotted forward are kept."""
         for index, mixer in self.mixers.items():
