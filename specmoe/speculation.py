@@ -146,14 +146,33 @@ def commit_block(tokens: list[int], new: list[int], drafts: list[int], accepted:
     return bool(stops)
 
 
+def keeps_recurrent_state(layer) -> bool:
+    """Whether a transformers cache layer keeps a linear-attention layer's states (`conv_states`,
+    `recurrent_states`), which hold no positions to crop."""
+    return hasattr(layer, "conv_states") and hasattr(layer, "recurrent_states")
+
+
 def crop_cache(cache, length: int) -> None:
     """Cut a transformers KV cache back to its first `length` positions, the rollback after a verification (a
-    negative count to `crop`, which every transformers 5 release reads as positions to remove)."""
+    negative count to `crop`, which every transformers 5 release reads as positions to remove). Layers with a
+    recurrent state (linear attention: `conv_states` and `recurrent_states`) hold no positions and are left as they
+    are: the harness rolls them back itself (`specmoe.harness.recurrent`)."""
     remove = cache.get_seq_length() - int(length)
     if remove < 0:
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
-    if remove:
+    if not remove:
+        return
+    layers = getattr(cache, "layers", ())
+    recurrent = [keeps_recurrent_state(layer) for layer in layers]
+    if not any(recurrent):
         cache.crop(-remove)
+        return
+    for layer, keeps_state in zip(layers, recurrent, strict=True):
+        if keeps_state and hasattr(layer, "keys"):
+            raise NotImplementedError(f"cannot crop a cache layer with both KV rows and a recurrent state "
+                                      f"({type(layer).__name__})")
+        if not keeps_state:
+            layer.crop(-remove)
 
 
 def drafting_time(drafter: Drafter, started: float, count_fixed: bool = True) -> float:

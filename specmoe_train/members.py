@@ -180,7 +180,7 @@ def run_members(corpus_dir: str | Path, out_dir: str | Path, ar_drafter: str | P
         if dev.type == "cuda":
             target.set_experts_implementation(entry["training"]["target"]["experts_implementation"])
         prefixed = lambda msg, name=name: log(f"{name}: {msg}")  # noqa: E731
-        entry["evaluation"] = evaluate_family(target, ar, dflash, streams, member_eval_settings(preset, target.config),
+        entry["evaluation"] = evaluate_family(target, ar, dflash, streams, member_eval_settings(preset),
                                               prefixed, deadline)
         entry["evaluation"]["dtype"] = str(dtype).replace("torch.", "")
         del target, dflash
@@ -189,14 +189,11 @@ def run_members(corpus_dir: str | Path, out_dir: str | Path, ar_drafter: str | P
     return metrics
 
 
-def member_eval_settings(preset: str, config) -> dict:
+def member_eval_settings(preset: str) -> dict:
     """The family's evaluation settings for a member: the harness's speculative loop cross-checks one prompt
-    (time), none for a target with Gated DeltaNet layers (transformers' cache cannot roll their states back
-    after a rejected block, so that loop cannot run it)."""
-    settings = dict(EVAL_SETTINGS[preset], crosscheck=min(1, EVAL_SETTINGS[preset]["crosscheck"]))
-    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
-        settings["crosscheck"] = 0
-    return settings
+    (time; a target with Gated DeltaNet layers too: the loop rolls their states back itself,
+    `specmoe.harness.recurrent`)."""
+    return dict(EVAL_SETTINGS[preset], crosscheck=min(1, EVAL_SETTINGS[preset]["crosscheck"]))
 
 
 def _fla_version() -> str | None:

@@ -165,6 +165,9 @@ def test_tiny_members_train_save_pack_install_and_load_everywhere(corpus, tmp_pa
         assert all("error" not in m["evaluation"][key] for key in ("perplexity", "tau", "locality"))
         assert 1.0 <= m["evaluation"]["tau"]["k4"]["ar_drafter"]["tau"] <= 5
     assert "dflash_drafter" in qw["evaluation"]["tau"]["k4"] and "dflash_drafter" not in ds["evaluation"]["tau"]["k4"]
+    for m in (ds, qw):  # the harness's loop cross-checks both (the Qwen member's Gated DeltaNet state rolled back)
+        check = m["evaluation"]["tau"]["crosscheck"]
+        assert "error" not in check and check["prompts"] == 1
     again = member_slice_metrics(*load_member(tmp_path / "members", "qwen3_5_moe"), load_corpus(corpus)["evaluation"])
     assert again["target_ppl"] == pytest.approx(qw["slice"]["target_ppl"], rel=1e-4)
     assert again["dflash_ppl_mean_nll"] == pytest.approx(qw["slice"]["dflash_ppl_mean_nll"], rel=1e-4)

@@ -57,6 +57,7 @@ from specmoe.speculation import (EXACT, Drafter, SpeculativeConfig, accepted_len
 from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, select_block_into
 
 from .patch import check_calibration, exact_routing, model_scoring, routed_by
+from .recurrent import MixerStates
 
 
 class BlockRoutingContext:
@@ -194,6 +195,7 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     context = BlockRoutingContext(adapter, pool, adapter.routers(model), record=record,
                                   scoring=model_scoring(model, adapter))
     cache = DynamicCache(config=model.config)
+    mixers = MixerStates(model, cache)  # linear-attention layers' states, rolled back by the loop (none: no-op)
     new: list[int] = []
     roots, accepted, logprobs, blocks = [], [], [], []
     displaced = draft_s = verify_s = 0.0
@@ -205,7 +207,7 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
         pool.end_block()
         return out
 
-    with routed_by(model, context):
+    with routed_by(model, context), mixers:
         started = time.perf_counter()
         out = forward(tokens, EXACT, np.ones(prompt_len))
         base = pool.totals()
@@ -223,9 +225,11 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
             drafts = [int(t) for t in drafts]
             started = time.perf_counter()
             alpha = block_weights(selector, k, commit_rate, confidences)
+            mixers.snapshot()
             out = forward([tokens[-1]] + drafts, selector, alpha)
             greedy = out.logits[0].argmax(-1).tolist()
             a = accepted_length(drafts, greedy)
+            mixers.rollback(a + 1)  # the recurrent states over the committed positions only (outside any routing)
             crop_cache(cache, len(tokens) + a)  # the committed positions: the prompt, ..., the root, a drafts
             commit_rate.update(a, k)
             logprobs.append(torch.log_softmax(out.logits[0, :a + 1].float(), dim=-1).cpu())
