@@ -55,6 +55,7 @@ class StepRecorder:
             self.events = [[[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(num_layers)]
                            for _ in range(n)]
             self.gpu_mark = self._gpu_mark
+        self.marked = np.zeros(n, bool)  # rows whose events were recorded (a prompt chunk marks its last row only)
 
     # -- inside a step -----------------------------------------------------------------------------------
     def begin(self, t: int, token: int, position: int) -> None:
@@ -87,6 +88,7 @@ class StepRecorder:
 
     def _gpu_mark(self, layer: int, which: int) -> None:
         self.events[self._t][layer][which].record(self.stream)
+        self.marked[self._t] = True
 
     def end(self, t: int, output_token: int, accepted: int = 0) -> None:
         self.ms[t] = (time.perf_counter() - self._start) * 1e3
@@ -116,9 +118,10 @@ class StepRecorder:
             logits=None if logits is None else logits[:n], unused_at_end=int(self.copies.fresh.sum()), info=info,
             **fields)
         if self.events is not None:  # GPU idle time between graph A's end and graph B's start, and its wait
-            torch.cuda.synchronize()
-            gap, wait = np.zeros((n, self.num_layers)), np.zeros((n, self.num_layers))
-            for t in range(n):
+            if self.stream is not None:  # the events were recorded on it
+                torch.cuda.synchronize()
+            gap, wait = np.full((n, self.num_layers), np.nan), np.full((n, self.num_layers), np.nan)
+            for t in np.flatnonzero(self.marked[:n]):  # a prompt chunk's other rows have no events: NaN
                 for layer, (done, wait_start, moe_start) in enumerate(self.events[t]):
                     gap[t, layer] = done.elapsed_time(moe_start) * 1e3
                     wait[t, layer] = wait_start.elapsed_time(moe_start) * 1e3

@@ -28,7 +28,8 @@ class DecodeResult:
     block's moves included); wait_ms [N]: exposed copy wait (CPU: measured; GPU: with instrumentation only,
     else None); host_us [N]: host time on the critical path (routing, copy issue, waits set up) and
     host_parts_us [N, 3] its parts (host-routed autoregressive steps); gap_us / wait_us [N, L]: GPU idle time
-    between graph A's end and graph B's start and the part spent waiting for copies (instrumented GPU runs).
+    between graph A's end and graph B's start and the part spent waiting for copies (instrumented GPU runs; NaN in
+    the rows of a prompt chunk but its last, which holds the chunk's one step).
 
     Per position of an autoregressive run (T = N): input_tokens, output_tokens (the greedy token after each),
     selected [T, L, K], router_logits [T, L, E] (z as routing saw it, from the model or a logit feed),
