@@ -72,3 +72,12 @@ def test_report_frontier_table_says_yes_or_no_per_configuration(tmp_path):
     assert {label: (r[copies], r[ms]) for label, r in rows.items()} == {
         "AR exact_lru": ("yes", "yes"), "SD exact": ("no", "no"), "AR psr": ("yes", "yes"),
         "SD acceptmoe": ("yes", "no")}
+
+
+def test_speculative_token_ms_spreads_each_block_over_its_committed_tokens():
+    from specmoe.experiments.measure import block_token_ms
+
+    assert block_token_ms([0, 3, 1], [3.0, 8.0, 1.0]) == [3.0, 2.0, 2.0, 2.0, 2.0, 0.5, 0.5]
+    assert block_token_ms(np.array([2]), np.array([6.0])) == [2.0, 2.0, 2.0]
+    with pytest.raises(ValueError):
+        block_token_ms([0, 1], [1.0])

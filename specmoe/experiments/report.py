@@ -10,7 +10,8 @@ Written to RUN_DIR/report/ (or --out): report.md with
   router mass in a replay, against ms per token and against copies per token; the frontier joins the points
   no other point dominates, i.e. is at most as high on both axes and lower on one, divergences below
   NOISE_FLOOR_NATS counting as 0), and a table of every configuration with yes / no for each frontier;
-- per-token latency percentiles (latency_cdf.png: the distribution of every committed token's latency);
+- per-token latency percentiles (latency_cdf.png: the distribution of every committed token's latency,
+  `token_ms` as `specmoe.experiments.measure` defines it);
 - copies by class (copies.png): demand, prefetch in time, late, unused prefetches, and the pool's moves;
 - paired ratios of ms per token against a baseline configuration with 95% intervals: a paired t-test on log
   latency over (round, request) pairs, which needs the same requests in every configuration.
@@ -295,7 +296,10 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
                 p50, p90, p99 = np.percentile(ms, [50, 90, 99])
                 rows.append({"configuration": group.label.iloc[0], "tokens": ms.size, "mean": ms.mean(), "p50": p50,
                              "p90": p90, "p99": p99})
-        lines += ["## Per-token latency (ms per committed token)", "", _markdown(pd.DataFrame(rows)), ""]
+        lines += ["## Per-token latency (ms per committed token)", "",
+                  "Every committed token's latency (`token_ms`): an AR step's time; a speculative block's drafting + "
+                  "verification time divided by the tokens it commits, given to each of them.", "",
+                  _markdown(pd.DataFrame(rows)), ""]
         if _plot_cdf(table, m, out / "latency_cdf.png"):
             lines += ["![latency CDF](latency_cdf.png)", ""]
             written.append("latency_cdf.png")
