@@ -81,3 +81,29 @@ def test_speculative_token_ms_spreads_each_block_over_its_committed_tokens():
     assert block_token_ms(np.array([2]), np.array([6.0])) == [2.0, 2.0, 2.0]
     with pytest.raises(ValueError):
         block_token_ms([0, 1], [1.0])
+
+
+def outside(fig, ax) -> bool:
+    """Whether every legend of `ax` lies outside its axes (drawn boxes in display units)."""
+    fig.canvas.draw()
+    box, legend = ax.get_window_extent(), ax.get_legend().get_window_extent()
+    return not box.overlaps(legend)
+
+
+def test_copies_plot_draws_the_pools_moves_and_the_cdf_legend_sits_below_the_axes():
+    import matplotlib.pyplot as plt
+
+    m = means_table(table())
+    fig = report.copies_figure(report._copy_classes(m))
+    ax = fig.axes[0]
+    bars = {c.get_label(): [p.get_height() for p in c.patches] for c in ax.containers}
+    assert bars[report.MOVES_LABEL] == [0.0, 2.0, 0.0, 3.0]  # SD rows' moves; AR rows have none
+    assert bars["demand"] == [8.0, 9.0, 5.0, 6.0]
+    assert outside(fig, ax)
+    plt.close(fig)
+
+    fig = report.cdf_figure(table())
+    ax = fig.axes[0]
+    assert len(ax.lines) == len(ROWS) and outside(fig, ax)
+    assert ax.get_legend().get_window_extent().y1 <= ax.get_window_extent().y0  # below
+    plt.close(fig)

@@ -12,7 +12,8 @@ Written to RUN_DIR/report/ (or --out): report.md with
   NOISE_FLOOR_NATS counting as 0), and a table of every configuration with yes / no for each frontier;
 - per-token latency percentiles (latency_cdf.png: the distribution of every committed token's latency,
   `token_ms` as `specmoe.experiments.measure` defines it);
-- copies by class (copies.png): demand, prefetch in time, late, unused prefetches, and the pool's moves;
+- copies by class (copies.png): demand, prefetch in time, late, unused prefetches stacked, and beside them the
+  speculative pool's refill moves (hatched; device to device, not copies);
 - paired ratios of ms per token against a baseline configuration with 95% intervals: a paired t-test on log
   latency over (round, request) pairs, which needs the same requests in every configuration.
 """
@@ -178,30 +179,40 @@ def _plot_frontier(m: pd.DataFrame, quality: str, path: Path) -> bool:
         ax.set_ylabel("displaced router mass per token-layer" if quality == "displaced_per_token_layer"
                       else f"{quality} against exact routing (nats per token)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
     fig.suptitle("latency-divergence frontier (numbers: configuration #)")
     _save(fig, path)
     return True
 
 
-def _plot_cdf(table: pd.DataFrame, m: pd.DataFrame, path: Path) -> bool:
+def cdf_figure(table: pd.DataFrame):
+    """The latency CDF (one curve per configuration over its `token_ms`), the legend below the axes; None if
+    no configuration has a latency."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    drawn = False
+    drawn = 0
     for config, group in table.groupby("config", sort=True):
         ms = np.sort(np.concatenate([np.asarray(v, float) for v in group.token_ms]))
         if ms.size:
             ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, label=f"{config}: {group.label.iloc[0]}"[:70])
-            drawn = True
+            drawn += 1
     if not drawn:
         plt.close(fig)
-        return False
+        return None
     ax.set_xscale("log")
     ax.set_xlabel("ms per committed token")
     ax.set_ylabel("fraction of tokens")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2 if drawn > 4 else 1,
+              frameon=False)
+    return fig
+
+
+def _plot_cdf(table: pd.DataFrame, path: Path) -> bool:
+    fig = cdf_figure(table)
+    if fig is None:
+        return False
     _save(fig, path)
     return True
 
@@ -209,20 +220,28 @@ def _plot_cdf(table: pd.DataFrame, m: pd.DataFrame, path: Path) -> bool:
 COPY_CLASSES = {"demand_per_token": "demand", "prefetch_in_time_per_token": "prefetch in time",
                 "prefetch_late_per_token": "prefetch late", "unused_per_token": "prefetch unused",
                 "moves_per_token": "pool moves (device to device)"}
+MOVES_LABEL = "pool moves (device to device, no copy)"
 
 
 def _copy_classes(m: pd.DataFrame) -> pd.DataFrame:
     return m[["config", "label", "copies_per_token", "prefetch_per_token", *COPY_CLASSES]]
 
 
-def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
+def copies_figure(c: pd.DataFrame):
+    """Copies per committed token by class, stacked per configuration, and beside each stack the speculative
+    pool's refill moves (hatched: they move experts between device slots and copy nothing); None if no
+    configuration counts copies."""
     import matplotlib.pyplot as plt
 
     if not c["copies_per_token"].notna().any():
-        return False
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(c) + 2), 4.5))
-    bottom = np.zeros(len(c))
+        return None
+    moves = c["moves_per_token"].to_numpy(dtype=float)
+    has_moves = np.isfinite(moves).any()
+    width = 0.4 if has_moves else 0.8
     x = np.arange(len(c))
+    left = x - width / 2 if has_moves else x
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(c) + 2), 4.5))
+    bottom = np.zeros(len(c))
     for key, name in (("demand_per_token", "demand"), ("prefetch_in_time_per_token", "prefetch in time"),
                       ("prefetch_late_per_token", "prefetch late"), ("unused_per_token", "prefetch unused")):
         values = c[key].fillna(0.0).to_numpy()
@@ -232,13 +251,23 @@ def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
             values = np.where(known, values, executed)
             name = "prefetch executed (in time where known)"
         if values.any():
-            ax.bar(x, values, bottom=bottom, label=name)
+            ax.bar(left, values, width, bottom=bottom, label=name)
             bottom += values
+    if has_moves:
+        ax.bar(x + width / 2, np.nan_to_num(moves), width, label=MOVES_LABEL, color="white", edgecolor="0.3",
+               hatch="//")
     ax.set_xticks(x, [str(i) for i in c["config"]])
     ax.set_xlabel("configuration #")
-    ax.set_ylabel("copies per committed token")
+    ax.set_ylabel("copies (and moves) per committed token")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
+    fig = copies_figure(c)
+    if fig is None:
+        return False
     _save(fig, path)
     return True
 
@@ -300,7 +329,7 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
                   "Every committed token's latency (`token_ms`): an AR step's time; a speculative block's drafting + "
                   "verification time divided by the tokens it commits, given to each of them.", "",
                   _markdown(pd.DataFrame(rows)), ""]
-        if _plot_cdf(table, m, out / "latency_cdf.png"):
+        if _plot_cdf(table, out / "latency_cdf.png"):
             lines += ["![latency CDF](latency_cdf.png)", ""]
             written.append("latency_cdf.png")
     copies = _copy_classes(m)
