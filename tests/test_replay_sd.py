@@ -306,3 +306,36 @@ def test_with_true_continuation():
     assert true.num_blocks == 3  # the last block's continuation runs past the request
     assert true.rows[0].tolist() == [0, 1, 4, 5]
     np.testing.assert_array_equal(true.committed_rows()[0], blocks.committed_rows()[0][:true.committed])
+
+
+def test_plot_lays_four_sources_out_two_by_two_with_one_legend_outside():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from specmoe.replay.report import figure
+
+    rng = np.random.default_rng(0)
+    tables = []
+    for i in range(4):
+        rows = [{"method": m, "displaced_per_token_layer": d, "copies_per_token": c}
+                for m in ("rollback", "block_acceptmoe", "block_confidence_top1")
+                for d, c in zip(rng.uniform(0, 0.2, 5), rng.uniform(1, 10, 5))]
+        rows += [{"method": "block_exact", "displaced_per_token_layer": 0.0, "copies_per_token": 9.0},
+                 {"method": "ar_psr", "displaced_per_token_layer": 0.05, "copies_per_token": 7.0}]
+        table = pd.DataFrame(rows)
+        table["source"], table["k"], table["tau"] = f"source {i}", 8, 3.0
+        tables.append(table)
+    fig = figure(tables)
+    fig.canvas.draw()
+    axes = [ax for ax in fig.axes if ax.axison]
+    assert len(axes) == 4 and {ax.get_subplotspec().get_geometry()[:2] for ax in axes} == {(2, 2)}
+    width, height = fig.get_size_inches()
+    assert 0.8 < width / height < 1.6  # a grid, not a strip
+    assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in axes)
+    legend = fig.legends[0].get_window_extent()
+    assert not any(ax.get_window_extent().overlaps(legend) for ax in axes)
+    assert len(fig.legends[0].get_texts()) == 5
+    assert min(ax.title.get_fontsize() for ax in axes) >= 10 and axes[-1].xaxis.label.get_text() and axes[-1].xaxis.label.get_fontsize() >= 10
+    plt.close(fig)

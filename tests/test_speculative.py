@@ -12,6 +12,7 @@ from specmoe.records import BlockRecordError, BlockRecords
 from specmoe.cli import main
 from specmoe.drafters import DrafterConfig, DrafterError, build_drafter
 from specmoe.drafters.dflash_model import extract_context_feature
+from specmoe.experiments.measure import block_token_ms
 from specmoe.harness import exact_routing, greedy_decode, speculative_generate
 from specmoe.speculation import SpeculativeConfig, summarize
 from specmoe.verifiers import SelectorError, selector_preset
@@ -121,6 +122,11 @@ def test_block_selection_cuts_copies_is_deterministic_and_records_its_blocks(fam
     for name in ("pool_mask", "slot", "recency", "copies", "moves"):
         assert np.array_equal(getattr(a.pool, name), getattr(b.pool, name)), name
     assert a.copies < exact.copies and a.summary()["displaced_per_token_layer"] > 0 and a.divergence["kl"] >= 0
+    # per-block times: a block's drafting + verification, their sum the request's; token_ms one value a token
+    assert len(a.block_s) == a.verifications and sum(a.block_s) == pytest.approx(a.draft_s + a.verify_s)
+    token_ms = block_token_ms(a.accepted, 1e3 * np.asarray(a.block_s))
+    assert len(token_ms) == sum(n + 1 for n in a.accepted) and len(set(token_ms)) > 1
+    assert sum(token_ms) == pytest.approx(1e3 * sum(a.block_s))
     pooled = summarize([a, exact])
     assert pooled["committed"] == 2 * NEW and pooled["verifications"] == a.verifications + exact.verifications
 

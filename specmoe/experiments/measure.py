@@ -20,9 +20,12 @@ per committed token (NaN where a configuration has no such figure). What each pa
 - replay (`specmoe.replay`): copies per committed token and displaced router mass of the rollback cache, AR on
   the committed sequence and block selection over a synthetic drafter's blocks on a trace of the windows.
 
-token_ms lists the latency of every committed token (the engine's steps; a block's time spread over its
-committed tokens; the harness's speculative loop per request), request_ms the ms per token of each request
-or window (the unit the report pairs configurations on).
+token_ms lists the latency of every committed token, the one definition the report's percentiles and CDF use:
+an AR step's wall time for the token it produces; in speculative decoding (harness and engine alike,
+`block_token_ms`) a block's drafting + verification time divided by the tokens it commits (accepted drafts +
+the bonus token), given to each of them; the first new token, decoded by the prompt's forward, is in no block
+and not listed (as the prompt is untimed in AR). request_ms is the ms per token of each request or window (the
+unit the report pairs configurations on).
 """
 
 from __future__ import annotations
@@ -80,6 +83,15 @@ def _nll_of_logits(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """NLL (float64) of tokens[1:] under logits[:-1] (row t predicts token t + 1)."""
     logp = torch.log_softmax(torch.from_numpy(logits[:-1]).double(), dim=-1)
     return (-logp.gather(-1, torch.from_numpy(np.asarray(tokens[1:], dtype=np.int64))[:, None])[:, 0]).numpy()
+
+
+def block_token_ms(accepted, block_ms) -> list[float]:
+    """token_ms of speculative blocks (module docstring): each block's ms / (accepted + 1), once per committed
+    token of the block."""
+    out = []
+    for a, ms in zip(accepted, block_ms, strict=True):
+        out += [float(ms) / (int(a) + 1)] * (int(a) + 1)
+    return out
 
 
 def _ms_stats(token_ms: list[float]) -> dict:
@@ -273,10 +285,8 @@ class Session:
         for prompt in self.sequences:
             r = speculative_generate(self.model, self.adapter, drafter, prompt, config, calibration=self.calibration)
             results.append(r)
-            committed = max(int(r.tokens.numel()), 1)
-            ms = 1e3 * (r.draft_s + r.verify_s) / committed
-            request_ms.append(ms)
-            token_ms += [ms] * committed
+            request_ms.append(1e3 * (r.draft_s + r.verify_s) / max(int(r.tokens.numel()), 1))
+            token_ms += block_token_ms(r.accepted, 1e3 * np.asarray(r.block_s))
         s = summarize(results)
         return {"requests": len(results), "tokens": s["committed"], "verifications": s["verifications"],
                 "tau": s["tau"], "copies_per_token": s["copies_per_token"], "demand_per_token": s["copies_per_token"],
@@ -356,8 +366,7 @@ class Session:
             r = engine.generate(np.asarray(prompt), self.config.workload.new_tokens, self.stop_tokens,
                                 drafter=self.drafters[c.drafter])
             results.append(r)
-            for a, d, v in zip(r.accepted.tolist(), r.draft_ms, r.ms):
-                token_ms += [(d + v) / (a + 1)] * (a + 1)
+            token_ms += block_token_ms(r.accepted, r.draft_ms + r.ms)
             request_ms.append((r.draft_ms.sum() + r.ms.sum()) / max(len(r.tokens), 1))
         s = summarize([r.counts() for r in results])
         committed = max(s["committed"], 1)

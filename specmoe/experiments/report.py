@@ -8,9 +8,12 @@ Written to RUN_DIR/report/ (or --out): report.md with
   routing, ms per committed token split into drafting, verification compute and exposed copy wait (AR vs SD);
 - the latency-divergence frontier (frontier.png: KL, or the excess NLL where there is no KL, or the displaced
   router mass in a replay, against ms per token and against copies per token; the frontier joins the points
-  no other point beats on both axes);
-- per-token latency percentiles (latency_cdf.png: the distribution of every committed token's latency);
-- copies by class (copies.png): demand, prefetch in time, late, unused prefetches, and the pool's moves;
+  no other point dominates, i.e. is at most as high on both axes and lower on one, divergences below
+  NOISE_FLOOR_NATS counting as 0), and a table of every configuration with yes / no for each frontier;
+- per-token latency percentiles (latency_cdf.png: the distribution of every committed token's latency,
+  `token_ms` as `specmoe.experiments.measure` defines it);
+- copies by class (copies.png): demand, prefetch in time, late, unused prefetches stacked, and beside them the
+  speculative pool's refill moves (hatched; device to device, not copies);
 - paired ratios of ms per token against a baseline configuration with 95% intervals: a paired t-test on log
   latency over (round, request) pairs, which needs the same requests in every configuration.
 """
@@ -33,6 +36,11 @@ from specmoe.files import write_file_atomic, write_text_atomic
 from .run import MANIFEST, means_table, read_table, summary_table
 
 QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a value is the frontier's y
+# Divergences (KL, excess NLL; nats per committed token) whose magnitude is below this are float noise, counted as
+# 0 when points are compared: exact routing through a D-position verification forward differs from the
+# one-position AR forward only in float rounding, which leaves a KL of about 3e-8 nats per token. 1e-6 is ~30x
+# that noise and still far below anything a reader would act on (a perplexity change of exp(1e-6) - 1 = 1e-4 %).
+NOISE_FLOOR_NATS = 1e-6
 
 
 def paired_log_ratio(a, b) -> tuple[float, float, float]:
@@ -82,13 +90,35 @@ def _quality(m: pd.DataFrame) -> str | None:
     return next((q for q in QUALITY if m[q].notna().any()), None)
 
 
-def frontier(x, y) -> np.ndarray:
-    """Indices of the points not dominated in (x, y), both lower-is-better, by increasing x."""
+def frontier(x, y, y_floor: float = 0.0) -> np.ndarray:
+    """Indices of the points not dominated in (x, y), both lower-is-better, by increasing x. A point is
+    dominated by one no worse on both axes and better on one; |y| below `y_floor` counts as 0 (noise)."""
     x, y = np.asarray(x, float), np.asarray(y, float)
+    y = np.where(np.abs(y) < y_floor, 0.0, y)
     keep = [i for i in range(len(x)) if np.isfinite(x[i]) and np.isfinite(y[i]) and not any(
         (x[j] <= x[i] and y[j] <= y[i]) and (x[j] < x[i] or y[j] < y[i]) for j in range(len(x))
         if np.isfinite(x[j]) and np.isfinite(y[j]))]
     return np.asarray(sorted(keep, key=lambda i: x[i]), dtype=int)
+
+
+def _floor(quality: str) -> float:
+    """The noise floor of a quality figure: NOISE_FLOOR_NATS for divergences in nats, 0 for displaced mass
+    (exactly 0 under exact routing)."""
+    return NOISE_FLOOR_NATS if quality in ("kl", "excess_nll") else 0.0
+
+
+def frontier_table(m: pd.DataFrame, quality: str) -> pd.DataFrame:
+    """Every configuration's copies and ms per token and quality figure, and whether it is on the copies
+    frontier and on the ms frontier ("yes" / "no"; "–" where the configuration has no such figure)."""
+    out = m[["config", "label", "copies_per_token", "ms_per_token", quality]].rename(
+        columns={"label": "configuration", "copies_per_token": "copies/token", "ms_per_token": "ms/token"})
+    for x, name in (("copies_per_token", "on the copies frontier"), ("ms_per_token", "on the ms frontier")):
+        if not m[x].notna().any():
+            continue
+        on = set(m.index[frontier(m[x], m[quality], _floor(quality))])
+        out[name] = ["yes" if i in on else "no" if np.isfinite(m.at[i, x]) and np.isfinite(m.at[i, quality])
+                     else "–" for i in m.index]
+    return out[[c for c in out.columns if out[c].notna().any()]]
 
 
 def paired_ratios(table: pd.DataFrame, baseline: int) -> pd.DataFrame:
@@ -138,7 +168,7 @@ def _plot_frontier(m: pd.DataFrame, quality: str, path: Path) -> bool:
             part = m[m.kind == kind]
             if len(part):
                 ax.scatter(part[x], part[quality], marker=marker, label=kind, alpha=0.8)
-        best = frontier(m[x], m[quality])
+        best = frontier(m[x], m[quality], _floor(quality))
         if best.size:
             ax.plot(m[x].to_numpy()[best], m[quality].to_numpy()[best], "k--", lw=1, label="frontier")
         for row in m.itertuples():
@@ -149,30 +179,40 @@ def _plot_frontier(m: pd.DataFrame, quality: str, path: Path) -> bool:
         ax.set_ylabel("displaced router mass per token-layer" if quality == "displaced_per_token_layer"
                       else f"{quality} against exact routing (nats per token)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
     fig.suptitle("latency-divergence frontier (numbers: configuration #)")
     _save(fig, path)
     return True
 
 
-def _plot_cdf(table: pd.DataFrame, m: pd.DataFrame, path: Path) -> bool:
+def cdf_figure(table: pd.DataFrame):
+    """The latency CDF (one curve per configuration over its `token_ms`), the legend below the axes; None if
+    no configuration has a latency."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    drawn = False
+    drawn = 0
     for config, group in table.groupby("config", sort=True):
         ms = np.sort(np.concatenate([np.asarray(v, float) for v in group.token_ms]))
         if ms.size:
             ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, label=f"{config}: {group.label.iloc[0]}"[:70])
-            drawn = True
+            drawn += 1
     if not drawn:
         plt.close(fig)
-        return False
+        return None
     ax.set_xscale("log")
     ax.set_xlabel("ms per committed token")
     ax.set_ylabel("fraction of tokens")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2 if drawn > 4 else 1,
+              frameon=False)
+    return fig
+
+
+def _plot_cdf(table: pd.DataFrame, path: Path) -> bool:
+    fig = cdf_figure(table)
+    if fig is None:
+        return False
     _save(fig, path)
     return True
 
@@ -180,20 +220,28 @@ def _plot_cdf(table: pd.DataFrame, m: pd.DataFrame, path: Path) -> bool:
 COPY_CLASSES = {"demand_per_token": "demand", "prefetch_in_time_per_token": "prefetch in time",
                 "prefetch_late_per_token": "prefetch late", "unused_per_token": "prefetch unused",
                 "moves_per_token": "pool moves (device to device)"}
+MOVES_LABEL = "pool moves (device to device, no copy)"
 
 
 def _copy_classes(m: pd.DataFrame) -> pd.DataFrame:
     return m[["config", "label", "copies_per_token", "prefetch_per_token", *COPY_CLASSES]]
 
 
-def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
+def copies_figure(c: pd.DataFrame):
+    """Copies per committed token by class, stacked per configuration, and beside each stack the speculative
+    pool's refill moves (hatched: they move experts between device slots and copy nothing); None if no
+    configuration counts copies."""
     import matplotlib.pyplot as plt
 
     if not c["copies_per_token"].notna().any():
-        return False
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(c) + 2), 4.5))
-    bottom = np.zeros(len(c))
+        return None
+    moves = c["moves_per_token"].to_numpy(dtype=float)
+    has_moves = np.isfinite(moves).any()
+    width = 0.4 if has_moves else 0.8
     x = np.arange(len(c))
+    left = x - width / 2 if has_moves else x
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(c) + 2), 4.5))
+    bottom = np.zeros(len(c))
     for key, name in (("demand_per_token", "demand"), ("prefetch_in_time_per_token", "prefetch in time"),
                       ("prefetch_late_per_token", "prefetch late"), ("unused_per_token", "prefetch unused")):
         values = c[key].fillna(0.0).to_numpy()
@@ -203,13 +251,23 @@ def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
             values = np.where(known, values, executed)
             name = "prefetch executed (in time where known)"
         if values.any():
-            ax.bar(x, values, bottom=bottom, label=name)
+            ax.bar(left, values, width, bottom=bottom, label=name)
             bottom += values
+    if has_moves:
+        ax.bar(x + width / 2, np.nan_to_num(moves), width, label=MOVES_LABEL, color="white", edgecolor="0.3",
+               hatch="//")
     ax.set_xticks(x, [str(i) for i in c["config"]])
     ax.set_xlabel("configuration #")
-    ax.set_ylabel("copies per committed token")
+    ax.set_ylabel("copies (and moves) per committed token")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
+    fig = copies_figure(c)
+    if fig is None:
+        return False
     _save(fig, path)
     return True
 
@@ -246,13 +304,13 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
     if quality:
         lines += ["## Latency-divergence frontier", "",
                   f"{quality} ({'per committed token-layer' if quality.startswith('displaced') else 'against exact routing, nats per committed token'}) "
-                  "against ms and copies per token; frontier: no other configuration is lower on both.", ""]
+                  "against ms and copies per token; frontier: no other configuration is at most as high on both and lower on "
+                  f"one; divergences below {NOISE_FLOOR_NATS:g} nats per token count as 0 (float noise: exact routing "
+                  "through a verification block differs from AR only in float rounding).", ""]
         if _plot_frontier(m, quality, out / "frontier.png"):
             lines += ["![frontier](frontier.png)", ""]
             written.append("frontier.png")
-        on = frontier(m["copies_per_token"], m[quality])
-        lines += [_markdown(m.iloc[on][["config", "label", "copies_per_token", "ms_per_token", quality]]
-                            .rename(columns={"label": "on the copies frontier"})), ""]
+        lines += [_markdown(frontier_table(m, quality)), ""]
     if table["round"].nunique() > 1:
         lines += ["## Spread over rounds", "",
                   "Minimum and maximum over rounds: a figure that moves between repeated runs of one configuration "
@@ -267,8 +325,11 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
                 p50, p90, p99 = np.percentile(ms, [50, 90, 99])
                 rows.append({"configuration": group.label.iloc[0], "tokens": ms.size, "mean": ms.mean(), "p50": p50,
                              "p90": p90, "p99": p99})
-        lines += ["## Per-token latency (ms per committed token)", "", _markdown(pd.DataFrame(rows)), ""]
-        if _plot_cdf(table, m, out / "latency_cdf.png"):
+        lines += ["## Per-token latency (ms per committed token)", "",
+                  "Every committed token's latency (`token_ms`): an AR step's time; a speculative block's drafting + "
+                  "verification time divided by the tokens it commits, given to each of them.", "",
+                  _markdown(pd.DataFrame(rows)), ""]
+        if _plot_cdf(table, out / "latency_cdf.png"):
             lines += ["![latency CDF](latency_cdf.png)", ""]
             written.append("latency_cdf.png")
     copies = _copy_classes(m)

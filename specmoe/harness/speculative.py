@@ -138,6 +138,7 @@ class SpeculativeResult:
     prefill_s: float
     pool: ExpertPool
     divergence: dict = field(default_factory=dict)
+    block_s: list[float] = field(default_factory=list)  # each block's drafting + verification seconds
     blocks: list[dict] = field(default_factory=list)  # with record=True: per block, see specmoe.records.block_records
 
     @property
@@ -199,6 +200,7 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     new: list[int] = []
     roots, accepted, logprobs, blocks = [], [], [], []
     displaced = draft_s = verify_s = 0.0
+    block_s: list[float] = []
 
     def forward(ids: list[int], block_selector: SelectorConfig, alpha: np.ndarray):
         context.start_block(block_selector, alpha)
@@ -221,7 +223,7 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
         while not done and len(new) < config.max_new_tokens:
             started = time.perf_counter()
             drafts, confidences = drafter.propose(k)
-            draft_s += drafting_time(drafter, started)
+            drafting = drafting_time(drafter, started)
             drafts = [int(t) for t in drafts]
             started = time.perf_counter()
             alpha = block_weights(selector, k, commit_rate, confidences)
@@ -234,13 +236,15 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
             commit_rate.update(a, k)
             logprobs.append(torch.log_softmax(out.logits[0, :a + 1].float(), dim=-1).cpu())
             displaced += float(context.displaced[:a + 1].sum())
-            verify_s += time.perf_counter() - started
+            verifying = time.perf_counter() - started
             if record:
                 blocks.append(_block_record(context, len(tokens) - 1, [tokens[-1]] + drafts, confidences, a, greedy[a]))
             started = time.perf_counter()
             features = _features(out, drafter)
             drafter.commit(a, greedy[a], None if features is None else features[:a + 1])
-            draft_s += drafting_time(drafter, started, count_fixed=False)
+            drafting += drafting_time(drafter, started, count_fixed=False)
+            draft_s, verify_s = draft_s + drafting, verify_s + verifying
+            block_s.append(drafting + verifying)
             roots.append(len(tokens) - 1)
             accepted.append(a)
             done = (commit_block(tokens, new, drafts, a, greedy[a], config.stop_tokens)
@@ -250,7 +254,7 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     result = SpeculativeResult(
         torch.tensor(new, dtype=torch.long), k, adapter.num_moe_layers, roots, accepted,
         totals["copies"] - base["copies"], totals["moves"] - base["moves"], displaced,
-        torch.cat(logprobs)[:len(new)], draft_s, verify_s, prefill_s, pool, blocks=blocks)
+        torch.cat(logprobs)[:len(new)], draft_s, verify_s, prefill_s, pool, block_s=block_s, blocks=blocks)
     if divergence:
         result.divergence = divergence_from_exact(model, adapter, tokens[:prompt_len], result.tokens, result.logprobs)
     return result

@@ -7,7 +7,8 @@ the true continuation's logits), at each k of `-k`. For every source: the rollba
 lambda and n, block-level selection's over gamma and the prune budget, exact verification, AR-PSR on the same
 committed sequence, the copy ratio at matched displaced mass, and (records) the fraction of committed
 token-layers whose experts change with the rejected drafts. The calibration must be the traced model's.
-Writes results.csv (every point), summary.csv, results.json and frontier.png to --out.
+Writes results.csv (every point), summary.csv, results.json and frontier.png (one panel per source, two a
+row on shared axes, one legend below) to --out.
 """
 
 from __future__ import annotations

@@ -136,39 +136,56 @@ def summarize(table: pd.DataFrame) -> dict:
     return summary
 
 
-def plot(tables: list[pd.DataFrame], path) -> None:
-    """Copies per committed token against displaced mass per committed token-layer, one panel per source."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def figure(tables: list[pd.DataFrame]):
+    """Copies per committed token against displaced mass per committed token-layer, one panel per source, at
+    most two panels a row (four sources: 2 x 2) on shared axes, one legend below the panels."""
     import matplotlib.pyplot as plt
 
-    columns = min(len(tables), 4)
+    columns = min(len(tables), 2)
     rows = math.ceil(len(tables) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.2 * rows), squeeze=False, sharex=True,
+                             sharey=True)
     styles = {"rollback": ("C3", "o-", "rollback cache (λ, n)"), "block_acceptmoe": ("C0", "s-", "acceptmoe (γ, prune)"),
               "block_confidence_top1": ("C2", "^-", "confidence_top1 (γ, prune)")}
+    legend = {}
     for ax, table in zip(axes.flat, tables):
         for method, (color, marker, label) in styles.items():
             points = table[table.method == method]
             if points.empty:
                 continue
-            ax.scatter(points.displaced_per_token_layer, points.copies_per_token, color=color, s=8, alpha=0.4)
+            ax.scatter(points.displaced_per_token_layer, points.copies_per_token, color=color, s=10, alpha=0.4)
             front = frontier(points)
-            ax.plot(front.displaced_per_token_layer, front.copies_per_token, marker, color=color, ms=3, label=label)
+            legend[label], = ax.plot(front.displaced_per_token_layer, front.copies_per_token, marker, color=color,
+                                     ms=4, label=label)
         for method, color, marker, label in (("block_exact", "k", "x", "exact verification"),
                                              ("ar_psr", "C1", "*", "AR-PSR")):
             point = table[table.method == method]
-            ax.plot(point.displaced_per_token_layer, point.copies_per_token, marker, color=color, ms=9, label=label)
+            if len(point):
+                legend[label], = ax.plot(point.displaced_per_token_layer, point.copies_per_token, marker,
+                                         color=color, ms=10, label=label)
         first = table.iloc[0]
-        ax.set_title(f"{first.source}\nk={first.k}, tau={first.tau:.2f}", fontsize=8)
-        ax.set_xlabel("displaced mass / committed token-layer", fontsize=8)
-        ax.set_ylabel("copies / committed token", fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.set_title(f"{first.source} (k={first.k}, tau={first.tau:.2f})", fontsize=11)
+        ax.tick_params(labelsize=9, labelbottom=True, labelleft=True)
+        ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
+        ax.set_xlabel("displaced mass / committed token-layer", fontsize=10)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("copies / committed token", fontsize=10)
     for ax in list(axes.flat)[len(tables):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0.7 / fig.get_size_inches()[1], 1, 1))  # 0.7 inch below for the legend
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(len(legend), 3 if columns > 1 else 2),
+               fontsize=10, frameon=False)
+    return fig
+
+
+def plot(tables: list[pd.DataFrame], path) -> None:
+    """Write `figure(tables)` as a png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(tables)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -1,0 +1,109 @@
+"""`specmoe report` on a synthetic results table (no model): the frontier's noise floor, the frontier table, per-token
+latencies, the copies plot's pool moves and where the legends sit."""
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+
+from specmoe.experiments import report  # noqa: E402
+from specmoe.experiments.run import MANIFEST, RESULTS, means_table  # noqa: E402
+
+FIGURES = ("requests", "tokens", "verifications", "tau", "copies_per_token", "demand_per_token",
+           "prefetch_per_token", "prefetch_in_time_per_token", "prefetch_late_per_token", "unused_per_token",
+           "moves_per_token", "displaced_per_token_layer", "nll", "excess_nll", "kl", "ms_per_token", "ms_p50",
+           "ms_p99", "draft_ms_per_token", "verify_ms_per_token", "wait_ms_per_token", "seconds")
+
+# (label, kind, kl, copies/token, ms/token, moves/token): AR exact beats SD exact on both axes once the SD row's
+# float-noise KL counts as 0; PSR trades divergence for copies; SD acceptmoe for copies and time
+ROWS = [("AR exact_lru", "ar", 5e-8, 8.0, 10.0, np.nan),
+        ("SD exact", "sd", 3e-8, 9.0, 12.0, 2.0),
+        ("AR psr", "ar", 0.02, 5.0, 9.0, np.nan),
+        ("SD acceptmoe", "sd", 0.01, 6.0, 11.0, 3.0)]
+
+
+def table(rows=ROWS) -> pd.DataFrame:
+    out = []
+    for config, (label, kind, kl, copies, ms, moves) in enumerate(rows):
+        row = dict.fromkeys(FIGURES, np.nan)
+        row.update({"config": config, "label": label, "kind": kind, "round": 0, "kl": kl, "excess_nll": kl,
+                    "copies_per_token": copies, "demand_per_token": copies, "moves_per_token": moves,
+                    "ms_per_token": ms, "verify_ms_per_token": ms, "wait_ms_per_token": 0.0, "tau": 1.0,
+                    "token_ms": list(np.linspace(0.5, 1.5, 20) * ms), "request_ms": [ms, ms]})
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def run_dir(tmp_path, rows=ROWS):
+    path = tmp_path / "run"
+    path.mkdir()
+    table(rows).to_parquet(path / RESULTS, index=False)
+    (path / MANIFEST).write_text(json.dumps({"name": "synthetic"}))
+    return path
+
+
+def test_frontier_counts_float_noise_divergence_as_zero():
+    m = means_table(table())
+    kl = m.kl.to_numpy()  # both exact rows carry float noise, SD exact's lower but its copies and ms higher
+    assert 1 in report.frontier(m.copies_per_token, kl)  # without the floor, noise alone keeps SD exact
+    assert list(report.frontier(m.copies_per_token, kl, report.NOISE_FLOOR_NATS)) == [2, 3, 0]
+    assert list(report.frontier(m.ms_per_token, kl, report.NOISE_FLOOR_NATS)) == [2, 0]
+    assert 1e-8 < report.NOISE_FLOOR_NATS <= 1e-5
+    # a real divergence just above the floor is not noise
+    assert list(report.frontier([1.0, 2.0], [2e-6, 0.0], report.NOISE_FLOOR_NATS)) == [0, 1]
+
+
+def test_report_frontier_table_says_yes_or_no_per_configuration(tmp_path):
+    text = report.render(run_dir(tmp_path)).read_text()
+    section = text.split("## Latency-divergence frontier")[1].split("\n## ")[0]
+    assert "1e-06 nats per token count as 0" in section
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert "on the copies frontier" in header and "on the ms frontier" in header
+    rows = {r[header.index("configuration")]: r for r in
+            ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])}
+    assert len(rows) == len(ROWS)
+    copies, ms = header.index("on the copies frontier"), header.index("on the ms frontier")
+    assert {label: (r[copies], r[ms]) for label, r in rows.items()} == {
+        "AR exact_lru": ("yes", "yes"), "SD exact": ("no", "no"), "AR psr": ("yes", "yes"),
+        "SD acceptmoe": ("yes", "no")}
+
+
+def test_speculative_token_ms_spreads_each_block_over_its_committed_tokens():
+    from specmoe.experiments.measure import block_token_ms
+
+    assert block_token_ms([0, 3, 1], [3.0, 8.0, 1.0]) == [3.0, 2.0, 2.0, 2.0, 2.0, 0.5, 0.5]
+    assert block_token_ms(np.array([2]), np.array([6.0])) == [2.0, 2.0, 2.0]
+    with pytest.raises(ValueError):
+        block_token_ms([0, 1], [1.0])
+
+
+def outside(fig, ax) -> bool:
+    """Whether every legend of `ax` lies outside its axes (drawn boxes in display units)."""
+    fig.canvas.draw()
+    box, legend = ax.get_window_extent(), ax.get_legend().get_window_extent()
+    return not box.overlaps(legend)
+
+
+def test_copies_plot_draws_the_pools_moves_and_the_cdf_legend_sits_below_the_axes():
+    import matplotlib.pyplot as plt
+
+    m = means_table(table())
+    fig = report.copies_figure(report._copy_classes(m))
+    ax = fig.axes[0]
+    bars = {c.get_label(): [p.get_height() for p in c.patches] for c in ax.containers}
+    assert bars[report.MOVES_LABEL] == [0.0, 2.0, 0.0, 3.0]  # SD rows' moves; AR rows have none
+    assert bars["demand"] == [8.0, 9.0, 5.0, 6.0]
+    assert outside(fig, ax)
+    plt.close(fig)
+
+    fig = report.cdf_figure(table())
+    ax = fig.axes[0]
+    assert len(ax.lines) == len(ROWS) and outside(fig, ax)
+    assert ax.get_legend().get_window_extent().y1 <= ax.get_window_extent().y0  # below
+    plt.close(fig)
