@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -38,7 +39,7 @@ from specmoe.files import write_file_atomic, write_text_atomic
 from specmoe.geometry import Geometry
 
 from .config import ConfigError, ExperimentConfig, load_config
-from .grid import Configuration, expand, grid_model
+from .grid import Configuration, check_sizes, expand, grid_model
 
 RESULTS = "results.parquet"
 MANIFEST = "manifest.json"
@@ -108,9 +109,14 @@ def hardware() -> dict:
 class RunDir:
     """A run's directory: the cell files, the combined table and the manifest (module docstring)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, digest: str = ""):
         self.path = Path(path)
         self.cells = self.path / "cells"
+        self.digest = digest  # the run's digest, signed into every cell it writes
+
+    def _cell_digest(self, row: dict) -> str:
+        body = json.dumps({k: v for k, v in row.items() if k != "digest"}, sort_keys=True)
+        return hashlib.sha256(f"{self.digest}\n{body}".encode()).hexdigest()
 
     def manifest(self) -> dict | None:
         try:
@@ -144,12 +150,44 @@ class RunDir:
         return self.cells / f"c{index:04d}_r{round_:03d}.json"
 
     def write_cell(self, row: dict) -> None:
-        write_text_atomic(self.cell_path(row["config"], row["round"]), json.dumps(row))
+        write_text_atomic(self.cell_path(row["config"], row["round"]),
+                          json.dumps({**row, "digest": self._cell_digest(row)}))
+
+    def cell_error(self, index: int, round_: int) -> str | None:
+        """Why the file of cell (index, round_) is not a finished cell of this run (None if it is): not JSON,
+        not an object, another cell's, or contents that do not match the digest written with them."""
+        try:
+            row = json.loads(self.cell_path(index, round_).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return f"not a readable JSON cell ({type(exc).__name__})"
+        if not isinstance(row, dict):
+            return f"holds a JSON {type(row).__name__}, not a cell"
+        if row.get("config") != index or row.get("round") != round_:
+            return f"is not the cell of configuration {index}, round {round_}"
+        if row.get("digest") != self._cell_digest(row):
+            return "its contents do not match the digest written with them (edited, or another run's)"
+        return None
+
+    def check_cells(self, log, move: bool = True) -> set[tuple[int, int]]:
+        """The finished cells whose files validate (`cell_error`); every other cell file is named in one line
+        of `log` and, with `move`, renamed to NAME.invalid so that the cell is measured again."""
+        good = set()
+        for index, round_ in sorted(self.done()):
+            error = self.cell_error(index, round_)
+            if error is None:
+                good.add((index, round_))
+                continue
+            path = self.cell_path(index, round_)
+            log(f"{path}: {error}; " + ("moved to *.invalid, measured again" if move else "not counted as done"))
+            if move:
+                os.replace(path, path.with_name(path.name + ".invalid"))
+        return good
 
     def rows(self) -> list[dict]:
         rows = []
         for index, round_ in sorted(self.done(), key=lambda cell: (cell[1], cell[0])):
-            rows.append(json.loads(self.cell_path(index, round_).read_text()))
+            row = json.loads(self.cell_path(index, round_).read_text(encoding="utf-8"))
+            rows.append({k: v for k, v in row.items() if k != "digest"})
         return rows
 
     def write_table(self) -> pd.DataFrame:
@@ -243,9 +281,10 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
     target = grid_model(config)
     geo = target.geometry
     grid = expand(config, geo)
-    run_dir = RunDir(out if out is not None else default_run_dir(config))
+    check_sizes(config, target, grid)
+    run_dir = RunDir(out if out is not None else default_run_dir(config), config.digest())
     run_dir.check(config)
-    done = run_dir.done()
+    done = run_dir.check_cells(log, move=not dry_run)
     if dry_run:
         print(describe_grid(config, geo, grid, done, run_dir.path))
         return None, {}

@@ -88,8 +88,6 @@ def _sources(args, calibration):
     trace = Trace.load(args.trace, num_layers=num_layers, num_experts=num_experts)
     calibration.check(num_layers, num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
     ks = _ints(args.k, "-k")
-    if min(ks) < 1:
-        raise ValueError(f"-k must be >= 1, got {args.k}")
     for k in ks:
         profiles = []
         if args.tau:
@@ -114,6 +112,7 @@ def main(args) -> int:
 
     from specmoe.records import BlockSourceError
     from specmoe.routing import Calibration
+    from specmoe.routing.validate import MAX_DRAFTS
 
     from . import report
 
@@ -122,6 +121,8 @@ def main(args) -> int:
         raise ValueError("give --records FILE... and/or --trace FILE")
     if args.max_blocks is not None and args.max_blocks < 1:
         raise ValueError(f"--max-blocks must be >= 1, got {args.max_blocks}")
+    if not all(1 <= k <= MAX_DRAFTS for k in _ints(args.k, "-k")):
+        raise ValueError(f"-k must be in [1, {MAX_DRAFTS}], got {args.k}")
     calibration = Calibration.load(args.calibration)
     if not 1 <= args.capacity <= calibration.warm_ranking.shape[1]:
         raise ValueError(f"-C {args.capacity} outside [1, E={calibration.warm_ranking.shape[1]}]")
