@@ -9,7 +9,7 @@ import argparse
 
 def int_at_least(minimum: int, maximum: int | None = None):
     """An argparse type: an integer >= minimum (and <= maximum, one of the stated maxima of
-    `specmoe.routing.validate`, where given)."""
+    `specmoe.limits`, where given)."""
 
     def parse(text: str) -> int:
         try:

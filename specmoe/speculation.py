@@ -21,7 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
-from specmoe.routing.validate import MAX_DRAFTS, MAX_TOKENS, integer
+from specmoe.limits import MAX_DRAFTS, MAX_TOKENS
+from specmoe.routing.validate import integer
 from specmoe.verifiers import SELECTORS, CommitRate, SelectorConfig, selector_preset
 
 EXACT = selector_preset("exact")

@@ -3,13 +3,14 @@ in one line before any work; sizes computed from floats saturate; finished cells
 resume."""
 
 import math
+import re
 import time
 
 import pytest
 
 from specmoe.cli import main
 from specmoe.records import AcceptanceProfile, BlockSourceError
-from specmoe.routing.validate import MAX_CELLS, MAX_DRAFTS
+from specmoe.limits import MAX_CELLS, MAX_DRAFTS
 from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
@@ -168,3 +169,54 @@ def test_an_empty_grid_names_its_key(tmp_path, capsys, text, message):
     path = tmp_path / "x.toml"
     path.write_text(text)
     one_line_error(capsys, ["run", path, "--dry-run", "--out", tmp_path / "run"], message)
+
+
+# -- the contents of input files are part of the run's identity -----------------------------------------------
+@pytest.mark.parametrize("key, section", [("calibration.file", "[calibration]\nfile = '{path}'\n"),
+                                          ("workload.files[0]", "")])
+def test_a_changed_input_file_is_another_run_named_on_resume(tmp_path, key, section):
+    from specmoe.experiments.config import load_config
+    from specmoe.experiments.run import run_experiment
+
+    data = tmp_path / "input.bin"
+    data.write_bytes(b"first contents")
+    text = MICRO.replace("[calibration]\nwindows = 2\nlength = 16\n", section.format(path=data))
+    if key.startswith("workload"):
+        text = text.replace('source = "selfgen"', f"source = 'text'\nfiles = ['{data}']\ntokenizer = '{tmp_path}'")
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    config, out = load_config(path), tmp_path / "run"
+    with pytest.raises(Exception):  # not a calibration or no tokenizer: the set-up fails after the manifest
+        run_experiment(config, out, progress=False, log=lambda line: None)
+    assert config.inputs()[key]["path"] == str(data)
+    digest = config.digest()
+    data.write_bytes(b"other contents")
+    changed = load_config(path)
+    assert changed.digest() != digest
+    with pytest.raises(ValueError, match=rf"was run with other contents of {re.escape(key)} = {re.escape(str(data))}"):
+        run_experiment(changed, out, progress=False, log=lambda line: None)
+
+
+# -- one writer per run directory -----------------------------------------------------------------------------
+def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+
+    from specmoe.experiments.config import load_config
+    from specmoe.experiments.run import RunDir, run_experiment
+
+    path = tmp_path / "x.toml"
+    path.write_text(MICRO.replace("rounds = 2", "rounds = 1"))
+    config, out = load_config(path), tmp_path / "run"
+    with RunDir(out).lock():  # another writer, alive (this process)
+        assert json.loads((out / "lock").read_text()) == {"pid": os.getpid(), "host": socket.gethostname()}
+        with pytest.raises(ValueError, match=rf"is being written by pid {os.getpid()} on {socket.gethostname()}"):
+            run_experiment(config, out, progress=False, log=lambda line: None)
+    assert not (out / "lock").exists() and not (out / "cells").exists()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a writer that died without releasing the lock: taken over
+    (out / "lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
+    table, manifest = run_experiment(config, out, progress=False, log=lambda line: None)
+    assert manifest["status"] == "complete" and len(table) == 3 and not (out / "lock").exists()

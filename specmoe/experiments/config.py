@@ -161,9 +161,20 @@ class ExperimentConfig:
         data.pop("overrides")  # their values are in the config; a config without them keeps its digest
         return json.loads(json.dumps(data, default=list))
 
+    def inputs(self) -> dict:
+        """The input files the run reads, by key (calibration.file, workload.files[i], workload.path): each
+        path and the sha256 of its contents ("missing" where there is no such file)."""
+        from specmoe.files import file_sha256
+
+        paths = {"calibration.file": self.calibration.file, "workload.path": self.workload.path,
+                 **{f"workload.files[{i}]": f for i, f in enumerate(self.workload.files)}}
+        return {key: {"path": path, "sha256": file_sha256(path)} for key, path in paths.items() if path}
+
     def digest(self) -> str:
-        """A hash of `resolved()`: a run directory resumes only a run of the same config."""
-        return hashlib.sha256(json.dumps(self.resolved(), sort_keys=True).encode()).hexdigest()[:16]
+        """A hash of `resolved()` and the contents of `inputs()`: a run directory resumes only a run of the same
+        config over the same input files."""
+        identity = {"config": self.resolved(), "inputs": self.inputs()}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
@@ -411,7 +422,7 @@ def parse_config(data: dict, path: str = "<config>", text: str = "") -> Experime
     """Check the parsed TOML `data` of the file `path` (ConfigError naming the file and key)."""
     from specmoe.drafters import DRAFTERS
     from specmoe.routing import PRESETS
-    from specmoe.routing.validate import MAX_COUNT, MAX_DRAFTS, MAX_ROUNDS, MAX_THREADS, MAX_TOKENS
+    from specmoe.limits import MAX_COUNT, MAX_DRAFTS, MAX_ROUNDS, MAX_THREADS, MAX_TOKENS
     from specmoe.verifiers import SELECTORS
 
     top = _Table(path, data)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specmoe.geometry import Geometry
-from specmoe.routing.validate import MAX_CELLS
+from specmoe.limits import MAX_CELLS
 
 from .config import ConfigError, ExperimentConfig
 

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     import torch
 
 from specmoe.arguments import check_positions, int_at_least
-from specmoe.files import write_text_atomic
-from specmoe.routing.validate import MAX_COUNT, MAX_DRAFTS, MAX_THREADS, MAX_TOKENS
+from specmoe.files import file_sha256, write_text_atomic
+from specmoe.limits import MAX_COUNT, MAX_DRAFTS, MAX_THREADS, MAX_TOKENS
 from specmoe.assets import family_path, family_target_dirs
 
 COLUMNS = ["drafter", "selector", "tau", "copies_per_token", "displaced_per_token_layer", "kl", "excess_nll",
@@ -124,7 +124,7 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
     prompt_list, prompt_text = sd_prompts(model, prompts, prompt_length, seed)
     if calibration_file:
         calibration = Calibration.load(calibration_file)
-        calibration_text = f"file {calibration_file}"
+        calibration_text = f"file {calibration_file} (sha256 {file_sha256(calibration_file)})"
     else:
         held_out = sample_selfgen(model, calibration_windows, calibration_length, seed=seed + 1)
         calibration_text = (f"{calibration_windows} windows of {calibration_length} tokens sampled from the exact model, "

@@ -28,7 +28,8 @@ import numpy as np
 
 from .block_records import BlockRecords
 from ..routing.scoring import RouterScoring
-from ..routing.validate import MAX_DRAFTS, integer, real
+from ..limits import MAX_DRAFTS
+from ..routing.validate import integer, real
 from .traces import read_scoring
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specmoe.files import write_text_atomic
+from specmoe.files import file_sha256, write_text_atomic
 
 from . import sweeps
 
@@ -112,7 +112,7 @@ def main(args) -> int:
 
     from specmoe.records import BlockSourceError
     from specmoe.routing import Calibration
-    from specmoe.routing.validate import MAX_DRAFTS
+    from specmoe.limits import MAX_DRAFTS
 
     from . import report
 
@@ -148,7 +148,9 @@ def main(args) -> int:
     summary = pd.DataFrame(summaries)
     write_text_atomic(out / "results.csv", results.to_csv(index=False))
     write_text_atomic(out / "summary.csv", summary.to_csv(index=False))
+    inputs = [args.calibration, *args.records, *[p for p in (args.trace, args.accept_hist_from) if p]]
     info = {"calibration": str(args.calibration), "records": args.records, "trace": args.trace, "C": args.capacity,
+            "inputs": {str(p): file_sha256(p) for p in inputs},
             "options": {k: list(v) for k, v in options.items()}, "seed": args.seed,
             "seconds": round(time.time() - started, 1)}
     write_text_atomic(out / "results.json", json.dumps({"info": info, "summary": summary.to_dict("records"),

@@ -16,17 +16,6 @@ import numbers
 import numpy as np
 
 
-# The largest sizes any entry point takes (commands, configs, `SpeculativeConfig`, `AcceptanceProfile`): a size
-# beyond them can mean nothing the project runs, so it is refused before any work rather than left to hang or to
-# run past the model's positions. Sizes within them are also checked against the model where one is known.
-MAX_DRAFTS = 1024  # k, drafts per verification block
-MAX_TOKENS = 1 << 20  # tokens of a prompt or window, new tokens per request, a static cache's positions
-MAX_COUNT = 100_000  # prompts, windows, calibration windows
-MAX_ROUNDS = 1000  # rounds of a run
-MAX_CELLS = 100_000  # configurations of a run's grid, times its rounds
-MAX_THREADS = 1024  # torch CPU threads
-
-
 def integer(value, name: str, error: type[Exception] = ValueError, minimum: int | None = None,
             maximum: int | None = None) -> int:
     """`value` as a Python int: an integer (numpy integers too, not a bool) in [minimum, maximum]."""
