@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 
 
-def int_at_least(minimum: int):
-    """An argparse type: an integer >= minimum."""
+def int_at_least(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer >= minimum (and <= maximum, one of the stated maxima of
+    `specmoe.limits`, where given)."""
 
     def parse(text: str) -> int:
         try:
@@ -17,6 +18,8 @@ def int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
 
     return parse

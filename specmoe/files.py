@@ -7,6 +7,7 @@ check their output paths with `check_output_file` / `check_output_dir` before th
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import secrets
 import shutil
@@ -132,6 +133,19 @@ def check_output_dir(path: str | os.PathLike, names, what: str = "output directo
             raise FileExistsError(f"{what} {path} holds files that are not a run's results ({', '.join(others[:3])}"
                                   f"{', ...' if len(others) > 3 else ''}): give a new directory")
     _check_can_create_in(path, what)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's contents (read in chunks), as a run's identity records its input files;
+    "missing" if there is no such file."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return "missing"
+    return digest.hexdigest()
 
 
 def read_utf8(path: str | os.PathLike, what: str = "text file") -> str:

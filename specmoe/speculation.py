@@ -21,6 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from specmoe.limits import MAX_DRAFTS, MAX_TOKENS
+from specmoe.routing.validate import integer
 from specmoe.verifiers import SELECTORS, CommitRate, SelectorConfig, selector_preset
 
 EXACT = selector_preset("exact")
@@ -68,10 +70,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.selector, SelectorConfig):
             raise ValueError(f"selector must be a SelectorConfig, got {type(self.selector).__name__}")
-        if self.k < 1:
-            raise ValueError(f"k (drafts per block) must be >= 1, got {self.k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "k", integer(self.k, "k (drafts per block)", minimum=1, maximum=MAX_DRAFTS))
+        object.__setattr__(self, "max_new_tokens", integer(self.max_new_tokens, "max_new_tokens", minimum=1,
+                                                           maximum=MAX_TOKENS))
+        object.__setattr__(self, "pool_size", integer(self.pool_size, "pool_size", minimum=1))
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
     def union(self, num_experts: int) -> int:

@@ -50,7 +50,7 @@ BAD = [
     ("mode = 'generation'\n[ar\ncapacity = 16", "TOML syntax error"),
     (MICRO + "\nspeed = 1\n", "speed: unknown key"),
     (MICRO.replace("[workload]", "[workload]\ncolour = 1"), "workload.colour: unknown key"),
-    (MICRO.replace("rounds = 2", "rounds = 'two'"), "rounds: expected an integer >= 1, got 'two'"),
+    (MICRO.replace("rounds = 2", "rounds = 'two'"), "rounds: expected an integer in [1, 1000], got 'two'"),
     (MICRO.replace("capacity = 16", "capacity = 16.5"), "ar.capacity: expected an integer >= 1"),
     (MICRO.replace('"exact_lru"', '"exact_lrux"'), "ar.policies[0].preset: expected a policy preset"),
     (MICRO.replace("bonus = [0.1, 0.3]", "lambda = 0.1"), "ar.policies[1].lambda: unknown policy field"),

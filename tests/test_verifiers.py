@@ -56,6 +56,13 @@ def test_eligible_size_from_entropy_and_gamma(gamma, eligible):
     assert run(FOUR, [1, 1, 1], gamma).eligible.tolist() == eligible
 
 
+@pytest.mark.parametrize("gamma", [1e3, 1e18, 1e300, 1.7976931348623157e308])
+def test_huge_gamma_saturates_at_every_candidate(gamma):
+    # gamma * e^H = 4 gamma beyond any integer: the size saturates at m = 4 (every demanded expert), it does
+    # not wrap to a negative integer and fall back to the root's top-K {0, 1}
+    assert run(FOUR, [1, 1, 1], gamma).eligible.tolist() == [0, 1, 2, 3, 4, 5]
+
+
 def test_two_equal_candidates_give_ceil_of_twice_gamma():
     # position 1 wants {2, 3} with alpha 0.5: u_2 = u_3 = 0.25, H = ln 2, extra = min(ceil(2 gamma), 2)
     z = block(6, (0, 1), (2, 3))

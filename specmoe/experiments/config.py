@@ -161,9 +161,20 @@ class ExperimentConfig:
         data.pop("overrides")  # their values are in the config; a config without them keeps its digest
         return json.loads(json.dumps(data, default=list))
 
+    def inputs(self) -> dict:
+        """The input files the run reads, by key (calibration.file, workload.files[i], workload.path): each
+        path and the sha256 of its contents ("missing" where there is no such file)."""
+        from specmoe.files import file_sha256
+
+        paths = {"calibration.file": self.calibration.file, "workload.path": self.workload.path,
+                 **{f"workload.files[{i}]": f for i, f in enumerate(self.workload.files)}}
+        return {key: {"path": path, "sha256": file_sha256(path)} for key, path in paths.items() if path}
+
     def digest(self) -> str:
-        """A hash of `resolved()`: a run directory resumes only a run of the same config."""
-        return hashlib.sha256(json.dumps(self.resolved(), sort_keys=True).encode()).hexdigest()[:16]
+        """A hash of `resolved()` and the contents of `inputs()`: a run directory resumes only a run of the same
+        config over the same input files."""
+        identity = {"config": self.resolved(), "inputs": self.inputs()}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
@@ -205,12 +216,12 @@ class _Table:
                       value)
         return value
 
-    def integer(self, name: str, default=None, minimum: int | None = None):
+    def integer(self, name: str, default=None, minimum: int | None = None, maximum: int | None = None):
         if name not in self.data:
             return default
         value = self.data.pop(name)
-        if not _is_int(value, minimum):
-            self.fail(name, f"expected an integer{'' if minimum is None else f' >= {minimum}'}", value)
+        if not _is_int(value, minimum, maximum):
+            self.fail(name, f"expected an integer{_bounds(minimum, maximum)}", value)
         return value
 
     def number(self, name: str, default=None, minimum: float = 0.0):
@@ -229,14 +240,14 @@ class _Table:
             self.fail(name, "expected true or false", value)
         return value
 
-    def ints(self, name: str, default=(), minimum: int = 1) -> tuple[int, ...]:
+    def ints(self, name: str, default=(), minimum: int = 1, maximum: int | None = None) -> tuple[int, ...]:
         """An integer or a list of integers (a grid axis)."""
         if name not in self.data:
             return tuple(default)
         value = self.data.pop(name)
         items = value if isinstance(value, list) else [value]
-        if not items or not all(_is_int(v, minimum) for v in items):
-            self.fail(name, f"expected an integer >= {minimum} or a non-empty list of them", value)
+        if not items or not all(_is_int(v, minimum, maximum) for v in items):
+            self.fail(name, f"expected an integer{_bounds(minimum, maximum)} or a non-empty list of them", value)
         return tuple(items)
 
     def numbers(self, name: str, default=(), minimum: float = 0.0) -> tuple[float, ...]:
@@ -253,8 +264,8 @@ class _Table:
             return tuple(default)
         value = self.data.pop(name)
         items = value if isinstance(value, list) else [value]
-        if not all(isinstance(v, str) for v in items):
-            self.fail(name, "expected a string or a list of strings", value)
+        if not items or not all(isinstance(v, str) for v in items):
+            self.fail(name, "expected a string or a non-empty list of strings", value)
         for v in items:
             if choices and v not in choices:
                 self.fail(name, f"expected some of {', '.join(map(repr, choices))}", v)
@@ -266,8 +277,14 @@ class _Table:
             self.fail(name, "unknown key (see README.md, 'Experiment configs', for the keys)")
 
 
-def _is_int(value, minimum) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+def _is_int(value, minimum, maximum=None) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+            and (maximum is None or value <= maximum))
+
+
+def _bounds(minimum, maximum) -> str:
+    return ("" if minimum is None and maximum is None else f" <= {maximum}" if minimum is None
+            else f" >= {minimum}" if maximum is None else f" in [{minimum}, {maximum}]")
 
 
 def _is_number(value, minimum) -> bool:
@@ -298,6 +315,8 @@ def _grid_entries(t: _Table, name: str, known: dict, fields: dict, what: str) ->
                 continue
             if key not in fields:
                 t.fail(f"{where}.{key}", f"unknown {what} field; expected some of {', '.join(fields)}")
+            if isinstance(value, list) and not value:
+                t.fail(f"{where}.{key}", "expected a value or a non-empty list of values (an empty grid axis)", value)
             overrides.append((key, tuple(value) if isinstance(value, list) else value))
         entries.append(GridEntry(preset, tuple(overrides)))
     return tuple(entries)
@@ -403,6 +422,7 @@ def parse_config(data: dict, path: str = "<config>", text: str = "") -> Experime
     """Check the parsed TOML `data` of the file `path` (ConfigError naming the file and key)."""
     from specmoe.drafters import DRAFTERS
     from specmoe.routing import PRESETS
+    from specmoe.limits import MAX_COUNT, MAX_DRAFTS, MAX_ROUNDS, MAX_THREADS, MAX_TOKENS
     from specmoe.verifiers import SELECTORS
 
     top = _Table(path, data)
@@ -412,22 +432,23 @@ def parse_config(data: dict, path: str = "<config>", text: str = "") -> Experime
     common = dict(
         name=name, path=path, text=text, description=top.string("description", ""),
         mode=top.string("mode", "generation", MODES), engine=top.string("engine", "harness", ENGINES),
-        device=top.string("device", "cpu"), rounds=top.integer("rounds", 1, minimum=1),
-        seed=top.integer("seed", 0, minimum=0), threads=top.integer("threads", 1, minimum=1))
+        device=top.string("device", "cpu"), rounds=top.integer("rounds", 1, minimum=1, maximum=MAX_ROUNDS),
+        seed=top.integer("seed", 0, minimum=0), threads=top.integer("threads", 1, minimum=1, maximum=MAX_THREADS))
     if not (common["device"] == "cpu" or common["device"] == "cuda" or common["device"].startswith("cuda:")):
         top.fail("device", "expected 'cpu', 'cuda' or 'cuda:N'", common["device"])
 
     m = top.table("model")
     model = ModelSpec(m.string("source", "family"), m.string("dtype", "float32", DTYPES),
-                      m.integer("max_seq_len", None, minimum=2))
+                      m.integer("max_seq_len", None, minimum=2, maximum=MAX_TOKENS))
     m.done()
     c = top.table("calibration")
-    calibration = CalibrationSpec(c.string("file", None, optional=True), c.integer("windows", 16, minimum=1),
-                                  c.integer("length", 128, minimum=2))
+    calibration = CalibrationSpec(c.string("file", None, optional=True), c.integer("windows", 16, minimum=1, maximum=MAX_COUNT),
+                                  c.integer("length", 128, minimum=2, maximum=MAX_TOKENS))
     c.done()
     w = top.table("workload")
-    workload = WorkloadSpec(w.string("source", "family_eval", WORKLOADS), w.integer("count", 4, minimum=1),
-                            w.integer("length", 64, minimum=1), w.integer("new_tokens", 64, minimum=1),
+    workload = WorkloadSpec(w.string("source", "family_eval", WORKLOADS), w.integer("count", 4, minimum=1, maximum=MAX_COUNT),
+                            w.integer("length", 64, minimum=1, maximum=MAX_TOKENS),
+                            w.integer("new_tokens", 64, minimum=1, maximum=MAX_TOKENS),
                             w.strings("files"), w.string("path", None, optional=True), w.string("field", "prompt"),
                             w.string("tokenizer", None, optional=True))
     if workload.source == "text" and not workload.files:
@@ -442,7 +463,7 @@ def parse_config(data: dict, path: str = "<config>", text: str = "") -> Experime
         a.fail("capacity" if ar.policies else "policies", "expected both ar.capacity and ar.policies, or neither")
     a.done()
     s = top.table("sd")
-    sd = SdSpec(s.ints("pool"), s.ints("k", (8,)), s.strings("drafters", choices=DRAFTERS),
+    sd = SdSpec(s.ints("pool"), s.ints("k", (8,), maximum=MAX_DRAFTS), s.strings("drafters", choices=DRAFTERS),
                 _grid_entries(s, "selectors", SELECTORS, _selector_fields(), "selector"),
                 s.integer("union_slots", None, minimum=1))
     s.done()

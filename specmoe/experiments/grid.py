@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specmoe.geometry import Geometry
+from specmoe.limits import MAX_CELLS
 
 from .config import ConfigError, ExperimentConfig
 
@@ -139,6 +140,8 @@ def expand(config: ExperimentConfig, geo: Geometry) -> list[Configuration]:
     out: list[Configuration] = []
 
     def add(kind, label, **fields):
+        if len(out) == MAX_CELLS:  # stop a product of long axes before it is built
+            fail("(grid)", f"more than {MAX_CELLS} configurations (the most a run takes); shorten the grid's lists")
         out.append(Configuration(len(out), kind, label, **fields))
 
     if config.mode == "replay":
@@ -158,6 +161,9 @@ def expand(config: ExperimentConfig, geo: Geometry) -> list[Configuration]:
                     for selector in selectors:
                         for p in config.sd.pool:
                             add("block", f"block {selector.name}, P={p}{at}", selector=selector, pool=p, k=k, tau=tau)
+        if not out:
+            fail("replay.methods", f"the grid is empty: {', '.join(methods)} need [ar] policies (rollback, ar) or "
+                                   "[sd] selectors and pool (block)")
         return out
     engine = config.engine == "engine"
     ar_settings = _settings_grid(config, False) if engine else [()]
@@ -176,3 +182,27 @@ def expand(config: ExperimentConfig, geo: Geometry) -> list[Configuration]:
     if not out:
         fail("run_settings", "the grid is empty (the speculative engine runs only with cache_mode 'logical')")
     return out
+
+
+def check_sizes(config: ExperimentConfig, target: GridModel, grid: list[Configuration]) -> None:
+    """ConfigError unless the run is bounded: configurations x rounds within MAX_CELLS, and the positions a
+    configuration reads (a window, or a prompt, its new tokens and the k positions of its last block) within
+    the model's positions and `model.max_seq_len`; checked before any work."""
+    def fail(key: str, message: str):
+        raise ConfigError(f"{config.path}: {key}: {message}")
+
+    if len(grid) * config.rounds > MAX_CELLS:
+        fail("rounds", f"{len(grid)} configurations x {config.rounds} rounds = {len(grid) * config.rounds} cells, "
+                       f"more than the {MAX_CELLS} a run takes")
+    w = config.workload
+    needed, what = w.length, "workload.length"
+    if config.mode == "generation":
+        k = max((c.k for c in grid if c.kind == "sd"), default=0)
+        needed, what = w.length + w.new_tokens + k, "workload.length + workload.new_tokens" + " + sd.k" * (k > 0)
+    for limit, name in ((target.max_positions, f"the {target.max_positions} positions of {config.model.source}"),
+                        (config.model.max_seq_len, f"model.max_seq_len = {config.model.max_seq_len}")):
+        if limit and needed > limit:
+            fail(what.split(" + ")[-1], f"{what} = {needed} positions exceed {name}")
+    if config.calibration.file is None and target.max_positions and config.calibration.length > target.max_positions:
+        fail("calibration.length", f"{config.calibration.length} exceeds the {target.max_positions} positions of "
+                                   f"{config.model.source}")

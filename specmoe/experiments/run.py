@@ -3,11 +3,13 @@
 Round r measures configuration 0, 1, ..., N-1 in turn (A B C A B C ...), so slow drifts of the machine hit
 every configuration alike. Each finished (configuration, round) cell is written at once, atomically, as one
 small file (RUN_DIR/cells/cNNNN_rRRR.json); a run that was killed, or stopped by `--max-cells`, resumes where it
-stopped when the same command runs again: finished cells are not redone. RUN_DIR (default runs/NAME, or
+stopped when the same command runs again: finished cells are not redone. Each cell file carries a sha256 of its row and the run's digest;
+a cell file that does not validate (not JSON, another cell's or run's, edited) is named and measured again. RUN_DIR (default runs/NAME, or
 runs/NAME-DIGEST with `--set KEY=VALUE` overrides) holds:
 
 - results.parquet: one row per finished cell (the cells combined, rewritten after each invocation);
-- manifest.json: the resolved config (overrides applied, and listed) and its digest, the grid, the model's
+- manifest.json: the resolved config (overrides applied, and listed) and its digest (over the config and the
+  contents of its input files, listed under "inputs"), the grid, the model's
   geometry, and per invocation the command line, git commit, package versions, hardware, set-up time and the cells it ran;
 - config.toml: the config file as read; calibration.safetensors: the calibration every cell uses (sampled once,
   reused on resume unless the config names a file).
@@ -19,11 +21,14 @@ done, without loading the model. `specmoe report RUN_DIR` renders tables and plo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import hashlib
 import json
 import os
 import platform
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -38,13 +43,25 @@ from specmoe.files import write_file_atomic, write_text_atomic
 from specmoe.geometry import Geometry
 
 from .config import ConfigError, ExperimentConfig, load_config
-from .grid import Configuration, expand, grid_model
+from .grid import Configuration, check_sizes, expand, grid_model
 
 RESULTS = "results.parquet"
 MANIFEST = "manifest.json"
+LOCK = "lock"
 CELL = re.compile(r"^c(\d{4})_r(\d{3})\.json$")
 PACKAGES = ("specmoe", "torch", "transformers", "numpy", "numba", "pandas", "pyarrow", "scipy", "matplotlib",
             "safetensors", "tokenizers", "tqdm")
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def quickstart_config() -> Path:
@@ -108,9 +125,42 @@ def hardware() -> dict:
 class RunDir:
     """A run's directory: the cell files, the combined table and the manifest (module docstring)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, digest: str = ""):
         self.path = Path(path)
         self.cells = self.path / "cells"
+        self.digest = digest  # the run's digest, signed into every cell it writes
+
+    def _cell_digest(self, row: dict) -> str:
+        body = json.dumps({k: v for k, v in row.items() if k != "digest"}, sort_keys=True)
+        return hashlib.sha256(f"{self.digest}\n{body}".encode()).hexdigest()
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Hold RUN_DIR/lock (the holder's pid and host) while writing; ValueError naming the holder if another
+        live process holds it. A lock of a process gone from this host is taken over."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path, mine = self.path / LOCK, {"pid": os.getpid(), "host": socket.gethostname()}
+        while True:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                break
+            except FileExistsError:
+                try:
+                    holder = json.loads(path.read_text())
+                    pid, host = int(holder["pid"]), str(holder["host"])
+                except (OSError, ValueError, TypeError, KeyError):
+                    raise ValueError(f"{path} exists but names no holder: remove it if no run is writing "
+                                     f"{self.path}") from None
+                if host != mine["host"] or _alive(pid):
+                    raise ValueError(f"run directory {self.path} is being written by pid {pid} on {host} ({path}): "
+                                     "wait for it to finish, or remove the file if that process is gone") from None
+                path.unlink(missing_ok=True)  # the holder died without releasing it
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(mine))
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
 
     def manifest(self) -> dict | None:
         try:
@@ -126,9 +176,19 @@ class RunDir:
             raise NotADirectoryError(f"run directory {self.path} is an existing file")
         manifest = self.manifest()
         if manifest is None:
-            if self.path.is_dir() and any(self.path.iterdir()):
+            if self.path.is_dir() and any(p.name != LOCK for p in self.path.iterdir()):
                 raise FileExistsError(f"run directory {self.path} holds files but no {MANIFEST}: give a new --out")
             return
+        if not isinstance(manifest, dict):
+            raise ValueError(f"{self.path / MANIFEST} is not a manifest (a JSON object): give a new --out")
+        before, now = manifest.get("inputs"), config.inputs()
+        changed = [key for key in now if isinstance(before, dict) and isinstance(before.get(key), dict)
+                   and before[key].get("path") == now[key]["path"] and before[key].get("sha256") != now[key]["sha256"]]
+        if changed and manifest.get("config") == config.resolved():
+            key = changed[0]
+            raise ValueError(f"run directory {self.path} was run with other contents of {key} = {now[key]['path']} "
+                             f"(sha256 {before[key]['sha256'][:12]} then, {now[key]['sha256'][:12]} now): restore "
+                             f"the file or pass --out DIR")
         if manifest.get("digest") != config.digest():
             raise ValueError(f"run directory {self.path} holds a run of another config (digest "
                              f"{manifest.get('digest')}, this config {config.digest()}): change `name` in "
@@ -144,12 +204,44 @@ class RunDir:
         return self.cells / f"c{index:04d}_r{round_:03d}.json"
 
     def write_cell(self, row: dict) -> None:
-        write_text_atomic(self.cell_path(row["config"], row["round"]), json.dumps(row))
+        write_text_atomic(self.cell_path(row["config"], row["round"]),
+                          json.dumps({**row, "digest": self._cell_digest(row)}))
+
+    def cell_error(self, index: int, round_: int) -> str | None:
+        """Why the file of cell (index, round_) is not a finished cell of this run (None if it is): not JSON,
+        not an object, another cell's, or contents that do not match the digest written with them."""
+        try:
+            row = json.loads(self.cell_path(index, round_).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return f"not a readable JSON cell ({type(exc).__name__})"
+        if not isinstance(row, dict):
+            return f"holds a JSON {type(row).__name__}, not a cell"
+        if row.get("config") != index or row.get("round") != round_:
+            return f"is not the cell of configuration {index}, round {round_}"
+        if row.get("digest") != self._cell_digest(row):
+            return "its contents do not match the digest written with them (edited, or another run's)"
+        return None
+
+    def check_cells(self, log, move: bool = True) -> set[tuple[int, int]]:
+        """The finished cells whose files validate (`cell_error`); every other cell file is named in one line
+        of `log` and, with `move`, renamed to NAME.invalid so that the cell is measured again."""
+        good = set()
+        for index, round_ in sorted(self.done()):
+            error = self.cell_error(index, round_)
+            if error is None:
+                good.add((index, round_))
+                continue
+            path = self.cell_path(index, round_)
+            log(f"{path}: {error}; " + ("moved to *.invalid, measured again" if move else "not counted as done"))
+            if move:
+                os.replace(path, path.with_name(path.name + ".invalid"))
+        return good
 
     def rows(self) -> list[dict]:
         rows = []
         for index, round_ in sorted(self.done(), key=lambda cell: (cell[1], cell[0])):
-            rows.append(json.loads(self.cell_path(index, round_).read_text()))
+            row = json.loads(self.cell_path(index, round_).read_text(encoding="utf-8"))
+            rows.append({k: v for k, v in row.items() if k != "digest"})
         return rows
 
     def write_table(self) -> pd.DataFrame:
@@ -236,23 +328,35 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
     """Run (or resume) `config` into `out` (default `default_run_dir`); returns the results table and the manifest.
 
     max_cells: run at most this many new cells, then stop (rerun to resume). on_cell(row): called after each
-    cell is written (tests use it to interrupt a run). dry_run: print the grid, run nothing."""
-    from tqdm import tqdm
-
+    cell is written (tests use it to interrupt a run). dry_run: print the grid, run nothing. A second writer of
+    the same run directory (its lock file held by a live process) is refused."""
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     target = grid_model(config)
     geo = target.geometry
     grid = expand(config, geo)
-    run_dir = RunDir(out if out is not None else default_run_dir(config))
+    check_sizes(config, target, grid)
+    run_dir = RunDir(out if out is not None else default_run_dir(config), config.digest())
     run_dir.check(config)
-    done = run_dir.done()
     if dry_run:
-        print(describe_grid(config, geo, grid, done, run_dir.path))
+        print(describe_grid(config, geo, grid, run_dir.check_cells(log, move=False), run_dir.path))
         return None, {}
-    from .measure import Session, check_device
+    from .measure import check_device
 
     _check_pyarrow()
     check_device(config)  # before anything is written
+    with run_dir.lock():
+        return _run(config, target, grid, run_dir, max_cells=max_cells, on_cell=on_cell, progress=progress,
+                    command=command, log=log)
+
+
+def _run(config: ExperimentConfig, target, grid: list[Configuration], run_dir: RunDir, *, max_cells, on_cell,
+         progress, command, log) -> tuple[pd.DataFrame, dict]:
+    """`run_experiment`'s work, with the run directory's lock held."""
+    from tqdm import tqdm
+
+    from .measure import Session
+
+    done = run_dir.check_cells(log)
     cells = [(c, r) for r in range(config.rounds) for c in grid]
     todo = [(c, r) for c, r in cells if (c.index, r) not in done]
     started = time.time()
@@ -264,7 +368,7 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
                   "git": git_state(), "versions": versions(), "hardware": hardware(), "cells_run": 0}
     manifest = run_dir.manifest() or {"name": config.name, "description": config.description,
                                       "config_file": str(config.path), "overrides": list(config.overrides),
-                                      "digest": config.digest(),
+                                      "digest": config.digest(), "inputs": config.inputs(),
                                       "config": config.resolved(), "geometry": target.describe(),
                                       "grid": [c.describe() for c in grid], "rounds": config.rounds,
                                       "cells_total": len(cells), "invocations": []}

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
-from specmoe.files import write_text_atomic
+from specmoe.arguments import check_positions, int_at_least
+from specmoe.files import file_sha256, write_text_atomic
+from specmoe.limits import MAX_COUNT, MAX_DRAFTS, MAX_THREADS, MAX_TOKENS
 from specmoe.assets import family_path, family_target_dirs
 
 COLUMNS = ["drafter", "selector", "tau", "copies_per_token", "displaced_per_token_layer", "kl", "excess_nll",
@@ -111,6 +113,9 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
     sd_config = [SpeculativeConfig(selector_preset(name), k=k, pool_size=pool_size, max_new_tokens=new_tokens)
                  for name in selectors]
     model, adapter = load_model(model_source, seed=seed)
+    # the last block of a request starts at its last committed token and reads k positions past it
+    check_positions(model, prompt_length + new_tokens + k, "--prompt-length + --new-tokens + -k")
+    check_positions(model, calibration_length, "--calibration-length")
     built = [build_drafter(config, model) for config in configs]  # a drafter that does not fit fails here
     for drafter in built:
         sd_config[0].check(adapter, drafter)
@@ -119,7 +124,7 @@ def run_sd(model_source: str, *, drafters=("ar", "dflash"), selectors=("exact", 
     prompt_list, prompt_text = sd_prompts(model, prompts, prompt_length, seed)
     if calibration_file:
         calibration = Calibration.load(calibration_file)
-        calibration_text = f"file {calibration_file}"
+        calibration_text = f"file {calibration_file} (sha256 {file_sha256(calibration_file)})"
     else:
         held_out = sample_selfgen(model, calibration_windows, calibration_length, seed=seed + 1)
         calibration_text = (f"{calibration_windows} windows of {calibration_length} tokens sampled from the exact model, "
@@ -169,20 +174,20 @@ def add_parser(sub) -> None:
     parser.add_argument("--drafters", default="ar,dflash", help="comma-separated: ar, dflash, synthetic (default ar,dflash)")
     parser.add_argument("--selectors", default="exact,acceptmoe,confidence_top1",
                         help="comma-separated selector presets (default exact,acceptmoe,confidence_top1)")
-    parser.add_argument("-k", type=int, default=8, help="drafts per verification block (default 8)")
-    parser.add_argument("--pool", "-P", type=int, default=32, help="pool experts per layer, and AR-PSR's C (default 32)")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
-    parser.add_argument("--prompt-length", type=int, default=64, help="tokens per prompt (default 64)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
+    parser.add_argument("-k", type=int_at_least(1, MAX_DRAFTS), default=8, help="drafts per verification block (default 8)")
+    parser.add_argument("--pool", "-P", type=int_at_least(1), default=32, help="pool experts per layer, and AR-PSR's C (default 32)")
+    parser.add_argument("--prompts", type=int_at_least(1, MAX_COUNT), default=4, help="prompts (default 4)")
+    parser.add_argument("--prompt-length", type=int_at_least(1, MAX_TOKENS), default=64, help="tokens per prompt (default 64)")
+    parser.add_argument("--new-tokens", type=int_at_least(1, MAX_TOKENS), default=64, help="new tokens per prompt (default 64)")
     parser.add_argument("--calibration", default=None, help="calibration file (default: sampled from the model)")
-    parser.add_argument("--calibration-windows", type=int, default=16, help="sampled calibration windows (default 16)")
-    parser.add_argument("--calibration-length", type=int, default=128, help="tokens per calibration window (default 128)")
+    parser.add_argument("--calibration-windows", type=int_at_least(1, MAX_COUNT), default=16, help="sampled calibration windows (default 16)")
+    parser.add_argument("--calibration-length", type=int_at_least(2, MAX_TOKENS), default=128, help="tokens per calibration window (default 128)")
     parser.add_argument("--ar-drafter", default=None, help="AR drafter checkpoint (default: the family's)")
     parser.add_argument("--dflash-drafter", default=None, help="DFlash drafter checkpoint (default: the family's)")
     parser.add_argument("--synthetic-acceptance", type=float, default=0.8,
                         help="the synthetic drafter's geometric acceptance rate (default 0.8)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--threads", type=int_at_least(1, MAX_THREADS), default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--records", action="store_true", help="also write every verification block (block records)")
     parser.add_argument("--out", default="runs/sd", help="directory for results.csv / results.json (default runs/sd)")
     parser.set_defaults(func=main)

@@ -21,12 +21,15 @@ Sources:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .block_records import BlockRecords
 from ..routing.scoring import RouterScoring
+from ..limits import MAX_DRAFTS
+from ..routing.validate import integer, real
 from .traces import read_scoring
 
 
@@ -187,20 +190,23 @@ class AcceptanceProfile:
     @classmethod
     def histogram(cls, counts) -> "AcceptanceProfile":
         counts = tuple(float(x) for x in counts)
-        if not counts or any(x < 0 for x in counts) or sum(counts) <= 0:
-            raise BlockSourceError(f"an accepted-length histogram needs non-negative counts with a positive sum, "
+        if not counts or any(not 0 <= x < math.inf for x in counts) or sum(counts) <= 0:
+            raise BlockSourceError(f"an accepted-length histogram needs finite non-negative counts with a positive sum, "
                                    f"got {counts}")
         return cls("histogram", counts)
 
     @classmethod
     def for_tau(cls, tau: float, k: int) -> "AcceptanceProfile":
         """The geometric profile whose expected committed tokens per block, 1 + sum_d r^d, is tau at k drafts."""
+        k = integer(k, "k (drafts per block)", BlockSourceError, minimum=1, maximum=MAX_DRAFTS)
+        tau = real(tau, "tau", BlockSourceError)
         if not 1.0 <= tau < k + 1:
             raise BlockSourceError(f"tau={tau} must lie in [1, k + 1 = {k + 1}) for k={k}")
+        depth = np.arange(1, k + 1, dtype=np.float64)
         lo, hi = 0.0, 1.0
         for _ in range(100):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if 1 + sum(mid ** d for d in range(1, k + 1)) < tau else (lo, mid)
+            lo, hi = (mid, hi) if 1 + float(np.sum(mid ** depth)) < tau else (lo, mid)
         return cls.geometric((lo + hi) / 2)
 
     def commit_probabilities(self, k: int) -> np.ndarray:
@@ -231,8 +237,7 @@ def synthetic_blocks(trace, k: int, profile: AcceptanceProfile, seed: int = 0, m
     """Blocks of a synthetic drafter over `trace` (a `specmoe.records.Trace`), see the module docstring. Each
     recorded sequence is a request; its blocks start at its first position and stop where fewer than k + 1
     positions remain."""
-    if k < 1:
-        raise BlockSourceError(f"k must be >= 1, got {k}")
+    k = integer(k, "k (drafts per block)", BlockSourceError, minimum=1, maximum=MAX_DRAFTS)
     q = profile.commit_probabilities(k)
     rng = np.random.default_rng(seed)
     rows, accepted, request = [], [], []

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specmoe.files import write_text_atomic
+from specmoe.files import file_sha256, write_text_atomic
 
 from . import sweeps
 
@@ -89,8 +89,6 @@ def _sources(args, calibration):
     trace = Trace.load(args.trace, num_layers=num_layers, num_experts=num_experts)
     calibration.check(num_layers, num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
     ks = _ints(args.k, "-k")
-    if min(ks) < 1:
-        raise ValueError(f"-k must be >= 1, got {args.k}")
     for k in ks:
         profiles = []
         if args.tau:
@@ -115,6 +113,7 @@ def main(args) -> int:
 
     from specmoe.records import BlockSourceError
     from specmoe.routing import Calibration
+    from specmoe.limits import MAX_DRAFTS
 
     from . import report
 
@@ -123,6 +122,8 @@ def main(args) -> int:
         raise ValueError("give --records FILE... and/or --trace FILE")
     if args.max_blocks is not None and args.max_blocks < 1:
         raise ValueError(f"--max-blocks must be >= 1, got {args.max_blocks}")
+    if not all(1 <= k <= MAX_DRAFTS for k in _ints(args.k, "-k")):
+        raise ValueError(f"-k must be in [1, {MAX_DRAFTS}], got {args.k}")
     calibration = Calibration.load(args.calibration)
     if not 1 <= args.capacity <= calibration.warm_ranking.shape[1]:
         raise ValueError(f"-C {args.capacity} outside [1, E={calibration.warm_ranking.shape[1]}]")
@@ -148,7 +149,9 @@ def main(args) -> int:
     summary = pd.DataFrame(summaries)
     write_text_atomic(out / "results.csv", results.to_csv(index=False))
     write_text_atomic(out / "summary.csv", summary.to_csv(index=False))
+    inputs = [args.calibration, *args.records, *[p for p in (args.trace, args.accept_hist_from) if p]]
     info = {"calibration": str(args.calibration), "records": args.records, "trace": args.trace, "C": args.capacity,
+            "inputs": {str(p): file_sha256(p) for p in inputs},
             "options": {k: list(v) for k, v in options.items()}, "seed": args.seed,
             "seconds": round(time.time() - started, 1)}
     write_text_atomic(out / "results.json", json.dumps({"info": info, "summary": summary.to_dict("records"),

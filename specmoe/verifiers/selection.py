@@ -22,7 +22,8 @@ under the model's router rule (`specmoe.routing.RouterScoring`):
   outside A is u_e = sum_d alpha_d * r_{d,e} * [e in own top-K of d]; m = the number of experts outside A
   with u_e > 0; q = u / sum(u) over them; H = -sum q ln q (nats); extra = min(ceil(gamma * e^H), m), 0 if
   m = 0 (rounding noise below 1e-9 in gamma * e^H is ignored, so that n equally demanded candidates at
-  gamma = 1 give exactly n). The eligible set S = A plus the `extra` experts outside A with the largest u
+  gamma = 1 give exactly n; a size beyond m, however large, is m: the float is never converted to an integer
+  first). The eligible set S = A plus the `extra` experts outside A with the largest u
   (ties to the lower index).
 - pruning (AcceptMoE's rerouting budget, counted in token->expert assignments): v_e = the number of positions
   whose own top-K holds e; a(S) = sum of v_e over experts outside S, computed once for S before pruning (the
@@ -212,7 +213,8 @@ def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work
                 if u[e] > 0.0:
                     q = u[e] / demand
                     entropy -= q * np.log(q)
-            extra = min(int(np.ceil(gamma * np.exp(entropy) - ENTROPY_SLACK)), m)
+            size = gamma * np.exp(entropy) - ENTROPY_SLACK  # may exceed any integer (gamma 1e300): saturate
+            extra = m if size >= m else int(np.ceil(size))
         if extra > 0:  # the extra experts by decreasing u, ties to the lower index (all have u > 0: extra <= m)
             _top_k(u, everyone, num_experts, extra, ranked, 0, scratch)
         for i in range(extra):

@@ -1,0 +1,222 @@
+"""Sizes and integrity at the boundaries: every size is bounded (k, rounds, counts, grids, positions) and refused
+in one line before any work; sizes computed from floats saturate; finished cells and input files are checked on
+resume."""
+
+import math
+import re
+import time
+
+import pytest
+
+from specmoe.cli import main
+from specmoe.records import AcceptanceProfile, BlockSourceError
+from specmoe.limits import MAX_CELLS, MAX_DRAFTS
+from specmoe.speculation import SpeculativeConfig
+from specmoe.verifiers import selector_preset
+
+MICRO = """
+name = "micro"
+rounds = 2
+[model]
+source = "olmoe-micro"
+[calibration]
+windows = 2
+length = 16
+[workload]
+source = "selfgen"
+count = 2
+length = 6
+new_tokens = 4
+[ar]
+capacity = 16
+policies = ["exact_lru", {preset = "psr", bonus = [0.1, 0.3]}]
+"""
+SD = "\n[sd]\npool = 16\ndrafters = ['synthetic']\nselectors = ['exact']\n"
+
+
+def one_line_error(capsys, argv, message):
+    """`specmoe ARGV` exits 2 with one stderr line holding `message`."""
+    assert main([str(a) for a in argv]) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], (argv, err)
+    return err[0]
+
+
+# -- sizes are bounded, before any work ---------------------------------------------------------------------
+def test_command_sizes_are_bounded_before_any_work(tmp_path, capsys):
+    started = time.perf_counter()
+    for argv, message in [
+        (["sd", "--model", "olmoe-micro", "-k", 100000], f"argument -k: must be at most {MAX_DRAFTS}, got 100000"),
+        (["sd", "--model", "olmoe-micro", "--prompt-length", 2 ** 63], "argument --prompt-length: must be at most"),
+        (["sd", "--model", "olmoe-micro", "--drafters", "synthetic", "--prompt-length", 1000, "-k", 32],
+         "--prompt-length + --new-tokens + -k 1096 exceeds the 1024 positions of the model"),
+        (["replay-sd", "--calibration", tmp_path / "none", "--trace", tmp_path / "none", "--tau", 3,
+          "-k", 100000000000], f"-k must be in [1, {MAX_DRAFTS}], got 100000000000"),
+    ]:
+        one_line_error(capsys, argv + ["--out", tmp_path / "out"], message)
+    assert time.perf_counter() - started < 60 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    (MICRO.replace("rounds = 2", "rounds = 9223372036854775807"), "rounds: expected an integer in [1, 1000]"),
+    (MICRO + SD.replace("pool = 16", "pool = 16\nk = 9223372036854775807"), "sd.k: expected an integer in [1, 1024]"),
+    (MICRO.replace("count = 2", "count = 1000000"), "workload.count: expected an integer in [1, 100000]"),
+    (MICRO.replace("length = 6", "length = 1000").replace("new_tokens = 4", "new_tokens = 30"),
+     "workload.new_tokens: workload.length + workload.new_tokens = 1030 positions exceed the 1024 positions"),
+    (MICRO.replace("length = 6", "length = 1000") + SD.replace("pool = 16", "pool = 16\nk = 30"),
+     "sd.k: workload.length + workload.new_tokens + sd.k = 1034 positions exceed the 1024"),
+    (MICRO.replace("rounds = 2", "rounds = 1000").replace("[0.1, 0.3]", str([i / 1000 for i in range(101)])),
+     f"rounds: 102 configurations x 1000 rounds = 102000 cells, more than the {MAX_CELLS}"),
+])
+def test_config_sizes_are_bounded_before_any_work(tmp_path, capsys, text, message):
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    err = one_line_error(capsys, ["run", path, "--dry-run", "--out", tmp_path / "run"], message)
+    assert str(path) in err and not (tmp_path / "run").exists()
+
+
+def test_api_sizes_are_bounded_and_integers():
+    exact = selector_preset("exact")
+    for kwargs, message in [({"k": 2.5}, "k (drafts per block) must be an integer, got 2.5"),
+                            ({"k": math.nan}, "must be an integer, got nan"),
+                            ({"k": MAX_DRAFTS + 1}, f"k (drafts per block) must be in [1, {MAX_DRAFTS}]"),
+                            ({"max_new_tokens": math.nan}, "max_new_tokens must be an integer")]:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            SpeculativeConfig(exact, **kwargs)
+    started = time.perf_counter()
+    for tau, k in [(3, 100000000000), (3, 2 ** 63 - 1), (math.nan, 8)]:
+        with pytest.raises(BlockSourceError):
+            AcceptanceProfile.for_tau(tau, k)
+    assert time.perf_counter() - started < 1
+    assert AcceptanceProfile.for_tau(3, MAX_DRAFTS).values[0] == pytest.approx(2 / 3, abs=1e-6)
+    with pytest.raises(BlockSourceError, match="finite non-negative counts"):
+        AcceptanceProfile.histogram([math.nan, 1])
+
+
+# -- finished cells are validated on resume -------------------------------------------------------------------
+def test_bad_cell_files_are_named_and_measured_again(tmp_path):
+    import json
+
+    import pandas as pd
+
+    from specmoe.experiments.config import load_config
+    from specmoe.experiments.run import RunDir, run_experiment
+
+    path = tmp_path / "x.toml"
+    path.write_text(MICRO.replace("rounds = 2", "rounds = 1").replace("[0.1, 0.3]", "[0.1, 0.2, 0.3, 0.4]"))
+    config = load_config(path)
+    out = tmp_path / "run"
+    first, _ = run_experiment(config, out, progress=False, log=lambda text: None)
+    assert len(first) == 5 and "digest" not in first.columns
+    cells = RunDir(out).cell_path
+    edited = json.loads(cells(4, 0).read_text())
+    edited["copies_per_token"] += 1.0
+    bad = {0: "garbage{", 1: cells(1, 0).read_text()[:40], 2: '{"foo": 1}', 3: "[1, 2, 3]", 4: json.dumps(edited)}
+    for index, text in bad.items():
+        cells(index, 0).write_text(text)
+    (tmp_path / "stale").write_bytes((out / "results.parquet").read_bytes())
+    dry = []
+    run_experiment(config, out, dry_run=True, log=dry.append)
+    assert len(dry) == 5 and all(cells(i, 0).is_file() for i in bad)  # named, not counted, nothing moved
+    lines, ran = [], []
+    table, manifest = run_experiment(config, out, progress=False, log=lines.append,
+                                     on_cell=lambda row: ran.append(row["config"]))
+    assert sorted(ran) == [0, 1, 2, 3, 4] and manifest["status"] == "complete"
+    for index, reason in [(0, "not a readable JSON cell"), (1, "not a readable JSON cell"),
+                          (2, "is not the cell of configuration 2"), (3, "holds a JSON list"),
+                          (4, "its contents do not match the digest")]:
+        assert any(line.startswith(f"{cells(index, 0)}: {reason}") for line in lines), (index, lines)
+    assert RunDir(out, config.digest()).check_cells(lines.append) == {(i, 0) for i in range(5)}
+    fresh = pd.read_parquet(out / "results.parquet")
+    assert (fresh["copies_per_token"] == first["copies_per_token"]).all()  # the edit is gone, measured again
+
+
+def test_another_runs_cell_is_not_taken(tmp_path):
+    from specmoe.experiments.run import RunDir
+
+    mine, other = RunDir(tmp_path, "a" * 16), RunDir(tmp_path, "b" * 16)
+    other.write_cell({"config": 0, "round": 0, "copies_per_token": 1.5})
+    assert other.cell_error(0, 0) is None
+    assert "another run's" in mine.cell_error(0, 0)
+
+
+# -- an empty grid is a config error naming the key -----------------------------------------------------------
+REPLAY = """
+mode = "replay"
+[model]
+source = "olmoe-micro"
+[ar]
+capacity = 16
+policies = [{ preset = "psr", bonus = [0.1, 0.3] }]
+[sd]
+pool = 16
+k = 4
+selectors = ["exact"]
+[replay]
+tau = 2
+"""
+
+
+@pytest.mark.parametrize("text, message", [
+    (REPLAY.replace("[0.1, 0.3]", "[]"), "ar.policies[0].bonus: expected a value or a non-empty list of values"),
+    (REPLAY.replace("tau = 2", "tau = 2\nmethods = []"), "replay.methods: expected a string or a non-empty list"),
+    (REPLAY.replace('selectors = ["exact"]', 'selectors = [{ preset = "acceptmoe", gamma = [] }]'),
+     "sd.selectors[0].gamma: expected a value or a non-empty list"),
+    (REPLAY.replace("[ar]\ncapacity = 16\npolicies = [{ preset = \"psr\", bonus = [0.1, 0.3] }]", "")
+     .replace("tau = 2", "tau = 2\nmethods = ['rollback']"), "replay.methods: the grid is empty"),
+])
+def test_an_empty_grid_names_its_key(tmp_path, capsys, text, message):
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    one_line_error(capsys, ["run", path, "--dry-run", "--out", tmp_path / "run"], message)
+
+
+# -- the contents of input files are part of the run's identity -----------------------------------------------
+@pytest.mark.parametrize("key, section", [("calibration.file", "[calibration]\nfile = '{path}'\n"),
+                                          ("workload.files[0]", "")])
+def test_a_changed_input_file_is_another_run_named_on_resume(tmp_path, key, section):
+    from specmoe.experiments.config import load_config
+    from specmoe.experiments.run import run_experiment
+
+    data = tmp_path / "input.bin"
+    data.write_bytes(b"first contents")
+    text = MICRO.replace("[calibration]\nwindows = 2\nlength = 16\n", section.format(path=data))
+    if key.startswith("workload"):
+        text = text.replace('source = "selfgen"', f"source = 'text'\nfiles = ['{data}']\ntokenizer = '{tmp_path}'")
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    config, out = load_config(path), tmp_path / "run"
+    with pytest.raises(Exception):  # not a calibration or no tokenizer: the set-up fails after the manifest
+        run_experiment(config, out, progress=False, log=lambda line: None)
+    assert config.inputs()[key]["path"] == str(data)
+    digest = config.digest()
+    data.write_bytes(b"other contents")
+    changed = load_config(path)
+    assert changed.digest() != digest
+    with pytest.raises(ValueError, match=rf"was run with other contents of {re.escape(key)} = {re.escape(str(data))}"):
+        run_experiment(changed, out, progress=False, log=lambda line: None)
+
+
+# -- one writer per run directory -----------------------------------------------------------------------------
+def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+
+    from specmoe.experiments.config import load_config
+    from specmoe.experiments.run import RunDir, run_experiment
+
+    path = tmp_path / "x.toml"
+    path.write_text(MICRO.replace("rounds = 2", "rounds = 1"))
+    config, out = load_config(path), tmp_path / "run"
+    with RunDir(out).lock():  # another writer, alive (this process)
+        assert json.loads((out / "lock").read_text()) == {"pid": os.getpid(), "host": socket.gethostname()}
+        with pytest.raises(ValueError, match=rf"is being written by pid {os.getpid()} on {socket.gethostname()}"):
+            run_experiment(config, out, progress=False, log=lambda line: None)
+    assert not (out / "lock").exists() and not (out / "cells").exists()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a writer that died without releasing the lock: taken over
+    (out / "lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
+    table, manifest = run_experiment(config, out, progress=False, log=lambda line: None)
+    assert manifest["status"] == "complete" and len(table) == 3 and not (out / "lock").exists()
