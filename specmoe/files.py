@@ -54,18 +54,23 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
 
 
 def write_run_dir(path: str | os.PathLike, texts: dict[str, str]) -> Path:
-    """Write the result files of one run (name -> text) as one unit: a new directory under a unique
-    temporary name, renamed to `path`. An existing `path` (holding only files of these names, as an earlier
-    run left it) is moved aside under a unique name first and removed after, so `path` always holds the
-    files of one run. Raises FileExistsError, touching nothing, if `path` holds other files."""
+    """Write the result files of one run (name -> text) as one unit (`write_dir_atomic`)."""
+    return write_dir_atomic(path, lambda tmp: [(tmp / name).write_text(text) for name, text in texts.items()], texts)
+
+
+def write_dir_atomic(path: str | os.PathLike, write, names, what: str = "result directory") -> Path:
+    """Write a directory of result files as one unit: write(temporary directory) makes the files (of the
+    names `names` only), then the directory is renamed to `path`. An existing `path` (holding only files of
+    these names, as an earlier run left it) is moved aside under a unique name first and removed after, so
+    `path` always holds the files of one run. Raises FileExistsError, touching nothing, if `path` holds
+    other files."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(path)
     tmp.mkdir()
     moved = []  # earlier runs' directories, moved aside
     try:
-        for name, text in texts.items():
-            (tmp / name).write_text(text)
+        write(tmp)
         for _ in range(8):  # another process may put its run at `path` between our two renames: move it too
             try:
                 os.rename(tmp, path)
@@ -73,7 +78,7 @@ def write_run_dir(path: str | os.PathLike, texts: dict[str, str]) -> Path:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
-            check_output_dir(path, texts, "result directory")
+            check_output_dir(path, names, what)
             moved.append(_temporary(path, "old"))
             try:
                 os.rename(path, moved[-1])

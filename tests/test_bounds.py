@@ -220,3 +220,147 @@ def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
     (out / "lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
     table, manifest = run_experiment(config, out, progress=False, log=lambda line: None)
     assert manifest["status"] == "complete" and len(table) == 3 and not (out / "lock").exists()
+
+
+# -- malformed values are one line, not a traceback ---------------------------------------------------------
+@pytest.mark.parametrize("text, key", [
+    (MICRO.replace('{preset = "psr", bonus = [0.1, 0.3]}', '{preset = ["psr"]}'), "ar.policies[1].preset"),
+    (MICRO + SD.replace("['exact']", "[{preset = {name = 'exact'}}]"), "sd.selectors[0].preset"),
+])
+def test_a_preset_that_is_not_a_name_names_its_key(tmp_path, capsys, text, key):
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    one_line_error(capsys, ["run", path, "--dry-run", "--out", tmp_path / "run"], key)
+
+
+def test_run_directories_that_hold_no_run_are_named(tmp_path, capsys):
+    import json
+
+    import pandas as pd
+
+    from specmoe.experiments.run import MANIFEST, RESULTS
+
+    config = tmp_path / "x.toml"
+    config.write_text(MICRO)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / MANIFEST).write_text("[]")
+    pd.DataFrame({"config": [0], "round": [0], "label": ["a"], "kind": ["ar"]}).to_parquet(bad / RESULTS)
+    one_line_error(capsys, ["run", config, "--dry-run", "--out", bad], "is not a manifest (a JSON object, got list)")
+    one_line_error(capsys, ["report", bad], "is not a manifest (a JSON object, got list)")
+    empty = tmp_path / "empty"  # a run stopped before its first cell, or a grid with no cells
+    empty.mkdir()
+    (empty / MANIFEST).write_text(json.dumps({"name": "x"}))
+    pd.DataFrame().to_parquet(empty / RESULTS)
+    one_line_error(capsys, ["report", empty], "holds no finished cell (no column config, round, label, kind)")
+    pd.DataFrame({c: pd.Series(dtype=t) for c, t in [("config", int), ("round", int), ("label", str),
+                                                        ("kind", str)]}).to_parquet(empty / RESULTS)
+    one_line_error(capsys, ["report", empty], "holds no finished cell (no rows)")
+    assert not (bad / "report").exists() and not (empty / "report").exists()
+
+
+def test_a_cell_with_no_fields_is_named_and_measured_again(tmp_path):
+    from specmoe.experiments.run import RunDir
+
+    run = RunDir(tmp_path, "a" * 16)
+    run.write_cell({"config": 0, "round": 0, "copies_per_token": 1.5})
+    run.cell_path(0, 0).write_text("{}")
+    lines = []
+    assert run.check_cells(lines.append, move=False) == set()
+    assert len(lines) == 1 and lines[0].startswith(str(run.cell_path(0, 0)))
+
+
+def test_block_records_whose_geometry_is_not_an_object_are_named(tmp_path):
+    import numpy as np
+
+    from specmoe.files import read_safetensors, write_safetensors
+    from specmoe.records import BlockRecordError, BlockRecords
+    from test_replay_sd import make_records
+
+    path = tmp_path / "blocks.safetensors"
+    make_records(np.random.default_rng(0)).save(path)
+    meta, arrays = read_safetensors(path, BlockRecordError, "block record")
+    write_safetensors(path, arrays, {**meta, "geometry": "[]"})
+    with pytest.raises(BlockRecordError, match="geometry metadata must be a JSON object, got '\\[\\]'"):
+        BlockRecords.load(path)
+
+
+def test_command_numbers_out_of_range_are_named(tmp_path, capsys):
+    import numpy as np
+
+    from test_replay_sd import random_calibration
+
+    calibration = tmp_path / "cal.safetensors"
+    random_calibration(np.random.default_rng(0)).save(calibration)
+    replay = ["replay-sd", "--calibration", calibration, "--trace", tmp_path / "none", "--tau", 3, "-k", 2, "-C", 4,
+              "--out", tmp_path / "out"]
+    one_line_error(capsys, replay + ["--budgets", "1e20"], "--budgets must be in [0, 12], got 100000000000000000000")
+    one_line_error(capsys, replay + ["--budgets", "inf"], "--budgets must be integers, got 'inf'")
+    one_line_error(capsys, ["sd", "--model", "olmoe-micro", "--threads", -1], "argument --threads: must be at least 1")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("doc_id", [1], "doc_id must be an integer or a string, got [1]"),
+    ("doc_id", {"a": 1}, "doc_id must be an integer or a string, got {'a': 1}"),
+    ("acc", 10 ** 400, "acc = 10000000000000000000... is no score"),
+])
+def test_compare_samples_of_the_wrong_type_are_named(tmp_path, capsys, field, value, message):
+    import json
+
+    from test_compare import _write_run
+
+    runs = []
+    for name in ("a", "b"):
+        path = _write_run(tmp_path / name / "model", "qa", {0: {"acc": 1}, 1: {"acc": 0}})
+        runs.append(tmp_path / name)
+    record = json.loads(path.read_text().splitlines()[0])
+    record[field] = value
+    path.write_text(json.dumps(record) + "\n")
+    err = one_line_error(capsys, ["compare", *runs, "--out", tmp_path / "table.md"], message)
+    assert f"{path}, line 1" in err
+
+
+# -- nothing is half-written: arguments and output paths are checked first ---------------------------------
+def test_report_checks_its_arguments_first_and_replaces_the_report_whole(tmp_path, capsys):
+    from test_report import run_dir
+
+    run = run_dir(tmp_path)
+    assert main(["report", str(run)]) == 0
+    report = run / "report"
+    before = {p.name: p.read_bytes() for p in report.iterdir()}
+    assert set(before) == {"report.md", "frontier.png", "latency_cdf.png", "copies.png"}
+    capsys.readouterr()
+    one_line_error(capsys, ["report", run, "--baseline", 99], "--baseline 99: no configuration # 99")
+    assert {p.name: p.read_bytes() for p in report.iterdir()} == before  # untouched
+    fresh = tmp_path / "fresh"
+    one_line_error(capsys, ["report", run, "--baseline", 99, "--out", fresh], "--baseline 99")
+    assert not fresh.exists()
+    assert main(["report", str(run), "--baseline", "1"]) == 0
+    assert "against #1 SD exact" in (report / "report.md").read_text()
+    assert [p.name for p in run.iterdir() if ".tmp-" in p.name or ".old-" in p.name] == []
+    (report / "notes.txt").write_text("mine")  # a directory holding other files is not replaced
+    capsys.readouterr()
+    one_line_error(capsys, ["report", run], "report directory")
+    assert (report / "notes.txt").read_text() == "mine"
+
+
+def test_output_paths_are_checked_before_the_computation(tmp_path, capsys):
+    import numpy as np
+
+    from test_replay_sd import random_calibration
+
+    calibration = tmp_path / "cal.safetensors"
+    random_calibration(np.random.default_rng(0)).save(calibration)
+    taken = tmp_path / "file"
+    taken.write_text("x")
+    started = time.perf_counter()
+    one_line_error(capsys, ["replay-sd", "--calibration", calibration, "--trace", tmp_path / "none", "--tau", 3,
+                            "-k", 2, "-C", 4, "--out", taken], f"{taken} is not a directory")
+    one_line_error(capsys, ["sd", "--model", "olmoe-micro", "--records", "--out", taken],
+                   f"{taken} is not a directory")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "blocks").write_text("x")
+    one_line_error(capsys, ["sd", "--model", "olmoe-micro", "--records", "--out", tmp_path / "out"],
+                   f"{tmp_path / 'out' / 'blocks'} is not a directory")
+    assert time.perf_counter() - started < 30 and taken.read_text() == "x"

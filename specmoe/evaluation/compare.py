@@ -80,6 +80,13 @@ def read_samples(path: Path) -> list[dict]:
                 raise ValueError(f"{path}, line {number}: not JSON ({exc.msg})") from None
             if not isinstance(record, dict) or "doc_id" not in record:
                 raise ValueError(f"{path}, line {number}: not an lm-eval sample (no doc_id)")
+            doc_id = record["doc_id"]
+            if isinstance(doc_id, bool) or not isinstance(doc_id, (int, str)):
+                raise ValueError(f"{path}, line {number}: doc_id must be an integer or a string, got {doc_id!r:.60}")
+            for key in _metrics(record):
+                if isinstance(record[key], int) and not isinstance(record[key], bool) and abs(record[key]) > 2 ** 53:
+                    raise ValueError(f"{path}, line {number}: {key} = {str(record[key])[:20]}... is no score "
+                                     "(an integer beyond 2**53)")
             records.append(record)
     return records
 

@@ -307,7 +307,7 @@ def _grid_entries(t: _Table, name: str, known: dict, fields: dict, what: str) ->
         if not isinstance(item, dict):
             t.fail(where, f"expected a {what} preset name or a table with 'preset'", item)
         preset = item.get("preset")
-        if preset not in known:
+        if not isinstance(preset, str) or preset not in known:
             t.fail(f"{where}.preset", f"expected a {what} preset, one of {', '.join(known)}", preset)
         overrides = []
         for key, value in item.items():

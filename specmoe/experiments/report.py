@@ -31,9 +31,11 @@ import numpy as np
 if TYPE_CHECKING:
     import pandas as pd
 
-from specmoe.files import write_file_atomic, write_text_atomic
+from specmoe.files import check_output_dir, write_dir_atomic, write_file_atomic
 
-from .run import MANIFEST, means_table, read_table, summary_table
+from .run import RunDir, means_table, read_table, summary_table
+
+REPORT_FILES = ("report.md", "frontier.png", "latency_cdf.png", "copies.png")  # what a report holds
 
 QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a value is the frontier's y
 # Divergences (KL, excess NLL; nats per committed token) whose magnitude is below this are float noise, counted as
@@ -274,13 +276,27 @@ def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
 
 # -- the report -------------------------------------------------------------------------------------------------
 def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | None = None) -> Path:
-    """Write report.md and the plots for `run_dir` into `out` (default RUN_DIR/report); returns report.md."""
-    import pandas as pd
-
+    """Write report.md and the plots for `run_dir` into `out` (default RUN_DIR/report); returns report.md. Every
+    argument is checked before anything is written, and the report is made in a temporary directory renamed
+    into place (an earlier report at `out` is replaced whole)."""
     run_dir = Path(run_dir)
     table = read_table(run_dir)
-    manifest = json.loads((run_dir / MANIFEST).read_text()) if (run_dir / MANIFEST).is_file() else {}
+    manifest = RunDir(run_dir).manifest() or {}
     out = Path(out) if out is not None else run_dir / "report"
+    timed = table[table.request_ms.map(len) > 0] if "request_ms" in table.columns else table.iloc[:0]
+    base = baseline if baseline is not None else int(timed.config.min()) if len(timed) else None
+    if base is not None and base not in set(table.config):
+        raise ValueError(f"--baseline {base}: no configuration # {base} in {run_dir}")
+    check_output_dir(out, REPORT_FILES, "report directory")
+    write_dir_atomic(out, lambda tmp: _write_report(tmp, run_dir, table, manifest, timed, base), REPORT_FILES,
+                     "report directory")
+    return out / "report.md"
+
+
+def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: int | None) -> None:
+    """Write report.md and its plots into the (new, temporary) directory `out`."""
+    import pandas as pd
+
     m = means_table(table)
     quality = _quality(m)
     lines = [f"# {manifest.get('name', run_dir.name)}", ""]
@@ -344,18 +360,13 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
         if _plot_copies(copies, out / "copies.png"):
             lines += ["![copies](copies.png)", ""]
             written.append("copies.png")
-    timed = table[table.request_ms.map(len) > 0]
     if len(timed):
-        base = baseline if baseline is not None else int(timed.config.min())
-        if base not in set(table.config):
-            raise ValueError(f"--baseline {base}: no configuration # {base} in {run_dir}")
         ratios = paired_ratios(table, base)
         label = table[table.config == base].label.iloc[0]
         lines += [f"## ms per token against #{base} {label}", "",
                   "Geometric-mean ratio over (round, request) pairs and its 95% interval (paired t-test on log ms "
                   "per token); an interval that holds 1 is no evidence of a difference.", "", _markdown(ratios), ""]
-    write_text_atomic(out / "report.md", "\n".join(lines))
-    return out / "report.md"
+    (out / "report.md").write_text("\n".join(lines))
 
 
 def add_parser(sub) -> None:

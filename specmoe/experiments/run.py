@@ -163,12 +163,17 @@ class RunDir:
             path.unlink(missing_ok=True)
 
     def manifest(self) -> dict | None:
+        """The run's manifest (None if there is none); ValueError naming the file unless it is a JSON object."""
         try:
-            return json.loads((self.path / MANIFEST).read_text())
+            manifest = json.loads((self.path / MANIFEST).read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
             raise ValueError(f"{self.path / MANIFEST} is not a readable manifest ({exc})") from None
+        if not isinstance(manifest, dict):
+            raise ValueError(f"{self.path / MANIFEST} is not a manifest (a JSON object, got {type(manifest).__name__}):"
+                             " give a new --out")
+        return manifest
 
     def check(self, config: ExperimentConfig) -> None:
         """ValueError unless this directory is new, empty, or a run of the same config (to resume)."""
@@ -179,8 +184,6 @@ class RunDir:
             if self.path.is_dir() and any(p.name != LOCK for p in self.path.iterdir()):
                 raise FileExistsError(f"run directory {self.path} holds files but no {MANIFEST}: give a new --out")
             return
-        if not isinstance(manifest, dict):
-            raise ValueError(f"{self.path / MANIFEST} is not a manifest (a JSON object): give a new --out")
         before, now = manifest.get("inputs"), config.inputs()
         changed = [key for key in now if isinstance(before, dict) and isinstance(before.get(key), dict)
                    and before[key].get("path") == now[key]["path"] and before[key].get("sha256") != now[key]["sha256"]]
@@ -260,7 +263,12 @@ def read_table(run_dir: str | Path) -> pd.DataFrame:
     if not path.is_file():
         raise FileNotFoundError(f"no {RESULTS} in {run_dir}: not a run directory of `specmoe run`, or no cell "
                                 "finished yet")
-    return pd.read_parquet(path)
+    table = pd.read_parquet(path)
+    missing = [c for c in ("config", "round", "label", "kind") if c not in table.columns]
+    if not len(table) or missing:
+        raise ValueError(f"{path} holds no finished cell (" + (f"no column {', '.join(missing)}" if missing else
+                         "no rows") + "): run the config again to measure its cells")
+    return table
 
 
 def means_table(table: pd.DataFrame) -> pd.DataFrame:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 from specmoe.arguments import check_positions, int_at_least
-from specmoe.files import file_sha256, write_text_atomic
+from specmoe.files import check_output_file, file_sha256, write_text_atomic
 from specmoe.limits import MAX_COUNT, MAX_DRAFTS, MAX_THREADS, MAX_TOKENS
 from specmoe.assets import family_path, family_target_dirs
 
@@ -201,6 +201,10 @@ def main(args) -> int:
     from specmoe.verifiers import SELECTORS
 
     out = Path(args.out)
+    for name in ("results.csv", "results.json"):  # before the computation: a file in the way fails now
+        check_output_file(out / name)
+    if args.records:  # the block records go into out/blocks, which must be (or become) a writable directory
+        check_output_file(out / "blocks" / "blocks_DRAFTER_SELECTOR.safetensors", "block records file")
     table, info = run_sd(
         args.model or default_model(), drafters=_names(args.drafters, "drafter", DRAFTERS),
         selectors=_names(args.selectors, "selector", SELECTORS), k=args.k, pool_size=args.pool, prompts=args.prompts,

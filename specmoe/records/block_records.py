@@ -136,7 +136,10 @@ class BlockRecords:
         if meta.get("version") != VERSION:
             raise BlockRecordError(f"{path} has block record version {meta.get('version')}, this code reads {VERSION}")
         try:
-            geometry = {key: int(value) for key, value in json.loads(meta["geometry"]).items()}
+            geometry = json.loads(meta["geometry"])
+            if not isinstance(geometry, dict):
+                raise BlockRecordError(f"geometry metadata must be a JSON object, got {meta['geometry']!r}")
+            geometry = {key: int(value) for key, value in geometry.items()}
             records = cls(arrays, top_k=geometry["top_k"], vocab_size=geometry["vocab_size"], model=meta.get("model", ""),
                           fingerprint=meta.get("fingerprint", ""), selector=json.loads(meta.get("selector", "{}")),
                           drafter=meta.get("drafter", ""), pool_size=int(meta.get("pool_size", 0)),

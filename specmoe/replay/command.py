@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
 import numpy as np
 
-from specmoe.files import file_sha256, write_text_atomic
+from specmoe.files import check_output_file, file_sha256, write_text_atomic
+from specmoe.limits import MAX_COUNT
 
 from . import sweeps
 
@@ -35,11 +37,15 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
     return values
 
 
-def _ints(text: str, what: str) -> tuple[int, ...]:
+def _ints(text: str, what: str, minimum: int = 0, maximum: int = MAX_COUNT) -> tuple[int, ...]:
+    """Comma-separated integers (written as integers or as floats with integer values, 1e3), each in
+    [minimum, maximum]."""
+    from specmoe.routing.validate import integer
+
     values = _floats(text, what)
-    if any(v != int(v) for v in values):
+    if any(not math.isfinite(v) or v != int(v) for v in values):
         raise ValueError(f"{what} must be integers, got {text!r}")
-    return tuple(int(v) for v in values)
+    return tuple(integer(int(v), what, minimum=minimum, maximum=maximum) for v in values)
 
 
 def add_parser(sub) -> None:
@@ -122,16 +128,17 @@ def main(args) -> int:
         raise ValueError("give --records FILE... and/or --trace FILE")
     if args.max_blocks is not None and args.max_blocks < 1:
         raise ValueError(f"--max-blocks must be >= 1, got {args.max_blocks}")
-    if not all(1 <= k <= MAX_DRAFTS for k in _ints(args.k, "-k")):
-        raise ValueError(f"-k must be in [1, {MAX_DRAFTS}], got {args.k}")
+    _ints(args.k, "-k", 1, MAX_DRAFTS)
+    out = Path(args.out)
+    for name in ("results.csv", "summary.csv", "results.json") + (() if args.no_plot else ("frontier.png",)):
+        check_output_file(out / name)
     calibration = Calibration.load(args.calibration)
     if not 1 <= args.capacity <= calibration.warm_ranking.shape[1]:
         raise ValueError(f"-C {args.capacity} outside [1, E={calibration.warm_ranking.shape[1]}]")
-    options = dict(lambdas=_floats(args.lambdas, "--lambdas"), budgets=_ints(args.budgets, "--budgets"),
+    num_experts = calibration.warm_ranking.shape[1]  # an insertion budget beyond E inserts no more
+    options = dict(lambdas=_floats(args.lambdas, "--lambdas"), budgets=_ints(args.budgets, "--budgets", 0, num_experts),
                    gammas=_floats(args.gammas, "--gammas"), prune_budgets=_floats(args.prune_budgets, "--prune-budgets"),
                    selectors=tuple(s.strip() for s in args.selectors.split(",") if s.strip()))
-    if min(options["budgets"]) < 0:
-        raise ValueError("--budgets must be >= 0")
     unknown = [s for s in options["selectors"] if s not in ("acceptmoe", "confidence_top1")]
     if unknown:
         raise ValueError(f"unknown selector {', '.join(unknown)}; expected some of acceptmoe, confidence_top1")
@@ -144,7 +151,6 @@ def main(args) -> int:
         summaries.append(report.summarize(table))
         print(f"{blocks.source}, k={blocks.k}: {blocks.num_blocks} blocks, tau {blocks.tau:.2f} "
               f"({time.time() - started:.0f} s)", flush=True)
-    out = Path(args.out)
     results = pd.concat(tables, ignore_index=True)
     summary = pd.DataFrame(summaries)
     write_text_atomic(out / "results.csv", results.to_csv(index=False))
