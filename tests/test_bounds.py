@@ -6,10 +6,15 @@ import math
 import re
 import time
 
+import numpy as np
 import pytest
 
 from specmoe.cli import main
-from specmoe.records import AcceptanceProfile, BlockSourceError
+from specmoe.records import AcceptanceProfile, BlockRecordError, BlockRecords, Blocks, BlockSourceError, blocks_from_records
+from specmoe.replay import replay_rollback
+from specmoe.routing import Calibration, preset
+from specmoe.routing.calibration import CalibrationBuilder
+from specmoe.verifiers import CommitRate, ExpertPool
 from specmoe.limits import MAX_CELLS, MAX_DRAFTS
 from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
@@ -220,3 +225,62 @@ def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
     (out / "lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
     table, manifest = run_experiment(config, out, progress=False, log=lambda line: None)
     assert manifest["status"] == "complete" and len(table) == 3 and not (out / "lock").exists()
+
+
+# -- the Python API: values are checked where they enter ------------------------------------------------------
+def _records(**change):
+    """Two blocks of one request (k = 2, L = 1, E = 4, K = 2, V = 10), with `change` replacing arrays."""
+    rng = np.random.default_rng(0)
+    arrays = {"request": np.zeros(2, np.int64), "root_position": np.array([5, 7]), "tokens": rng.integers(0, 10, (2, 3)),
+              "confidences": np.full((2, 2), 0.5, np.float32), "accepted": np.array([1, 0]),
+              "bonus": np.array([3, 4]), "router_logits": rng.normal(size=(2, 3, 1, 4)).astype(np.float32),
+              "pregate_logits": rng.normal(size=(2, 3, 1, 4)).astype(np.float32),
+              "selected": np.zeros((2, 3, 1, 2), np.int64)}
+    arrays.update(change)
+    return BlockRecords(arrays, top_k=2, vocab_size=10)
+
+
+def test_blocks_and_block_records_are_checked_where_they_enter():
+    records = _records()
+    replay_rollback(preset("psr", 3, 2), blocks_from_records(records),
+                    Calibration(np.array([[0, 1, 2, 3]]), np.zeros((1, 10, 4)), np.array([1.0]), {}))
+    nan = records.arrays["router_logits"].copy()
+    nan[1, 2, 0, 3] = np.nan
+    with pytest.raises(BlockRecordError, match=r"router logits must be finite.*entry \[1, 2, 0, 3\] is nan"):
+        _records(router_logits=nan)
+    blocks = blocks_from_records(records)
+    with pytest.raises(BlockSourceError, match=r"router logits must be finite.*is nan"):
+        Blocks(nan.reshape(6, 1, 4), blocks.pregate_logits, blocks.tokens, blocks.rows, blocks.accepted,
+               blocks.request, blocks.confidences, 2)
+    with pytest.raises(BlockSourceError, match="top_k must be an integer, got 2.5"):
+        Blocks(blocks.router_logits, blocks.pregate_logits, blocks.tokens, blocks.rows, blocks.accepted,
+               blocks.request, blocks.confidences, 2.5)
+    tokens = records.arrays["tokens"].copy()
+    tokens[1, 2] = 10  # a rejected position's draft
+    with pytest.raises(BlockRecordError, match=r"tokens: entry \[1, 2\] is 10, outside \[0, 10\)"):
+        _records(tokens=tokens)
+    with pytest.raises(BlockRecordError, match="root_position of block 1 is 9.*must be 7"):
+        _records(root_position=np.array([5, 9]))
+    with pytest.raises(BlockRecordError, match=r"root_position: entry \[0\] is -3"):
+        _records(root_position=np.array([-3, -1]))
+
+
+def test_pool_and_commit_rate_arguments_name_themselves():
+    warm = np.tile(np.arange(8), (2, 1))
+    pool = ExpertPool(2, 8, 2, 4, warm)
+    for call in (lambda: pool.resident(-1), lambda: pool.use(-1, [[0, 1]]), lambda: pool.use(16, [[0, 1]]),
+                 lambda: pool.slot_table(2)):
+        with pytest.raises(ValueError, match=r"layer must be in \[0, 1\], got (-1|16|2)"):
+            call()
+    with pytest.raises(ValueError, match="selected must hold integer expert ids, got dtype float64"):
+        pool.use(0, [[0.7, 1.2]])
+    with pytest.raises(ValueError, match="pool_size \\(P\\) must be an integer, got 32.5"):
+        ExpertPool(2, 8, 2, 32.5, warm)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 8\], got 0"):
+        ExpertPool(2, 8, 0, 4, warm)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 8\], got 0"):
+        CalibrationBuilder(2, 8, 10, 0)
+    with pytest.raises(ValueError, match="accepted_length must be an integer, got 1.5"):
+        CommitRate().update(1.5, 3)
+    with pytest.raises(ValueError, match="k \\(drafts of the block\\) must be an integer, got 3.0"):
+        CommitRate().update(1, 3.0)
