@@ -12,7 +12,7 @@ import pytest
 from specmoe.cli import main
 from specmoe.records import AcceptanceProfile, BlockRecordError, BlockRecords, Blocks, BlockSourceError, blocks_from_records
 from specmoe.replay import replay_rollback
-from specmoe.routing import Calibration, preset
+from specmoe.routing import Calibration, PolicyError, preset
 from specmoe.routing.calibration import CalibrationBuilder
 from specmoe.verifiers import CommitRate, ExpertPool
 from specmoe.limits import MAX_CELLS, MAX_DRAFTS
@@ -284,3 +284,31 @@ def test_pool_and_commit_rate_arguments_name_themselves():
         CommitRate().update(1.5, 3)
     with pytest.raises(ValueError, match="k \\(drafts of the block\\) must be an integer, got 3.0"):
         CommitRate().update(1, 3.0)
+
+
+# -- messages name the culprit ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, message", [
+    (MICRO.replace('name = "micro"', 'name = "caf\xe9"').encode("latin-1"), "x.toml: not UTF-8 text (byte 12 is 0xe9)"),
+    (MICRO.replace('rounds = 2', 'rounds = 2\ndevice = "cuda:abc"'), "device: expected 'cpu', 'cuda' or 'cuda:N', got 'cuda:abc'"),
+    (MICRO.replace('"exact_lru"', '{preset = "psr", window = 9223372036854775807}'),
+     "ar.policies[0]: psr with {'window': 9223372036854775807}: window must be <= 65536"),
+    (MICRO.replace('rounds = 2', 'rounds = 2\nengine = "engine"').replace("[ar]\ncapacity = 16\n", "")
+     .replace('policies = ["exact_lru", {preset = "psr", bonus = [0.1, 0.3]}]', "")
+     + SD + '[run_settings]\ncache_mode = "physical"\n',
+     "run_settings.cache_mode: the grid is empty: the speculative engine runs only with cache_mode 'logical'"),
+], ids=["not-utf8", "device", "window", "cache-mode"])
+def test_config_errors_name_the_file_and_key(tmp_path, capsys, text, message):
+    path = tmp_path / "x.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    one_line_error(capsys, ["run", path, "--dry-run", "--out", tmp_path / "run"], message)
+
+
+def test_command_errors_name_the_argument_or_file(tmp_path, capsys):
+    one_line_error(capsys, ["replay-sd", "--calibration", tmp_path / "none", "--trace", tmp_path / "none",
+                            "--tau", 3, "--seed", -1, "--out", tmp_path / "out"], "argument --seed: must be at least 0")
+    samples = tmp_path / "samples_qa_2026.jsonl"
+    samples.write_bytes('{"doc_id": 0, "acc": 1, "note": "caf\xe9"}\n'.encode("latin-1"))
+    one_line_error(capsys, ["compare", samples, samples, "--out", tmp_path / "t.md"],
+                   f"{samples}: not UTF-8 text (byte 36 is 0xe9)")
+    with pytest.raises(PolicyError, match="window must be <= 65536, got 9223372036854775807"):
+        preset("psr", 32, 8, window=2 ** 63 - 1)

@@ -70,17 +70,21 @@ def sample_files(run: str | Path) -> dict[str, Path]:
 def read_samples(path: Path) -> list[dict]:
     """The per-question records of one samples file (one JSON object a line)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {number}: not JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or "doc_id" not in record:
-                raise ValueError(f"{path}, line {number}: not an lm-eval sample (no doc_id)")
-            records.append(record)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); lm-eval "
+                         "writes its samples as UTF-8") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}, line {number}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or "doc_id" not in record:
+            raise ValueError(f"{path}, line {number}: not an lm-eval sample (no doc_id)")
+        records.append(record)
     return records
 
 
