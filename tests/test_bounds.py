@@ -6,10 +6,15 @@ import math
 import re
 import time
 
+import numpy as np
 import pytest
 
 from specmoe.cli import main
-from specmoe.records import AcceptanceProfile, BlockSourceError
+from specmoe.records import AcceptanceProfile, BlockRecordError, BlockRecords, Blocks, BlockSourceError, blocks_from_records
+from specmoe.replay import replay_rollback
+from specmoe.routing import Calibration, PolicyError, preset
+from specmoe.routing.calibration import CalibrationBuilder
+from specmoe.verifiers import CommitRate, ExpertPool
 from specmoe.limits import MAX_CELLS, MAX_DRAFTS
 from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
@@ -364,3 +369,88 @@ def test_output_paths_are_checked_before_the_computation(tmp_path, capsys):
     one_line_error(capsys, ["sd", "--model", "olmoe-micro", "--records", "--out", tmp_path / "out"],
                    f"{tmp_path / 'out' / 'blocks'} is not a directory")
     assert time.perf_counter() - started < 30 and taken.read_text() == "x"
+# -- the Python API: values are checked where they enter ------------------------------------------------------
+def _records(**change):
+    """Two blocks of one request (k = 2, L = 1, E = 4, K = 2, V = 10), with `change` replacing arrays."""
+    rng = np.random.default_rng(0)
+    arrays = {"request": np.zeros(2, np.int64), "root_position": np.array([5, 7]), "tokens": rng.integers(0, 10, (2, 3)),
+              "confidences": np.full((2, 2), 0.5, np.float32), "accepted": np.array([1, 0]),
+              "bonus": np.array([3, 4]), "router_logits": rng.normal(size=(2, 3, 1, 4)).astype(np.float32),
+              "pregate_logits": rng.normal(size=(2, 3, 1, 4)).astype(np.float32),
+              "selected": np.zeros((2, 3, 1, 2), np.int64)}
+    arrays.update(change)
+    return BlockRecords(arrays, top_k=2, vocab_size=10)
+
+
+def test_blocks_and_block_records_are_checked_where_they_enter():
+    records = _records()
+    replay_rollback(preset("psr", 3, 2), blocks_from_records(records),
+                    Calibration(np.array([[0, 1, 2, 3]]), np.zeros((1, 10, 4)), np.array([1.0]), {}))
+    nan = records.arrays["router_logits"].copy()
+    nan[1, 2, 0, 3] = np.nan
+    with pytest.raises(BlockRecordError, match=r"router logits must be finite.*entry \[1, 2, 0, 3\] is nan"):
+        _records(router_logits=nan)
+    blocks = blocks_from_records(records)
+    with pytest.raises(BlockSourceError, match=r"router logits must be finite.*is nan"):
+        Blocks(nan.reshape(6, 1, 4), blocks.pregate_logits, blocks.tokens, blocks.rows, blocks.accepted,
+               blocks.request, blocks.confidences, 2)
+    with pytest.raises(BlockSourceError, match="top_k must be an integer, got 2.5"):
+        Blocks(blocks.router_logits, blocks.pregate_logits, blocks.tokens, blocks.rows, blocks.accepted,
+               blocks.request, blocks.confidences, 2.5)
+    tokens = records.arrays["tokens"].copy()
+    tokens[1, 2] = 10  # a rejected position's draft
+    with pytest.raises(BlockRecordError, match=r"tokens: entry \[1, 2\] is 10, outside \[0, 10\)"):
+        _records(tokens=tokens)
+    with pytest.raises(BlockRecordError, match="root_position of block 1 is 9.*must be 7"):
+        _records(root_position=np.array([5, 9]))
+    with pytest.raises(BlockRecordError, match=r"root_position: entry \[0\] is -3"):
+        _records(root_position=np.array([-3, -1]))
+
+
+def test_pool_and_commit_rate_arguments_name_themselves():
+    warm = np.tile(np.arange(8), (2, 1))
+    pool = ExpertPool(2, 8, 2, 4, warm)
+    for call in (lambda: pool.resident(-1), lambda: pool.use(-1, [[0, 1]]), lambda: pool.use(16, [[0, 1]]),
+                 lambda: pool.slot_table(2)):
+        with pytest.raises(ValueError, match=r"layer must be in \[0, 1\], got (-1|16|2)"):
+            call()
+    with pytest.raises(ValueError, match="selected must hold integer expert ids, got dtype float64"):
+        pool.use(0, [[0.7, 1.2]])
+    with pytest.raises(ValueError, match="pool_size \\(P\\) must be an integer, got 32.5"):
+        ExpertPool(2, 8, 2, 32.5, warm)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 8\], got 0"):
+        ExpertPool(2, 8, 0, 4, warm)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 8\], got 0"):
+        CalibrationBuilder(2, 8, 10, 0)
+    with pytest.raises(ValueError, match="accepted_length must be an integer, got 1.5"):
+        CommitRate().update(1.5, 3)
+    with pytest.raises(ValueError, match="k \\(drafts of the block\\) must be an integer, got 3.0"):
+        CommitRate().update(1, 3.0)
+
+
+# -- messages name the culprit ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, message", [
+    (MICRO.replace('name = "micro"', 'name = "caf\xe9"').encode("latin-1"), "x.toml: not UTF-8 text (byte 12 is 0xe9)"),
+    (MICRO.replace('rounds = 2', 'rounds = 2\ndevice = "cuda:abc"'), "device: expected 'cpu', 'cuda' or 'cuda:N', got 'cuda:abc'"),
+    (MICRO.replace('"exact_lru"', '{preset = "psr", window = 9223372036854775807}'),
+     "ar.policies[0]: psr with {'window': 9223372036854775807}: window must be <= 65536"),
+    (MICRO.replace('rounds = 2', 'rounds = 2\nengine = "engine"').replace("[ar]\ncapacity = 16\n", "")
+     .replace('policies = ["exact_lru", {preset = "psr", bonus = [0.1, 0.3]}]', "")
+     + SD + '[run_settings]\ncache_mode = "physical"\n',
+     "run_settings.cache_mode: the grid is empty: the speculative engine runs only with cache_mode 'logical'"),
+], ids=["not-utf8", "device", "window", "cache-mode"])
+def test_config_errors_name_the_file_and_key(tmp_path, capsys, text, message):
+    path = tmp_path / "x.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    one_line_error(capsys, ["run", path, "--dry-run", "--out", tmp_path / "run"], message)
+
+
+def test_command_errors_name_the_argument_or_file(tmp_path, capsys):
+    one_line_error(capsys, ["replay-sd", "--calibration", tmp_path / "none", "--trace", tmp_path / "none",
+                            "--tau", 3, "--seed", -1, "--out", tmp_path / "out"], "argument --seed: must be at least 0")
+    samples = tmp_path / "samples_qa_2026.jsonl"
+    samples.write_bytes('{"doc_id": 0, "acc": 1, "note": "caf\xe9"}\n'.encode("latin-1"))
+    one_line_error(capsys, ["compare", samples, samples, "--out", tmp_path / "t.md"],
+                   f"{samples}: not UTF-8 text (byte 36 is 0xe9)")
+    with pytest.raises(PolicyError, match="window must be <= 65536, got 9223372036854775807"):
+        preset("psr", 32, 8, window=2 ** 63 - 1)

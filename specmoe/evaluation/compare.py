@@ -70,24 +70,28 @@ def sample_files(run: str | Path) -> dict[str, Path]:
 def read_samples(path: Path) -> list[dict]:
     """The per-question records of one samples file (one JSON object a line)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {number}: not JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or "doc_id" not in record:
-                raise ValueError(f"{path}, line {number}: not an lm-eval sample (no doc_id)")
-            doc_id = record["doc_id"]
-            if isinstance(doc_id, bool) or not isinstance(doc_id, (int, str)):
-                raise ValueError(f"{path}, line {number}: doc_id must be an integer or a string, got {doc_id!r:.60}")
-            for key in _metrics(record):
-                if isinstance(record[key], int) and not isinstance(record[key], bool) and abs(record[key]) > 2 ** 53:
-                    raise ValueError(f"{path}, line {number}: {key} = {str(record[key])[:20]}... is no score "
-                                     "(an integer beyond 2**53)")
-            records.append(record)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); lm-eval "
+                         "writes its samples as UTF-8") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}, line {number}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or "doc_id" not in record:
+            raise ValueError(f"{path}, line {number}: not an lm-eval sample (no doc_id)")
+        doc_id = record["doc_id"]
+        if isinstance(doc_id, bool) or not isinstance(doc_id, (int, str)):
+            raise ValueError(f"{path}, line {number}: doc_id must be an integer or a string, got {doc_id!r:.60}")
+        for key in _metrics(record):
+            if isinstance(record[key], int) and not isinstance(record[key], bool) and abs(record[key]) > 2 ** 53:
+                raise ValueError(f"{path}, line {number}: {key} = {str(record[key])[:20]}... is no score "
+                                 "(an integer beyond 2**53)")
+        records.append(record)
     return records
 
 

@@ -16,6 +16,7 @@ import copy
 import hashlib
 import json
 import math
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -434,7 +435,7 @@ def parse_config(data: dict, path: str = "<config>", text: str = "") -> Experime
         mode=top.string("mode", "generation", MODES), engine=top.string("engine", "harness", ENGINES),
         device=top.string("device", "cpu"), rounds=top.integer("rounds", 1, minimum=1, maximum=MAX_ROUNDS),
         seed=top.integer("seed", 0, minimum=0), threads=top.integer("threads", 1, minimum=1, maximum=MAX_THREADS))
-    if not (common["device"] == "cpu" or common["device"] == "cuda" or common["device"].startswith("cuda:")):
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", common["device"]):
         top.fail("device", "expected 'cpu', 'cuda' or 'cuda:N'", common["device"])
 
     m = top.table("model")
@@ -575,7 +576,11 @@ def load_config(path: str | Path, overrides=()) -> ExperimentConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); TOML "
+                          "configs are UTF-8") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -179,8 +179,9 @@ def expand(config: ExperimentConfig, geo: Geometry) -> list[Configuration]:
                     for settings in sd_settings:
                         add("sd", f"SD {drafter} + {selector.name}, k={k}, P={p}{_settings_suffix(settings)}",
                             selector=selector, drafter=drafter, pool=p, k=k, settings=settings)
-    if not out:
-        fail("run_settings", "the grid is empty (the speculative engine runs only with cache_mode 'logical')")
+    if not out:  # the config's checks leave one way: an SD-only grid whose cache_mode axis has no 'logical'
+        fail("run_settings.cache_mode", "the grid is empty: the speculative engine runs only with cache_mode "
+                                        "'logical', and there is no [ar] grid")
     return out
 
 

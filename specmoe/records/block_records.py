@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import read_safetensors, write_safetensors
+from ..routing import validate
 from ..routing.scoring import RouterScoring
 from .traces import read_scoring, scoring_from_metadata
 
@@ -51,6 +52,23 @@ TENSORS = {"request": np.int64, "root_position": np.int64, "tokens": np.int64, "
 
 class BlockRecordError(ValueError):
     """A block record file that is unreadable, of another format or version, or inconsistent."""
+
+
+def check_roots(request: np.ndarray, root_position: np.ndarray, accepted: np.ndarray) -> None:
+    """Raise BlockRecordError unless each request's blocks follow each other: request ids non-decreasing, the
+    first root at a position >= 0 and each next root right after the last committed one (root + accepted + 1:
+    the bonus token of a block is the next block's root)."""
+    if np.any(np.diff(request) < 0):
+        raise BlockRecordError("blocks of a request must be consecutive (request ids non-decreasing)")
+    validate.check_range(root_position, 0, np.iinfo(np.int64).max, "root_position", BlockRecordError, "positions")
+    same = request[1:] == request[:-1]
+    expected = root_position[:-1] + accepted[:-1] + 1
+    wrong = np.flatnonzero(same & (root_position[1:] != expected))
+    if wrong.size:
+        b = int(wrong[0]) + 1
+        raise BlockRecordError(f"root_position of block {b} is {int(root_position[b])}; the block before it in "
+                               f"request {int(request[b])} commits up to position {int(expected[b - 1]) - 1}, so its "
+                               f"root must be {int(expected[b - 1])}")
 
 
 @dataclass
@@ -74,6 +92,8 @@ class BlockRecords:
         if missing:
             raise BlockRecordError(f"block records lack the tensors {sorted(missing)}")
         self.arrays = {name: np.ascontiguousarray(self.arrays[name], dtype=dtype) for name, dtype in TENSORS.items()}
+        self.top_k = validate.integer(self.top_k, "top_k", BlockRecordError, minimum=1)
+        self.vocab_size = validate.integer(self.vocab_size, "vocab_size", BlockRecordError, minimum=1)
         a = self.arrays
         z = a["router_logits"]
         if z.ndim != 4:
@@ -88,6 +108,14 @@ class BlockRecords:
             raise BlockRecordError(f"top_k {self.top_k} outside [1, E={z.shape[3]}]")
         if n and (a["accepted"].min() < 0 or a["accepted"].max() > d - 1):
             raise BlockRecordError(f"accepted lengths must lie in [0, k={d - 1}]")
+        validate.check_real(z, "router logits", BlockRecordError)
+        validate.check_real(a["pregate_logits"][:, :, 1:], "pre-gate logits of layers 1..L-1", BlockRecordError)
+        validate.check_real(a["confidences"], "draft confidences", BlockRecordError, 0.0, 1.0)
+        vocab = f"vocabulary of {self.vocab_size}"
+        validate.check_range(a["tokens"], 0, self.vocab_size, "tokens", BlockRecordError, vocab)
+        validate.check_range(a["bonus"], 0, self.vocab_size, "bonus tokens", BlockRecordError, vocab)
+        validate.check_range(a["selected"], 0, z.shape[3], "selected experts", BlockRecordError, "expert ids")
+        check_roots(a["request"], a["root_position"], a["accepted"])
         self.groups, self.scoring = read_scoring(self.scoring, self.groups, z.shape[2], z.shape[3], self.top_k,
                                                  BlockRecordError)
 

@@ -29,7 +29,7 @@ import numpy as np
 from .block_records import BlockRecords
 from ..routing.scoring import RouterScoring
 from ..limits import MAX_DRAFTS
-from ..routing.validate import integer, real
+from ..routing.validate import check_real, integer, real, real_array
 from .traces import read_scoring
 
 
@@ -55,8 +55,10 @@ class Blocks:
     scoring: RouterScoring | None = None  # the router's rule (None: softmax with `groups`), as the source stored it
 
     def __post_init__(self) -> None:
-        self.router_logits = np.ascontiguousarray(self.router_logits, dtype=np.float32)
-        self.pregate_logits = np.ascontiguousarray(self.pregate_logits, dtype=np.float32)
+        self.top_k = integer(self.top_k, "top_k", BlockSourceError, minimum=1)
+        self.router_logits = real_array(self.router_logits, "router logits [T, L, E]", BlockSourceError, 3, np.float32)
+        self.pregate_logits = real_array(self.pregate_logits, "pre-gate logits [T, L, E]", BlockSourceError, 3,
+                                         np.float32)
         self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int64)
         self.rows = np.ascontiguousarray(self.rows, dtype=np.int64)
         self.accepted = np.ascontiguousarray(self.accepted, dtype=np.int64)
@@ -66,6 +68,9 @@ class Blocks:
         if z.ndim != 3 or self.pregate_logits.shape != z.shape or self.tokens.shape != (z.shape[0],):
             raise BlockSourceError(f"logits must be [T, L, E] with pre-gate logits of the same shape and tokens [T], "
                                    f"got {z.shape}, {self.pregate_logits.shape}, {self.tokens.shape}")
+        check_real(z, "router logits", BlockSourceError)
+        check_real(self.pregate_logits[:, 1:], "pre-gate logits of layers 1..L-1", BlockSourceError)  # layer 0 ignored
+        check_real(self.confidences, "draft confidences", BlockSourceError, 0.0, 1.0)
         if self.rows.ndim != 2 or self.rows.shape[0] == 0 or self.rows.shape[1] < 2:
             raise BlockSourceError(f"need at least one block of at least 2 positions (a root and a draft), "
                                    f"got rows of shape {self.rows.shape}")

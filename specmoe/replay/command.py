@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specmoe.arguments import int_at_least
 from specmoe.files import check_output_file, file_sha256, write_text_atomic
 from specmoe.limits import MAX_COUNT
 
@@ -70,7 +71,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prune-budgets", default=",".join(map(str, sweeps.PRUNE_BUDGETS)), help="prune budget sweep")
     p.add_argument("--selectors", default=",".join(sweeps.SELECTORS), help="block selectors besides exact")
     p.add_argument("--max-blocks", type=int, default=None, help="synthetic: at most this many blocks per source")
-    p.add_argument("--seed", type=int, default=0, help="synthetic acceptance draws")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="synthetic acceptance draws (an integer >= 0)")
     p.add_argument("--no-plot", action="store_true", help="skip frontier.png")
     p.add_argument("--out", default="runs/replay_sd", help="output directory (default runs/replay_sd)")
     p.set_defaults(func=main)

@@ -308,6 +308,10 @@ class CalibrationBuilder:
 
     def __init__(self, num_layers: int, num_experts: int, vocab_size: int, top_k: int,
                  groups: tuple[int, int] = (1, 1)):
+        num_layers = validate.integer(num_layers, "num_layers", minimum=1)
+        num_experts = validate.integer(num_experts, "num_experts", minimum=1)
+        vocab_size = validate.integer(vocab_size, "vocab_size", minimum=1)
+        top_k = validate.integer(top_k, "top_k", minimum=1, maximum=num_experts)
         self.num_layers, self.num_experts, self.vocab_size, self.top_k = num_layers, num_experts, vocab_size, top_k
         self.groups = check_groups(*groups, num_experts, top_k)
         self.selection_counts = np.zeros((num_layers, num_experts), dtype=np.int64)

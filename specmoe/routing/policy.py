@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import validate
+from ..limits import MAX_EXPERTS
 
 KINDS = ("exact", "cache_prior", "psr", "spec_exec")
 PRIORITIES = ("A", "lru")
@@ -58,7 +59,8 @@ class PolicyConfig:
         if self.delta not in DELTAS:
             raise PolicyError(f"unknown delta mode {self.delta!r}; expected 'fixed' or 'running'")
         for name in ("capacity", "top_k", "insert_budget", "window", "protect_top"):  # numpy integers too
-            object.__setattr__(self, name, validate.integer(getattr(self, name), name, PolicyError))
+            object.__setattr__(self, name, validate.integer(getattr(self, name), name, PolicyError,
+                                                            maximum=MAX_EXPERTS))
         object.__setattr__(self, "bonus", validate.real(self.bonus, "bonus (lambda)", PolicyError, minimum=0.0))
         if self.top_k < 1:
             raise PolicyError(f"top_k must be at least 1, got {self.top_k}")

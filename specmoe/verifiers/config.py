@@ -27,6 +27,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..limits import MAX_DRAFTS
+from ..routing.validate import integer
+
 
 class SelectorError(ValueError):
     """A selector configuration that cannot be run (unknown kind, negative gamma, ...)."""
@@ -160,8 +163,8 @@ class CommitRate:
 
     def update(self, accepted_length: int, k: int) -> None:
         """Record one verified block of k drafts of which the first `accepted_length` were accepted."""
-        if not 0 <= accepted_length <= k:
-            raise ValueError(f"accepted_length must be in [0, k={k}], got {accepted_length}")
+        k = integer(k, "k (drafts of the block)", minimum=1, maximum=MAX_DRAFTS)
+        accepted_length = integer(accepted_length, "accepted_length", minimum=0, maximum=k)
         if k > self.observed.shape[0]:
             grow = k - self.observed.shape[0]
             self.committed = np.concatenate((self.committed, np.zeros(grow, dtype=np.int64)))

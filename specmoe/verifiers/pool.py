@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..routing.validate import integer
+
 POSITIONS_PER_BLOCK = 1 << 20  # recency = 1 + block * POSITIONS_PER_BLOCK + position; 0 = never executed
 
 
@@ -67,13 +69,17 @@ class ExpertPool:
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, pool_size: int, warm_ranking,
                  union_slots: int | None = None):
+        num_layers = integer(num_layers, "num_layers", minimum=1)
+        num_experts = integer(num_experts, "num_experts", minimum=1)
+        top_k = integer(top_k, "top_k", minimum=1, maximum=num_experts)
+        pool_size = integer(pool_size, "pool_size (P)")
         if not top_k <= pool_size <= num_experts:
             raise ValueError(f"pool size P={pool_size} must satisfy K <= P <= E (K={top_k}, E={num_experts})")
         ranking = np.asarray(getattr(warm_ranking, "warm_ranking", warm_ranking), dtype=np.int64)
         if ranking.shape != (num_layers, num_experts) or np.any(np.sort(ranking, axis=1) != np.arange(num_experts)):
             raise ValueError(f"the warm ranking must order the {num_experts} experts of each of {num_layers} layers, "
                              f"got shape {ranking.shape}")
-        union_slots = num_experts - pool_size if union_slots is None else union_slots
+        union_slots = num_experts - pool_size if union_slots is None else integer(union_slots, "union_slots (U)")
         if not 0 <= union_slots <= num_experts - pool_size:
             raise ValueError(f"union slots U={union_slots} must be in [0, E - P = {num_experts - pool_size}]")
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
@@ -105,19 +111,27 @@ class ExpertPool:
             self.slot[layer, warm] = np.arange(self.pool_size)
             self.pool_mask[layer, warm] = True
 
+    def _layer(self, layer) -> int:
+        """`layer` as an int in [0, L): negative indices would silently name the last layers."""
+        return integer(layer, "layer", minimum=0, maximum=self.num_layers - 1)
+
     def resident(self, layer: int) -> np.ndarray:
         """bool [E]: the pool of `layer` (what `select_block` may treat as resident). A view: read it, do not
         keep it across `end_block`."""
-        return self.pool_mask[layer]
+        return self.pool_mask[self._layer(layer)]
 
     def use(self, layer: int, selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Record what `layer` executed in the current block, selected: int [D, K] (`BlockSelection.selected`):
         every executed expert's recency is marked, and the executed experts outside the pool (the block's
         missing experts, ascending) take union slots; each is one copy. Returns (missing experts, their
         slots), views overwritten by the next call. Once per layer and block."""
+        layer = self._layer(layer)
         if self.used[layer]:
             raise ValueError(f"layer {layer} was already used in block {self.block}; call end_block first")
-        selected = np.asarray(selected, dtype=np.int64)
+        selected = np.asarray(selected)
+        if selected.dtype.kind not in "iu":  # float expert ids would be truncated
+            raise ValueError(f"selected must hold integer expert ids, got dtype {selected.dtype}")
+        selected = selected.astype(np.int64, copy=False)
         if selected.ndim != 2 or not 1 <= selected.shape[0] < POSITIONS_PER_BLOCK or selected.shape[1] != self.top_k:
             raise ValueError(f"selected must be [D, K={self.top_k}], got shape {selected.shape}")
         count = _use(selected, self.slot[layer], self.pool_mask[layer], self.recency[layer],
@@ -136,11 +150,12 @@ class ExpertPool:
     def slot_table(self, layer: int) -> np.ndarray:
         """int64 [E]: the slot of each expert of `layer` (-1 if not on the GPU); index it with `selected`.
         A view, valid until the next `end_block`."""
-        return self.slot[layer]
+        return self.slot[self._layer(layer)]
 
     def ranking(self, layer: int) -> np.ndarray:
         """The experts of `layer` by recency, most recent first: executed experts by their last (block,
         position), ties to the lower index, then the never executed ones in the warm ranking's order."""
+        layer = self._layer(layer)
         recency = self.recency[layer]
         secondary = np.where(recency > 0, np.arange(self.num_experts), self.warm_rank[layer])
         return np.lexsort((secondary, -recency))
@@ -173,7 +188,7 @@ class ExpertPool:
     def refill_moves(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The last `end_block`'s moves in `layer`: (union slots the entering experts leave, pool slots they
         take), aligned; what the physical slot buffer must copy to follow the slot table."""
-        return self._refill_moves[layer]
+        return self._refill_moves[self._layer(layer)]
 
     def totals(self) -> dict:
         """Counters summed over layers since construction: blocks, copies (host to device, one per missing
