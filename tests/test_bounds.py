@@ -19,23 +19,7 @@ from specmoe.limits import MAX_CELLS, MAX_DRAFTS
 from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
-MICRO = """
-name = "micro"
-rounds = 2
-[model]
-source = "olmoe-micro"
-[calibration]
-windows = 2
-length = 16
-[workload]
-source = "selfgen"
-count = 2
-length = 6
-new_tokens = 4
-[ar]
-capacity = 16
-policies = ["exact_lru", {preset = "psr", bonus = [0.1, 0.3]}]
-"""
+from test_experiments import MICRO  # noqa: E402  (the micro config every experiment test runs)
 SD = "\n[sd]\npool = 16\ndrafters = ['synthetic']\nselectors = ['exact']\n"
 
 

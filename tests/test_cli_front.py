@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from specmoe.cli import main
+from test_experiments import MICRO as EXPERIMENT_MICRO  # the micro config of the experiment tests
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "scipy", "pandas", "numba")
@@ -57,24 +58,7 @@ def test_ctrl_c_is_one_line_and_exit_130(argv, module, name, monkeypatch, capsys
     assert captured.err == f"specmoe {argv[0]}: interrupted\n"
 
 
-MICRO = """
-name = "micro"
-mode = "generation"
-rounds = 1
-[model]
-source = "olmoe-micro"
-[calibration]
-windows = 2
-length = 16
-[workload]
-source = "selfgen"
-count = 2
-length = 6
-new_tokens = 4
-[ar]
-capacity = 16
-policies = ["exact_lru", "psr"]
-"""
+MICRO = EXPERIMENT_MICRO.replace("rounds = 2", "rounds = 1").replace('{preset = "psr", bonus = [0.1, 0.3]}', '"psr"')
 
 
 def test_ctrl_c_in_a_run_keeps_finished_cells_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
