@@ -261,7 +261,7 @@ assert decoder.use_kernels("triton", "sdpa", "slot", slot_bufs[0], tune=False)["
 assert decoder.grouped_moe, decoder.notes
 assert any("grouped slot MoE kernel (steps of D > 1 positions) checked" in n for n in decoder.notes), decoder.notes
 calls = []
-import specmoe.models.olmoe_decode as od
+import specmoe.models.decoder as od  # every decoder's MoE step (routed_moe) calls the kernel from here
 kernel = od.slot_moe_grouped_triton
 od.slot_moe_grouped_triton = lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
 single, block = run(decoder, 1), run(decoder, 5)

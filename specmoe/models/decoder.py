@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from specmoe.geometry import Geometry
+from specmoe.kernels import slot_moe, slot_moe_grouped_triton, slot_moe_vllm
 from specmoe.routing import RouterScoring
 
 
@@ -220,6 +221,28 @@ def split_kv_check(q, k_cache, v_cache, seq_len, scale):
     ws = make_split_kv_workspace(q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], q.device,
                                  num_kv_heads=k_cache.shape[0])
     return split_kv_attention(q, k_cache, v_cache, seq_len, scale, out, ws)
+
+
+def routed_moe(decoder, step: "DecodeStep", layer: int, slot_buf: torch.Tensor, copy_in: bool = True,
+               fused_experts=None) -> None:
+    """`Decoder.moe` for every decoder whose MoE input and residual are step.work["moe_in"] / ["h"]: the route rows
+    to the device (unless the device wrote them, `specmoe.kernels.device_routing`), then the grouped kernel for
+    D > 1 where chosen (each distinct slot's expert read once for the D positions), else one position at a time
+    through `slot_moe` (decoder.backend, decoder.moe_params) or vLLM's `fused_experts` where given."""
+    c, w = decoder.geometry, step.work
+    if copy_in:
+        step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
+    if decoder.grouped_moe and step.num_positions > 1:
+        slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,
+                                w["grouped"], decoder.grouped_params.get(step.num_positions))
+        return
+    for i in range(step.num_positions):
+        h, route = w["h"][i], step.route_dev[layer, i]
+        if fused_experts is not None:
+            slot_moe_vllm(w["moe_in"][i], h, slot_buf, route, h, c.hidden, c.inter, fused_experts)
+        else:
+            slot_moe(w["moe_in"][i], h, slot_buf, route, w["act"], h, c.hidden, c.inter, decoder.backend,
+                     decoder.moe_params)
 
 
 def residual_work(step: "DecodeStep", geometry: Geometry, dtype: torch.dtype, feature_layers) -> None:

@@ -15,7 +15,6 @@ routing core ranks the biased scores (`selection_scores`) with the groups of `ro
 
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ from specmoe.routing import RouterScoring, router_fingerprint
 from specmoe.routing.scoring import check_groups
 
 from .adapter import ModelSourceError, MoEAdapter, routed_forward
-from .olmoe import init_random_weights
+from .olmoe import init_random_weights, layer_weight_std
 
 _BIAS_STD = 0.1  # spread of the random selection bias (sigmoid scores lie in (0, 1))
 
@@ -168,24 +167,12 @@ class DeepseekV3Adapter(MoEAdapter):
 
 
 def _weight_std(name: str, shape: tuple[int, ...]) -> float | None:
-    """Standard deviation of the random init of DeepSeek-V3 parameter `name` (None: ones, for norms), by the
-    rules of OLMoE's (`olmoe._weight_std`): embeddings dominate the residual stream, router logits spread
-    about 2, projections into a layer 1/sqrt(fan-in), projections out of it half that."""
-    fan_in = shape[-1]
-    if name.endswith("norm.weight"):
-        return None
-    if name.endswith("embed_tokens.weight"):
-        return 1.0
-    if name.endswith("lm_head.weight"):
-        return 2.5 / math.sqrt(fan_in)
-    if name.endswith("mlp.gate.weight"):
-        return 2.0 / math.sqrt(fan_in)
-    if name.endswith(("q_proj.weight", "q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
-                      "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight", "experts.gate_up_proj")):
-        return 1.0 / math.sqrt(fan_in)
-    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-        return 0.5 / math.sqrt(fan_in)
-    raise ValueError(f"no random init rule for parameter {name!r}")
+    """DeepSeek-V3's random-init rule: OLMoE's (`olmoe.layer_weight_std`) over MLA's projections and the dense and
+    shared experts' MLPs."""
+    return layer_weight_std(name, shape, into=("q_proj.weight", "q_a_proj.weight", "q_b_proj.weight",
+                                               "kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "gate_proj.weight",
+                                               "up_proj.weight", "experts.gate_up_proj"),
+                            out=("o_proj.weight", "down_proj.weight", "experts.down_proj"))
 
 
 def build_random_deepseek_v3(config: DeepseekV3Config, seed: int, dtype: torch.dtype, device,

@@ -55,14 +55,14 @@ import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, make_grouped_workspace,
-                             make_split_kv_workspace, norm_rope, slot_moe, slot_moe_grouped_triton, triton_available)
+                             make_split_kv_workspace, norm_rope, triton_available)
 from specmoe.kernels.mla import mla_decode_attention, rotate_pairs
 from specmoe.kernels.split_kv import split_kv_latent_attention
 from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
 from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
-                      residual_work, use_slot_moe, verified)
+                      residual_work, routed_moe, use_slot_moe, verified)
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
 
@@ -317,17 +317,7 @@ class DeepseekV3Decoder(FeatureCapture):
         w["h"].add_(self._mlp(m, self.layers[j]["gate_up"], self.layers[j]["down"]))
 
     def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
-        c, w = self.geometry, step.work
-        if copy_in:  # else the route rows were written on the device (`specmoe.kernels.device_routing`)
-            step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
-        if self.grouped_moe and step.num_positions > 1:  # each distinct slot's expert read once for the D positions
-            slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,
-                                    w["grouped"], self.grouped_params.get(step.num_positions))
-            return
-        for i in range(step.num_positions):
-            h = w["h"][i]
-            slot_moe(w["moe_in"][i], h, slot_buf, step.route_dev[layer, i], w["act"], h, c.hidden, c.inter,
-                     self.backend, self.moe_params)
+        routed_moe(self, step, layer, slot_buf, copy_in)
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         w, last = step.work, self.num_decoder_layers - 1

@@ -90,14 +90,18 @@ def build_random_olmoe(config: OlmoeConfig, seed: int, dtype: torch.dtype, devic
     return model
 
 
-def _weight_std(name: str, shape: tuple[int, ...]) -> float | None:
-    """Standard deviation of the random init of parameter `name` (None: ones, for norm weights).
+def layer_weight_std(name: str, shape: tuple[int, ...], into: tuple[str, ...], out: tuple[str, ...],
+                     routers: tuple[str, ...] = ("mlp.gate.weight",)) -> float | None:
+    """Standard deviation of the random init of parameter `name` (None: ones, for norm weights), for an
+    architecture whose projections into a layer's residual branch end with `into`, out of it with `out`, and
+    whose router weights end with `routers`.
 
     Chosen so that routing behaves like a trained model's in the ways the policies care about: token
     embeddings dominate a residual stream that each layer changes by a fraction (so the router of layer l
     on layer l-1's MoE input, the pre-gate, predicts layer l's choice, and routing depends on the token);
     router logits have a spread of about 2 (routing is neither uniform nor one-hot); next-token
-    distributions are peaked enough that sampled text is not uniform noise."""
+    distributions are peaked enough that sampled text is not uniform noise. Projections into a layer get
+    1/sqrt(fan-in), out of it half that."""
     fan_in = shape[-1]
     if name.endswith("norm.weight"):
         return None
@@ -105,13 +109,19 @@ def _weight_std(name: str, shape: tuple[int, ...]) -> float | None:
         return 1.0
     if name.endswith("lm_head.weight"):
         return 2.5 / math.sqrt(fan_in)
-    if name.endswith("mlp.gate.weight"):
+    if name.endswith(routers):
         return 2.0 / math.sqrt(fan_in)
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "experts.gate_up_proj")):
+    if name.endswith(into):
         return 1.0 / math.sqrt(fan_in)
-    if name.endswith(("o_proj.weight", "experts.down_proj")):
+    if name.endswith(out):
         return 0.5 / math.sqrt(fan_in)
     raise ValueError(f"no random init rule for parameter {name!r}")
+
+
+def _weight_std(name: str, shape: tuple[int, ...]) -> float | None:
+    """OLMoE's random-init rule (`layer_weight_std`)."""
+    return layer_weight_std(name, shape, into=("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                               "experts.gate_up_proj"), out=("o_proj.weight", "experts.down_proj"))
 
 
 def init_random_weights(model: nn.Module, seed: int, generator: torch.Generator | None = None,

@@ -22,11 +22,10 @@ import torch.nn.functional as F
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
                              decode_attention_flash, load_flash_attn, load_fused_experts, make_grouped_workspace,
-                             make_split_kv_workspace, norm_rope, slot_moe, slot_moe_grouped_triton, slot_moe_vllm,
-                             split_kv_attention, triton_available)
+                             make_split_kv_workspace, norm_rope, split_kv_attention, triton_available)
 
 from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
-                      residual_work, split_kv_check, tune_slot_moe, use_grouped_moe, verified)
+                      residual_work, routed_moe, split_kv_check, tune_slot_moe, use_grouped_moe, verified)
 from .olmoe import OlmoeAdapter
 
 
@@ -215,20 +214,7 @@ class OlmoeDecoder(FeatureCapture):
             step.copy_out_logits(layer)
 
     def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
-        c, w = self.geometry, step.work
-        if copy_in:  # else the route rows were written on the device (`specmoe.kernels.device_routing`)
-            step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
-        if self.grouped_moe and step.num_positions > 1:  # each distinct slot's expert read once for the D positions
-            slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,
-                                    w["grouped"], self.grouped_params.get(step.num_positions))
-            return
-        for i in range(step.num_positions):  # one position at a time (D = 1, the torch path and vLLM's kernel)
-            h, route = w["h"][i], step.route_dev[layer, i]
-            if self.fused_experts is not None:
-                slot_moe_vllm(w["moe_in"][i], h, slot_buf, route, h, c.hidden, c.inter, self.fused_experts)
-            else:
-                slot_moe(w["moe_in"][i], h, slot_buf, route, w["act"], h, c.hidden, c.inter, self.backend,
-                         self.moe_params)
+        routed_moe(self, step, layer, slot_buf, copy_in, self.fused_experts)
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = self._rmsnorm(step.work["h"], self.final_norm, step.work["xn"])

@@ -17,7 +17,6 @@ OLMoE's and DeepSeek-V3's are. The Gated DeltaNet layers run in transformers' to
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKR
 
 from .adapter import ModelSourceError, MoEAdapter, routed_forward
 from .checkpoint import FP8_QUANTIZATION
-from .olmoe import init_random_weights
+from .olmoe import init_random_weights, layer_weight_std
 
 # Qwen3.6-35B-A3B as the architecture's description gives it: 40 layers, three of every four Gated DeltaNet and
 # every fourth gated full attention (full_attention_interval 4), 256 experts, top-8, expert width 512, one shared
@@ -152,26 +151,17 @@ def _weight_std(name: str, shape: tuple[int, ...]) -> float | None:
     Gated DeltaNet (scale w) gets ones. The shared expert's gate spreads its logits about 2, so that
     sigmoid(gate) differs clearly from token to token and from 1; the decay parameters A_log and dt_bias are
     standard normal (decay rates exp(A_log) * softplus(a + dt_bias) of order 1)."""
-    fan_in = shape[-1]
     if name.endswith("linear_attn.norm.weight"):
         return None
     if name.endswith(("norm.weight", "layernorm.weight")):
         return 0.1
-    if name.endswith("embed_tokens.weight"):
-        return 1.0
-    if name.endswith("lm_head.weight"):
-        return 2.5 / math.sqrt(fan_in)
-    if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-        return 2.0 / math.sqrt(fan_in)
     if name.endswith(("A_log", "dt_bias")):
         return 1.0
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight",
-                      "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight", "gate_proj.weight", "up_proj.weight",
-                      "experts.gate_up_proj")):
-        return 1.0 / math.sqrt(fan_in)
-    if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
-        return 0.5 / math.sqrt(fan_in)
-    raise ValueError(f"no random init rule for parameter {name!r}")
+    return layer_weight_std(name, shape, routers=("mlp.gate.weight", "shared_expert_gate.weight"),
+                            into=("q_proj.weight", "k_proj.weight", "v_proj.weight", "in_proj_qkv.weight",
+                                  "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+                                  "gate_proj.weight", "up_proj.weight", "experts.gate_up_proj"),
+                            out=("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj"))
 
 
 def build_random_qwen3_5_moe(config: Qwen3_5MoeTextConfig, seed: int, dtype: torch.dtype, device,

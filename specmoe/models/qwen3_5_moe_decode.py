@@ -57,13 +57,13 @@ import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
-                             make_grouped_workspace, make_split_kv_workspace, norm_rope, slot_moe,
-                             slot_moe_grouped_triton, split_kv_attention, triton_available)
+                             make_grouped_workspace, make_split_kv_workspace, norm_rope, split_kv_attention,
+                             triton_available)
 from specmoe.kernels.gdn import fla_missing, gdn_recurrence, load_fla
 
 from .adapter import ModelSourceError
 from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
-                      residual_work, split_kv_check, use_slot_moe, verified)
+                      residual_work, routed_moe, split_kv_check, use_slot_moe, verified)
 from .qwen3_5_moe import Qwen35MoeAdapter
 
 L2NORM_EPS = 1e-6  # the reference's l2norm of q and k in the gated delta rule
@@ -421,17 +421,7 @@ class Qwen35MoeDecoder(FeatureCapture):
         w["h"].add_(torch.sigmoid(F.linear(m, lw["shared_gate"])) * F.linear(F.silu(gate) * up, lw["down"]))
 
     def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
-        c, w = self.geometry, step.work
-        if copy_in:  # else the route rows were written on the device (`specmoe.kernels.device_routing`)
-            step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
-        if self.grouped_moe and step.num_positions > 1:  # each distinct slot's expert read once for the D positions
-            slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,
-                                    w["grouped"], self.grouped_params.get(step.num_positions))
-            return
-        for i in range(step.num_positions):
-            h = w["h"][i]
-            slot_moe(w["moe_in"][i], h, slot_buf, step.route_dev[layer, i], w["act"], h, c.hidden, c.inter,
-                     self.backend, self.moe_params)
+        routed_moe(self, step, layer, slot_buf, copy_in)
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = step.work["xn"].copy_(zero_centred_rmsnorm(step.work["h"], self.final_norm, self.eps))
