@@ -6,55 +6,23 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.harness import collect_calibration
+from _architecture_checks import (GEN, check_exact_routing_changes_nothing, left_padded, random_tokens,
+                                 tiny_checkpoint)
 from specmoe.harness.patch import exact_routing, patch_model, unpatch
-from specmoe.models import DeepseekV3Adapter, ModelSourceError, adapter_for, load_model, named_config
+from specmoe.models import DeepseekV3Adapter, ModelSourceError, adapter_for, named_config
 from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, RouterScoring, preset, replay
 from specmoe.routing.calibration import CalibrationBuilder
 
 NAMES = ["deepseek-v3-tiny", "deepseek-v3-tiny-groups"]
-GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=1, eos_token_id=None)
 C = 6  # of 16 experts: the policies diverge from exact routing
-
-
-def _tokens(vocab, n, seed):
-    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _left_padded(prompts, pad=1):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
-    return ids, mask
 
 
 @pytest.fixture(scope="module", params=NAMES)
 def tiny(request, tmp_path_factory):
-    """(model loaded from its save_pretrained directory, adapter, directory, calibration) of a tiny config."""
-    built, _ = load_model(request.param, seed=5)
-    path = tmp_path_factory.mktemp("ckpt") / request.param
-    built.save_pretrained(path)
-    model, adapter = load_model(str(path))
-    held_out = [_tokens(adapter.vocab_size, 40, 200 + i) for i in range(4)]
-    calibration = collect_calibration(model, adapter, held_out, {"text": "uniform random tokens, seeds 200-203"})
-    yield model, adapter, path, calibration, built
-    unpatch(model)
-
-
-def _own_selection(model, adapter, run):
-    """The executed sets of transformers' own routers during `run()`: per MoE layer, [N, K] (sorted rows)."""
-    seen = {layer: [] for layer in range(adapter.num_moe_layers)}
-    hooks = [router.register_forward_hook(lambda m, a, out, layer=layer: seen[layer].append(out[2].sort(-1).values))
-             for layer, router in enumerate(adapter.routers(model))]
-    try:
-        result = run()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return result, seen
+    """`tiny_checkpoint` of the config."""
+    loaded = tiny_checkpoint(request.param, tmp_path_factory)
+    yield loaded
+    unpatch(loaded[0])
 
 
 def test_checkpoint_directory_loads_the_same_model(tiny):
@@ -88,22 +56,7 @@ def test_fingerprint_covers_the_selection_bias(tiny):
 
 def test_exact_routing_leaves_forward_and_generate_unchanged(tiny):
     model, adapter, *_ = tiny
-    prompts = [_tokens(adapter.vocab_size, n, 7 + i) for i, n in enumerate((6, 11, 8))]
-    ids, mask = _left_padded(prompts)
-    with torch.no_grad():
-        reference, own = _own_selection(model, adapter, lambda: model(input_ids=ids, attention_mask=mask).logits)
-        with exact_routing(model, adapter, record=True) as context:
-            routed = model(input_ids=ids, attention_mask=mask).logits
-            selected = context._chunks[0].record["selected"]  # [B, S, L, K], best first
-    assert torch.equal(routed, reference)
-    for layer in range(adapter.num_moe_layers):  # the same sets as the model's own, not only the same logits
-        ours = np.sort(selected[:, :, layer].reshape(-1, adapter.top_k), axis=-1)
-        assert np.array_equal(ours, own[layer][0].numpy())
-    reference = model.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
-    with exact_routing(model, adapter):
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
-    assert torch.equal(out.sequences, reference.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+    check_exact_routing_changes_nothing(model, adapter)
 
 
 def test_execution_weights_and_scores_are_the_routers(tiny):
@@ -128,8 +81,8 @@ def test_execution_weights_and_scores_are_the_routers(tiny):
 def test_harness_and_replay_agree_decision_for_decision(tiny, name):
     model, adapter, _, calibration, _ = tiny
     policy = preset(name, C, adapter.top_k)
-    prompts = [_tokens(adapter.vocab_size, n, 30 + i) for i, n in enumerate((7, 12))]
-    ids, mask = _left_padded(prompts)
+    prompts = [random_tokens(adapter.vocab_size, n, 30 + i) for i, n in enumerate((7, 12))]
+    ids, mask = left_padded(prompts)
     ctx = patch_model(model, adapter, policy, calibration, record=True)
     try:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
@@ -155,7 +108,7 @@ def test_harness_and_replay_agree_decision_for_decision(tiny, name):
 def test_calibration_counts_the_group_limited_choice(tiny):
     model, adapter, _, calibration, _ = tiny
     assert calibration.provenance["fingerprint"] == adapter.fingerprint(model)
-    windows = [_tokens(adapter.vocab_size, 30, 300 + i) for i in range(2)]
+    windows = [random_tokens(adapter.vocab_size, 30, 300 + i) for i in range(2)]
     builder = CalibrationBuilder(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size, adapter.top_k,
                                  adapter.groups)
     counts = np.zeros((adapter.num_moe_layers, adapter.num_experts), dtype=np.int64)

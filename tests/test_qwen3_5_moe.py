@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.harness import collect_calibration
+from _architecture_checks import (GEN, check_exact_routing_changes_nothing, left_padded, random_tokens,
+                                 tiny_checkpoint)
 from specmoe.harness.patch import exact_routing, patch_model, unpatch
 from specmoe.models import (Qwen35MoeAdapter, adapter_for, decoder_for, load_model,
                             named_config)
@@ -16,48 +17,15 @@ from specmoe.routing import preset, replay
 from specmoe.routing.calibration import CalibrationBuilder
 
 NAME = "qwen3.5-moe-tiny"
-GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=1, eos_token_id=None)
 C = 6  # of 16 experts: the policies diverge from exact routing
-
-
-def _tokens(vocab, n, seed):
-    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _left_padded(prompts, pad=1):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
-    return ids, mask
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(model loaded from its save_pretrained directory, adapter, directory, calibration, the built model)."""
-    built, _ = load_model(NAME, seed=5)
-    path = tmp_path_factory.mktemp("ckpt") / NAME
-    built.save_pretrained(path)
-    model, adapter = load_model(str(path))
-    held_out = [_tokens(adapter.vocab_size, 40, 200 + i) for i in range(4)]
-    calibration = collect_calibration(model, adapter, held_out, {"text": "uniform random tokens, seeds 200-203"})
-    yield model, adapter, path, calibration, built
-    unpatch(model)
-
-
-def _own_selection(model, adapter, run):
-    """The executed sets of transformers' own routers during `run()`: per MoE layer, [N, K] (sorted rows)."""
-    seen = {layer: [] for layer in range(adapter.num_moe_layers)}
-    hooks = [router.register_forward_hook(lambda m, a, out, layer=layer: seen[layer].append(out[2].sort(-1).values))
-             for layer, router in enumerate(adapter.routers(model))]
-    try:
-        result = run()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return result, seen
+    """`tiny_checkpoint` of the config."""
+    loaded = tiny_checkpoint(NAME, tmp_path_factory)
+    yield loaded
+    unpatch(loaded[0])
 
 
 def test_checkpoint_directory_loads_the_same_model(tiny):
@@ -103,29 +71,14 @@ def test_image_text_checkpoint_loads_its_text_model(tmp_path):
         == adapter.fingerprint(text)
     for (name, a), (_, b) in zip(text.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), name
-    ids = _tokens(adapter.vocab_size, 9, 1)[None]
+    ids = random_tokens(adapter.vocab_size, 9, 1)[None]
     with torch.no_grad():  # the image-text model runs its own experts kernel and position ids: close, not bitwise
         torch.testing.assert_close(model(input_ids=ids).logits, full(input_ids=ids).logits)
 
 
 def test_exact_routing_leaves_forward_and_generate_unchanged(tiny):
     model, adapter, *_ = tiny
-    prompts = [_tokens(adapter.vocab_size, n, 7 + i) for i, n in enumerate((6, 11, 8))]
-    ids, mask = _left_padded(prompts)
-    with torch.no_grad():
-        reference, own = _own_selection(model, adapter, lambda: model(input_ids=ids, attention_mask=mask).logits)
-        with exact_routing(model, adapter, record=True) as context:
-            routed = model(input_ids=ids, attention_mask=mask).logits
-            selected = context._chunks[0].record["selected"]  # [B, S, L, K], best first
-    assert torch.equal(routed, reference)
-    for layer in range(adapter.num_moe_layers):  # the same sets as the model's own, not only the same logits
-        ours = np.sort(selected[:, :, layer].reshape(-1, adapter.top_k), axis=-1)
-        assert np.array_equal(ours, own[layer][0].numpy())
-    reference = model.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
-    with exact_routing(model, adapter):
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
-    assert torch.equal(out.sequences, reference.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+    check_exact_routing_changes_nothing(model, adapter)
 
 
 def test_execution_weights_are_the_routers(tiny):
@@ -154,7 +107,7 @@ def test_shared_expert_is_added_with_its_gate(tiny):
              for layer, block in enumerate(blocks)]
     hooks += [router.register_forward_hook(lambda m, a, out, layer=layer: seen.setdefault(("r", layer), []).append(out))
               for layer, router in enumerate(adapter.routers(model))]
-    ids = _tokens(adapter.vocab_size, 24, 77)[None]
+    ids = random_tokens(adapter.vocab_size, 24, 77)[None]
     patch_model(model, adapter, policy, calibration)
     try:
         with torch.no_grad():
@@ -189,8 +142,8 @@ def test_shared_expert_is_added_with_its_gate(tiny):
 def test_harness_and_replay_agree_decision_for_decision(tiny, name):
     model, adapter, _, calibration, _ = tiny
     policy = preset(name, C, adapter.top_k)
-    prompts = [_tokens(adapter.vocab_size, n, 30 + i) for i, n in enumerate((7, 12))]
-    ids, mask = _left_padded(prompts)
+    prompts = [random_tokens(adapter.vocab_size, n, 30 + i) for i, n in enumerate((7, 12))]
+    ids, mask = left_padded(prompts)
     ctx = patch_model(model, adapter, policy, calibration, record=True)
     try:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
@@ -213,7 +166,7 @@ def test_calibration_counts_the_models_choice(tiny):
     model, adapter, _, calibration, _ = tiny
     assert calibration.provenance["fingerprint"] == adapter.fingerprint(model)
     assert calibration.provenance["model_type"] == "qwen3_5_moe_text"
-    windows = [_tokens(adapter.vocab_size, 30, 300 + i) for i in range(2)]
+    windows = [random_tokens(adapter.vocab_size, 30, 300 + i) for i in range(2)]
     builder = CalibrationBuilder(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size, adapter.top_k,
                                  adapter.groups)
     counts = np.zeros((adapter.num_moe_layers, adapter.num_experts), dtype=np.int64)
