@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    parts = load_corpus(args.corpus)
+    parts = load_corpus(args.corpus, ("calibration", "evaluation"))  # no training split needed
     source = args.model or str(family_path("target"))
     model, adapter = load_model(source)
     prefix = f"{args.name}_" if args.name else ""

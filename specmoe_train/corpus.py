@@ -168,15 +168,18 @@ def build_corpus(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | 
     return split
 
 
-def load_corpus(corpus_dir: str | os.PathLike) -> dict[str, np.ndarray]:
-    """The three token streams of a built corpus, checked against the hashes in its split.json."""
+def load_corpus(corpus_dir: str | os.PathLike, parts=PARTS) -> dict[str, np.ndarray]:
+    """The token streams of a built corpus (by default all three; `parts` names fewer, e.g. a copy of the corpus
+    without its training split), checked against the hashes in its split.json."""
     corpus = Path(corpus_dir)
     split_path = corpus / "split.json"
     if not split_path.is_file():
         raise CorpusError(f"no corpus at {corpus}: build it with `python scripts/train_family.py prepare`")
     split = json.loads(split_path.read_text())
     streams = {}
-    for part in PARTS:
+    for part in parts:
+        if part not in PARTS:
+            raise CorpusError(f"unknown corpus part {part!r}; the parts are {', '.join(PARTS)}")
         stream = np.load(corpus / f"{part}.npy")
         if hashlib.sha256(stream.tobytes()).hexdigest() != split["tokens"][part]["sha256"]:
             raise CorpusError(f"{corpus / (part + '.npy')} does not match the hash recorded in split.json")
