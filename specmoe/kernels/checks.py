@@ -6,6 +6,7 @@ used, and the decoder's notes say why."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specmoe.geometry import Geometry
@@ -231,3 +232,88 @@ def check_latent_attention(s: Geometry, kv_lora_rank: int, name: str, attend, dt
         mask = causal_step_mask(positions, first, torch.empty(num_pos, s.max_seq_len, device=device, dtype=dtype))
         seq_len = torch.full((1,), written, dtype=torch.int32, device=device)
         _agree(name, mla_decode_attention(q, cache, mask, scale, kv_lora_rank), attend(q, cache, seq_len, scale))
+
+
+def check_device_cache(policy, scoring, calibration, router_logits: np.ndarray, pregate_logits: np.ndarray,
+                       tokens: np.ndarray, device, sequences: int = 1) -> dict:
+    """The device cache (`device_cache.DeviceCache`) against the host `LogicalCache`, step by step: router_logits
+    and pregate_logits float32 [T, L, E], tokens [T]; the T positions are cut into `sequences` sequences (a
+    reset between them). At every (position, layer) the selections, slots, execution weights (float32 bits),
+    demand and prefetch lists must be equal, and after every step the whole state (integer and float64 arrays,
+    counters) bit for bit; the displaced mass within 1e-12 relative. Raises AssertionError at the first
+    difference; returns the host's `totals()`."""
+    from specmoe.routing import EngineScoring, LogicalCache
+
+    from .device_cache import DeviceCache
+
+    num_positions, num_layers, num_experts = router_logits.shape
+    k = policy.top_k
+    host = LogicalCache(policy, calibration, num_layers, num_experts, groups=scoring.groups)
+    engine_scoring = EngineScoring.of(scoring, num_layers, num_experts)
+    dev = DeviceCache(host, scoring, device)
+    z_dev = torch.as_tensor(router_logits, dtype=torch.float32).to(device)
+    g_dev = torch.as_tensor(pregate_logits, dtype=torch.float32).to(device)
+    tok_dev = torch.as_tensor(np.asarray(tokens, dtype=np.int64)).to(device)
+    selected, slots = np.empty(k, np.int64), np.empty(k, np.int64)
+    weights, logged = np.empty(k, np.float32), np.empty(num_experts, np.float32)
+    cut = {round(i * num_positions / sequences) for i in range(1, sequences)}
+    for t in range(num_positions):
+        if t in cut:
+            host.reset()
+            dev.reset()
+        token = int(tokens[t])
+        for layer in range(num_layers):
+            where = f"position {t}, layer {layer}"
+            d = host.route(layer, router_logits[t, layer], token, engine_scoring, logged, selected, slots, weights)
+            inserted = np.zeros(0, np.int64)
+            nxt = layer + 1 < num_layers
+            if nxt and policy.insert_budget > 0:
+                g = pregate_logits[t, layer + 1]
+                g = g.astype(np.float64) if scoring.kind == "softmax" else scoring.selection_scores(g, layer + 1)
+                inserted = host.insert_predicted(layer + 1, g, token).copy()
+            dev.step(tok_dev[t:t + 1], layer, z_dev[t, layer], g_dev[t, layer + 1] if nxt else None)
+            experts, route = dev.experts.cpu().numpy(), dev.route.cpu().numpy()
+            demand, prefetch = dev.demand.cpu().numpy(), dev.prefetch.cpu().numpy()
+            assert np.array_equal(experts, selected), (where, "selected", experts, selected)
+            assert np.array_equal(route[:k], slots), (where, "slots", route[:k], slots)
+            assert np.array_equal(route[k:], weights.view(np.int32)), (where, "weights", route[k:].view(np.float32),
+                                                                        weights)
+            assert demand[0] == d and np.array_equal(demand[1:1 + d], host.demand[:d]) \
+                and np.array_equal(demand[1 + k:1 + k + d], host.demand_slots[:d]), (where, "demand", demand, d)
+            n = len(inserted)
+            if nxt and policy.insert_budget > 0:
+                m = dev.max_inserted
+                assert prefetch[0] == n and np.array_equal(prefetch[1:1 + n], inserted) and np.array_equal(
+                    prefetch[1 + m:1 + m + n], host.slot_of(layer + 1, inserted)), (where, "prefetch", prefetch,
+                                                                                    inserted)
+            state = dev.state()
+            for name in ("istate", "iscalar", "fstate", "fscalar", "counters"):
+                a, b = state[name], getattr(host, name)
+                assert np.array_equal(a.view(np.int64), b.view(np.int64)), (where, name, np.argwhere(a != b)[:5])
+            np.testing.assert_allclose(state["displaced_mass"], host.displaced_mass, rtol=1e-12, atol=1e-300)
+    return host.totals()
+
+
+def device_cache_case(num_layers: int, num_experts: int, num_positions: int, seed: int = 0, vocab: int = 20):
+    """Inputs for `check_device_cache`: a calibration with a random warm ranking, a sparse token prior on a
+    coarse grid (ties of the A priority) and random deltas; router and pre-gate logits [T, L, E] float32 that
+    recur over positions (a layer prefers some experts, so the cache hits and misses), rounded to bfloat16 on a
+    grid of 1/4 (many exact ties, +-0 included); tokens [T] (some outside the prior's vocabulary)."""
+    from specmoe.routing import Calibration
+    from specmoe.routing.calibration import TokenPrior
+
+    rng = np.random.default_rng(seed)
+    shape = (num_layers, vocab, num_experts)
+    dense = np.where(rng.random(shape) < 0.1, np.round(rng.random(shape) * 4) / 4, 0.0)
+    calibration = Calibration(np.stack([rng.permutation(num_experts) for _ in range(num_layers)]),
+                              TokenPrior.from_dense(dense), rng.uniform(2.0, 4.0, num_layers))
+    base = rng.normal(0.0, 1.5, (num_layers, num_experts))
+
+    def logits():
+        x = np.round((base + rng.normal(0.0, 1.5, (num_positions, num_layers, num_experts))) * 4) / 4
+        x[::7, :, :6] = 0.0
+        x[3::7, :, 2:9] = -0.0
+        return torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).float().numpy()
+
+    tokens = rng.integers(0, vocab + 3, num_positions)
+    return calibration, logits(), logits(), tokens

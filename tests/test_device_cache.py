@@ -1,0 +1,108 @@
+"""The logical cache on the device (`specmoe.kernels.device_cache`) against the host `LogicalCache`, step by step
+(`checks.check_device_cache`: selections, slots, execution weights, demand and prefetch lists and the whole state,
+bit for bit): every policy kind in Triton's interpreter on the CPU (short sequences: the interpreter takes about
+0.1-0.3 s per layer step), and long sequences on a CUDA device (marked gpu)."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+from _interpreter import run_in_interpreter
+
+from specmoe.routing import Calibration, LogicalCache, RouterScoring, preset
+
+# (name, policy preset, overrides, E, C, scoring, T, L)
+CASES = [
+    ("exact_lru", "exact_lru", {}, 64, 16, "softmax", 14, 2),
+    ("exact_a", "exact_a", {}, 64, 16, "softmax", 10, 2),
+    ("exact_with_prefetch", "exact_a", {"insert_budget": 2, "window": 4}, 64, 16, "softmax", 8, 2),
+    ("cache_prior", "cache_prior", {}, 64, 16, "softmax", 12, 2),
+    ("cache_prior_a", "cache_prior_a", {}, 64, 32, "softmax", 10, 2),
+    ("cache_prior_published", "cache_prior_published", {}, 64, 16, "softmax", 12, 2),
+    ("psr", "psr", {}, 64, 16, "softmax", 10, 2),
+    ("psr_lru_running", "psr", {"insert_budget": 2, "window": 5, "priority": "lru", "protect_top": 1,
+                                "delta": "running"}, 64, 16, "softmax", 8, 2),
+    ("spec_exec", "spec_exec", {}, 64, 16, "softmax", 8, 2),
+    ("psr_sigmoid_groups", "psr", {}, 64, 32, "sigmoid_groups", 6, 2),
+    ("psr_e256", "psr", {}, 256, 64, "softmax_renorm", 3, 2),
+]
+
+
+def scoring_of(name: str, num_layers: int, num_experts: int, seed: int = 0) -> RouterScoring:
+    if name == "softmax":
+        return RouterScoring("softmax")
+    if name == "softmax_renorm":
+        return RouterScoring("softmax", renormalise=True, scale=1.5)
+    bias = np.random.default_rng(seed).normal(0.0, 0.1, (num_layers, num_experts))
+    bias[:, 10:14] = bias[:, 10:11]  # equal biases: equal selection scores where the logits tie
+    groups = (8, 3) if name == "sigmoid_groups" else (1, 1)
+    return RouterScoring("sigmoid", renormalise=True, scale=2.446, bias=bias, n_group=groups[0], topk_group=groups[1])
+
+
+# Interpreter-only speed-up: the interpreter patches triton.language again at every call of a jit function from
+# another (about 1.5 ms each, hundreds per step); patching once per module and launch is equivalent.
+_FAST_CALLS = r"""
+_patched = set()
+_launch = ti.GridExecutor.__call__
+def _grid_call(self, *args, **kwargs):
+    _patched.clear()
+    return _launch(self, *args, **kwargs)
+def _device_call(self, *args, **kwargs):
+    if id(self.fn.__globals__) not in _patched:
+        ti._patch_lang(self.fn)
+        _patched.add(id(self.fn.__globals__))
+    fn = self.rewrite()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        raise ti.InterpreterError(repr(e)) from e
+ti.GridExecutor.__call__ = _grid_call
+ti.InterpretedFunction.__call__ = _device_call
+"""
+
+_CHECK = _FAST_CALLS + r"""
+import sys
+sys.path.insert(0, "tests")
+from test_device_cache import CASES, scoring_of
+from specmoe.kernels.checks import check_device_cache, device_cache_case
+from specmoe.routing import preset
+for i, (name, base, overrides, E, C, scoring, T, L) in enumerate(CASES):
+    calibration, z, g, tokens = device_cache_case(L, E, T, seed=i)
+    totals = check_device_cache(preset(base, C, 8, **overrides), scoring_of(scoring, L, E, i), calibration, z, g,
+                                tokens, "cpu", sequences=2)
+    print("ok", name, totals, flush=True)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_device_cache_equals_host_cache_in_the_interpreter():
+    done = run_in_interpreter(_CHECK)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for name, *_ in CASES:
+        assert f"ok {name} " in done.stdout, done.stdout
+    # every copy class occurs somewhere: the cases exercise demand and prefetch insertions and unused prefetches
+    assert "'unused': 0" not in done.stdout.split("ok psr ")[1].split("\n")[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_device_cache_refuses_other_groups_than_the_cache():
+    from specmoe.kernels.device_cache import DeviceCache
+
+    cache = LogicalCache(preset("psr", 16, 8), Calibration.uniform(2, 64, 10), 2, 64)
+    with pytest.raises(ValueError, match="groups"):
+        DeviceCache(cache, RouterScoring("sigmoid", n_group=8, topk_group=3), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts", [64, 256])
+@pytest.mark.parametrize("capacity", [16, 32, 64])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "psr_e256"], ids=lambda c: c[0])
+def test_gpu_device_cache_equals_host_cache(case, num_experts, capacity):
+    """Long sequences (300 positions, 4 layers, a reset half-way) of every case at E = 64 and 256, C = 16, 32, 64."""
+    from specmoe.kernels.checks import check_device_cache, device_cache_case
+
+    name, base, overrides, _, _, scoring, _, _ = case
+    num_layers = 4
+    calibration, z, g, tokens = device_cache_case(num_layers, num_experts, 300, seed=capacity + num_experts)
+    check_device_cache(preset(base, capacity, 8, **overrides), scoring_of(scoring, num_layers, num_experts),
+                       calibration, z, g, tokens, "cuda", sequences=2)
