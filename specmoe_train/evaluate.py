@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specmoe.speculation import tau
 from specmoe.drafters.dflash_model import (block_attention_mask, block_input_ids, block_position_ids, block_targets,
                                      extract_context_feature)
 
@@ -183,7 +184,7 @@ def tau_from_runs(match: np.ndarray | None, accepted: np.ndarray | None, prompt_
         total_v += walk["verifications"]
         total_c += walk["committed"]
         hist += walk["accepted_hist"]
-    return {"tau": total_c / max(total_v, 1), "verifications": int(total_v), "committed": int(total_c),
+    return {"tau": tau(total_c, total_v), "verifications": int(total_v), "committed": int(total_c),
             "accepted_hist": hist.tolist()}
 
 
