@@ -299,7 +299,7 @@ def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="timed tokens per teacher-forced window")
     ap.add_argument("--prompt", type=int, default=256, help="untimed prompt tokens before each window's timed ones")

@@ -53,7 +53,8 @@ from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.records import AcceptanceProfile, BlockRecords, Trace, blocks_from_records, synthetic_blocks  # noqa: E402
 from specmoe.routing import Calibration, preset, psr_bonus  # noqa: E402
-from specmoe.speculation import SpeculativeConfig  # noqa: E402
+from specmoe.speculation import SpeculativeConfig, tau as tau_of  # noqa: E402
+from specmoe.stats import unit_ratio  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
 
 
@@ -98,21 +99,36 @@ def spec_pass(engine: Engine, blocks, first_position: int) -> dict:
     committed = sum(len(r.tokens) for r in results)
     block_ms = np.concatenate([r.ms for r in results])
     return {"ms_per_token": float(block_ms.sum() / committed), "block_ms": block_ms,
+            "request_ms": [float(r.ms.sum()) for r in results], "request_tokens": [len(r.tokens) for r in results],
             "copies_per_token": sum(r.counts()["copies"] for r in results) / committed,
             "moves_per_token": sum(r.moves for r in results) / committed,
-            "tau": committed / sum(len(r.accepted) for r in results), "blocks": len(block_ms),
+            "tau": tau_of(sum(r.block_committed for r in results), sum(int(r.timed.sum()) for r in results)),
+            "blocks": len(block_ms),
             "committed": committed, "union_used": max(r.info["union_used"] for r in results)}
 
 
+def request_ratio(sd: dict, ar: dict) -> dict | None:
+    """SD / AR ms per token with a 95% bootstrap interval over the requests (`specmoe.stats.unit_ratio`, paired by
+    request: each request's times are means over the rounds); None with fewer than two requests."""
+    sd_ms, ar_ms = np.mean(sd["request_ms"], axis=0), np.mean(ar["request_ms"], axis=0)
+    if len(sd_ms) < 2 or len(sd_ms) != len(ar_ms):
+        return None
+    r = unit_ratio(sd_ms, sd["request_tokens"], ar_ms, ar["request_tokens"])
+    return {"ratio": r.estimate, "low": r.low, "high": r.high, "units": len(sd_ms), "unit": "request"}
+
+
 def ar_pass(engine, feeds, first_position: int) -> dict:
-    ms, copies, tokens = [], 0.0, 0
+    ms, copies, tokens, request_ms, request_tokens = [], 0.0, 0, [], []
     for feed in feeds:
         r = engine.teacher_forced(feed.tokens, feed=feed, first_position=first_position)
         ms.append(r.ms[r.timed])
+        request_ms.append(float(ms[-1].sum()))
+        request_tokens.append(int(r.timed.sum()))
         tokens += int(r.timed.sum())
         copies += r.copy_totals()["issued"]
     ms = np.concatenate(ms)
-    return {"ms_per_token": float(ms.mean()), "copies_per_token": copies / tokens, "p99": float(np.percentile(ms, 99))}
+    return {"ms_per_token": float(ms.mean()), "copies_per_token": copies / tokens, "p99": float(np.percentile(ms, 99)),
+            "request_ms": request_ms, "request_tokens": request_tokens}
 
 
 def main(argv=None) -> int:
@@ -131,7 +147,7 @@ def main(argv=None) -> int:
                     help="AR capacities beyond C = P and C = P + U_max (e.g. the paper's 64 128 148 for Qwen3.6)")
     ap.add_argument("--ar-policies", nargs="+", default=["psr"], choices=["exact_lru", "cache_prior", "psr"],
                     help="AR policies at each capacity (PSR at the paper's lambda for C of E, n = 1)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-blocks", type=int, default=None, help="blocks per source (default: all)")
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--first-position", type=int, default=256)
@@ -210,6 +226,8 @@ def main(argv=None) -> int:
                         if r:
                             rounds.setdefault(key + ("/skip" if skip else ""), []).append(res["ms_per_token"])
                             d["block_ms"].append(res["block_ms"])
+                            d.setdefault("request_ms", []).append(res["request_ms"])
+                            d["request_tokens"] = res["request_tokens"]
                             d.update({x: res[x] for x in ("copies_per_token", "moves_per_token", "tau", "blocks",
                                                           "committed")})
                 except Exception as exc:
@@ -225,7 +243,9 @@ def main(argv=None) -> int:
                         engine.configure(skip_copies=skip)
                         res = ar_pass(engine, feeds[source], args.first_position)
                         rounds.setdefault(key + ("/skip" if skip else ""), []).append(res["ms_per_token"])
-                        details[key + ("/skip" if skip else "")] = res
+                        dd = details.setdefault(key + ("/skip" if skip else ""), {"request_ms": []})
+                        dd.update({x: v for x, v in res.items() if x != "request_ms"})
+                        dd["request_ms"].append(res["request_ms"])
                 except Exception as exc:
                     report["errors"].append(f"{key} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
                 finally:
@@ -274,6 +294,7 @@ def main(argv=None) -> int:
                                                                                   [math.nan])))
                 row[f"ar_{label}_copies_per_token"] = details[f"{source}/ar_{label}"]["copies_per_token"]
                 row[f"ratio_sd0_over_ar_{label}"] = ratio_ci(rounds[key], ar)
+                row[f"ratio_sd0_over_ar_{label}_over_requests"] = request_ratio(d, details[f"{source}/ar_{label}"])
                 # break-even drafting ms per block: tau * AR ms/token - verification ms per block
                 row[f"break_even_draft_ms_{label}"] = d["tau"] * ar_ms - ms * d["tau"]
                 if fastest is None or ar_ms < row[f"ar_{fastest}_ms_per_token"]:

@@ -38,7 +38,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .evaluation import compare
-    from .experiments import calibrate, demo, report, run, sd, trace
+    from .experiments import calibrate, demo, report, run, sd, stats, trace
     from .replay import command as replay_sd
 
     parser = _Parser(prog="specmoe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay_parser.set_defaults(func=_run_replay)
 
     trace.add_parser(sub)
+    stats.add_parser(sub)
     return parser
 
 

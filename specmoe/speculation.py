@@ -7,7 +7,9 @@ acceptance keeps the longest prefix of drafts equal to the target's greedy token
 the block commits those drafts and the bonus token, the target's greedy token after them (`commit_block`,
 `advance`). The verifier's expert selection weights the block's positions by alpha [D] (`block_weights`,
 dispatched through the selector registry `specmoe.verifiers.SELECTORS`). tau = committed tokens per
-verification = accepted drafts + 1 per block (`summarize`).
+verification (`tau`, the one definition): the tokens the verification blocks committed (accepted drafts + 1 per
+block; a block cut by max_new_tokens or a stop token counts the tokens it kept; the prefill's first new token is
+in no block) over the number of blocks.
 
 Everything here is plain Python and numpy: the harness (transformers models), the engines (static decoders)
 and the CPU replay (recorded blocks) call it, and it imports none of them.
@@ -185,6 +187,14 @@ def drafting_time(drafter: Drafter, started: float, count_fixed: bool = True) ->
 
 
 # -- a run ------------------------------------------------------------------------------------------------------
+def tau(block_committed: int, verifications: int) -> float:
+    """tau = committed tokens per verification: the tokens the verification blocks committed (accepted drafts +
+    1 each, a block cut by max_new_tokens or a stop token counting only the tokens it kept, the prefill's first
+    new token in none) over the blocks (NaN without a block). The one formula: the harness, the engines, the
+    replays and the benchmarks report this."""
+    return block_committed / verifications if verifications else float("nan")
+
+
 def summarize(results) -> dict:
     """Per committed token (or verification) figures pooled over requests: results with `counts()` (the
     harness's and the engines') or those counts. KL and excess NLL are means over committed positions (NaN if
@@ -195,7 +205,7 @@ def summarize(results) -> dict:
     committed, blocks = max(total["committed"], 1), max(total["verifications"], 1)
     reached = hist[::-1].cumsum()[::-1][1:]  # blocks whose accepted length is at least d, d = 1..k
     return {"requests": total["requests"], "verifications": total["verifications"], "committed": total["committed"],
-            "tau": total["block_tokens"] / blocks, "acceptance_by_position": (reached / blocks).tolist(),
+            "tau": tau(total["block_committed"], total["verifications"]), "acceptance_by_position": (reached / blocks).tolist(),
             "accepted_hist": hist.tolist(), "copies_per_token": total["copies"] / committed,
             "moves_per_token": total["moves"] / committed,
             "displaced_per_token_layer": total["displaced"] / (max(total["block_tokens"], 1) * rows[0]["num_layers"]),

@@ -12,7 +12,8 @@ Each function is one test or interval of the measurement protocol (docs/design.m
   that treats tasks as independent;
 - latency, configurations interleaved in rounds: `log_ratio_ttest`, the ratio of two configurations' latency
   from a paired t-test on log latency over rounds (the round is the unit, not the token);
-- latency over prompts: `bootstrap_interval`, a percentile interval of any statistic from resampling prompts.
+- latency over prompts: `bootstrap_interval`, a percentile interval of any statistic from resampling prompts;
+  `unit_ratio`, the latency ratio of two configurations over paired units of the workload (requests, windows).
 
 A difference that is not significant does not show that two configurations are equal: report its interval.
 Bad input (unequal lengths, nothing to test, non-binary outcomes where 0/1 is needed, non-finite values) is a
@@ -327,3 +328,25 @@ def bootstrap_interval(data, statistic, *, n_resamples: int = 10000, confidence:
     alpha = (1.0 - confidence) / 2
     low, high = np.quantile(values, [alpha, 1.0 - alpha])
     return BootstrapInterval(estimate, float(low), float(high), confidence, int(n_resamples))
+
+
+def unit_ratio(a_time, a_count, b_time, b_count, *, n_resamples: int = 10000, confidence: float = 0.95,
+               seed: int = 0) -> BootstrapInterval:
+    """Latency ratio of two configurations over the workload's units (requests, windows, blocks), with a
+    percentile bootstrap over the units, paired: (sum a_time / sum a_count) / (sum b_time / sum b_count).
+
+    Use it where rounds only repeat identical deterministic work, so that the interval says how the ratio would
+    vary with another workload, not how repeatable the machine is. a_time[u] and b_time[u] are the two
+    configurations' times on unit u (each a mean over rounds), a_count[u] and b_count[u] the tokens they count
+    per (committed tokens, timed positions); one entry per unit, in the same unit order, resampled with the same
+    indices (`bootstrap_interval`): a cluster bootstrap of the ratio of per-token means with the unit as cluster.
+    Needs two units; approximate with few (say below 20)."""
+    arrays = [_vector(x, name, min_len=2) for x, name in
+              ((a_time, "a_time"), (a_count, "a_count"), (b_time, "b_time"), (b_count, "b_count"))]
+    if len({x.size for x in arrays}) != 1:
+        raise ValueError(f"a_time, a_count, b_time, b_count must have one entry per unit each, got lengths "
+                         f"{[x.size for x in arrays]}")
+    if any(np.any(x <= 0) for x in arrays):
+        raise ValueError("times and token counts must be positive")
+    return bootstrap_interval(tuple(arrays), lambda at, ac, bt, bc: (at.sum() / ac.sum()) / (bt.sum() / bc.sum()),
+                              n_resamples=n_resamples, confidence=confidence, seed=seed)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specmoe.speculation import tau
 from specmoe.drafters.dflash_model import (block_attention_mask, block_input_ids, block_position_ids, block_targets,
                                      extract_context_feature)
 
@@ -183,54 +184,31 @@ def tau_from_runs(match: np.ndarray | None, accepted: np.ndarray | None, prompt_
         total_v += walk["verifications"]
         total_c += walk["committed"]
         hist += walk["accepted_hist"]
-    return {"tau": total_c / max(total_v, 1), "verifications": int(total_v), "committed": int(total_c),
+    return {"tau": tau(total_c, total_v), "verifications": int(total_v), "committed": int(total_c),
             "accepted_hist": hist.tolist()}
 
 
 # -- routing locality --------------------------------------------------------------------------------
 
-def top_k_sets(logits: np.ndarray, k: int) -> np.ndarray:
-    """Boolean membership [..., E] of the top-k (ties to the lower index, as the routing core)."""
-    order = np.argsort(-logits, axis=-1, kind="stable")[..., :k]
-    member = np.zeros(logits.shape, dtype=bool)
-    np.put_along_axis(member, order, True, axis=-1)
-    return member
-
-
 def routing_locality(trace, unions: tuple[int, ...] = (9, 17)) -> dict:
-    """Locality of exact routing in a Trace: per layer, the fraction of a token's top-K already in the
+    """Locality of exact routing in a Trace, in metrics.json's layout, from `specmoe.routing.statistics`
+    (`routing_stats`, the one implementation): per layer, the fraction of a token's top-K already in the
     previous token's top-K; the recall of the pre-gate's top-K for the layer's top-K (layers >= 1); the
     mean number of distinct experts over windows of w consecutive tokens (w = k + 1 of a verification
     block); selection load (max / mean over experts) and its normalised entropy."""
-    k = trace.top_k
-    z = trace.router_logits
-    sel = top_k_sets(z, k)  # [T, L, E]
-    starts = set(trace.sequence_starts.tolist())
-    consecutive = np.array([t for t in range(1, z.shape[0]) if t not in starts])
-    reuse = (sel[consecutive] & sel[consecutive - 1]).sum(-1).mean(0) / k
-    pre = top_k_sets(trace.pregate_logits[:, 1:], k)
-    recall = (pre & sel[:, 1:]).sum(-1).mean(0) / k
-    bounds = list(trace.sequence_starts) + [z.shape[0]]
-    union = {}
-    for w in unions:
-        sizes = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            for s in range(lo, hi - w + 1, w):
-                sizes.append(sel[s:s + w].any(0).sum(-1))
-        union[f"w{w}"] = np.mean(sizes, axis=0).tolist() if sizes else []
-    load = sel.sum(0) / sel.shape[0]  # [L, E], fraction of tokens selecting each expert
-    p = load / load.sum(-1, keepdims=True)
-    entropy = -(p * np.log(np.where(p > 0, p, 1))).sum(-1) / np.log(z.shape[2])
-    e_over = z.shape[2]
+    from specmoe.routing.statistics import routing_stats
+
+    stats = routing_stats(trace, capacities=(), windows=unions, bonuses=(), policy_capacities=())
+    layer, chance = stats["per_layer"], stats["random_routing"]
     return {
-        "tokens": int(z.shape[0]),
-        "reuse_consecutive": {"per_layer": reuse.tolist(), "mean": float(reuse.mean()),
-                              "random_routing": k / e_over},
-        "pregate_recall": {"per_layer": [None] + recall.tolist(), "mean": float(recall.mean()),
-                           "random_routing": k / e_over},
-        "union_experts": {f"{key}_mean": float(np.mean(v)) for key, v in union.items()} | {
-            f"{key}_per_layer": v for key, v in union.items()} | {
-            f"w{w}_random_routing": e_over * (1 - (1 - k / e_over) ** w) for w in unions},
-        "load_max_over_mean": (load.max(-1) / load.mean(-1)).tolist(),
-        "load_entropy_normalised": entropy.tolist(),
+        "tokens": stats["tokens"],
+        "reuse_consecutive": {"per_layer": layer["reuse_consecutive"], "mean": stats["mean"]["reuse_consecutive"],
+                              "random_routing": chance["reuse_consecutive"]},
+        "pregate_recall": {"per_layer": layer["pregate_recall"], "mean": stats["mean"]["pregate_recall"],
+                           "random_routing": chance["pregate_recall"]},
+        "union_experts": {f"w{w}_mean": stats["mean"][f"distinct_w{w}"] for w in unions} | {
+            f"w{w}_per_layer": layer[f"distinct_w{w}"] for w in unions} | {
+            f"w{w}_random_routing": chance[f"distinct_w{w}"] for w in unions},
+        "load_max_over_mean": layer["load_max_over_mean"],
+        "load_entropy_normalised": layer["load_entropy_normalised"],
     }

@@ -130,7 +130,7 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
     from specmoe.drafters import DFlashDrafter, HFAutoregressiveDrafter
     from specmoe.harness import speculative_generate
     from specmoe.models import adapter_for
-    from specmoe.speculation import SpeculativeConfig
+    from specmoe.speculation import SpeculativeConfig, tau
     from specmoe.verifiers import selector_preset
 
     adapter = adapter_for(target.config)
@@ -146,7 +146,7 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
             for b in range(prompts.shape[0]):
                 res = speculative_generate(target, adapter, drafter, prompts[b], config, divergence=False)
                 verifications += res.verifications
-                block_tokens += sum(a + 1 for a in res.accepted)
+                block_tokens += res.counts()["block_committed"]
                 same_tokens += int(torch.equal(res.tokens, seqs[b, prompt_len:prompt_len + res.tokens.numel()]))
                 accept_at = accept_at_function(match if name == "ar_drafter" else None,
                                                None if name == "ar_drafter" else accepted, b, k)
@@ -154,7 +154,7 @@ def tau_crosscheck(target, ar, dflash, prompts, seqs, match, accepted, prompt_le
                     if root + k + 1 <= seqs.shape[1] and accept_at(root) >= 0:
                         blocks += 1
                         agreeing += int(min(int(accept_at(root)), k) == a)
-            check = {"loop_tau": block_tokens / max(verifications, 1), "blocks": blocks, "blocks_agreeing": agreeing,
+            check = {"loop_tau": tau(block_tokens, verifications), "blocks": blocks, "blocks_agreeing": agreeing,
                      "prompts_with_identical_tokens": same_tokens}
             out[f"k{k}_{name}"] = check
             log(f"crosscheck k={k} {name}: loop tau {check['loop_tau']:.3f}, walk agrees on {agreeing}/{blocks} "

@@ -105,7 +105,9 @@ def test_exact_selection_is_ar_greedy_decoding_and_rollback_restores_both_caches
     assert spy.drafter_checks > 0 or name == "synthetic"  # the drafter's state after a rejection was compared
     s = result.summary()
     assert s["committed"] == NEW and s["verifications"] == result.verifications
-    assert s["tau"] == pytest.approx(np.mean(np.asarray(result.accepted) + 1))
+    # tau: the tokens the blocks committed (all but the prefill's first) per verification, the last block cut
+    assert s["tau"] == pytest.approx((NEW - 1) / result.verifications)
+    assert sum(np.asarray(result.accepted) + 1) >= NEW - 1
     assert sum(s["accepted_hist"]) == result.verifications and s["displaced_per_token_layer"] == 0
     assert s["kl"] < 1e-6 and abs(s["excess_nll"]) < 1e-5 and s["copies_per_token"] > 0
     assert result.roots[0] == prompt.numel()  # the first root is the first new token, decoded by the prefill
@@ -222,3 +224,14 @@ def test_sd_command_prints_the_table_and_refuses_bad_input(tmp_path, capsys):
                 ["--model", "olmoe-micro"]):  # the family's AR drafter has another vocabulary
         assert main(["sd", *small, *bad, "--out", str(tmp_path / "bad")]) == 2
         assert capsys.readouterr().err.startswith("specmoe sd: error:")
+
+
+def test_tau_counts_a_cut_block_for_the_tokens_it_kept():
+    """tau = committed / verifications (`specmoe.speculation.tau`): two blocks of k = 3 accepting 3 each under
+    max_new_tokens 7 commit the prefill's token, 4, then 2 of 4: 6 block tokens over 2 verifications."""
+    from specmoe.speculation import summarize, tau
+
+    counts = {"requests": 1, "verifications": 2, "block_tokens": 8, "block_committed": 6, "committed": 7,
+              "accepted_hist": np.array([0, 0, 0, 2]), "copies": 0, "moves": 0, "displaced": 0.0, "num_layers": 1,
+              "draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "kl_sum": 0.0, "excess_nll_sum": 0.0, "positions": 0}
+    assert summarize([counts])["tau"] == 3.0 and tau(6, 2) == 3.0 and np.isnan(tau(0, 0))

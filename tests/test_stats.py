@@ -247,3 +247,27 @@ def test_bootstrap_interval_single_array_and_bad_input():
     with pytest.raises(ValueError, match="not finite"):
         stats.bootstrap_interval(([1.0, 2.0], [0.0, 1.0]), lambda x, y: x.sum() / y.sum() if y.sum() else np.inf,
                                  n_resamples=200)
+
+
+def test_unit_ratio_against_a_hand_estimate_and_scipy_bootstrap():
+    from scipy.stats import bootstrap
+
+    from specmoe.stats import unit_ratio
+
+    rng = np.random.default_rng(3)
+    units = 40
+    count = rng.integers(20, 60, units).astype(float)
+    b_time = count * rng.uniform(0.9, 1.1, units)  # about 1 ms per token
+    a_time = 0.8 * b_time * rng.uniform(0.95, 1.05, units)  # about 0.8x, paired by unit
+    r = unit_ratio(a_time, count, b_time, count, n_resamples=4000, seed=1)
+    assert r.estimate == pytest.approx(a_time.sum() / b_time.sum())  # the same counts: sum a / sum b
+    reference = bootstrap((a_time, count, b_time, count),
+                          lambda at, ac, bt, bc: (at.sum() / ac.sum()) / (bt.sum() / bc.sum()),
+                          paired=True, vectorized=False, n_resamples=4000, method="percentile",
+                          random_state=np.random.default_rng(7)).confidence_interval
+    assert r.low == pytest.approx(reference.low, abs=0.004) and r.high == pytest.approx(reference.high, abs=0.004)
+    assert r.low < r.estimate < r.high
+    with pytest.raises(ValueError, match="one entry per unit"):
+        unit_ratio(a_time, count, b_time[:-1], count[:-1])
+    with pytest.raises(ValueError, match="positive"):
+        unit_ratio(a_time, 0 * count, b_time, count)

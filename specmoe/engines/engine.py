@@ -448,7 +448,9 @@ class Engine:
                 t += 1
                 done = commit_block(tokens, new, drafts, a, greedy[a], stops) or len(new) >= max_new_tokens
         del new[max_new_tokens:]
-        return self._speculative_result(rec, new, displaced, blocks, prefill_ms)
+        result = self._speculative_result(rec, new, displaced, blocks, prefill_ms)
+        result.prefill_tokens = 1  # the prefill's greedy token: committed, in no block
+        return result
 
     def _prefill_blocks(self, tokens: list[int], drafter: Drafter):
         """The whole prompt under exact selection through the pool, in blocks of k + 1 positions (the verification

@@ -10,6 +10,7 @@ import numpy as np
 
 from specmoe.offload import CopyStats
 from specmoe.routing import RouterScoring
+from specmoe.speculation import tau as tau_of
 
 COPY_FIELDS = CopyStats.FIELDS
 HOST_PARTS = ("routing", "copy_issue", "copy_checks")  # routing + slots + weights; demand copies; need + wait
@@ -63,6 +64,7 @@ class DecodeResult:
     block_selected: list[np.ndarray] = field(default_factory=list)
     displaced: float = 0.0
     prefill_ms: float = 0.0
+    prefill_tokens: int = 0  # new tokens committed outside the steps (the prefill's greedy token of `generate`)
     unused_at_end: int = 0  # prefetches never executed when the run ended (counted unused at the next reset)
     info: dict = field(default_factory=dict)
 
@@ -75,10 +77,18 @@ class DecodeResult:
         self.tokens = list(tokens)
 
     @property
+    def block_committed(self) -> int:
+        """Tokens the timed steps committed: accepted drafts + 1 each, a block cut by max_new_tokens or a stop
+        token counting only the tokens kept (`tokens` less the prefill's first token, `prefill_tokens`)."""
+        made = int((self.accepted[self.timed] + 1).sum())
+        if self.k == 0 or not self.tokens:
+            return made
+        return min(made, len(self.tokens) - self.prefill_tokens)
+
+    @property
     def tau(self) -> float:
-        """Committed tokens per step of the timed steps (accepted drafts + 1; blocks cut by a stop count whole)."""
-        steps = int(self.timed.sum())
-        return float((self.accepted[self.timed] + 1).sum() / steps) if steps else float("nan")
+        """Committed tokens per timed step (`specmoe.speculation.tau`; 1 for autoregressive steps)."""
+        return float(tau_of(self.block_committed, int(self.timed.sum())))
 
     @property
     def moves(self) -> int:
@@ -96,6 +106,7 @@ class DecodeResult:
         timed = self.timed
         accepted = self.accepted[timed]
         return {"requests": 1, "verifications": int(timed.sum()), "block_tokens": int((accepted + 1).sum()),
+                "block_committed": self.block_committed,
                 "committed": len(self.tokens), "accepted_hist": np.bincount(accepted, minlength=self.k + 1),
                 "copies": int(self.copies[timed][:, [COPY_FIELDS.index("issued"), COPY_FIELDS.index("skipped")]].sum()),
                 "moves": self.moves, "displaced": self.displaced,

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specmoe.speculation import tau
 from .config import ConfigError, ExperimentConfig
 from .grid import Configuration, GridModel
 
@@ -399,7 +400,7 @@ class Session:
             r = replay_block_selection(c.selector, blocks, self.calibration, c.pool)
         committed = max(r.committed, 1)
         figures = {"requests": int(np.unique(blocks.request).size), "tokens": r.committed, "verifications": r.blocks,
-                   "tau": r.committed / max(r.blocks, 1), "copies_per_token": r.copies_per_token,
+                   "tau": tau(r.committed, r.blocks), "copies_per_token": r.copies_per_token,
                    "demand_per_token": r.copies_per_token, "displaced_per_token_layer": r.displaced_per_token_layer}
         if c.kind == "ar_replay":  # logical demand and prefetch copies over the committed sequence
             figures.update(tau=1.0, verifications=r.committed, demand_per_token=r.extra["demand"] / committed,

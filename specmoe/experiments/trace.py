@@ -29,30 +29,51 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    import torch
+    check_output_file(args.out, "--out")
+    ids = text_ids(args.model, args.text)[: args.max_tokens]
+    trace = record_tokens(args.model, ids, args.window, args.dtype, args.device)
+    trace.info["text"] = str(args.text)
+    trace.save(args.out)
+    print(f"wrote {args.out}: {trace.num_tokens} tokens in {trace.sequence_starts.size} sequences, "
+          f"L={trace.num_layers} E={trace.num_experts} K={trace.top_k}")
+    return 0
+
+
+def text_ids(model_source: str, text_file: str) -> list[int]:
+    """The token ids of a UTF-8 text file, by the tokenizer of the checkpoint `model_source` names."""
     from transformers import AutoTokenizer
+
+    from specmoe.models import resolve_source
+
+    source = Path(resolve_source(model_source))
+    if not source.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {source}")
+    text = read_utf8(text_file)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    if len(tokenizer) == 0:
+        raise ValueError(f"checkpoint directory {source} has no tokenizer files")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"{text_file} holds no tokens")
+    return ids
+
+
+def record_tokens(model_source: str, ids, window: int, dtype: str = "float32", device: str = "cpu"):
+    """A Trace of exact routing of the checkpoint `model_source` names over the token ids `ids`, cut into
+    sequences of `window` tokens (the last may be shorter): what `specmoe trace` and `specmoe stats` record."""
+    import torch
 
     from specmoe.harness import record_trace
     from specmoe.models import load_model, resolve_source
 
-    source = Path(resolve_source(args.model))
-    if not Path(source).is_dir():
+    source = Path(resolve_source(model_source))
+    if not source.is_dir():
         raise FileNotFoundError(f"no checkpoint directory at {source}")
-    check_output_file(args.out, "--out")
-    text = read_utf8(args.text)
+    if len(ids) == 0:
+        raise ValueError("no tokens to record")
     # the harness's loader: same model class and pinned experts kernels as every other measurement
-    model, _ = load_model(str(source), dtype=getattr(torch, args.dtype), device=args.device)
-    check_positions(model, args.window, "--window")
-    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-    if len(tokenizer) == 0:
-        raise ValueError(f"checkpoint directory {source} has no tokenizer files")
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: args.max_tokens]
-    if not ids:
-        raise ValueError(f"{args.text} holds no tokens")
-    sequences = [torch.tensor(ids[i:i + args.window]) for i in range(0, len(ids), args.window)]
-    trace = record_trace(model, sequences, model_source=str(args.model))
-    trace.info["text"] = str(args.text)
-    trace.save(args.out)
-    print(f"wrote {args.out}: {trace.num_tokens} tokens in {len(sequences)} sequences, "
-          f"L={trace.num_layers} E={trace.num_experts} K={trace.top_k}")
-    return 0
+    model, _ = load_model(str(source), dtype=getattr(torch, dtype), device=device)
+    check_positions(model, window, "--window")
+    ids = [int(i) for i in ids]
+    sequences = [torch.tensor(ids[i:i + window]) for i in range(0, len(ids), window)]
+    return record_trace(model, sequences, model_source=str(model_source))

@@ -27,10 +27,10 @@ One request (batch 1), `speculative_generate`:
 With the ``exact`` selector the output is AR greedy decoding under exact routing, token for token (up to
 floating-point near-ties between a D-position and a one-position forward).
 
-Reported per request (`SpeculativeResult.summary`): tau = committed tokens per verification, counted as
-accepted drafts + 1 per block (the paper's definition, vLLM's, SGLang's and `dflash_generate`'s mean
-acceptance length: the first new token, from the prefill, is in no block; blocks cut by max_new_tokens or a
-stop token count whole); the acceptance rate of each draft position (blocks whose accepted length reaches
+Reported per request (`SpeculativeResult.summary`): tau = committed tokens per verification
+(`specmoe.speculation.tau`: accepted drafts + 1 per block, the paper's definition and vLLM's, SGLang's and
+`dflash_generate`'s mean acceptance length; the first new token, from the prefill, is in no block; a block cut
+by max_new_tokens or a stop token counts the tokens it kept); the acceptance rate of each draft position (blocks whose accepted length reaches
 it); the accepted-length histogram; host-to-device copies per committed token (the pool's copies: one per
 missing expert per block and layer; refills move experts between GPU slots and copy nothing); displaced
 router mass per committed token-layer (mass of a committed position's own top-K that it did not execute,
@@ -153,7 +153,7 @@ class SpeculativeResult:
     def counts(self) -> dict:
         """Sums over the request, which `summarize` pools over requests."""
         return {"requests": 1, "verifications": self.verifications, "block_tokens": sum(a + 1 for a in self.accepted),
-                "committed": int(self.tokens.numel()), "accepted_hist": self.accepted_hist, "copies": self.copies,
+                "block_committed": max(int(self.tokens.numel()) - 1, 0), "committed": int(self.tokens.numel()), "accepted_hist": self.accepted_hist, "copies": self.copies,
                 "moves": self.moves, "displaced": self.displaced, "num_layers": self.num_layers,
                 "draft_s": self.draft_s, "verify_s": self.verify_s, "prefill_s": self.prefill_s,
                 **{key: self.divergence.get(key, 0.0) for key in ("kl_sum", "excess_nll_sum", "positions")}}

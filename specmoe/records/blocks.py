@@ -111,6 +111,7 @@ class Blocks:
 
     @property
     def tau(self) -> float:
+        """Committed tokens per verification (`specmoe.speculation.tau`; recorded blocks are whole, none is cut)."""
         return self.committed / self.num_blocks
 
     def check(self, num_layers: int, num_experts: int, top_k: int) -> None:
