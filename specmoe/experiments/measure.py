@@ -104,10 +104,11 @@ class Session:
     """What the cells of one run share (module docstring); `log(text)` reports set-up steps."""
 
     def __init__(self, config: ExperimentConfig, target: GridModel, configurations: list[Configuration],
-                 run_dir: Path, log=print):
+                 run_dir: Path, log=print, progress: bool = False):
         from specmoe.models import load_model
 
-        self.config, self.configurations, self.log = config, configurations, log
+        self.config, self.configurations, self.log, self.progress = config, configurations, log, progress
+        self.run_dir = run_dir
         self.source, self.geo = target.source, target.geometry
         check_device(config)
         torch.set_num_threads(config.threads)
