@@ -21,6 +21,7 @@ done, without loading the model. `specmoe report RUN_DIR` renders tables and plo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -174,6 +175,19 @@ def add_options(parser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def as_override(key: str, value) -> str:
+    """A `--set KEY=VALUE` item of a command's flag: strings and lists of strings quoted as TOML (JSON) strings."""
+    return f"{key}={json.dumps(value) if isinstance(value, (str, list, tuple)) else str(value).lower() if isinstance(value, bool) else value}"
+
+
+def run_shipped(name: str, args, overrides: list[str]) -> int:
+    """`specmoe sd`, `specmoe demo`: `specmoe run` of the shipped config NAME (`shipped_config`), the command's
+    flags given as `--set` overrides (`overrides`, applied before the command line's own --set)."""
+    args.config = str(shipped_config(name))
+    args.overrides = [*overrides, *args.overrides]
+    return main(args)
+
+
 def main(args) -> int:
     import pandas as pd
 
@@ -193,4 +207,4 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["ConfigError", "RunDir", "quickstart_config", "shipped_config", "read_table", "run_experiment"]
+__all__ = ["ConfigError", "RunDir", "quickstart_config", "run_shipped", "shipped_config", "read_table", "run_experiment"]
