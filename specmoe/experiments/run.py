@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 from specmoe.arguments import int_at_least
-from specmoe.files import write_text_atomic
+from specmoe.files import check_output_file, write_text_atomic
 from specmoe.geometry import Geometry
 
 from .config import ConfigError, ExperimentConfig, load_config
@@ -115,13 +115,15 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
     cell is written (tests use it to interrupt a run). dry_run: print the grid, run nothing. A second writer of
     the same run directory (its lock file held by a live process) is refused."""
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+    run_dir = RunDir(out if out is not None else default_run_dir(config), config.digest())
+    run_dir.check(config.digest(), config.inputs(), config.resolved(),
+                  f"change `name` in {config.path} (the run directory is runs/NAME) or pass --out DIR")
+    if config.sd.records:
+        check_output_file(run_dir.path / "blocks" / "blocks.safetensors", "block records file")
     target = grid_model(config)
     geo = target.geometry
     grid = expand(config, geo)
     check_sizes(config, target, grid)
-    run_dir = RunDir(out if out is not None else default_run_dir(config), config.digest())
-    run_dir.check(config.digest(), config.inputs(), config.resolved(),
-                  f"change `name` in {config.path} (the run directory is runs/NAME) or pass --out DIR")
     if dry_run:
         print(describe_grid(config, geo, grid, run_dir.check_cells(log, move=False), run_dir.path))
         return None, {}

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import pandas as pd
 
-from specmoe.files import write_file_atomic, write_text_atomic
+from specmoe.files import check_output_file, write_file_atomic, write_text_atomic
 
 RESULTS = "results.parquet"
 MANIFEST = "manifest.json"
@@ -158,6 +158,8 @@ class RunDir:
         file whose contents changed; change: what to do to start another run instead (in the message)."""
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(f"run directory {self.path} is an existing file")
+        if not self.path.exists():
+            check_output_file(self.path / MANIFEST, "run directory file")
         manifest = self.manifest()
         if manifest is None:
             if self.path.is_dir() and any(p.name != LOCK for p in self.path.iterdir()):
