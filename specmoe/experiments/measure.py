@@ -117,12 +117,12 @@ class Session:
                                               device=config.device)
         self.model.requires_grad_(False)
         self.stop_tokens = tuple(t for t in [self.model.config.eos_token_id] if isinstance(t, int))
-        self.calibration = self._calibration(run_dir / "calibration.safetensors")
         self.sequences, self.workload_text = self._workload()
         self.drafters, self.engines, self.unit, self.reference = {}, {}, None, None
         if config.mode != "replay":
             for name in config.sd.drafters:  # a drafter that does not fit the target fails before any cell
                 self.drafters[name] = self._drafter(name)
+        self.calibration = self._calibration(run_dir / "calibration.safetensors")  # the slow step, after the checks
         if config.engine == "engine":
             self._build_engines()
         self.exact_nll = None
