@@ -68,7 +68,7 @@ def _run_replay(args) -> int:
     import dataclasses
     import math
 
-    from .experiments.rundir import RunDir, _check_pyarrow, digest_of, run_cells
+    from .rundir import RunDir, _check_pyarrow, digest_of, run_cells
     from .files import file_sha256
     from .routing import Calibration, parse_policy, replay
     from .records import Trace

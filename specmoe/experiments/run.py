@@ -35,7 +35,7 @@ from specmoe.geometry import Geometry
 
 from .config import ConfigError, ExperimentConfig, load_config
 from .grid import Configuration, check_sizes, expand, grid_model
-from .rundir import (CELL, LOCK, MANIFEST, RESULTS, RunDir, _check_pyarrow, git_state, hardware,  # noqa: F401
+from specmoe.rundir import (CELL, LOCK, MANIFEST, RESULTS, RunDir, _check_pyarrow, git_state, hardware,  # noqa: F401
                      read_table, run_cells, versions)
 
 

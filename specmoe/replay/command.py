@@ -148,7 +148,7 @@ def points_of(table) -> list:
 def main(args) -> int:
     import pandas as pd
 
-    from specmoe.experiments.rundir import RunDir, _check_pyarrow, digest_of, run_cells
+    from specmoe.rundir import RunDir, _check_pyarrow, digest_of, run_cells
     from specmoe.records import BlockSourceError
     from specmoe.routing import Calibration
     from specmoe.limits import MAX_DRAFTS
