@@ -52,7 +52,7 @@ def _alive(pid: int) -> bool:
 # -- provenance -------------------------------------------------------------------------------------------------
 def git_state() -> dict:
     """The commit of the checkout the package runs from, and whether its tracked files differ from it."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip()
