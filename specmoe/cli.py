@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay_parser.add_argument("--trace", required=True, help="trace file written by `specmoe trace`")
     replay_parser.add_argument("--calibration", required=True, help="calibration file of the traced model")
     _add_policy_args(replay_parser)
+    replay_parser.add_argument("--out", default=None, help="run directory (default runs/replay-DIGEST, DIGEST of "
+                               "the policy and the input files); `specmoe report` reads it")
     replay_parser.set_defaults(func=_run_replay)
 
     trace.add_parser(sub)
@@ -63,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_replay(args) -> int:
+    """`specmoe replay`: one cell (the policy over the trace) in a run directory of kind "replay"."""
+    import dataclasses
+    import math
+
+    from .rundir import RunDir, _check_pyarrow, digest_of, run_cells
+    from .files import file_sha256
     from .routing import Calibration, parse_policy, replay
     from .records import Trace
 
@@ -70,11 +78,43 @@ def _run_replay(args) -> int:
     trace = Trace.load(args.trace)
     calibration.check(trace.num_layers, trace.num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
     policy = parse_policy(args.policy, args.capacity, trace.top_k, args.set)
-    result = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
-                    sequence_starts=trace.sequence_starts, scoring=trace.scoring)
-    print(f"{policy.name} on {trace.router_logits.shape[0]} tokens")
-    for key, value in result.summary().items():
-        print(f"  {key:>15} per token: {value:.3f}")
+    inputs = {key: {"path": str(path), "sha256": file_sha256(path)}
+              for key, path in (("trace", args.trace), ("calibration", args.calibration))}
+    identity = {"command": "replay", "policy": dataclasses.asdict(policy)}
+    digest = digest_of(identity, inputs)
+    run_dir = RunDir(args.out or f"runs/replay-{digest}", digest)
+    run_dir.check(digest, inputs, identity, "pass another --out DIR")
+    _check_pyarrow()
+
+    def measure(_, round_):
+        from .experiments.measure import COLUMNS
+
+        result = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
+                        sequence_starts=trace.sequence_starts, scoring=trace.scoring)
+        s = result.summary()
+        row = dict.fromkeys(COLUMNS, math.nan)
+        row.update(config=0, round=round_, label=f"replay {policy.name}", kind="ar_replay", policy=policy.name,
+                   C=policy.capacity, requests=len(trace.sequence_starts), tokens=int(trace.router_logits.shape[0]),
+                   tau=1.0, copies_per_token=s["copies"], demand_per_token=s["demand"],
+                   prefetch_per_token=s["prefetch"], unused_per_token=s["unused"],
+                   replaced_per_token=s["replaced"], displaced_per_token_layer=s["displaced_mass"] / trace.num_layers,
+                   token_ms=[], request_ms=[])
+        return row
+
+    grid = [{"config": 0, "label": f"replay {policy.name}", "kind": "ar_replay"}]
+    manifest = {"kind": "replay", "name": "replay", "description": f"{policy.name} over the trace {args.trace}",
+                "digest": digest, "inputs": inputs, "config": identity, "grid": grid, "rounds": 1}
+    with run_dir.lock():
+        table, _ = run_cells(run_dir, manifest, [(None, 0, 0)], lambda: (measure, {}), name="replay",
+                             progress=False)
+    row = table.iloc[0]
+    print(f"{policy.name} on {int(row.tokens)} tokens")
+    for key, column in (("copies", "copies_per_token"), ("demand", "demand_per_token"),
+                        ("prefetch", "prefetch_per_token"), ("unused", "unused_per_token"),
+                        ("replaced", "replaced_per_token")):
+        print(f"  {key:>15} per token: {row[column]:.3f}")
+    print(f"  {'displaced_mass':>15} per token: {row.displaced_per_token_layer * trace.num_layers:.3f}")
+    print(f"results: {run_dir.path / 'results.parquet'}; specmoe report {run_dir.path}")
     return 0
 
 

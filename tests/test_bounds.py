@@ -38,7 +38,7 @@ def test_command_sizes_are_bounded_before_any_work(tmp_path, capsys):
         (["sd", "--model", "olmoe-micro", "-k", 100000], f"argument -k: must be at most {MAX_DRAFTS}, got 100000"),
         (["sd", "--model", "olmoe-micro", "--prompt-length", 2 ** 63], "argument --prompt-length: must be at most"),
         (["sd", "--model", "olmoe-micro", "--drafters", "synthetic", "--prompt-length", 1000, "-k", 32],
-         "--prompt-length + --new-tokens + -k 1096 exceeds the 1024 positions of the model"),
+         "workload.length + workload.new_tokens + sd.k = 1096 positions exceed the 1024 positions"),
         (["replay-sd", "--calibration", tmp_path / "none", "--trace", tmp_path / "none", "--tau", 3,
           "-k", 100000000000], f"-k must be in [1, {MAX_DRAFTS}], got 100000000000"),
     ]:
@@ -345,13 +345,13 @@ def test_output_paths_are_checked_before_the_computation(tmp_path, capsys):
     taken.write_text("x")
     started = time.perf_counter()
     one_line_error(capsys, ["replay-sd", "--calibration", calibration, "--trace", tmp_path / "none", "--tau", 3,
-                            "-k", 2, "-C", 4, "--out", taken], f"{taken} is not a directory")
+                            "-k", 2, "-C", 4, "--out", taken], f"run directory {taken} is an existing file")
     one_line_error(capsys, ["sd", "--model", "olmoe-micro", "--records", "--out", taken],
-                   f"{taken} is not a directory")
+                   f"run directory {taken} is an existing file")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "blocks").write_text("x")
     one_line_error(capsys, ["sd", "--model", "olmoe-micro", "--records", "--out", tmp_path / "out"],
-                   f"{tmp_path / 'out' / 'blocks'} is not a directory")
+                   f"run directory {tmp_path / 'out'} holds files but no manifest.json")
     assert time.perf_counter() - started < 30 and taken.read_text() == "x"
 # -- the Python API: values are checked where they enter ------------------------------------------------------
 def _records(**change):

@@ -11,30 +11,36 @@ from specmoe.routing import Calibration, PolicyError, parse_policy
 
 
 def run_demo(tmp_path, name):
+    from specmoe.experiments.run import read_table
+
     out = tmp_path / name
     code = main(["demo", "--model", "olmoe-micro", "--windows", "2", "--length", "24", "--capacities", "16,8",
-                 "--out", str(out)])
+                 "--out", str(out), "--no-progress"])
     assert code == 0
-    return pd.read_csv(out / "results.csv"), json.loads((out / "results.json").read_text())
+    return read_table(out), json.loads((out / "manifest.json").read_text())
 
 
 def test_demo_table_is_complete_deterministic_and_consistent(tmp_path, capsys):
-    table, info = run_demo(tmp_path, "a")
+    table, manifest = run_demo(tmp_path, "a")
     again, _ = run_demo(tmp_path, "b")
-    pd.testing.assert_frame_equal(table, again)
-    assert len(table) == 8 and set(table["C"]) == {16, 8}
+    figures = ["label", "C", "copies_per_token", "demand_per_token", "prefetch_per_token", "excess_nll", "nll"]
+    pd.testing.assert_frame_equal(table[figures], again[figures])
+    assert len(table) == 8 and set(table["C"]) == {16, 8} and manifest["kind"] == "run"
     assert "psr(C=16" in capsys.readouterr().out
     kinds = table["policy"].str.extract(r"^(\w+)\(")[0]
     exact = table[kinds == "exact"]
-    assert (exact["excess_nll"] == 0).all() and (exact["replaced"] == 0).all() and (exact["prefetch"] == 0).all()
-    assert (table[kinds == "cache_prior"]["prefetch"] == 0).all()
-    assert (table[kinds == "psr"]["prefetch"] > 0).all()
-    assert np.allclose(table["copies"], table["demand"] + table["prefetch"])
+    assert (exact["excess_nll"] == 0).all() and (exact["displaced_per_token_layer"] == 0).all()
+    assert (exact["prefetch_per_token"] == 0).all()
+    assert (table[kinds == "cache_prior"]["prefetch_per_token"] == 0).all()
+    assert (table[kinds == "psr"]["prefetch_per_token"] > 0).all()
+    assert np.allclose(table["copies_per_token"], table["demand_per_token"] + table["prefetch_per_token"])
     # the routing bonus reduces copies below exact routing's at each capacity
     for _, rows in table.groupby("C"):
-        copies = dict(zip(rows["policy"].str.extract(r"^(\w+)\(")[0], rows["copies"]))
+        copies = dict(zip(rows["policy"].str.extract(r"^(\w+)\(")[0], rows["copies_per_token"]))
         assert copies["cache_prior"] < copies["exact"]
-    assert info["info"]["experts"] == 64 and info["info"]["scored_tokens"] > 0
+    assert manifest["geometry"]["num_experts"] == 64 and (table["tokens"] > 0).all()
+    psr = table[kinds == "psr"].set_index("C")["policy"]  # the paper's bonus at each residency
+    assert "lambda=0.25" in psr[16] and "lambda=0.25" in psr[8]
 
 
 def test_calibrate_command_writes_a_calibration_of_the_model(tmp_path):
@@ -52,7 +58,7 @@ def test_calibrate_command_writes_a_calibration_of_the_model(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["demo", "--model", "no/such/dir"], "no such path"),
-    (["demo", "--model", "olmoe-micro", "--capacities", "65"], "capacity 65"),
+    (["demo", "--model", "olmoe-micro", "--capacities", "65"], "C=65 must lie in [K=8, E=64]"),
     (["calibrate", "--model", "olmoe-micro", "--tokens", "missing.npy", "--out", "x.safetensors"], "no token file"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
@@ -115,9 +121,11 @@ def test_trace_calibrate_replay_on_the_shipped_model(tmp_path, capsys):
     assert main(["calibrate", "--model", target, "--text", str(text), "--length", "64", "--out", str(cal)]) == 0
     capsys.readouterr()
     assert main(["replay", "--trace", str(trace), "--calibration", str(cal), "--policy", "psr", "-C", "16",
-                 "--set", "bonus=0.25"]) == 0
+                 "--set", "bonus=0.25", "--out", str(tmp_path / "replay")]) == 0
     out = capsys.readouterr().out
     assert "psr(C=16, lambda=0.25, n=1, A)" in out and "copies per token" in out
+    assert main(["report", str(tmp_path / "replay")]) == 0  # a run directory of one cell
+    assert "replay psr(C=16, lambda=0.25, n=1, A)" in capsys.readouterr().out
     other = tmp_path / "other.safetensors"
     assert main(["calibrate", "--model", "olmoe-micro", "--selfgen", "2", "--length", "16", "--out", str(other)]) == 0
     capsys.readouterr()

@@ -46,8 +46,8 @@ def _interrupt(*args, **kwargs):
 @pytest.mark.parametrize("argv, module, name", [
     (["run", str(ROOT / "experiments" / "quickstart.toml")], "specmoe.experiments.run", "run_experiment"),
     (["report", "runs/nowhere"], "specmoe.experiments.report", "read_table"),
-    (["demo"], "specmoe.experiments.demo", "run_demo"),
-    (["sd"], "specmoe.experiments.sd", "run_sd"),
+    (["demo"], "specmoe.experiments.run", "run_experiment"),
+    (["sd"], "specmoe.experiments.run", "run_experiment"),
 ])
 def test_ctrl_c_is_one_line_and_exit_130(argv, module, name, monkeypatch, capsys):
     import importlib
@@ -160,7 +160,8 @@ def test_every_command_resolves_a_model_name_alike(tmp_path, monkeypatch, capsys
     text.write_text("a held-out text\n")
     for argv in (["calibrate", "--model", "family", "--selfgen", "1", "--out", str(tmp_path / "c.safetensors")],
                  ["demo", "--model", "family", "--out", str(tmp_path / "demo")],
-                 ["sd", "--model", "family", "--threads", str(__import__("torch").get_num_threads())],
+                 ["sd", "--model", "family", "--threads", str(__import__("torch").get_num_threads()),
+                  "--out", str(tmp_path / "sd")],
                  ["trace", "--model", "family", "--text", str(text), "--out", str(tmp_path / "t.safetensors")]):
         with pytest.raises(_Loaded):
             main(argv)
@@ -184,3 +185,33 @@ def test_every_command_resolves_a_model_name_alike(tmp_path, monkeypatch, capsys
     assert seen[-2:] == [family, family]
     assert main(["run", str(QUICKSTART), "--dry-run", "--set", "model.source=family", "--out", str(tmp_path / "r")]) == 0
     assert "model family (L=16, E=64, K=8)" in capsys.readouterr().out
+
+
+def test_a_hub_id_resolves_from_the_local_hub_cache_only(tmp_path, monkeypatch, capsys):
+    from specmoe.models import ModelSourceError, load_model, resolve_source
+
+    model, _ = load_model("olmoe-micro", seed=0)
+    snapshot = tmp_path / "hub" / "models--acme--micro-moe" / "snapshots" / "0123abcd"
+    model.save_pretrained(snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_source("acme/micro-moe") == str(snapshot)
+    loaded, adapter = load_model("acme/micro-moe")
+    assert adapter.num_experts == 64 and torch_equal(loaded, model)
+    # every command takes it: `specmoe run`'s [model] source (and so sd and demo), here without loading weights
+    assert main(["demo", "--model", "acme/micro-moe", "--dry-run", "--out", str(tmp_path / "d")]) == 0
+    assert "model acme/micro-moe (L=16, E=64, K=8)" in capsys.readouterr().out
+    with pytest.raises(ModelSourceError, match="not a checkpoint directory, a named config nor a model in the local "
+                                               "Hugging Face hub cache"):
+        resolve_source("acme/not-cached")
+    assert main(["demo", "--model", "acme/not-cached", "--dry-run", "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'acme/not-cached' is not a checkpoint directory" in err[0] and "does not download" in err[0]
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

@@ -95,7 +95,7 @@ def test_1_replay_command_with_bad_calibrations_exits_2_not_139(tmp_path, capsys
             code, err = main(list(map(str, argv))), capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0] and str(cal) in err[0], (name, code, err)
     assert main(["replay", "--trace", str(trace), "--calibration", str(write_calibration(tmp_path / "ok.st")),
-                 "-C", "4"]) == 0
+                 "-C", "4", "--out", str(tmp_path / "replay")]) == 0
 
 
 # -- 2: the logical cache's arguments -------------------------------------------------------------------
@@ -410,7 +410,7 @@ def test_4_token_files_must_be_1d_integers(tmp_path, capsys, content, message):
 
 def test_8_values_that_depend_on_the_model_fail_before_sampling(tmp_path, capsys):
     one_line_error(capsys, ["demo", "--model", "olmoe-micro", "--length", 100000, "--out", tmp_path / "d"],
-                   "--length 100000 exceeds the 1024 positions of the model")
+                   "workload.length = 100000 positions exceed the 1024 positions of olmoe-micro")
     one_line_error(capsys, ["demo", "--model", "olmoe-micro", "--length", 1], "argument --length: must be at least 2")
     one_line_error(capsys, ["demo", "--model", "olmoe-micro", "--windows", 0], "argument --windows: must be at least 1")
     assert not (tmp_path / "d").exists()

@@ -259,6 +259,8 @@ def test_bad_input_is_refused_clearly():
 # -- the command --------------------------------------------------------------------------------------------
 def test_replay_sd_command(tmp_path, capsys):
     from specmoe.cli import main
+    from specmoe.experiments.run import read_table
+    from specmoe.replay.command import points_of
 
     rng = np.random.default_rng(5)
     cal = random_calibration(rng)
@@ -269,13 +271,20 @@ def test_replay_sd_command(tmp_path, capsys):
             "--records", str(tmp_path / "blocks.safetensors"), "--tau", "2", "--accept-hist-from",
             str(tmp_path / "blocks.safetensors"), "-k", "3", "-C", "4", "--lambdas", "0,0.5", "--budgets", "0,1",
             "--gammas", "1,2", "--prune-budgets", "0,1", "--out", str(tmp_path / "out")]
+    assert main(args + ["--max-cells", "2"]) == 0  # stopped after two sources; the same command resumes
+    done = {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "cells").iterdir()}
+    assert len(done) == 2
     assert main(args) == 0
-    summary = pd.read_csv(tmp_path / "out" / "summary.csv")
+    assert all(p.stat().st_mtime_ns == t for p, t in done.items())  # finished sources were not recomputed
+    summary = read_table(tmp_path / "out")
     assert summary.source.tolist() == ["records test", "synthetic tau 2", "synthetic histogram of blocks"]
-    results = pd.read_csv(tmp_path / "out" / "results.csv")
+    results = pd.concat(points_of(summary))
     assert set(results.method) == {"ar_psr", "rollback", "block_exact", "block_acceptmoe", "block_confidence_top1"}
-    assert (tmp_path / "out" / "frontier.png").stat().st_size > 1000
     assert "rollback_over_ar_psr" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report" / "frontier.png").stat().st_size > 1000
+    assert "synthetic tau 2" in (tmp_path / "out" / "report" / "report.md").read_text()
+    capsys.readouterr()
     # bad input: one line, exit 2
     assert main([*args[:3], "--records", str(tmp_path / "blocks.safetensors"), "--records-k", "5", "-C", "4", "--out",
                  str(tmp_path / "bad")]) == 2

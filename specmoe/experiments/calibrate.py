@@ -78,6 +78,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--windows", type=int_at_least(1), default=None, help="use at most this many windows")
     parser.add_argument("--describe", default=None, help="what the text is (recorded in the file)")
     parser.add_argument("--out", required=True, help="output file (.safetensors)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=main)
 
 
@@ -91,7 +92,8 @@ def main(args) -> int:
     model, adapter = load_model(args.model, seed=args.seed)
     check_positions(model, args.length, "--length")
     if args.selfgen is not None:
-        windows = sample_selfgen(model, args.selfgen, args.length, seed=args.seed + 1).windows
+        windows = sample_selfgen(model, args.selfgen, args.length, seed=args.seed + 1,
+                                 progress=not args.no_progress).windows
         what = f"{args.selfgen} windows of {args.length} tokens sampled from the model, seed {args.seed + 1}"
     elif ids is not None:
         windows = token_windows(ids, args.length, args.windows)
@@ -101,7 +103,8 @@ def main(args) -> int:
         what = "text files " + ", ".join(str(Path(f).resolve()) for f in args.text)
     if not windows:
         raise ValueError("the held-out text gave no window of at least 2 tokens")
-    calibration = collect_calibration(model, adapter, windows, {"text": args.describe or what})
+    calibration = collect_calibration(model, adapter, windows, {"text": args.describe or what},
+                                      progress=not args.no_progress)
     path = calibration.save(args.out)
     info = calibration.provenance
     print(f"calibration of {info['model']} on {info['tokens']} tokens ({len(windows)} windows) -> {path}")

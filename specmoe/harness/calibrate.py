@@ -39,12 +39,15 @@ def router_logits_of(model: nn.Module, adapter: MoEAdapter, windows, *, batch_si
 
 
 def collect_calibration(model: nn.Module, adapter: MoEAdapter, windows, provenance: dict | str, *,
-                        batch_size: int = 8) -> Calibration:
+                        batch_size: int = 8, progress: bool = False) -> Calibration:
     """Calibrate on held-out `windows` (token id sequences that no evaluation uses) under exact routing.
 
     provenance: a dict with at least "text" (what the windows are: corpus, split, how they were cut), or
     that description as a string. The model source ("model", default `model.specmoe_source`), the router
-    fingerprint (checked by `Calibration.check` when the calibration is used) and the window count are added."""
+    fingerprint (checked by `Calibration.check` when the calibration is used) and the window count are added.
+    progress: a bar over the windows (`specmoe.progress`)."""
+    from specmoe.progress import bar
+
     info = {"text": provenance} if isinstance(provenance, str) else dict(provenance)
     if not info.get("text"):
         raise ValueError("the calibration provenance must describe the text it was computed on ('text')")
@@ -57,9 +60,11 @@ def collect_calibration(model: nn.Module, adapter: MoEAdapter, windows, provenan
     builder = CalibrationBuilder(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size, adapter.top_k,
                                  adapter.groups)
     count = 0
-    for z, tokens in router_logits_of(model, adapter, windows, batch_size=batch_size):
-        builder.add(z, tokens)
-        count += 1
+    with bar(len(windows) if hasattr(windows, "__len__") else None, "calibrating", progress, "window") as shown:
+        for z, tokens in router_logits_of(model, adapter, windows, batch_size=batch_size):
+            builder.add(z, tokens)
+            count += 1
+            shown.update(1)
     info["windows"] = count
     return builder.finish(info)
 

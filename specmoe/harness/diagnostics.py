@@ -99,14 +99,17 @@ def perplexity(model: nn.Module, ctx: RoutingContext | None, windows, *, batch_s
 
 @torch.no_grad()
 def sample_selfgen(model: nn.Module, n_windows: int, length: int, seed: int, prompts=None, *,
-                   temperature: float = 1.0, batch_size: int = 8, start_token: int | None = None) -> Selfgen:
+                   temperature: float = 1.0, batch_size: int = 8, start_token: int | None = None,
+                   progress: bool = False) -> Selfgen:
     """`n_windows` windows of `length` tokens sampled from `model` under exact routing (`exact_routing`).
 
     Without prompts each window starts with one start token (default: the config's bos, else eos, else 0)
     and the rest is sampled; with prompts (token id sequences) window i continues prompts[i % len(prompts)]
     up to `length` tokens. Sampling is plain ancestral sampling at `temperature` (no top-k/top-p) from a CPU
     generator seeded with `seed`, so the windows are a function of the model's outputs, the seed and the
-    batch size."""
+    batch size. progress: a bar over the sampled tokens (`specmoe.progress`)."""
+    from specmoe.progress import bar
+
     if n_windows < 1 or length < 2:
         raise ValueError(f"need n_windows >= 1 and length >= 2, got {n_windows} and {length}")
     if not temperature > 0:
@@ -125,7 +128,8 @@ def sample_selfgen(model: nn.Module, n_windows: int, length: int, seed: int, pro
     generator = torch.Generator().manual_seed(int(seed))
     device = next(model.parameters()).device
     windows: list[torch.Tensor] = []
-    with exact_routing(model):
+    sampled = sum(len(group) * (length - len(group[0])) for group in groups)
+    with exact_routing(model), bar(sampled, "sampling windows", progress, "token") as shown:
         for group in groups:
             ids = torch.stack(group)
             out = model(input_ids=ids.to(device), use_cache=True)
@@ -133,6 +137,7 @@ def sample_selfgen(model: nn.Module, n_windows: int, length: int, seed: int, pro
                 probs = torch.softmax(out.logits[:, -1].float().cpu() / temperature, dim=-1)
                 nxt = torch.multinomial(probs, 1, generator=generator)
                 ids = torch.cat([ids, nxt], dim=1)
+                shown.update(len(group))
                 if ids.shape[1] < length:
                     out = model(input_ids=nxt.to(device), past_key_values=out.past_key_values, use_cache=True)
             windows.extend(ids.unbind(0))

@@ -8,6 +8,8 @@ picks the adapter.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -167,19 +169,54 @@ def load_model(source: str, *, seed: int = 0, dtype=torch.float32, device="cpu",
 
 
 def resolve_source(source) -> str:
-    """A model source as `load_model` reads it: the shipped family's names ("family" is the OLMoE target,
-    "family/<member>" a member's target, see `specmoe.assets.family_source`) become their checkpoint
-    directories; any other source is returned as given. ModelSourceError for an unknown or uninstalled member."""
+    """A model source as `load_model` reads it, the one resolver of every command's model argument: the shipped
+    family's names ("family" is the OLMoE target, "family/<member>" a member's target, see
+    `specmoe.assets.family_source`) become their checkpoint directories; a hub id ("owner/name", not an existing
+    path) becomes its snapshot directory in the local Hugging Face hub cache (`hub_snapshot`, nothing is
+    downloaded); any other source (a named config, a directory) is returned as given. ModelSourceError for an
+    unknown or uninstalled member and for a hub id that is not cached."""
     try:
         path = family_source(str(source))
     except ValueError as exc:
         raise ModelSourceError(str(exc)) from None
     if path is None:
-        return str(source)
+        source = str(source)
+        if source not in NAMED_CONFIGS and HUB_ID.fullmatch(source) and not Path(source).exists():
+            return hub_snapshot(source)
+        return source
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"the family target {source!r} is not installed ({path} has no config.json): train it "
                                "with scripts/train_family.py train-members and install it (see the README)")
     return str(path)
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # "owner/name", e.g. allenai/OLMoE-1B-7B-0924
+
+
+def hub_cache() -> str:
+    """The Hugging Face hub cache directory, read from the environment now (HF_HUB_CACHE, else HF_HOME/hub,
+    else ~/.cache/huggingface/hub), as huggingface_hub reads it at import."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """The snapshot directory of the model `repo_id` in the local hub cache, with HF_HUB_OFFLINE=1 semantics
+    (`snapshot_download(..., local_files_only=True)`: nothing is downloaded); ModelSourceError in one line when
+    it is not cached."""
+    from huggingface_hub import snapshot_download
+
+    cache = hub_cache()
+    try:
+        return snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
+    except Exception as exc:  # LocalEntryNotFoundError, or a cache entry without a snapshot  # noqa: BLE001
+        raise ModelSourceError(f"{repo_id!r} is not a checkpoint directory, a named config nor a model in the local "
+                               f"Hugging Face hub cache {cache} ({type(exc).__name__}): download it first (e.g. "
+                               f"`hf download {repo_id}`), or set HF_HUB_CACHE; specmoe does not download") from None
+
+
 def _load_dequantized(model_class, config, adapter, source: str, dtype: torch.dtype) -> nn.Module:
     """The model of an FP8 checkpoint directory with every FP8 tensor dequantised (`dequantized_state_dict`);
     the image-text layout's text part under the text model's names. The model's config keeps the

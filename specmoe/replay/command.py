@@ -7,8 +7,9 @@ the true continuation's logits), at each k of `-k`. For every source: the rollba
 lambda and n, block-level selection's over gamma and the prune budget, exact verification, AR-PSR on the same
 committed sequence, the copy ratio at matched displaced mass, and (records) the fraction of committed
 token-layers whose experts change with the rejected drafts. The calibration must be the traced model's.
-Writes results.csv (every point), summary.csv, results.json and frontier.png (one panel per source, two a
-row on shared axes, one legend below) to --out.
+Writes a run directory (--out): one cell per source, its summary row and every point of its sweeps (JSON column
+`points`); a run stopped part-way resumes without recomputing the finished sources. `specmoe report RUN_DIR`
+writes the summary table and frontier.png (one panel per source, two a row on shared axes, one legend below).
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
 
 from specmoe.arguments import int_at_least
-from specmoe.files import check_output_file, file_sha256, write_text_atomic
+from specmoe.files import file_sha256
 from specmoe.limits import MAX_COUNT
 
 from . import sweeps
@@ -72,67 +72,94 @@ def add_parser(sub) -> None:
     p.add_argument("--selectors", default=",".join(sweeps.SELECTORS), help="block selectors besides exact")
     p.add_argument("--max-blocks", type=int, default=None, help="synthetic: at most this many blocks per source")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="synthetic acceptance draws (an integer >= 0)")
-    p.add_argument("--no-plot", action="store_true", help="skip frontier.png")
-    p.add_argument("--out", default="runs/replay_sd", help="output directory (default runs/replay_sd)")
+    p.add_argument("--out", default="runs/replay_sd", help="run directory (default runs/replay_sd): one cell per "
+                   "source, resumed where it stopped; `specmoe report` draws the frontier")
+    p.add_argument("--max-cells", type=int_at_least(1), default=None,
+                   help="replay at most this many new sources, then stop (run again to resume)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
 
 
-def _sources(args, calibration):
+def _sources(args, calibration) -> list[tuple[str, object]]:
+    """The sources of blocks, in run order, as (label, build): build() loads the files and returns the `Blocks`
+    (each source one cell of the run directory, so nothing is loaded for a finished one)."""
     from specmoe.records import (AcceptanceProfile, BlockRecords, Trace, blocks_from_records, synthetic_blocks,
                                  with_true_continuation)
 
     num_layers, num_experts = calibration.warm_ranking.shape
-    for path in args.records:
+
+    def records(path):
         records = BlockRecords.load(path, num_layers=num_layers, num_experts=num_experts)
         calibration.check(num_layers, num_experts, records.vocab_size, fingerprint=records.fingerprint or None)
-        blocks = blocks_from_records(records, args.records_k, source=f"records {records.drafter or Path(path).stem}")
-        yield blocks
+        return blocks_from_records(records, args.records_k, source=f"records {records.drafter or Path(path).stem}")
+
+    out = []
+    for path in args.records:
+        out.append((f"records {Path(path).name}", lambda path=path: records(path)))
         if args.true_continuation:
-            yield with_true_continuation(blocks)
+            out.append((f"records {Path(path).name}, true continuation",
+                        lambda path=path: with_true_continuation(records(path))))
     if args.trace is None:
         if args.tau or args.accept_rate or args.accept_table or args.accept_hist_from:
             raise ValueError("a synthetic acceptance option needs --trace")
-        return
-    trace = Trace.load(args.trace, num_layers=num_layers, num_experts=num_experts)
-    calibration.check(num_layers, num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
-    ks = _ints(args.k, "-k")
-    for k in ks:
+        return out
+    loaded = {}
+
+    def trace():
+        if "trace" not in loaded:
+            loaded["trace"] = Trace.load(args.trace, num_layers=num_layers, num_experts=num_experts)
+            calibration.check(num_layers, num_experts, loaded["trace"].vocab_size,
+                              fingerprint=loaded["trace"].fingerprint or None)
+        return loaded["trace"]
+
+    for k in _ints(args.k, "-k"):
         profiles = []
         if args.tau:
-            profiles += [(f"tau {t:g}", AcceptanceProfile.for_tau(t, k)) for t in _floats(args.tau, "--tau")]
+            profiles += [(f"tau {t:g}", lambda t=t, k=k: AcceptanceProfile.for_tau(t, k)) for t in _floats(args.tau, "--tau")]
         if args.accept_rate:
-            profiles += [(f"rate {r:g}", AcceptanceProfile.geometric(r)) for r in _floats(args.accept_rate, "--accept-rate")]
+            profiles += [(f"rate {r:g}", lambda r=r: AcceptanceProfile.geometric(r))
+                         for r in _floats(args.accept_rate, "--accept-rate")]
         if args.accept_table:
-            profiles.append(("table", AcceptanceProfile.table(_floats(args.accept_table, "--accept-table"))))
+            table = _floats(args.accept_table, "--accept-table")
+            profiles.append(("table", lambda: AcceptanceProfile.table(table)))
         if args.accept_hist_from:
-            accepted = BlockRecords.load(args.accept_hist_from).arrays["accepted"]
-            profiles.append((f"histogram of {Path(args.accept_hist_from).stem}",
-                             AcceptanceProfile.histogram(np.bincount(accepted))))
+            profiles.append((f"histogram of {Path(args.accept_hist_from).stem}", lambda: AcceptanceProfile.histogram(
+                np.bincount(BlockRecords.load(args.accept_hist_from).arrays["accepted"]))))
         if not profiles:
             raise ValueError("--trace needs an acceptance: --tau, --accept-rate, --accept-table or --accept-hist-from")
         for label, profile in profiles:
-            yield synthetic_blocks(trace, k, profile, seed=args.seed, max_blocks=args.max_blocks,
-                                   source=f"synthetic {label}")
+            out.append((f"synthetic {label}, k={k}", lambda k=k, label=label, profile=profile: synthetic_blocks(
+                trace(), k, profile(), seed=args.seed, max_blocks=args.max_blocks, source=f"synthetic {label}")))
+    return out
+
+
+IDENTITY = ("calibration", "records", "records_k", "true_continuation", "trace", "tau", "accept_rate", "accept_table",
+            "accept_hist_from", "k", "capacity", "max_blocks", "seed")
+
+
+def points_of(table) -> list:
+    """The sweep's points of each source kept in a replay-sd run directory (one table per cell, from its JSON
+    column `points`), for the frontier plot."""
+    import pandas as pd
+
+    return [pd.DataFrame(json.loads(text)) for text in table.points]
 
 
 def main(args) -> int:
     import pandas as pd
 
+    from specmoe.rundir import RunDir, _check_pyarrow, digest_of, run_cells
     from specmoe.records import BlockSourceError
     from specmoe.routing import Calibration
     from specmoe.limits import MAX_DRAFTS
 
     from . import report
 
-    started = time.time()
     if not args.records and args.trace is None:
         raise ValueError("give --records FILE... and/or --trace FILE")
     if args.max_blocks is not None and args.max_blocks < 1:
         raise ValueError(f"--max-blocks must be >= 1, got {args.max_blocks}")
     _ints(args.k, "-k", 1, MAX_DRAFTS)
-    out = Path(args.out)
-    for name in ("results.csv", "summary.csv", "results.json") + (() if args.no_plot else ("frontier.png",)):
-        check_output_file(out / name)
     calibration = Calibration.load(args.calibration)
     if not 1 <= args.capacity <= calibration.warm_ranking.shape[1]:
         raise ValueError(f"-C {args.capacity} outside [1, E={calibration.warm_ranking.shape[1]}]")
@@ -143,33 +170,40 @@ def main(args) -> int:
     unknown = [s for s in options["selectors"] if s not in ("acceptmoe", "confidence_top1")]
     if unknown:
         raise ValueError(f"unknown selector {', '.join(unknown)}; expected some of acceptmoe, confidence_top1")
-    tables, summaries = [], []
-    for blocks in _sources(args, calibration):
+    sources = _sources(args, calibration)
+    identity = {"command": "replay-sd", **{k: getattr(args, k) for k in IDENTITY},
+                "options": {k: list(v) for k, v in options.items()}}
+    paths = {"calibration": args.calibration, **{f"records[{i}]": p for i, p in enumerate(args.records)},
+             "trace": args.trace, "accept_hist_from": args.accept_hist_from}
+    inputs = {key: {"path": str(p), "sha256": file_sha256(p)} for key, p in paths.items() if p}
+    digest = digest_of(identity, inputs)
+    run_dir = RunDir(args.out, digest)
+    run_dir.check(digest, inputs, identity, "pass another --out DIR")
+    _check_pyarrow()
+    grid = [{"config": i, "label": label, "kind": "replay_sd"} for i, (label, _) in enumerate(sources)]
+    manifest = {"kind": "replay-sd", "name": "replay_sd", "description": "rollback logical cache vs block-level "
+                "expert selection (CPU replay)", "digest": digest, "inputs": inputs, "config": identity,
+                "grid": grid, "rounds": 1}
+
+    def measure(item, round_):
+        index, (label, build) = item
+        blocks = build()
         if blocks.top_k > args.capacity:
             raise BlockSourceError(f"-C {args.capacity} is below the blocks' K={blocks.top_k}")
         table = report.sweep(blocks, calibration, args.capacity, **options)
-        tables.append(table)
-        summaries.append(report.summarize(table))
-        print(f"{blocks.source}, k={blocks.k}: {blocks.num_blocks} blocks, tau {blocks.tau:.2f} "
-              f"({time.time() - started:.0f} s)", flush=True)
-    results = pd.concat(tables, ignore_index=True)
-    summary = pd.DataFrame(summaries)
-    write_text_atomic(out / "results.csv", results.to_csv(index=False))
-    write_text_atomic(out / "summary.csv", summary.to_csv(index=False))
-    inputs = [args.calibration, *args.records, *[p for p in (args.trace, args.accept_hist_from) if p]]
-    info = {"calibration": str(args.calibration), "records": args.records, "trace": args.trace, "C": args.capacity,
-            "inputs": {str(p): file_sha256(p) for p in inputs},
-            "options": {k: list(v) for k, v in options.items()}, "seed": args.seed,
-            "seconds": round(time.time() - started, 1)}
-    write_text_atomic(out / "results.json", json.dumps({"info": info, "summary": summary.to_dict("records"),
-                                                        "rows": results.to_dict("records")}, indent=1, default=float))
-    if not args.no_plot:
-        report.plot(tables, out / "frontier.png")
+        summary = report.summarize(table)
+        return {"config": index, "round": round_, "label": label, "kind": "replay_sd", **summary,
+                "points": table.to_json(orient="records")}
+
+    cells = [((i, source), i, 0) for i, source in enumerate(sources)]
+    with run_dir.lock():
+        table, manifest = run_cells(run_dir, manifest, cells, lambda: (measure, {}), name="replay-sd",
+                                    max_cells=args.max_cells, progress=not args.no_progress)
+    summary = table.drop(columns=["points"])
     shown = summary[["source", "k", "tau", "blocks", "ar_psr_copies", "rollback_psr_copies", "rollback_over_ar_psr",
                      "exact_block_copies"] + [c for c in summary.columns if c.endswith(("_copies", "_ratio_min",
                      "_ratio_max", "_ratio_at_preset", "_changed")) and c.split("_")[0] in ("acceptmoe", "confidence")]]
     with pd.option_context("display.width", 250, "display.max_columns", 40):
         print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"results: {out / 'summary.csv'}, {out / 'results.csv'}"
-          + ("" if args.no_plot else f", {out / 'frontier.png'}") + f"  ({info['seconds']} s)")
+    print(f"results: {run_dir.path / 'results.parquet'}; tables and the frontier plot: specmoe report {run_dir.path}")
     return 0
