@@ -178,7 +178,7 @@ def resolve_source(source) -> str:
         return str(source)
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"the family target {source!r} is not installed ({path} has no config.json): train it "
-                               "with scripts/train_family.py train-members and install it (see the README)")
+                               "with scripts/train_family.py train-members and install it (see docs/family.md)")
     return str(path)
 def _load_dequantized(model_class, config, adapter, source: str, dtype: torch.dtype) -> nn.Module:
     """The model of an FP8 checkpoint directory with every FP8 tensor dequantised (`dequantized_state_dict`);
