@@ -15,7 +15,7 @@ from specmoe.harness import speculative_generate
 from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
-public = pytest.importorskip("dflash.model", reason="the dflash package (the test extra) is not installed")
+public = pytest.importorskip("dflash.model", reason="the dflash package (the `dflash` extra) is not installed")
 
 NEW = 40
 PROMPT_LENGTHS = (40, 80, 120)

@@ -5,7 +5,7 @@ into frozen dataclasses. Every error is a `ConfigError` naming the file, the key
 
 A config says what to run (the model, the workload, the policy grid, the speculative grid, the engine and its
 run settings, rounds, seed, device); `specmoe.experiments.run` expands it into configurations and runs them
-interleaved over rounds. The keys are listed in README.md ("Experiment configs"). A list where one value is
+interleaved over rounds. The keys are listed in docs/configs.md. A list where one value is
 expected is a grid axis: `capacity = [32, 16]` runs every configuration at both. `specmoe run CONFIG --set
 KEY=VALUE` overrides one key of the file before it is checked (`apply_overrides`).
 """
@@ -279,7 +279,7 @@ class _Table:
     def done(self) -> None:
         if self.data:
             name = sorted(self.data)[0]
-            self.fail(name, "unknown key (see README.md, 'Experiment configs', for the keys)")
+            self.fail(name, "unknown key (see docs/configs.md for the keys)")
 
 
 def _is_int(value, minimum, maximum=None) -> bool:

@@ -186,7 +186,7 @@ def resolve_source(source) -> str:
         return source
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"the family target {source!r} is not installed ({path} has no config.json): train it "
-                               "with scripts/train_family.py train-members and install it (see the README)")
+                               "with scripts/train_family.py train-members and install it (see docs/family.md)")
     return str(path)
 
 
