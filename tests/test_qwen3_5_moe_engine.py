@@ -24,11 +24,9 @@ def tokens(tiny):
 
 
 @pytest.mark.parametrize("mode", ["history", "recompute"])
-def test_speculative_exact_selection_equals_ar_greedy_through_rollbacks(tiny, mode, monkeypatch):
+def test_speculative_exact_selection_equals_ar_greedy_through_rollbacks(tiny, mode):
     # rejected drafts pass through the Gated DeltaNet state: the engine rolls it back after every block, from the
-    # kept per-position states or by recomputing the committed positions (the decoders built here take the mode)
-    from specmoe.models import qwen3_5_moe_decode
-    monkeypatch.setattr(qwen3_5_moe_decode, "DEFAULT_GDN_ROLLBACK", mode)
+    # kept per-position states or by recomputing the committed positions (EngineConfig.state_rollback)
     from specmoe.drafters import DrafterConfig, build_drafter
     from specmoe.offload import ExpertResidency
     from specmoe.speculation import SpeculativeConfig
@@ -40,8 +38,9 @@ def test_speculative_exact_selection_equals_ar_greedy_through_rollbacks(tiny, mo
     expected = make_engine(tiny, "exact_lru", adapter.num_experts).generate(prompt, 12).generated
     drafter = build_drafter(DrafterConfig("synthetic", acceptance=0.6), model)
     config = SpeculativeConfig(selector_preset("exact"), k=4, pool_size=adapter.num_experts // 2, max_new_tokens=12)
-    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=SEQ), speculative=config,
-                          residency=ExpertResidency(store, adapter.num_experts, "cpu"))
+    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=SEQ, state_rollback=mode),
+                          speculative=config, residency=ExpertResidency(store, adapter.num_experts, "cpu"))
+    assert engine.kernels["state_rollback"] == mode and engine.decoder.gdn_rollback == mode
     result = engine.generate(prompt, 12, drafter=drafter)
     assert result.tokens == expected
     assert 0 < sum(result.accepted) < 4 * len(result.accepted)  # some drafts accepted, some rejected
@@ -93,3 +92,14 @@ def test_the_trained_member_decodes_speculatively_as_greedy_with_each_drafter(dr
     result = engine.generate(prompt, 24, drafter=drafter)
     assert result.generated == expected
     assert 0 < sum(result.accepted) < 8 * len(result.accepted)  # drafts accepted and rejected: rollbacks happened
+
+
+def test_state_rollback_is_checked_against_the_decoder():
+    # a bad value names the field; a mode other than "auto" on a decoder without recurrent state is refused
+    with pytest.raises(ValueError, match="state_rollback must be one of"):
+        EngineConfig(state_rollback="never")
+    model, adapter, store = tiny_engine_model("olmoe-micro")
+    with pytest.raises(ValueError, match="state_rollback='recompute'.*no recurrent state"):
+        build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k),
+                     Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size),
+                     EngineConfig(max_seq_len=SEQ, state_rollback="recompute"), store=store)

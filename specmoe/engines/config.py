@@ -15,6 +15,7 @@ from specmoe.routing import validate
 
 CACHE_MODES = ("logical", "physical")
 DEVICE_ROUTING = ("auto", "on", "off")
+STATE_ROLLBACKS = ("auto", "history", "recompute")
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,10 @@ class EngineConfig:
     the policy reduces to the router's own top-K, route on the device and run each token as one launch
     ("auto": on CUDA; "on": on any device, the CPU included; "off": always the host's `LogicalCache.route`).
     prefill_chunk: prompt positions per step of the autoregressive prefill (1: one at a time; the policy's
-    decisions are the same either way, `Engine` module docstring)."""
+    decisions are the same either way, `Engine` module docstring). state_rollback: how a verification block's
+    recurrent state (Qwen3.5-MoE's Gated DeltaNet) is rolled back: "history" (the step keeps every position's
+    state), "recompute" (the committed positions rerun from the block's start), "auto" (the decoder's default,
+    history: the cheaper on an H200, BENCHMARKS.md); decoders without recurrent state take only "auto"."""
 
     max_seq_len: int = 1024
     cuda_graphs: bool = True
@@ -42,6 +46,7 @@ class EngineConfig:
     tune: str | bool = "auto"
     device_routing: str = "auto"
     prefill_chunk: int = 16
+    state_rollback: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_seq_len", validate.integer(self.max_seq_len, "max_seq_len", minimum=1))
@@ -50,18 +55,29 @@ class EngineConfig:
         object.__setattr__(self, "prefill_chunk", validate.integer(self.prefill_chunk, "prefill_chunk", minimum=1))
         if self.device_routing not in DEVICE_ROUTING:
             raise ValueError(f"device_routing must be one of {DEVICE_ROUTING}, got {self.device_routing!r}")
+        if self.state_rollback not in STATE_ROLLBACKS:
+            raise ValueError(f"state_rollback must be one of {STATE_ROLLBACKS}, got {self.state_rollback!r}")
 
     def check_decoder(self, decoder: Decoder) -> None:
-        """ValueError unless the decoder's KV cache has this config's max_seq_len positions."""
+        """ValueError unless the decoder's KV cache has this config's max_seq_len positions and a state_rollback
+        other than "auto" has recurrent state to roll back."""
         if self.max_seq_len != decoder.geometry.max_seq_len:
             raise ValueError(f"max_seq_len={self.max_seq_len} but the decoder's KV cache has "
                              f"{decoder.geometry.max_seq_len} positions")
+        if self.state_rollback != "auto" and not hasattr(decoder, "set_gdn"):
+            raise ValueError(f"state_rollback={self.state_rollback!r}: the {type(decoder).__name__} has no recurrent "
+                             "state to roll back (only \"auto\" applies)")
 
     def prepare(self, decoder: Decoder, residency: ExpertResidency, stream) -> dict:
         """Choose and check the decoder's kernels (`Decoder.use_kernels`) on the compute stream `stream` (None
         on the CPU); the slots must hold real experts (the checks read them). Returns what is used."""
+        if self.state_rollback != "auto":
+            decoder.set_gdn(rollback=self.state_rollback)
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            return decoder.use_kernels(self.backend, self.attention, self.moe, residency.slots.layer(0), self.tune)
+            used = decoder.use_kernels(self.backend, self.attention, self.moe, residency.slots.layer(0), self.tune)
+        if hasattr(decoder, "gdn_rollback"):
+            used["state_rollback"] = decoder.gdn_rollback
+        return used
 
 
 @dataclass(frozen=True)
