@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 
 from specmoe.harness import (
-    collect_calibration, copy_stats, exact_routing, excess_nll, original_routing, patch_model, perplexity,
+    Selfgen, collect_calibration, copy_stats, exact_routing, excess_nll, original_routing, patch_model, perplexity,
     sample_selfgen, token_nll, unpatch,
 )
 from specmoe.models import RoutedOlmoeTopKRouter, load_model
@@ -249,6 +249,24 @@ def test_perplexity_resets_state_per_window(micro, model):
     batched = perplexity(model, ctx, windows, batch_size=4)
     single = perplexity(model, ctx, windows, batch_size=1)  # one sequence per forward
     assert math.isclose(batched, single, rel_tol=1e-5) and batched != exact
+
+
+def test_token_nll_is_the_cross_entropy_of_the_next_token(micro, model):
+    """token_nll[i] is -log softmax(logits at position i)[token i + 1], computed here independently with
+    F.cross_entropy on one unbatched forward per window (logits[:-1] against tokens[1:]); a Selfgen window
+    scores only the tokens after its prompt. Windows of different lengths share a right-padded batch."""
+    _, adapter, _ = micro
+    windows = [_tokens(adapter.vocab_size, n, 60 + n) for n in (24, 17, 9)]
+    with torch.no_grad():
+        expected = [F.cross_entropy(model(w[None]).logits[0, :-1].double(), w[1:], reduction="none").numpy()
+                    for w in windows]
+    for batch_size in (1, 3):
+        got = token_nll(model, None, windows, batch_size=batch_size)
+        for mine, theirs in zip(got, expected):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    prompted = token_nll(model, None, Selfgen(windows, [5, 1, 8], seed=0), batch_size=3)
+    for mine, theirs, start in zip(prompted, expected, (5, 1, 8)):
+        np.testing.assert_allclose(mine, theirs[start - 1:], rtol=1e-5, atol=1e-6)
 
 
 def test_selfgen_excess_nll_and_copy_stats(micro, model):

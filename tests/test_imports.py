@@ -11,6 +11,9 @@ module) and, within a unit, its modules must not import each other in a circle. 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -231,3 +234,20 @@ def test_the_walker_sees_imports():
     assert unit_of("specmoe.routing.cache") == "specmoe.routing" and unit_of("specmoe.cli") == "specmoe.cli"
     assert unit_of("specmoe.kernels.tuning") == "specmoe.kernels" and unit_of("specmoe.assets") == "specmoe.assets"
     assert unit_of("specmoe") == "specmoe" and unit_of("elsewhere") is None
+
+
+def test_specmoe_imports_without_lm_eval():
+    """`import specmoe` and `specmoe compare` need no lm-eval; the adapter names the extra to install."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["lm_eval"] = None  # as if not installed
+        import specmoe, specmoe.cli, specmoe.stats, specmoe.evaluation, specmoe.evaluation.compare
+        specmoe.cli.build_parser()
+        try:
+            import specmoe.evaluation.lm_eval_model
+        except ImportError as exc:
+            print(exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "install the `eval` extra" in out.stdout and "specmoe[eval]" in out.stdout

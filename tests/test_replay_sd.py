@@ -8,7 +8,7 @@ from specmoe.records import (AcceptanceProfile, BlockRecords, Blocks, BlockSourc
                              synthetic_blocks)
 from specmoe.replay import replay_ar, replay_block_selection, replay_rollback
 from specmoe.routing import Calibration, LogicalCache, PolicyConfig, preset
-from specmoe.verifiers import ExpertPool, select_block, selector_preset
+from specmoe.verifiers import selector_preset
 
 L, E, K, V = 3, 12, 2, 20
 
@@ -135,50 +135,77 @@ def test_hand_worked_rollback_cache_prior_bonus_and_rollback():
     assert result.displaced > 0
 
 
-@pytest.mark.parametrize("name", ["exact", "acceptmoe", "confidence_top1"])
-def test_hand_worked_block_selection_matches_select_block(name):
-    selector = selector_preset(name)
-    blocks = hand_blocks()
-    cal = hand_calibration()
-    result = replay_block_selection(selector, blocks, cal, pool_size=2, keep_selected=True)
-    # the same by hand with select_block and the pool
-    from specmoe.verifiers import CommitRate, confidence_weights, position_weights
+# Worked by hand on `hand_blocks(accepted=(2, 1))` (block 0 commits all three rows, block 1 two), P = 2, pool
+# {0, 1} at the start. Every row's softmax is a = e^3 at its top-1, b = e^2 at its top-2, e^-5 elsewhere:
+# r = a / N and b / N with N = a + b + 4 e^-5. Weights: acceptmoe's alpha from the prior rates 0.8^d before
+# block 0 ([1, .894, .8]) and (4 * 0.8^d + committed) / 5 after it ([1, .917, .844]); confidence_top1's from
+# the confidences ([1, .949, .671] and [1, .894, .566]). Block 0's demand outside A = {0, 1}: u4 = .894 b,
+# u5 = .8 a, u3 = .8 b (N dropped), entropy e^H = 2.69 (confidence weights 2.75); block 1's outside A = {2, 3}:
+# u0 = .917 a, u4 = .917 b, u5 = .844 b, e^H = 2.63 (confidence 2.49). Executed sets list the higher logit
+# first; a tie at -5 goes to the lower index. After each block the pool is the P most recently executed.
+HAND_SELECTIONS = {
+    # own top-2 everywhere: block 0 copies 3, 4, 5; position 2 ran 5, 3 -> pool {3, 5}; block 1 copies 0, 2, 4
+    "exact": (dict(), 6, 0.0, [[0, 1], [1, 4], [5, 3], [2, 3], [0, 4]]),
+    # extra = ceil(2.69) = 3 = m (2.63 -> 3 in block 1): S holds every demanded expert; a(S) = 0 prunes
+    # nothing: the exact selection
+    "acceptmoe": (dict(), 6, 0.0, [[0, 1], [1, 4], [5, 3], [2, 3], [0, 4]]),
+    # extra = ceil(1.05 * 2.75) = 3 and ceil(1.05 * 2.49) = 3: the exact selection, no rescue needed
+    "confidence_top1": (dict(), 6, 0.0, [[0, 1], [1, 4], [5, 3], [2, 3], [0, 4]]),
+    # extra = ceil(0.5 * 2.69) = 2: S = {0, 1, 5, 4}; row 2 (own 5, 3) runs 5, 0: copies 4, 5, displaces b.
+    # Pool {0, 5}. Block 1: extra = ceil(1.31) = 2, S = {2, 3, 0, 4}; row 4 runs its own 0, 4, row 5 runs 2, 0:
+    # copies 2, 3, 4
+    "acceptmoe_half_no_prune": (dict(kind="acceptmoe", gamma=0.5, prune_budget=0.0), 5, 1,
+                                [[0, 1], [1, 4], [5, 0], [2, 3], [0, 4]]),
+    # as above, then pruning: a(S) = v3 = 1 (block 1: v5 = 1), so the least demanded non-resident extra, 4
+    # (v4 = 1), leaves S; 5 would exceed the budget (block 1: 0 is resident). Block 0: S = {0, 1, 5}, row 1
+    # runs 1, 0 and row 2 5, 0: copies 5, displaces b twice. Block 1: S = {0, 2, 3}, row 4 runs 0, 2
+    # (displacing b): copies 2, 3
+    "acceptmoe_half": (dict(kind="acceptmoe", gamma=0.5), 3, 3, [[0, 1], [1, 0], [5, 0], [2, 3], [0, 2]]),
+    # gamma 0: S = A. Row 2's top-1, 5, is outside S and alpha 0.671 >= 0.3 rescues it: 5, 0; row 1 runs 1, 0:
+    # copies 5, displaces b twice. Pool {0, 5}. Block 1: row 4 rescues 0 (alpha .894) and runs 0, 2 (displacing
+    # b): copies 2, 3
+    "confidence_rescue": (dict(kind="confidence_top1", gamma=0.0), 3, 3,
+                          [[0, 1], [1, 0], [5, 0], [2, 3], [0, 2]]),
+    # threshold 0.85: row 2 (alpha 0.671) is not rescued and runs 0, 1, displacing a + b; no copy in block 0.
+    # Pool {0, 1}. Block 1: row 4 (alpha .894; .8 without the square root) rescues 0: copies 2, 3
+    "confidence_rescue_085": (dict(kind="confidence_top1", gamma=0.0, rescue_threshold=0.85), 2, "a+3b",
+                              [[0, 1], [1, 0], [0, 1], [2, 3], [0, 2]]),
+}
 
-    pool = ExpertPool(1, 6, 2, 2, cal)
-    rates = CommitRate()
-    copies, displaced, kept = 0, 0.0, []
-    for b in range(2):
-        alpha = {"exact": np.ones(3), "acceptmoe": position_weights(rates.rates(2)),
-                 "confidence_top1": confidence_weights(blocks.confidences[b])}[name]
-        sel = select_block(selector, blocks.router_logits[blocks.rows[b], 0], pool.resident(0).copy(), alpha, 2, False)
-        pool.use(0, sel.selected)
-        pool.end_block()
-        c = blocks.accepted[b] + 1
-        copies += sel.missing.size
-        displaced += sel.displaced[:c].sum()
-        kept += sel.selected[:c].tolist()
-        rates.update(int(blocks.accepted[b]), 2)
+
+@pytest.mark.parametrize("case", HAND_SELECTIONS)
+def test_hand_worked_block_selection(case):
+    fields, copies, displaced, kept = HAND_SELECTIONS[case]
+    selector = selector_preset(fields.get("kind", case), **{f: v for f, v in fields.items() if f != "kind"})
+    result = replay_block_selection(selector, hand_blocks(accepted=(2, 1)), hand_calibration(), pool_size=2,
+                                    keep_selected=True)
+    a, b = np.exp(3.0), np.exp(2.0)
+    mass = {0.0: 0.0, 1: b, 3: 3 * b, "a+3b": a + 3 * b}[displaced] / (a + b + 4 * np.exp(-5.0))
     assert result.copies == copies
-    assert result.displaced == pytest.approx(displaced)
+    assert result.displaced == pytest.approx(mass, rel=1e-12, abs=1e-15)
     assert result.selected[:, 0].tolist() == kept
-    if name == "exact":
-        assert copies == 6  # the same union as the exact rollback cache
+    assert result.committed == 5
 
 
 def test_counterfactual_counts_changed_sets():
-    # block 0 rejects its second draft (row 2); the true continuation of that position is row 3 (block 1's root)
+    # block 0 rejects its second draft (row 2, own top-2 (5, 3)); its true continuation is taken to be row 4
+    # (own top-2 (0, 4)). Worked by hand as in HAND_SELECTIONS (alpha [1, .894, .8], pool {0, 1}):
+    # - gamma 0.3, drafted rows 0-2: extra = ceil(0.3 * 2.69) = 1, S = {0, 1, 5}; a(S) = v3 + v4 = 2 prunes 5
+    #   (v5 = 1): S = {0, 1}, row 1 (own 1, 4) runs 1, 0. True rows 0, 1, 4: the only demand outside A is 4
+    #   (u4 = .894 b + .8 b, m = 1): S = {0, 1, 4}, a(S) = 0, row 1 runs 1, 4. One committed draft changed.
+    # - gamma 1 (the preset): S holds every demanded expert in both, a(S) = 0: row 1 runs its own 1, 4 in both.
     blocks = hand_blocks(accepted=(1, 0))
-    true_rows = np.array([[0, 1, 3], [3, -1, -1]])
-    blocks.true_rows = true_rows
-    result = replay_block_selection(selector_preset("acceptmoe"), blocks, hand_calibration(), pool_size=2,
-                                    counterfactual=True)
-    assert result.compared == 2  # block 0's two committed positions (block 1 lacks its true continuation)
-    assert result.compared_drafts == 1
-    assert 0 <= result.changed <= result.compared and result.changed_drafts <= result.changed
-    assert result.changed == result.changed_drafts  # the root's own top-K never changes
+    blocks.true_rows = np.array([[0, 1, 4], [3, -1, -1]])
+    for gamma, changed in ((0.3, 1), (1.0, 0)):
+        result = replay_block_selection(selector_preset("acceptmoe", gamma=gamma), blocks, hand_calibration(),
+                                        pool_size=2, keep_selected=True, counterfactual=True)
+        assert result.compared == 2  # block 0's two committed positions (block 1 lacks its true continuation)
+        assert result.compared_drafts == 1
+        assert result.changed == result.changed_drafts == changed  # the root's own top-K never changes
+        assert result.selected[1, 0].tolist() == ([1, 0] if gamma == 0.3 else [1, 4])
     exact = replay_block_selection(selector_preset("exact"), blocks, hand_calibration(), pool_size=2,
                                    counterfactual=True)
-    assert exact.changed == 0
+    assert exact.changed == 0 and exact.compared == 2
 
 
 # -- sources and bad input ----------------------------------------------------------------------------------

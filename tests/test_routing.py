@@ -220,16 +220,39 @@ def test_displaced_mass_and_replaced_slots():
 
 
 def test_replay_trace_counts_match_the_cache_counters():
+    """`replay`'s per-step counts (one numba span per layer) equal, step by step, what the engines' per-token
+    calls (`insert_predicted`, then `select`) return on a second cache, and their sums equal its counters."""
     rng = np.random.default_rng(1)
     z = rng.normal(size=(40, 2, E))
     g = z + rng.normal(size=z.shape)
-    trace = replay(preset("psr", 3, 2), z, g, np.full(40, TOKEN), calibration())
-    assert trace.selected.shape == (40, 2, 2)
-    assert trace.prefetch_copies[:, 0].sum() == 0  # the first layer has no pre-gate
-    assert (trace.prefetch_copies <= 1).all()
-    assert trace.unused_prefetches.sum() <= trace.prefetch_copies.sum()
-    # every executed expert sits in a slot that holds it
-    assert ((trace.slots >= 0) & (trace.slots < 3)).all()
+    policy = preset("psr", 3, 2)
+    cache = LogicalCache(policy, calibration(), 2, E)
+    steps = []
+    for t in range(40):
+        if t == 39:  # the last step of layer 1 prefetches an expert, then executes two others already resident:
+            # the sequence ends with a prefetch never executed, counted unused at this step when the cache resets
+            g[t, 1] = 0.0
+            g[t, 1, next(e for e in range(E) if e not in cache.resident(1))] = 5.0
+        for layer in range(2):
+            inserted = cache.insert_predicted(layer, g[t, layer], TOKEN) if layer else []
+            if t == 39 and layer == 1:
+                z[t, 1] = -5.0
+                z[t, 1, [e for e in cache.resident(1) if e not in inserted][:2]] = (5.0, 4.0)
+            selected, demand = cache.select(layer, z[t, layer], TOKEN)
+            steps.append((t, layer, len(inserted), len(demand), selected, cache.slot_of(layer, selected)))
+    cache.reset()
+    trace = replay(policy, z, g, np.full(40, TOKEN), calibration())
+    for t, layer, prefetch, demand, selected, slots in steps:
+        assert trace.prefetch_copies[t, layer] == prefetch and trace.demand_copies[t, layer] == demand
+        assert trace.selected[t, layer].tolist() == selected.tolist()
+        assert trace.slots[t, layer].tolist() == slots.tolist()
+    assert trace.prefetch_copies[-1, 1] == trace.unused_prefetches[-1, 1] == 1
+    totals = cache.totals()
+    assert totals["prefetch"] == trace.prefetch_copies.sum() > 0 and trace.prefetch_copies[:, 0].sum() == 0
+    assert totals["demand"] == trace.demand_copies.sum() > 0
+    assert totals["unused"] == trace.unused_prefetches.sum() > 0
+    assert totals["replaced"] == trace.replaced.sum() > 0
+    assert totals["displaced_mass"] == pytest.approx(trace.displaced_mass.sum(), rel=1e-12)
 
 
 def test_invariants_hold_on_random_logits():
@@ -289,6 +312,137 @@ def test_cache_prior_lru_matches_standalone_simulation(capacity, bonus):
     expected = standalone_cache_prior(z, np.sort(warm[:, :capacity], axis=1), capacity, k, bonus, delta)
     assert (trace.selected == expected).all()
     assert trace.replaced.sum() > 0  # the bonus did change decisions
+
+
+# -- Algorithm 1 (PSR, spec-exec, exact, Cache-Prior; A and LRU priority) equals a plain standalone simulation -
+def standalone_algorithm1(policy, z, g, tokens, warm, prior, delta):
+    """Algorithm 1 written plainly from the paper and docs/design.md, one layer and token at a time, with dicts:
+    part 1 visits the first w experts of the pre-gate ranking (ties to the lower index): a resident one joins
+    the protected set B, a missing one (while fewer than n were inserted) evicts the lowest-priority resident
+    outside B and joins B. Part 2 executes S: the router's top-K (exact), the pre-gate's top-K (spec_exec,
+    the router's in layer 0), or the top-K of z + lambda * delta * [resident or router top-J] (ties: higher
+    raw logit, then lower index). Missing members of S enter in index order, evicting the lowest priority
+    outside S and B (outside S only if B leaves none). Priority, taken once per step before any insertion:
+    LRU 1 + last token executed or inserted (warm -1), A s_fast + s_slow + prior[token]; ties evict the lower
+    index. EMAs (0.5, 0.98) follow the router's own top-K. Returns (selected, slots) [T, L, K] and the
+    per-step counts demand, prefetch, unused (at the step that prefetched), replaced, displaced [T, L]."""
+    num_tokens, num_layers, num_experts = z.shape
+    k, capacity = policy.top_k, policy.capacity
+    selected = np.zeros((num_tokens, num_layers, k), dtype=np.int64)
+    slots = np.zeros_like(selected)
+    counts = {name: np.zeros((num_tokens, num_layers)) for name in ("demand", "prefetch", "unused", "replaced",
+                                                                       "displaced")}
+    for layer in range(num_layers):
+        slot_of = {e: s for s, e in enumerate(sorted(warm[layer][:capacity]))}  # resident expert -> its slot
+        last_use = {}  # expert -> token of its last execution or insertion
+        prefetched = {}  # expert -> token that prefetched it, until it executes
+        fast, slow = np.zeros(num_experts), np.zeros(num_experts)
+        ranges = []
+        for t in range(num_tokens):
+            if policy.priority == "lru":
+                priority = [1.0 + last_use.get(e, -1) for e in range(num_experts)]
+            else:
+                priority = [fast[e] + slow[e] + prior[layer, tokens[t], e] for e in range(num_experts)]
+
+            def insert(expert, spared):
+                candidates = [e for e in slot_of if e not in spared]
+                if not candidates:
+                    return False
+                victim = min(candidates, key=lambda e: (priority[e], e))
+                if victim in prefetched:
+                    counts["unused"][prefetched.pop(victim), layer] += 1
+                slot_of[expert] = slot_of.pop(victim)
+                last_use[expert] = t
+                return True
+
+            protected, predicted = set(), None
+            if policy.insert_budget and layer > 0:  # part 1
+                predicted = sorted(range(num_experts), key=lambda e: (-g[t, layer, e], e))
+                for e in predicted[:policy.window]:
+                    if e in slot_of:
+                        protected.add(e)
+                    elif counts["prefetch"][t, layer] < policy.insert_budget and insert(e, protected):
+                        protected.add(e)
+                        prefetched[e] = t
+                        counts["prefetch"][t, layer] += 1
+            row = z[t, layer]  # part 2
+            ranges.append(row.max() - row.min())
+            own = sorted(range(num_experts), key=lambda e: (-row[e], e))[:k]
+            if policy.kind == "exact":
+                chosen = own
+            elif policy.kind == "spec_exec":
+                chosen = predicted[:k] if predicted is not None else own
+            else:
+                scale = policy.bonus * sum(ranges) / len(ranges) if policy.delta == "running" \
+                    else policy.bonus * delta[layer]
+                biased = [row[e] + scale if e in slot_of or e in own[:policy.protect_top] else row[e]
+                          for e in range(num_experts)]
+                chosen = sorted(range(num_experts), key=lambda e: (-biased[e], -row[e], e))[:k]
+            for e in sorted(chosen):
+                if e not in slot_of:
+                    assert insert(e, set(chosen) | protected) or insert(e, set(chosen))
+                    counts["demand"][t, layer] += 1
+            for e in chosen:
+                prefetched.pop(e, None)
+                last_use[e] = t
+            fast *= 0.5
+            slow *= 0.98
+            for e in own:
+                fast[e] += 1.0 - 0.5
+                slow[e] += 1.0 - 0.98
+            lost = [e for e in own if e not in chosen]
+            counts["replaced"][t, layer] = len(lost)
+            counts["displaced"][t, layer] = np.exp(row[lost] - row.max()).sum() / np.exp(row - row.max()).sum()
+            selected[t, layer] = chosen
+            slots[t, layer] = [slot_of[e] for e in chosen]
+        for t0 in prefetched.values():  # the sequence ends
+            counts["unused"][t0, layer] += 1
+    return selected, slots, counts
+
+
+ALGORITHM1 = [
+    dict(kind="psr", bonus=0.5, insert_budget=1, window=4, priority="A"),
+    dict(kind="psr", bonus=0.5, insert_budget=2, window=3, priority="A", protect_top=1),
+    dict(kind="psr", bonus=0.25, insert_budget=1, window=8, priority="lru", delta="running"),
+    dict(kind="psr", bonus=0.0, insert_budget=3, window=6, priority="A"),
+    dict(kind="spec_exec", insert_budget=1, window=4, priority="A"),
+    dict(kind="spec_exec", insert_budget=2, window=2, priority="lru"),
+    dict(kind="exact", priority="A"),
+    dict(kind="cache_prior", bonus=1.0, priority="A", protect_top=2),
+]
+
+
+@pytest.mark.parametrize("fields", ALGORITHM1, ids=lambda f: "-".join(str(v) for v in f.values()))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_algorithm1_matches_standalone_simulation_with_ties(fields, seed):
+    """Every policy kind with the A priority (and LRU) against `standalone_algorithm1` on random logits with
+    many ties: logits, pre-gate logits, priors and the bonus on a grid of halves, so that raw logits, biased
+    scores, pre-gate ranks and priorities tie often and every tie rule decides something."""
+    rng = np.random.default_rng(seed)
+    num_experts, capacity, k, layers, vocab = 10, 5, 3, 3, 4
+    z = rng.integers(-4, 5, size=(120, layers, num_experts)) / 2.0
+    g = np.where(rng.random(z.shape) < 0.7, z, rng.integers(-4, 5, size=z.shape) / 2.0)  # a pre-gate near z
+    tokens = rng.integers(0, vocab, 120)
+    prior = rng.integers(0, 3, size=(layers, vocab, num_experts)) / 4.0 * (rng.random((layers, vocab, num_experts)) < 0.4)
+    warm = np.stack([rng.permutation(num_experts) for _ in range(layers)])
+    delta = np.array([1.0, 2.0, 1.5])
+    cal = Calibration(warm, prior, delta, {})
+    policy = PolicyConfig(capacity=capacity, top_k=k, **fields)
+    starts = [0, 70]  # two sequences: state resets, unexecuted prefetches count at each end
+    trace = replay(policy, z, g, tokens, cal, sequence_starts=starts)
+    parts = [standalone_algorithm1(policy, z[a:b], g[a:b], tokens[a:b], warm, prior, delta)
+             for a, b in zip(starts, starts[1:] + [len(z)])]
+    np.testing.assert_array_equal(trace.selected, np.concatenate([p[0] for p in parts]))
+    np.testing.assert_array_equal(trace.slots, np.concatenate([p[1] for p in parts]))
+    counts = {name: np.concatenate([p[2][name] for p in parts]) for name in parts[0][2]}
+    np.testing.assert_array_equal(trace.demand_copies, counts["demand"])
+    np.testing.assert_array_equal(trace.prefetch_copies, counts["prefetch"])
+    np.testing.assert_array_equal(trace.unused_prefetches, counts["unused"])
+    np.testing.assert_array_equal(trace.replaced, counts["replaced"])
+    np.testing.assert_allclose(trace.displaced_mass, counts["displaced"], rtol=1e-12, atol=1e-15)
+    assert counts["demand"].sum() > 0 and (policy.kind != "psr" or counts["unused"].sum() > 0)
+    if policy.kind in ("psr", "cache_prior") and policy.bonus > 0:
+        assert counts["replaced"].sum() > 0  # the bonus changed decisions
 
 
 # -- replay ----------------------------------------------------------------------------------------------

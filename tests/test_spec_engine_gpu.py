@@ -75,10 +75,14 @@ def test_gpu_agrees_with_the_harness_loop(gpu_family, prompt):
     result = sd(spec(gpu_family, "acceptmoe"), prompt, record=True)
     assert result.tokens == harness.tokens.tolist()
     assert list(result.accepted) == harness.accepted
-    same = np.mean([np.mean(np.sort(m, -1) == np.sort(t["selected"], -1))
-                    for m, t in zip(result.block_selected, harness.blocks, strict=True)])
-    assert same >= 0.99, same  # float32 on one device; rare near-ties may order differently
-    assert abs(result.counts()["copies"] - harness.copies) <= 0.02 * max(harness.copies, 1)
+    # float32 on one device: the engine's and transformers' router logits differ by summation order, about 1e-6
+    # relative. A selection changes only where two experts' scores (or gamma e^H and an integer) lie that close;
+    # over this run's few thousand decisions, with logits spread over units, the chance is about 1e-3. So every
+    # block's selections and the copies must be equal, as the CPU test demands (the old bound let 1% of the
+    # selections and 2% of the copies differ). A failure names the block: look for such a near-tie there.
+    for b, (mine, theirs) in enumerate(zip(result.block_selected, harness.blocks, strict=True)):
+        np.testing.assert_array_equal(np.sort(mine, -1), np.sort(theirs["selected"], -1), err_msg=f"block {b}")
+    assert result.counts()["copies"] == harness.copies
 
 
 def test_gpu_copy_timing_changes_no_token_or_selection(gpu_family, prompt):

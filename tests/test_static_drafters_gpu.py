@@ -90,11 +90,15 @@ def test_graphs_equal_eager_and_the_transformers_drafter(target, prompt, name):
             assert g_drafts == h_drafts
             np.testing.assert_allclose(g_conf, h_conf, rtol=1e-3, atol=1e-5)
     else:  # bf16: other kernels round differently; compare each block's first draft (conditioned on the same
-        # committed prefix in both) up to near-ties, and its confidence within bf16 tolerance
-        first = [(gd[0] == hd[0], g_conf[0], h_conf[0]) for (gd, g_conf), (hd, h_conf) in pairs]
-        assert np.mean([same for same, _, _ in first]) >= 0.8, first
-        agree = np.array([[g, h] for same, g, h in first if same])
-        np.testing.assert_allclose(agree[:, 0], agree[:, 1], atol=0.05)
+        # committed prefix in both). Its confidence (the probability of the argmax) agrees within bf16 tolerance:
+        # logits of size ~10 are bf16 steps of 2^-4 apart, and p moves by at most p (1 - p) <= 1/4 times the logit
+        # change, so 0.05 covers changes of 0.2 (three steps). The drafts themselves must agree except at a
+        # near-tie, where the two top tokens are within that change of each other: then neither holds much more
+        # than half the mass (e^0.2 / (1 + e^0.2) = 0.55), so a disagreement with a confidence above 0.6 is a
+        # real one. (The old check let 20% of the blocks draft anything.)
+        for (gd, g_conf), (hd, h_conf) in pairs:
+            assert abs(g_conf[0] - h_conf[0]) <= 0.05, (gd[0], hd[0], g_conf[0], h_conf[0])
+            assert gd[0] == hd[0] or max(g_conf[0], h_conf[0]) <= 0.6, (gd[0], hd[0], g_conf[0], h_conf[0])
 
 
 @pytest.mark.parametrize("name", ["ar", "dflash"])

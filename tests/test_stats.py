@@ -7,9 +7,11 @@ from scipy import stats as st
 
 from specmoe import stats
 
-sm_contingency = pytest.importorskip("statsmodels.stats.contingency_tables")
-sm_multitest = pytest.importorskip("statsmodels.stats.multitest")
-sm_api = pytest.importorskip("statsmodels.api")
+
+def _statsmodels(module: str):
+    """statsmodels.`module`, or skip the calling test: only the tests that compare with statsmodels need it (the
+    scipy comparisons run without it)."""
+    return pytest.importorskip(f"statsmodels.{module}")
 
 
 def _outcomes(seed, n, p_a, p_b, agree):
@@ -24,6 +26,7 @@ def _outcomes(seed, n, p_a, p_b, agree):
 @pytest.mark.parametrize("seed, n, p_a, p_b, agree", [(0, 200, 0.6, 0.5, 0.8), (1, 50, 0.5, 0.5, 0.9),
                                                       (2, 1000, 0.7, 0.65, 0.85), (3, 12, 0.5, 0.3, 0.2)])
 def test_mcnemar_matches_statsmodels_exact(seed, n, p_a, p_b, agree):
+    sm_contingency = _statsmodels("stats.contingency_tables")
     a, b = _outcomes(seed, n, p_a, p_b, agree)
     result = stats.mcnemar_exact(a, b)
     table = [[np.sum((a == 1) & (b == 1)), np.sum((a == 1) & (b == 0))],
@@ -123,6 +126,7 @@ def test_sign_flip_refuses_bad_input():
 
 # -- paired difference ---------------------------------------------------------------------------------------
 def test_paired_difference_se_matches_statsmodels_ols():
+    sm_api = _statsmodels("api")
     rng = np.random.default_rng(7)
     a, b = rng.random(40), rng.random(40)
     d = a - b
@@ -133,6 +137,7 @@ def test_paired_difference_se_matches_statsmodels_ols():
 
 
 def test_paired_difference_cluster_robust_se_matches_statsmodels():
+    sm_api = _statsmodels("api")
     rng = np.random.default_rng(8)
     clusters = np.repeat(np.arange(25), rng.integers(1, 6, 25))
     a = (rng.random(clusters.size) < 0.7).astype(float)
@@ -148,6 +153,7 @@ def test_paired_difference_cluster_robust_se_matches_statsmodels():
 # -- Holm ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed, m", [(0, 1), (1, 5), (2, 17), (3, 90)])
 def test_holm_matches_statsmodels(seed, m):
+    sm_multitest = _statsmodels("stats.multitest")
     rng = np.random.default_rng(seed)
     p = np.minimum(1.0, rng.random(m) ** 3)
     reference = sm_multitest.multipletests(p, method="holm")[1]
@@ -155,6 +161,7 @@ def test_holm_matches_statsmodels(seed, m):
 
 
 def test_holm_keeps_shape_ties_and_nan():
+    sm_multitest = _statsmodels("stats.multitest")
     p = [0.01, 0.04, 0.04, 0.03, 0.5]
     reference = sm_multitest.multipletests(p, method="holm")[1]
     np.testing.assert_allclose(stats.holm(p), reference)
