@@ -210,14 +210,13 @@ def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[
     pre-gate logits and input tokens), with the traced model's calibration. A trace of a shallower model with the
     same E and K (a trained member of the family standing for a full-size config) is tiled over the L layers,
     and so is its calibration (`Trace.tiled`, `Calibration.tiled`); the info says so."""
-    from specmoe.records import Trace as RecordedTrace
-    from specmoe.routing import Calibration
+    from specmoe.records.synthetic import read_calibration, read_trace
 
     if not calibration_path:
         raise ValueError("--trace needs --trace-calibration (the calibration of the traced model)")
     num_layers, num_experts, top_k, vocab_size = geometry
-    rec = RecordedTrace.load(path, num_experts=num_experts, top_k=top_k)
-    calibration = Calibration.load(calibration_path)
+    rec = read_trace(path, num_experts=num_experts, top_k=top_k)
+    calibration = read_calibration(calibration_path)
     calibration.check(rec.num_layers, num_experts)
     rec, calibration = rec.tiled(num_layers), calibration.tiled(num_layers)
     bounds = list(rec.sequence_starts) + [len(rec.token_ids)]
@@ -316,9 +315,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="olmoe-1b-7b", help="named config of specmoe.models")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script's logic")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--trace", help="routing trace of a trained model with the same L, E, K (`specmoe trace`): "
+    ap.add_argument("--trace", help="routing trace of a trained model with the same L, E, K (`specmoe trace`) or a "
+                    "synthetic routing source NAME[:tokens=T,seed=S] (docs/routing-source.md): "
                     "adds trace-following rows (router and pre-gate logits and tokens from the trace)")
-    ap.add_argument("--trace-calibration", help="calibration file of the traced model (needed with --trace)")
+    ap.add_argument("--trace-calibration", help="calibration file of the traced model (needed with --trace; for a "
+                    "synthetic routing source such as olmoe-like, its name)")
     ap.add_argument("--configs", nargs="+", help="run only these configurations (names as in the table; "
                     "all_resident is always run, efficiencies need it)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")

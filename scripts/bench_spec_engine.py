@@ -51,8 +51,9 @@ from specmoe.engines.helpers import free_routed_experts, random_model_on_device 
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
-from specmoe.records import AcceptanceProfile, BlockRecords, Trace, blocks_from_records, synthetic_blocks  # noqa: E402
-from specmoe.routing import Calibration, preset, psr_bonus  # noqa: E402
+from specmoe.records import AcceptanceProfile, BlockRecords, blocks_from_records, synthetic_blocks  # noqa: E402
+from specmoe.records.synthetic import read_calibration, read_trace  # noqa: E402
+from specmoe.routing import preset, psr_bonus  # noqa: E402
 from specmoe.speculation import SpeculativeConfig, tau as tau_of  # noqa: E402
 from specmoe.stats import unit_ratio  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
@@ -134,9 +135,11 @@ def ar_pass(engine, feeds, first_position: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--trace", required=True, help="routing trace of a family target (make_bench_trace.py); a "
+    ap.add_argument("--trace", required=True, help="routing trace of a family target (make_bench_trace.py) or a "
+                    "synthetic routing source (olmoe-like, docs/routing-source.md); a "
                     "shallower trace with the target's E and K is tiled over its layers (`Trace.tiled`)")
-    ap.add_argument("--trace-calibration", required=True, help="calibration of the traced model")
+    ap.add_argument("--trace-calibration", required=True, help="calibration of the traced model (a synthetic "
+                    "source: its name)")
     ap.add_argument("--records", nargs="*", help="block record files of the family (specmoe sd --records)")
     ap.add_argument("--pool", type=int, default=24)
     ap.add_argument("--union", type=int, default=None, help="union slots U per layer (default E - P)")
@@ -175,8 +178,8 @@ def main(argv=None) -> int:
     report["bandwidth_Bps"] = measure_bandwidth(args.device, 2 * 1024**3 if args.device == "cuda" else 64 * 1024**2)
     report["copy"] = measure_copy_ms(store, args.device)
     L, E, K = adapter.num_moe_layers, adapter.num_experts, adapter.top_k
-    calibration = Calibration.load(args.trace_calibration)
-    trace = Trace.load(args.trace, num_experts=E, top_k=K)
+    calibration = read_calibration(args.trace_calibration)
+    trace = read_trace(args.trace, num_experts=E, top_k=K)
     calibration.check(trace.num_layers, E)
     trace, calibration = trace.tiled(L), calibration.tiled(L)
     report["trace"] = {"model": trace.model, "tiled_from_layers": trace.info.get("tiled_from_layers")}

@@ -52,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_parser(sub)
 
     replay_parser = sub.add_parser("replay", help="run a policy over a recorded routing trace (no model)")
-    replay_parser.add_argument("--trace", required=True, help="trace file written by `specmoe trace`")
-    replay_parser.add_argument("--calibration", required=True, help="calibration file of the traced model")
+    replay_parser.add_argument("--trace", required=True, help="trace file written by `specmoe trace`, or a "
+                               "synthetic routing source NAME[:tokens=T,seed=S] (docs/routing-source.md)")
+    replay_parser.add_argument("--calibration", required=True, help="calibration file of the traced model (for a "
+                               "synthetic source: its name)")
     _add_policy_args(replay_parser)
     replay_parser.add_argument("--out", default=None, help="run directory (default runs/replay-DIGEST, DIGEST of "
                                "the policy and the input files); `specmoe report` reads it")
@@ -70,15 +72,14 @@ def _run_replay(args) -> int:
     import math
 
     from .rundir import RunDir, _check_pyarrow, digest_of, run_cells
-    from .files import file_sha256
-    from .routing import Calibration, parse_policy, replay
-    from .records import Trace
+    from .routing import parse_policy, replay
+    from .records.synthetic import input_sha256, read_calibration, read_trace
 
-    calibration = Calibration.load(args.calibration)
-    trace = Trace.load(args.trace)
+    calibration = read_calibration(args.calibration)
+    trace = read_trace(args.trace)
     calibration.check(trace.num_layers, trace.num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
     policy = parse_policy(args.policy, args.capacity, trace.top_k, args.set)
-    inputs = {key: {"path": str(path), "sha256": file_sha256(path)}
+    inputs = {key: {"path": str(path), "sha256": input_sha256(path)}
               for key, path in (("trace", args.trace), ("calibration", args.calibration))}
     identity = {"command": "replay", "policy": dataclasses.asdict(policy)}
     digest = digest_of(identity, inputs)

@@ -35,7 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("stats", help="routing statistics of a trace or a model (entropy, margin, reuse, "
                               "pre-gate recall, distinct experts, load skew, LRU miss rate by C)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", help="a trace file written by `specmoe trace` (then no model is loaded)")
+    p.add_argument("--trace", help="a trace file written by `specmoe trace`, or a synthetic "
+                   "routing source NAME[:tokens=T,seed=S] such as olmoe-like (then no model is loaded)")
     p.add_argument("--model", default="family", help="the model to record a trace of, without --trace: a checkpoint "
                    "directory, 'family' (default) or 'family/<member>'")
     text = p.add_mutually_exclusive_group()
@@ -45,7 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int_at_least(1), default=16384, help="record at most this many tokens")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--calibration", help="calibration file of the model (default: built from the trace, in-sample)")
+    p.add_argument("--calibration", help="calibration file of the model, or a synthetic source's "
+                   "name (its held-out calibration); default: built from the trace, in-sample")
     p.add_argument("--capacities", type=_int_list, default=(8, 16, 24, 32, 48),
                    help="C of the LRU miss-rate curve, comma-separated (default 8,16,24,32,48)")
     p.add_argument("--policy-capacities", type=_int_list, default=(32, 16),
@@ -61,14 +63,14 @@ def _trace(args):
     """The trace of the arguments: loaded, or recorded from the model (`specmoe trace`'s code path)."""
     import numpy as np
 
-    from specmoe.records import Trace
+    from specmoe.records.synthetic import read_trace
 
     from .trace import record_tokens, text_ids
 
     if args.trace:
         if args.text or args.tokens:
             raise ValueError("--text and --tokens record a trace: give them without --trace")
-        return Trace.load(args.trace), args.trace
+        return read_trace(args.trace), args.trace
     if args.text:
         ids, what = text_ids(args.model, args.text), args.text
     elif args.tokens:
@@ -105,14 +107,14 @@ def main(args) -> int:
     import pandas as pd
 
     from specmoe.files import write_text_atomic
-    from specmoe.routing import Calibration
+    from specmoe.records.synthetic import read_calibration
     from specmoe.routing.statistics import routing_stats, stats_tables
 
     check_output_file(args.out, "--out")
     trace, what = _trace(args)
     calibration = None
     if args.calibration:
-        calibration = Calibration.load(args.calibration)
+        calibration = read_calibration(args.calibration)
         calibration.check(trace.num_layers, trace.num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
     stats = routing_stats(trace, calibration, capacities=args.capacities, windows=args.windows,
                           policy_capacities=args.policy_capacities)

@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 from specmoe.arguments import int_at_least
-from specmoe.files import file_sha256
 from specmoe.limits import MAX_COUNT
 
 from . import sweeps
@@ -52,12 +51,14 @@ def _ints(text: str, what: str, minimum: int = 0, maximum: int = MAX_COUNT) -> t
 def add_parser(sub) -> None:
     p = sub.add_parser("replay-sd", help="CPU replay: rollback logical cache vs block-level expert selection",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calibration", required=True, help="calibration file of the model the blocks come from")
+    p.add_argument("--calibration", required=True, help="calibration file of the model the blocks come from "
+                   "(for a synthetic routing source: its name)")
     p.add_argument("--records", nargs="*", default=[], metavar="FILE", help="block record files (specmoe sd --records)")
     p.add_argument("--records-k", type=int, default=None, help="cut recorded blocks to this many drafts")
     p.add_argument("--true-continuation", action="store_true",
                    help="records: also replay them with the true continuation at rejected positions")
-    p.add_argument("--trace", default=None, help="AR trace (specmoe trace) for the synthetic drafter")
+    p.add_argument("--trace", default=None, help="AR trace (specmoe trace) for the synthetic drafter, or a "
+                   "synthetic routing source NAME[:tokens=T,seed=S] (docs/routing-source.md)")
     p.add_argument("--tau", default=None, help="synthetic: geometric acceptance with these tau values, e.g. 3,5,7")
     p.add_argument("--accept-rate", default=None, help="synthetic: geometric acceptance rates, e.g. 0.7,0.8")
     p.add_argument("--accept-table", default=None, help="synthetic: one table q_1,q_2,... (non-increasing)")
@@ -83,8 +84,9 @@ def add_parser(sub) -> None:
 def _sources(args, calibration) -> list[tuple[str, object]]:
     """The sources of blocks, in run order, as (label, build): build() loads the files and returns the `Blocks`
     (each source one cell of the run directory, so nothing is loaded for a finished one)."""
-    from specmoe.records import (AcceptanceProfile, BlockRecords, Trace, blocks_from_records, synthetic_blocks,
+    from specmoe.records import (AcceptanceProfile, BlockRecords, blocks_from_records, synthetic_blocks,
                                  with_true_continuation)
+    from specmoe.records.synthetic import read_trace
 
     num_layers, num_experts = calibration.warm_ranking.shape
 
@@ -107,7 +109,7 @@ def _sources(args, calibration) -> list[tuple[str, object]]:
 
     def trace():
         if "trace" not in loaded:
-            loaded["trace"] = Trace.load(args.trace, num_layers=num_layers, num_experts=num_experts)
+            loaded["trace"] = read_trace(args.trace, num_layers=num_layers, num_experts=num_experts)
             calibration.check(num_layers, num_experts, loaded["trace"].vocab_size,
                               fingerprint=loaded["trace"].fingerprint or None)
         return loaded["trace"]
@@ -150,7 +152,7 @@ def main(args) -> int:
 
     from specmoe.rundir import RunDir, _check_pyarrow, digest_of, run_cells
     from specmoe.records import BlockSourceError
-    from specmoe.routing import Calibration
+    from specmoe.records.synthetic import input_sha256, read_calibration
     from specmoe.limits import MAX_DRAFTS
 
     from . import report
@@ -160,7 +162,7 @@ def main(args) -> int:
     if args.max_blocks is not None and args.max_blocks < 1:
         raise ValueError(f"--max-blocks must be >= 1, got {args.max_blocks}")
     _ints(args.k, "-k", 1, MAX_DRAFTS)
-    calibration = Calibration.load(args.calibration)
+    calibration = read_calibration(args.calibration)
     if not 1 <= args.capacity <= calibration.warm_ranking.shape[1]:
         raise ValueError(f"-C {args.capacity} outside [1, E={calibration.warm_ranking.shape[1]}]")
     num_experts = calibration.warm_ranking.shape[1]  # an insertion budget beyond E inserts no more
@@ -175,7 +177,7 @@ def main(args) -> int:
                 "options": {k: list(v) for k, v in options.items()}}
     paths = {"calibration": args.calibration, **{f"records[{i}]": p for i, p in enumerate(args.records)},
              "trace": args.trace, "accept_hist_from": args.accept_hist_from}
-    inputs = {key: {"path": str(p), "sha256": file_sha256(p)} for key, p in paths.items() if p}
+    inputs = {key: {"path": str(p), "sha256": input_sha256(p)} for key, p in paths.items() if p}
     digest = digest_of(identity, inputs)
     run_dir = RunDir(args.out, digest)
     run_dir.check(digest, inputs, identity, "pass another --out DIR")
