@@ -167,8 +167,8 @@ def test_gpu_decoder_chooses_the_kernels_and_its_mixer_matches_torch():
 
 @pytest.mark.gpu
 def test_gpu_mixer_with_the_kernels_replays_in_a_cuda_graph():
-    """The mixer's launches (in_proj, prologue, recurrence, gated norm, out_proj) captured once and replayed give
-    the eager run's output and state."""
+    """The mixer's launches (in_proj, prologue, recurrence, gated norm, out_proj) captured once and replayed from
+    the same state give the eager run's output and state."""
     from specmoe.models import load_model
     from specmoe.models.qwen3_5_moe_decode import Qwen35MoeDecoder
 
@@ -190,6 +190,10 @@ def test_gpu_mixer_with_the_kernels_replays_in_a_cuda_graph():
         with torch.cuda.graph(graph):
             out = dec._linear_attention(step, 0, x)
         dec.randomize_cache(0)
+        start = dec.recurrent_state[0].clone()
         graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, want) and torch.equal(dec.recurrent_state[0], state)
+    assert not torch.equal(dec.recurrent_state[0], start)  # the replay advanced the state
+    for ref, got in ((want, out), (state, dec.recurrent_state[0])):  # (cuBLAS may pick another algorithm inside)
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        assert err < 1e-2, err

@@ -230,12 +230,8 @@ if triton is not None:
         p = tl.program_id(0)
         W: tl.constexpr = WIDTH - 1
         dt = conv_in_ptr.dtype.element_ty
-        if p < 2 * NK:
-            c0 = p * DK
-            n = DK
-        else:
-            c0 = 2 * NK * DK + (p - 2 * NK) * DV
-            n = DV
+        c0 = tl.where(p < 2 * NK, p * DK, 2 * NK * DK + (p - 2 * NK) * DV)  # its first channel, its channels
+        n = tl.where(p < 2 * NK, DK, DV)
         o = tl.arange(0, BD)
         m = o < n
         c = c0 + o
@@ -251,24 +247,24 @@ if triton is not None:
             y = acc.to(dt).to(tl.float32)
             y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)  # silu, rounded
             if p < 2 * NK:
-                y = y * tl.rsqrt(tl.sum(y * y, axis=0) + eps)
+                normed = y * tl.rsqrt(tl.sum(y * y, axis=0) + eps)
                 if p < NK:
-                    tl.store(q_ptr + (t * NK + p) * DK + o, y * q_scale, mask=m)
+                    tl.store(q_ptr + (t * NK + p) * DK + o, normed * q_scale, mask=m)
                 else:
-                    tl.store(k_ptr + (t * NK + p - NK) * DK + o, y, mask=m)
+                    tl.store(k_ptr + (t * NK + p - NK) * DK + o, normed, mask=m)
             else:
                 tl.store(v_ptr + (t * NV + p - 2 * NK) * DV + o, y, mask=m)
         if p >= 2 * NK:  # decay = A softplus(a + dt_bias), beta = sigmoid(b) rounded
             h = p - 2 * NK
-            for t in range(T):
-                x = tl.load(proj_ptr + t * row_stride + b_col + NV + h).to(tl.float32)
-                x = x + tl.load(dt_bias_ptr + h).to(tl.float32)
-                u = tl.exp(tl.minimum(x, threshold))
-                w = 1.0 + u
-                log1p = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))  # log1p(u) to a few ulp
-                tl.store(decay_ptr + t * NV + h, tl.load(a_ptr + h) * tl.where(x > threshold, x, log1p))
-                b = tl.load(proj_ptr + t * row_stride + b_col + h).to(tl.float32)
-                tl.store(beta_ptr + t * NV + h, (1.0 / (1.0 + tl.exp(-b))).to(dt).to(tl.float32))
+            for s in range(T):
+                arg = tl.load(proj_ptr + s * row_stride + b_col + NV + h).to(tl.float32)
+                arg = arg + tl.load(dt_bias_ptr + h).to(tl.float32)
+                u = tl.exp(tl.minimum(arg, threshold))
+                one_u = 1.0 + u
+                log1p = tl.where(one_u == 1.0, u, tl.log(one_u) * (u / (one_u - 1.0)))  # log1p(u) to a few ulp
+                tl.store(decay_ptr + s * NV + h, tl.load(a_ptr + h) * tl.where(arg > threshold, arg, log1p))
+                b_in = tl.load(proj_ptr + s * row_stride + b_col + h).to(tl.float32)
+                tl.store(beta_ptr + s * NV + h, (1.0 / (1.0 + tl.exp(-b_in))).to(dt).to(tl.float32))
         for j in tl.static_range(W):  # the old state into the convolution input ...
             tl.store(conv_in_ptr + c * cols + j, tl.load(state_ptr + c * W + j, mask=m), mask=m)
         tl.debug_barrier()  # ... every read of the old state and write of conv_in done: the new state

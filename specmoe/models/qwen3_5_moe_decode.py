@@ -14,8 +14,8 @@ optional `fla` is installed, else our Triton kernel (`specmoe.kernels.gdn`); `no
 which ran. Around it, the Gated DeltaNet's prologue (short convolution, q/k norms, decay and beta into the step's
 buffers) and its gated RMSNorm run as one Triton launch each (`gdn_fused`), so that its token mixer is five
 launches: in_proj, prologue, recurrence, gated norm, out_proj. On the CPU everything is torch: the recurrence
-position by position. The other norms and the projections are torch ops everywhere. A step has static shapes and reads no host value, so each layer's
-launch captures into a CUDA graph; a prompt chunk runs through the same steps.
+position by position. The other norms and the projections are torch ops everywhere. A step has static shapes and
+reads no host value, so each layer's launch captures into a CUDA graph; a prompt chunk runs through the same steps.
 
 Layers. Every decoder layer is an MoE layer (MoE layer l = decoder layer l). Its token mixer is, by the config's
 `layer_types`, either
@@ -214,8 +214,8 @@ class Qwen35MoeDecoder(FeatureCapture):
         parameters; and the Gated DeltaNet's recurrence through fla's kernels where installed, else our Triton
         kernel (`specmoe.kernels.gdn`; `set_gdn` narrows the choice), and its prologue and gated RMSNorm through
         one Triton launch each (`gdn_fused`), each checked against torch on this device. The other norms and the
-        projections are torch ops on every path. The returned dict adds "gdn": the
-        recurrence's kernel. flash-attn and vLLM's experts are not implemented here: noted, split-KV / slot used."""
+        projections are torch ops on every path. The returned dict adds "gdn": the recurrence's kernel. flash-attn
+        and vLLM's experts are not implemented here: noted, split-KV / slot used."""
         check_kernel_choice(backend, attention, moe)
         tune = check_tune(tune)
         for what, asked, used in (("attention", attention, "split_kv or sdpa"), ("moe", moe, "slot")):
