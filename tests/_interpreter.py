@@ -4,7 +4,10 @@ PRELUDE patches two interpreter bugs (the interpreter only; compiled kernels are
 - NumPy >= 2.4 refuses int() of a 1-element array, which the interpreter uses for tensor loop bounds
   (triton-lang/triton#9171): convert through a scalar instead;
 - the interpreter multiplies the bit patterns of bfloat16 operands of tl.dot (it stores bfloat16 as uint16 and
-  converts only 8-bit floats before np.matmul; triton-lang/triton#11584): convert them to float32 as its casts do.
+  converts only 8-bit floats before np.matmul; triton-lang/triton#11584): convert them to float32 as its casts do;
+- the interpreter's float32 -> bfloat16 cast (`x.to(tl.bfloat16)`) truncates the mantissa where compiled Triton
+  and torch round to nearest even: round to nearest even, so that kernels with bfloat16 rounding points can be
+  compared with torch bit for bit.
 """
 
 import os
@@ -33,6 +36,13 @@ def _f32(h):
         return ti.TensorHandle(ti._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
     return h
 ti.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: _dot(self, _f32(a), _f32(b), d, *args)
+_cast = ti.InterpreterBuilder.cast_impl
+def _cast_rne(self, src, dst_type):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        return ti.TensorHandle(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16), tl.bfloat16)
+    return _cast(self, src, dst_type)
+ti.InterpreterBuilder.cast_impl = _cast_rne
 """
 
 

@@ -98,6 +98,41 @@ def check_gdn(kernel: str, heads: tuple[int, int, int, int], device: torch.devic
                                        f"error {err:.3g}")
 
 
+def check_gdn_prologue(heads: tuple[int, int, int, int], width: int, dtype: torch.dtype, device: torch.device,
+                       positions=(1, 16)) -> None:
+    """The Gated DeltaNet prologue kernel (`gdn.gdn_prologue_triton`) against its torch version at the layer's
+    heads (NK, NV, dk, dv) and convolution width, for each number of positions: every output and the new
+    convolution state (`_agree`)."""
+    from .gdn import gdn_prologue_torch, gdn_prologue_triton, prologue_outputs, random_prologue_inputs
+
+    for d in positions:
+        inputs = random_prologue_inputs(d, heads, width, dtype, device, seed=d)
+        results = []
+        for prologue in (gdn_prologue_torch, gdn_prologue_triton):
+            proj, weight, A, dt_bias, state = (t.clone() for t in inputs)
+            outs = prologue_outputs(d, heads, width, dtype, device)
+            prologue(proj, weight, A, dt_bias, state, *outs)
+            results.append((state,) + outs)
+        for name, ref, out in zip(("state", "conv_in", "q", "k", "v", "decay", "beta"), *results):
+            _agree(f"Gated DeltaNet prologue kernel ({name}, D = {d})", ref, out)
+
+
+def check_gated_rmsnorm(heads: tuple[int, int, int, int], eps: float, dtype: torch.dtype, device: torch.device,
+                        num_positions: int = 16) -> None:
+    """The gated RMSNorm kernel (`gdn.gated_rmsnorm_triton`) against `gdn.gated_rmsnorm` on a float32 input
+    rounded to `dtype` and a gate that is a strided view, as in the decoder."""
+    from .gdn import gated_rmsnorm, gated_rmsnorm_triton
+
+    _, nv, _, dv = heads
+    g = torch.Generator(device=device).manual_seed(5)
+    x = torch.randn(num_positions, nv, dv, device=device, generator=g)
+    gate = torch.randn(num_positions, 2 * nv * dv + 1, device=device, generator=g).to(dtype)
+    gate = gate[:, 1:1 + nv * dv].view(num_positions, nv, dv)
+    weight = torch.randn(dv, device=device, generator=g).to(dtype)
+    _agree("gated RMSNorm kernel", gated_rmsnorm(x.to(dtype), gate, weight, eps),
+           gated_rmsnorm_triton(x, gate, weight, eps))
+
+
 def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
                  dtype: torch.dtype, device: torch.device) -> None:
     """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""

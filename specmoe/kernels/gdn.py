@@ -17,12 +17,30 @@ q scaled by dk^-1/2; v [D, NV, dv] float32; decay [D, NV] (log of the per-positi
 float32. Value head h reads key head h // (NV / NK) (grouped value heads). Per position: S <- exp(decay) S;
 S <- S + k (beta (v - k S)); output q S.
 
+Around the recurrence, a Gated DeltaNet step has a prologue and an epilogue, each as torch (the CPU path and the
+reference) and as one Triton launch:
+- `gdn_prologue_*`: from the in_proj output [D, C + NV dv + 2 NV] ([qkv | z | b | a], C = 2 NK dk + NV dv) and
+  the layer's convolution state [C, K - 1]: the convolution input [C, K - 1 + D] (the state, then the D inputs;
+  kept for rollback), the new state (its last K - 1 columns), and the recurrence's inputs above: the short
+  causal depthwise convolution (width K, float32 sums rounded to the model dtype), silu (rounded), q and k
+  L2-normed in float32 (q times dk^-1/2), v; decay = A softplus(a + dt_bias) and beta = sigmoid(b) (rounded to
+  the model dtype, then float32). The kernel's grid is one program per head of q, k and v (2 NK + NV), each
+  looping over the D positions of its channels: a channel's convolution state is read and then rewritten in the
+  same launch, so one program owns it (a barrier orders its reads before its writes);
+- `gated_rmsnorm*`: the output norm, per (position, value head): w * rmsnorm(x) (rounded to the model dtype)
+  times silu(z) in float32, rounded. The kernel rounds the recurrence's float32 output to the model dtype first,
+  as the torch path does before calling it.
+The kernels follow the torch code's rounding points; float32 sums in another order (the convolution, the norms)
+and the device's exp / rsqrt make them agree to about 1e-6 relative in float32, bitwise in bfloat16 but for a
+rare element one bfloat16 step away (`checks.check_gdn_prologue`, tests/test_gdn_prologue.py).
+
 Graph capture: every launch has static shapes and reads no host value, so a step captures into a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:  # Triton is optional: CPU machines run the torch reference
     import triton
@@ -31,6 +49,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 GDN_KERNELS = ("torch", "triton", "fla")
+L2NORM_EPS = 1e-6  # the reference's l2norm of q and k in the gated delta rule
+SOFTPLUS_THRESHOLD = 20.0  # torch's softplus: x itself above it
 FLA_CHUNK_FROM = 64  # fla's chunked kernel from this many positions (one chunk), its fused recurrent one below
 FLA_NOTE = ("flash-linear-attention (`fla`, the optional extra specmoe[fla]) cannot be imported: the Gated "
             "DeltaNet runs on our Triton kernel (or torch)")
@@ -163,3 +183,159 @@ def random_gdn_inputs(num_positions: int, nk: int, nv: int, dk: int, dv: int, de
     decay = -torch.rand(num_positions, nv, device=device, generator=g)
     beta = torch.rand(num_positions, nv, device=device, generator=g)
     return q * dk ** -0.5, k, rand(num_positions, nv, dv), decay, beta, rand(nv, dk, dv) * dk ** -0.5
+
+
+# -- the step's prologue (convolution, norms, decay and beta) and epilogue (gated RMSNorm) --------------------------
+def l2_normalise(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def gdn_prologue_torch(proj, conv_weight, A, dt_bias, conv_state, conv_in, q, k, v, decay, beta) -> None:
+    """The prologue in torch (see the module docstring): from proj [D, C + NV dv + 2 NV] (in_proj's output),
+    conv_weight [C, 1, K], A [NV] float32 (-exp(A_log)), dt_bias [NV] and the convolution state [C, K - 1] (updated
+    in place), writes conv_in [C, K - 1 + D] and the recurrence's inputs q, k [D, NK, dk], v [D, NV, dv], decay and
+    beta [D, NV] (float32)."""
+    d, (nk, dk), (nv, dv) = proj.shape[0], q.shape[1:], v.shape[1:]
+    conv_dim, width = conv_in.shape[0], conv_weight.shape[-1]
+    b, a = proj[:, proj.shape[1] - 2 * nv:].split([nv, nv], dim=-1)
+    conv_in[:, :width - 1].copy_(conv_state)
+    conv_in[:, width - 1:].copy_(proj[:, :conv_dim].t())
+    conv_state.copy_(conv_in[:, d:])
+    mixed = F.silu(F.conv1d(conv_in[None], conv_weight, groups=conv_dim))[0].t()  # [D, C]
+    mq, mk, mv = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
+    q.copy_(l2_normalise(mq.reshape(d, nk, dk).float()) * dk ** -0.5)
+    k.copy_(l2_normalise(mk.reshape(d, nk, dk).float()))
+    v.copy_(mv.reshape(d, nv, dv))
+    decay.copy_(A * F.softplus(a.float() + dt_bias, threshold=SOFTPLUS_THRESHOLD))
+    beta.copy_(b.sigmoid())
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Gated DeltaNet's output norm over the last dimension: w * norm(x) (rounded to x's dtype first), times
+    silu(gate) in float32, rounded to x's dtype."""
+    h = x.float()
+    h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (h * F.silu(gate.float())).to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prologue_kernel(proj_ptr, conv_w_ptr, a_ptr, dt_bias_ptr, state_ptr, conv_in_ptr, q_ptr, k_ptr, v_ptr,
+                         decay_ptr, beta_ptr, T, row_stride, b_col, q_scale, eps, threshold,
+                         NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         WIDTH: tl.constexpr, BD: tl.constexpr):
+        """Program p: q head p (p < NK), k head p - NK (p < 2 NK) or v head p - 2 NK, i.e. its channels of the
+        convolution, through T positions; a v head's program also writes that head's decay and beta."""
+        p = tl.program_id(0)
+        W: tl.constexpr = WIDTH - 1
+        dt = conv_in_ptr.dtype.element_ty
+        c0 = tl.where(p < 2 * NK, p * DK, 2 * NK * DK + (p - 2 * NK) * DV)  # its first channel, its channels
+        n = tl.where(p < 2 * NK, DK, DV)
+        o = tl.arange(0, BD)
+        m = o < n
+        c = c0 + o
+        cols = W + T  # the convolution input's row length
+        for t in range(T):
+            acc = tl.zeros([BD], dtype=tl.float32)
+            for j in tl.static_range(WIDTH):  # input column t + j: the old state's, else position t + j - W
+                old = tl.load(state_ptr + c * W + t + j, mask=m & (t + j < W), other=0.0)
+                new = tl.load(proj_ptr + (t + j - W) * row_stride + c, mask=m & (t + j >= W), other=0.0)
+                x = tl.where(t + j < W, old, new).to(tl.float32)
+                acc += tl.load(conv_w_ptr + c * WIDTH + j, mask=m, other=0.0).to(tl.float32) * x
+            tl.store(conv_in_ptr + c * cols + W + t, tl.load(proj_ptr + t * row_stride + c, mask=m), mask=m)
+            y = acc.to(dt).to(tl.float32)
+            y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)  # silu, rounded
+            if p < 2 * NK:
+                normed = y * tl.rsqrt(tl.sum(y * y, axis=0) + eps)
+                if p < NK:
+                    tl.store(q_ptr + (t * NK + p) * DK + o, normed * q_scale, mask=m)
+                else:
+                    tl.store(k_ptr + (t * NK + p - NK) * DK + o, normed, mask=m)
+            else:
+                tl.store(v_ptr + (t * NV + p - 2 * NK) * DV + o, y, mask=m)
+        if p >= 2 * NK:  # decay = A softplus(a + dt_bias), beta = sigmoid(b) rounded
+            h = p - 2 * NK
+            for s in range(T):
+                arg = tl.load(proj_ptr + s * row_stride + b_col + NV + h).to(tl.float32)
+                arg = arg + tl.load(dt_bias_ptr + h).to(tl.float32)
+                u = tl.exp(tl.minimum(arg, threshold))
+                one_u = 1.0 + u
+                log1p = tl.where(one_u == 1.0, u, tl.log(one_u) * (u / (one_u - 1.0)))  # log1p(u) to a few ulp
+                tl.store(decay_ptr + s * NV + h, tl.load(a_ptr + h) * tl.where(arg > threshold, arg, log1p))
+                b_in = tl.load(proj_ptr + s * row_stride + b_col + h).to(tl.float32)
+                tl.store(beta_ptr + s * NV + h, (1.0 / (1.0 + tl.exp(-b_in))).to(dt).to(tl.float32))
+        for j in tl.static_range(W):  # the old state into the convolution input ...
+            tl.store(conv_in_ptr + c * cols + j, tl.load(state_ptr + c * W + j, mask=m), mask=m)
+        tl.debug_barrier()  # ... every read of the old state and write of conv_in done: the new state
+        for j in tl.static_range(W):
+            tl.store(state_ptr + c * W + j, tl.load(conv_in_ptr + c * cols + T + j, mask=m), mask=m)
+
+    @triton.jit
+    def _gated_rmsnorm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, gate_row, gate_head, eps, NV: tl.constexpr,
+                              DV: tl.constexpr, BV: tl.constexpr):
+        """Program (position t, value head h)."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        dt = out_ptr.dtype.element_ty
+        o = tl.arange(0, BV)
+        m = o < DV
+        x = tl.load(x_ptr + (t * NV + h) * DV + o, mask=m, other=0.0).to(dt).to(tl.float32)
+        normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / DV + eps)).to(dt).to(tl.float32)
+        y = (tl.load(w_ptr + o, mask=m, other=0.0).to(tl.float32) * normed).to(dt).to(tl.float32)
+        g = tl.load(gate_ptr + t * gate_row + h * gate_head + o, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (t * NV + h) * DV + o, (y * (g / (1.0 + tl.exp(-g)))).to(dt), mask=m)
+
+
+def gdn_prologue_triton(proj, conv_weight, A, dt_bias, conv_state, conv_in, q, k, v, decay, beta,
+                        num_warps: int = 4) -> None:
+    """The prologue in one launch; the same contract as `gdn_prologue_torch`. proj's rows must have unit column
+    stride, every other tensor must be contiguous."""
+    d, (nk, dk), (nv, dv) = proj.shape[0], q.shape[1:], v.shape[1:]
+    width = conv_weight.shape[-1]
+    if proj.stride(1) != 1:
+        raise ValueError("the prologue kernel needs in_proj's output with unit column stride")
+    b_col = proj.shape[1] - 2 * nv
+    _prologue_kernel[(2 * nk + nv,)](proj, conv_weight, A, dt_bias, conv_state, conv_in, q, k, v, decay, beta, d,
+                                     proj.stride(0), b_col, dk ** -0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD, NK=nk, NV=nv,
+                                     DK=dk, DV=dv, WIDTH=width, BD=triton.next_power_of_2(max(dk, dv)),
+                                     num_warps=num_warps)
+
+
+def gated_rmsnorm_triton(x, gate, weight, eps: float, out=None) -> torch.Tensor:
+    """`gated_rmsnorm(x.to(gate.dtype), gate, weight, eps)` in one launch: x [D, NV, dv] contiguous (the
+    recurrence's float32 output, or already in the model dtype), gate [D, NV, dv] with unit last stride (a view of
+    in_proj's output); returns [D, NV, dv] in gate's dtype (into `out` where given)."""
+    d, nv, dv = x.shape
+    if gate.stride(2) != 1:
+        raise ValueError("the gated RMSNorm kernel needs the gate with unit last stride")
+    out = torch.empty(d, nv, dv, dtype=gate.dtype, device=x.device) if out is None else out
+    _gated_rmsnorm_kernel[(d, nv)](x, gate, weight, out, gate.stride(0), gate.stride(1), eps, NV=nv, DV=dv,
+                                   BV=triton.next_power_of_2(dv), num_warps=1 if dv <= 128 else 4)
+    return out
+
+
+def random_prologue_inputs(num_positions: int, heads: tuple[int, int, int, int], width: int, dtype, device,
+                           seed: int = 0):
+    """Random prologue inputs of the contract (`gdn_prologue_torch`) at heads (NK, NV, dk, dv) and convolution
+    width: (proj, conv_weight, A, dt_bias, conv_state), for the self-checks and tests; a and dt_bias spread
+    softplus's argument over about (-10, 22), both sides of the threshold."""
+    nk, nv, dk, dv = heads
+    g = torch.Generator(device=device).manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=g)  # noqa: E731
+    conv_dim = 2 * nk * dk + nv * dv
+    proj = rand(num_positions, conv_dim + nv * dv + 2 * nv)
+    proj[:, -nv:] *= 8.0
+    weight = rand(conv_dim, 1, width) * width ** -0.5
+    A = -torch.rand(nv, device=device, generator=g).mul(4.0).exp()
+    dt_bias = rand(nv) * 4.0 + 4.0
+    return proj.to(dtype), weight.to(dtype), A, dt_bias.to(dtype), rand(conv_dim, width - 1).to(dtype)
+
+
+def prologue_outputs(num_positions: int, heads: tuple[int, int, int, int], width: int, dtype, device):
+    """Zeroed prologue outputs (conv_in, q, k, v, decay, beta) of the contract."""
+    nk, nv, dk, dv = heads
+    f32, d = dict(dtype=torch.float32, device=device), num_positions
+    return (torch.zeros(2 * nk * dk + nv * dv, width - 1 + d, dtype=dtype, device=device),
+            torch.zeros(d, nk, dk, **f32), torch.zeros(d, nk, dk, **f32), torch.zeros(d, nv, dv, **f32),
+            torch.zeros(d, nv, **f32), torch.zeros(d, nv, **f32))

@@ -11,9 +11,11 @@ torch path used): on CUDA the gated attention runs the split-KV kernel (`specmoe
 norms, partial rotary and the sigmoid output gate are torch ops around it), the routed experts the slot MoE
 Triton kernels (per token; grouped for D > 1), and the Gated DeltaNet's recurrence fla's kernels where the
 optional `fla` is installed, else our Triton kernel (`specmoe.kernels.gdn`); `notes` and the returned "gdn" say
-which ran. On the CPU everything is torch: the recurrence position by position. Norms, the short convolution and
-the projections are torch ops everywhere. A step has static shapes and reads no host value, so each layer's
-launch captures into a CUDA graph; a prompt chunk runs through the same steps.
+which ran. Around it, the Gated DeltaNet's prologue (short convolution, q/k norms, decay and beta into the step's
+buffers) and its gated RMSNorm run as one Triton launch each (`gdn_fused`), so that its token mixer is five
+launches: in_proj, prologue, recurrence, gated norm, out_proj. On the CPU everything is torch: the recurrence
+position by position. The other norms and the projections are torch ops everywhere. A step has static shapes and
+reads no host value, so each layer's launch captures into a CUDA graph; a prompt chunk runs through the same steps.
 
 Layers. Every decoder layer is an MoE layer (MoE layer l = decoder layer l). Its token mixer is, by the config's
 `layer_types`, either
@@ -59,14 +61,14 @@ from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
                              make_grouped_workspace, make_split_kv_workspace, norm_rope, split_kv_attention,
                              triton_available)
-from specmoe.kernels.gdn import fla_missing, gdn_recurrence, load_fla
+from specmoe.kernels.gdn import (fla_missing, gated_rmsnorm, gated_rmsnorm_triton, gdn_prologue_torch,
+                                 gdn_prologue_triton, gdn_recurrence, load_fla)
 
 from .adapter import ModelSourceError
 from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
                       residual_work, routed_moe, split_kv_check, use_slot_moe, verified)
 from .qwen3_5_moe import Qwen35MoeAdapter
 
-L2NORM_EPS = 1e-6  # the reference's l2norm of q and k in the gated delta rule
 GDN_KERNEL_CHOICES = ("auto", "fla", "triton", "torch")  # "auto": fla where installed and checked, else ours
 # How a verification block's Gated DeltaNet state is rolled back (`Qwen35MoeDecoder.set_gdn`):
 # "history": the step keeps the state after every position (one more store per position and layer) and rollback
@@ -99,18 +101,6 @@ def zero_centred_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (h * (1.0 + weight.float())).to(x.dtype)
 
 
-def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Gated DeltaNet's output norm over the last dimension: w * norm(x) (rounded to x's dtype first), times
-    silu(gate) in float32, rounded to x's dtype."""
-    h = x.float()
-    h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (h * F.silu(gate.float())).to(x.dtype)
-
-
-def l2_normalise(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
-
-
 class Qwen35MoeDecoder(FeatureCapture):
     """Qwen3.5-MoE (Gated DeltaNet and gated attention, gated shared expert) without the routed experts; see the
     module docstring."""
@@ -139,6 +129,7 @@ class Qwen35MoeDecoder(FeatureCapture):
         self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
         # the Gated DeltaNet's recurrence (`specmoe.kernels.gdn`): what was asked, what runs; rollback mode
         self.gdn_choice, self.gdn_kernel, self.fla = "auto", "torch", None
+        self.gdn_fused = {"prologue": False, "norm": False}  # the prologue and the gated norm as one launch each
         self.gdn_rollback = DEFAULT_GDN_ROLLBACK
         self.mixers = tuple("linear_attention" if t == "linear_attention" else "attention"
                             for t in config.layer_types[:num_layers])
@@ -221,9 +212,10 @@ class Qwen35MoeDecoder(FeatureCapture):
         the split-KV kernel (q/k norms, partial rotary and the output gate stay torch around it), the routed
         experts through the slot MoE Triton kernels (per token, and grouped for D > 1) with tuned launch
         parameters; and the Gated DeltaNet's recurrence through fla's kernels where installed, else our Triton
-        kernel (`specmoe.kernels.gdn`; `set_gdn` narrows the choice), each checked against torch on this device.
-        Norms, convolution and projections are torch ops on every path. The returned dict adds "gdn": the
-        recurrence's kernel. flash-attn and vLLM's experts are not implemented here: noted, split-KV / slot used."""
+        kernel (`specmoe.kernels.gdn`; `set_gdn` narrows the choice), and its prologue and gated RMSNorm through
+        one Triton launch each (`gdn_fused`), each checked against torch on this device. The other norms and the
+        projections are torch ops on every path. The returned dict adds "gdn": the recurrence's kernel. flash-attn
+        and vLLM's experts are not implemented here: noted, split-KV / slot used."""
         check_kernel_choice(backend, attention, moe)
         tune = check_tune(tune)
         for what, asked, used in (("attention", attention, "split_kv or sdpa"), ("moe", moe, "slot")):
@@ -233,6 +225,7 @@ class Qwen35MoeDecoder(FeatureCapture):
         g, on = self.geometry, (self.dtype, self.device)
         self.moe_params, self.grouped_moe, self.grouped_params, self.attention = None, False, {}, "sdpa"
         self.gdn_kernel, self.backend = "torch", "torch"
+        self.gdn_fused = {"prologue": False, "norm": False}
         self.launch.clear()
         self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and triton_ok):
@@ -241,6 +234,7 @@ class Qwen35MoeDecoder(FeatureCapture):
                 self.attention = "split_kv"
         if (backend == "triton" or (backend == "auto" and triton_ok)) and use_slot_moe(self, slot_buf, tune):
             self._choose_gdn_kernel()
+            self._choose_gdn_fusion()
         elif self.gdn_choice not in ("auto", "torch"):
             self.notes.append(f"Gated DeltaNet kernel {self.gdn_choice!r} needs the triton backend; torch used")
         self.notes.append(f"Gated DeltaNet recurrence: {self.gdn_kernel}, rollback by {self.gdn_rollback}")
@@ -267,6 +261,15 @@ class Qwen35MoeDecoder(FeatureCapture):
         elif verified(self, "fla's gated delta rule kernels (fused recurrent, chunked)", "the torch recurrence",
                       lambda: checks.check_gdn("fla", heads, dev, self.fla, positions=(1, 16, 64))):
             self.gdn_kernel = "fla"
+
+    def _choose_gdn_fusion(self) -> None:
+        """The Gated DeltaNet's prologue and its gated RMSNorm as one Triton launch each (`specmoe.kernels.gdn`),
+        each checked against its torch version at this layer's heads and dtype on this device; else torch."""
+        heads, on = (self.nk, self.nv, self.dk, self.dv), (self.dtype, self.device)
+        self.gdn_fused["prologue"] = verified(self, "Triton Gated DeltaNet prologue kernel", "torch", lambda: (
+            checks.check_gdn_prologue(heads, self.conv_width, *on)))
+        self.gdn_fused["norm"] = verified(self, "Triton gated RMSNorm kernel", "torch", lambda: (
+            checks.check_gated_rmsnorm(heads, self.eps, *on)))
 
     def set_gdn(self, kernel: str | None = None, rollback: str | None = None) -> None:
         """The Gated DeltaNet's settings: `kernel` (GDN_KERNEL_CHOICES; applied by the next `use_kernels`) and
@@ -352,27 +355,25 @@ class Qwen35MoeDecoder(FeatureCapture):
 
     # -- device steps (graph bodies) -------------------------------------------------------------------
     def _linear_attention(self, step: DecodeStep, j: int, x: torch.Tensor) -> torch.Tensor:
-        """Layer j's Gated DeltaNet on the normed input x [D, H] (its state advanced, each position's kept)."""
+        """Layer j's Gated DeltaNet on the normed input x [D, H] (its state advanced, each position's kept): in_proj,
+        the prologue (convolution over the state, norms, decay and beta into the step's buffers; `gdn_fused`: one
+        Triton launch), the recurrence, the gated RMSNorm (`gdn_fused`: one launch), out_proj."""
         w, lw, d, i = step.work, self.layers[j], step.num_positions, self.state_index[j]
-        key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
-        qkv, z, b, a = F.linear(x, lw["in_proj"]).split([self.conv_dim, value_dim, self.nv, self.nv], dim=-1)
-        conv_in = w["conv_in"][i]  # [C, K - 1 + D]: the state, then this step's inputs
-        conv_in[:, :self.conv_width - 1].copy_(self.conv_state[i])
-        conv_in[:, self.conv_width - 1:].copy_(qkv.t())
-        self.conv_state[i].copy_(conv_in[:, d:])
-        mixed = F.silu(F.conv1d(conv_in[None], lw["conv"], groups=self.conv_dim))[0].t()  # [D, C]
-        q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
-        q = w["gdn_q"][i].copy_(l2_normalise(q.reshape(d, self.nk, self.dk).float()) * self.dk ** -0.5)
-        k = w["gdn_k"][i].copy_(l2_normalise(k.reshape(d, self.nk, self.dk).float()))
-        v = w["gdn_v"][i].copy_(v.reshape(d, self.nv, self.dv))
-        decay = w["gdn_decay"][i].copy_(lw["A"] * F.softplus(a.float() + lw["dt_bias"]))
-        beta = w["gdn_beta"][i].copy_(b.sigmoid())
+        value_dim = self.nv * self.dv
+        proj = F.linear(x, lw["in_proj"])  # [D, C + value_dim + 2 NV]: qkv, z, b, a
+        q, k, v, decay, beta = (w[name][i] for name in ("gdn_q", "gdn_k", "gdn_v", "gdn_decay", "gdn_beta"))
+        prologue = gdn_prologue_triton if self.gdn_fused["prologue"] else gdn_prologue_torch
+        prologue(proj, lw["conv"], lw["A"], lw["dt_bias"], self.conv_state[i], w["conv_in"][i], q, k, v, decay, beta)
         state = self.recurrent_state[i]
         if "start" in w:  # "recompute": the state this step starts from
             w["start"][i].copy_(state)
         history = w["recurrent"][i] if "recurrent" in w else None
         out = gdn_recurrence(q, k, v, decay, beta, state, history, w["gdn_out"], self.gdn_kernel, self.fla)
-        out = gated_rmsnorm(out.to(x.dtype), z.reshape(d, self.nv, self.dv), lw["norm"], self.eps)
+        z = proj[:, self.conv_dim:self.conv_dim + value_dim].view(d, self.nv, self.dv)
+        if self.gdn_fused["norm"]:
+            out = gated_rmsnorm_triton(out, z, lw["norm"], self.eps)
+        else:
+            out = gated_rmsnorm(out.to(x.dtype), z, lw["norm"], self.eps)
         return F.linear(out.reshape(d, value_dim), lw["out"])
 
     def _attention(self, step: DecodeStep, j: int, x: torch.Tensor) -> torch.Tensor:
