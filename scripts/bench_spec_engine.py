@@ -7,8 +7,14 @@ configuration is trace-following (`Engine.follow`) of
 - synthetic blocks over a routing trace of the shipped family target (`--trace`, `make_bench_trace.py`): a
   synthetic drafter at tau about --taus (default 3 5 7) for each --k (default 8 16), acceptance profile
   `AcceptanceProfile.for_tau`;
-- block records of the family's harness runs (`--records FILE ...`, `specmoe sd --records`: AR and DFlash
-  drafters), cut to each k.
+- block records of the family's harness runs (`--records FILE ...`, `specmoe sd --records`: one file per drafter
+  and selector, RUN_DIR/blocks/blocks_cNNNN_DRAFTER_SELECTOR.safetensors), cut to each k, and synthetic blocks
+  over the trace at each records file's accepted-length histogram (`AcceptanceProfile.of_records`).
+Acceptance per row: a selector follows the records of its own run, matched by the file's selector field
+(`records_per_selector`), and the synthetic blocks of its own histogram: closed loop, its own accepted lengths. A
+selector without records follows exact's, and every selector follows the tau sources' one profile: open loop
+(exact's acceptance; optimistic for a lossy selector), labelled so in the table and the json. --closed-loop makes
+a selector without records of its own an error and keeps exact only on the tau sources.
 For each source and selector (--selectors) the engine runs with pool P = --pool (default 24, the paper's
 37.5% of 64) and U = --union union slots (default E - P), with copies and with copies skipped (compute only, same
 selections). AR (--ar-policies, default PSR at the paper's lambda for C of E, n = 1) on the same unit follows the
@@ -20,12 +26,13 @@ and K is tiled over the target's layers (`Trace.tiled`, `Calibration.tiled`).
 
 Reported per configuration: tau, copies per committed token, ms per committed token (verification, of it
 exposed copies = with copies - copies skipped, paired per round), p50 / p99 of the block time, and against
-each AR configuration (the fastest in the table): the paired ratio (paired t on log latency over rounds) at zero drafting cost, and the break-even
+each AR configuration (the fastest in the table): the ratio at zero drafting cost with a 95% interval, a paired
+bootstrap over the requests (`request_ratio`; also a paired t on log latency over rounds in the json), and the break-even
 drafting time per block, tau x AR ms/token - verification ms per block (Section 7 of the paper: speculative
 decoding beats AR-PSR when drafting a block costs less than this).
 
     PYTHONPATH=. python3 scripts/bench_spec_engine.py --out DIR --trace FILE --trace-calibration FILE \\
-        [--records blocks_ar_exact.safetensors blocks_dflash_exact.safetensors]
+        [--records RUN_DIR/blocks/*.safetensors [--closed-loop]]
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ from specmoe.engines.helpers import free_routed_experts, random_model_on_device 
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
-from specmoe.records import AcceptanceProfile, BlockRecords, blocks_from_records, synthetic_blocks  # noqa: E402
+from specmoe.records import (CLOSED_LOOP, AcceptanceProfile, BlockRecords, blocks_from_records,  # noqa: E402
+                             open_loop, records_per_selector, synthetic_blocks)
 from specmoe.records.synthetic import read_calibration, read_trace  # noqa: E402
 from specmoe.routing import preset, psr_bonus  # noqa: E402
 from specmoe.speculation import SpeculativeConfig, tau as tau_of  # noqa: E402
@@ -60,21 +68,43 @@ from specmoe.verifiers import selector_preset  # noqa: E402
 
 
 def block_sources(args, trace, geometry) -> dict:
-    """name -> (k, Blocks): synthetic blocks over the trace at each tau and k, and the records cut to each k."""
+    """name -> (k, {selector: (Blocks, acceptance)}, the blocks AR follows): synthetic blocks over the trace at
+    each tau and k, the records cut to each k and, with records, synthetic blocks at each selector's own
+    accepted-length histogram. Each selector follows its own run's records where they exist (closed loop,
+    `records_per_selector`); otherwise exact's, labelled open loop (with --closed-loop: an error, and the tau
+    sources, whose acceptance is one profile for every selector, keep exact only). AR follows the committed
+    sequence of exact's blocks (of the first selector's where exact is not run)."""
     num_layers, num_experts, top_k = geometry
+    selectors = list(args.selectors)
+    loaded = [BlockRecords.load(path, num_layers, num_experts, top_k) for path in args.records or []]
+    matched = records_per_selector(loaded, selectors, require_own=args.closed_loop) if loaded else {}
     sources = {}
+
+    def add(name, k, per_selector):
+        reference = per_selector.get("exact", next(iter(per_selector.values())))[0]
+        sources[name] = (k, per_selector, reference)
+
     for k in args.k:
         for tau in args.taus:
-            profile = AcceptanceProfile.for_tau(tau, k)
-            sources[f"synthetic_tau{tau:g}_k{k}"] = (k, synthetic_blocks(trace, k, profile, seed=args.seed,
-                                                                         max_blocks=args.max_blocks))
-        for path in args.records or []:
-            records = BlockRecords.load(path, num_layers, num_experts, top_k)
-            if k <= records.geometry["k"]:
-                blocks = blocks_from_records(records, k=k, source=f"{records.drafter} records")
-                if args.max_blocks:
-                    blocks = _first_blocks(blocks, args.max_blocks)
-                sources[f"{records.drafter}_records_k{k}"] = (k, blocks)
+            blocks = synthetic_blocks(trace, k, AcceptanceProfile.for_tau(tau, k), seed=args.seed,
+                                      max_blocks=args.max_blocks)
+            shown = [s for s in selectors if s == "exact" or not args.closed_loop]
+            if shown:
+                add(f"synthetic_tau{tau:g}_k{k}", k, {s: (blocks, CLOSED_LOOP if s == "exact" else open_loop("exact"))
+                                                      for s in shown})
+        for drafter, runs in matched.items():
+            if any(k > records.geometry["k"] for records, _ in runs.values()):
+                continue
+            per_selector, histogram = {}, {}
+            for name, (records, acceptance) in runs.items():
+                blocks = blocks_from_records(records, k=k, source=f"{drafter} records ({records.selector['kind']})")
+                per_selector[name] = (_first_blocks(blocks, args.max_blocks) if args.max_blocks else blocks, acceptance)
+                profile = AcceptanceProfile.of_records(records, k)
+                histogram[name] = (synthetic_blocks(trace, k, profile, seed=args.seed, max_blocks=args.max_blocks,
+                                                    source=f"synthetic, {drafter} {records.selector['kind']} "
+                                                    "accepted-length histogram"), acceptance)
+            add(f"{drafter}_records_k{k}", k, per_selector)
+            add(f"synthetic_{drafter}_hist_k{k}", k, histogram)
     return sources
 
 
@@ -141,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-calibration", required=True, help="calibration of the traced model (a synthetic "
                     "source: its name)")
     ap.add_argument("--records", nargs="*", help="block record files of the family (specmoe sd --records)")
+    ap.add_argument("--closed-loop", action="store_true",
+                    help="every selector follows block records of its own run (an error where a selector has none); "
+                    "without it a selector without records follows exact's, labelled open-loop")
     ap.add_argument("--pool", type=int, default=24)
     ap.add_argument("--union", type=int, default=None, help="union slots U per layer (default E - P)")
     ap.add_argument("--k", type=int, nargs="+", default=[8, 16])
@@ -184,11 +217,14 @@ def main(argv=None) -> int:
     trace, calibration = trace.tiled(L), calibration.tiled(L)
     report["trace"] = {"model": trace.model, "tiled_from_layers": trace.info.get("tiled_from_layers")}
     sources = block_sources(args, trace, (L, E, K))
-    for name, (k, blocks) in list(sources.items()):  # only the embeddings read the tokens; routing follows the record
-        if blocks.tokens.max() >= adapter.vocab_size:
+    for name, (k, per_selector, reference) in list(sources.items()):  # only the embeddings read the tokens
+        if max(b.tokens.max() for b, _ in per_selector.values()) >= adapter.vocab_size:
             from dataclasses import replace
 
-            sources[name] = (k, replace(blocks, tokens=blocks.tokens % adapter.vocab_size))
+            def wrapped(b):
+                return replace(b, tokens=b.tokens % adapter.vocab_size)
+
+            sources[name] = (k, {s: (wrapped(b), a) for s, (b, a) in per_selector.items()}, wrapped(reference))
             report["errors"].append(f"{name}: tokens beyond the target's vocabulary taken modulo {adapter.vocab_size}")
     unit = ExpertResidency(store, E, args.device)  # one unit for every engine, used alternately
     cfg = EngineConfig(max_seq_len=args.max_seq_len)
@@ -202,8 +238,8 @@ def main(argv=None) -> int:
                                         speculative=config)
     report["notes"] = engines[(args.k[0], args.selectors[0])].notes
     report["kernels"] = {f"k={k} {name}": e.kernels for (k, name), e in engines.items()}  # launch params, sources
-    report["sources"] = {n: {"k": k, "blocks": b.num_blocks, "tau": b.tau, "source": b.source}
-                         for n, (k, b) in sources.items()}
+    report["sources"] = {n: {s: {"k": k, "blocks": b.num_blocks, "tau": b.tau, "source": b.source, "acceptance": a}
+                             for s, (b, a) in per_selector.items()} for n, (k, per_selector, _) in sources.items()}
     print("sources", report["sources"], flush=True)
     report["setup_s"] = time.time() - t0
     save()
@@ -211,13 +247,14 @@ def main(argv=None) -> int:
     # round 0 warms every speculative configuration up and gives U_max, the most union slots a block's layer
     # used; then rounds 1..R run every configuration, speculative and AR, interleaved, so that round r of each
     # is measured at the same time (paired)
-    feeds = {source: committed_feeds(blocks, trace.fingerprint or None) for source, (_, blocks) in sources.items()}
+    feeds = {source: committed_feeds(reference, trace.fingerprint or None)
+             for source, (_, _, reference) in sources.items()}
     rounds: dict[str, list] = {}
     details: dict[str, dict] = {}
     ar_engines: dict = {}
     for r in range(args.rounds + 1):
-        for source, (k, blocks) in sources.items():
-            for name in args.selectors:
+        for source, (k, per_selector, _) in sources.items():
+            for name, (blocks, _) in per_selector.items():
                 key = f"{source}/{name}"
                 engine = engines[(k, name)]
                 try:
@@ -272,15 +309,15 @@ def main(argv=None) -> int:
         save()
 
     table = []
-    for source, (k, blocks) in sources.items():
-        for name in args.selectors:
+    for source, (k, per_selector, _) in sources.items():
+        for name, (_, acceptance) in per_selector.items():
             key = f"{source}/{name}"
             if key not in rounds:
                 continue
             d, s = details[key], details.get(key + "/skip", {})
             ms, skip_ms = float(np.mean(rounds[key])), float(np.mean(rounds.get(key + "/skip", [math.nan])))
             block_ms = np.concatenate(d["block_ms"])
-            row = {"source": source, "selector": name, "k": k, "tau": d["tau"], "blocks": d["blocks"],
+            row = {"source": source, "selector": name, "acceptance": acceptance, "k": k, "tau": d["tau"], "blocks": d["blocks"],
                    "copies_per_token": d["copies_per_token"], "moves_per_token": d["moves_per_token"],
                    "ms_per_token": ms, "compute_ms_per_token": skip_ms, "exposed_copy_ms_per_token": ms - skip_ms,
                    "block_ms_p50": float(np.percentile(block_ms, 50)), "block_ms_p99": float(np.percentile(block_ms, 99)),
@@ -319,20 +356,25 @@ def markdown(report: dict) -> str:
              f"{report['machine']['gpu']}; torch {report['machine']['torch']}. Command: `{report['command']}`. "
              f"Pool P = {report['args']['pool']}, U_max = {report['union_max']} union slots used at most; AR at C = "
              + ", ".join(map(str, report["capacities"])) + f" ({', '.join(report['args']['ar_policies'])}). Expert "
-             f"copy {report['copy']['stream_ms']:.3f} ms in a stream. Ratios: SD at zero drafting cost / AR, paired "
-             "over interleaved rounds (95% interval).", "",
-             "| source | selector | k | tau | copies/token | ms/token (SD, zero drafting) | compute-only | exposed copies | "
+             f"copy {report['copy']['stream_ms']:.3f} ms in a stream. Ratios: SD at zero drafting cost / AR with a 95% "
+             "interval, a paired bootstrap over the requests (`specmoe.stats.unit_ratio`; each request's times are "
+             "means over the interleaved rounds), or a paired t over rounds where there is one request (unit: round); "
+             "an interval that holds 1 is within noise. Acceptance: closed-loop, the selector's own run's accepted "
+             "lengths; open-loop (exact's), exact verification's (optimistic for a lossy selector).", "",
+             "| source | selector | acceptance | k | tau | copies/token | ms/token (SD, zero drafting) | compute-only | exposed copies | "
              "block ms p50 / p99 | fastest AR: config, ms/token (copies) | SD / fastest AR | break-even draft ms/block |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["table"]:
-        cells = [row["source"], row["selector"], str(row["k"]), f"{row['tau']:.2f}", f"{row['copies_per_token']:.2f}",
+        cells = [row["source"], row["selector"], row["acceptance"], str(row["k"]), f"{row['tau']:.2f}", f"{row['copies_per_token']:.2f}",
                  f"{row['ms_per_token']:.3f}", f"{row['compute_ms_per_token']:.3f}",
                  f"{row['exposed_copy_ms_per_token']:.3f}", f"{row['block_ms_p50']:.2f} / {row['block_ms_p99']:.2f}"]
         best = row.get("fastest_ar")
         if best:
-            ratio = row[f"ratio_sd0_over_ar_{best}"]
-            cells += [f"{best}, {row[f'ar_{best}_ms_per_token']:.3f} ({row[f'ar_{best}_copies_per_token']:.2f})",
-                      f"{ratio['ratio']:.3f} ({ratio['lo']:.3f}-{ratio['hi']:.3f})",
+            units = row.get(f"ratio_sd0_over_ar_{best}_over_requests")
+            rounds = row[f"ratio_sd0_over_ar_{best}"]
+            ratio = (f"{units['ratio']:.3f} ({units['low']:.3f}-{units['high']:.3f}, {units['units']} requests)" if units
+                     else f"{rounds['ratio']:.3f} ({rounds['lo']:.3f}-{rounds['hi']:.3f}, rounds)")
+            cells += [f"{best}, {row[f'ar_{best}_ms_per_token']:.3f} ({row[f'ar_{best}_copies_per_token']:.2f})", ratio,
                       f"{row[f'break_even_draft_ms_{best}']:.2f}"]
         else:
             cells += ["-", "-", "-"]

@@ -99,7 +99,7 @@ def _run_replay(args) -> int:
                    tau=1.0, copies_per_token=s["copies"], demand_per_token=s["demand"],
                    prefetch_per_token=s["prefetch"], unused_per_token=s["unused"],
                    replaced_per_token=s["replaced"], displaced_per_token_layer=s["displaced_mass"] / trace.num_layers,
-                   token_ms=[], request_ms=[])
+                   token_ms=[], request_ms=[], request_tokens=[])
         return row
 
     grid = [{"config": 0, "label": f"replay {policy.name}", "kind": "ar_replay"}]

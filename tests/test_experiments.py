@@ -213,6 +213,8 @@ copy_delay = [0.0001, 0.0002]
     ar, sd = table[table.kind == "ar"], table[table.kind == "sd"]
     assert ar["kl"].notna().all() and (ar["prefetch_per_token"] > 0).all() and ar["wait_ms_per_token"].notna().all()
     assert (sd["tau"] >= 1).all() and sd["kl"].isna().all() and (sd["copies_per_token"] > 0).all()
+    assert [len(t) for t in table.request_tokens] == [1] * 4  # one request: the report's unit
+    assert list(sd["acceptance"]) == ["closed-loop"] * 2 and list(ar["acceptance"]) == [""] * 2
 
 
 def test_replay_config_runs(tmp_path):
@@ -241,6 +243,11 @@ tau = [2]
     assert list(table["kind"]) == ["rollback", "ar_replay", "block", "block"]
     assert (table["copies_per_token"] > 0).all() and table["ms_per_token"].isna().all()
     assert table.loc[table.kind == "block", "tau"].iloc[0] == table.loc[table.kind == "rollback", "tau"].iloc[0]
+    # the synthetic drafter's profile stands in for exact's acceptance: a lossy selector over it is open loop
+    assert list(table["acceptance"]) == ["", "", "closed-loop", "open-loop (exact's)"]
+    from specmoe.experiments.run import summary_table
+
+    assert list(summary_table(table)["acceptance"]) == list(table["acceptance"])
 
 
 def test_harness_teacher_forced(tmp_path):

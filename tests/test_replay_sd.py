@@ -236,7 +236,7 @@ def test_synthetic_blocks_walk_the_trace():
     np.testing.assert_array_equal(blocks.true_rows, blocks.rows)
 
 
-def make_records(rng, n=4, k=3, num_layers=L, num_experts=E, top_k=K):
+def make_records(rng, n=4, k=3, num_layers=L, num_experts=E, top_k=K, selector=None):
     d = k + 1
     accepted = np.array([1, 3, 0, 2])[:n]
     root = np.r_[10, 10 + np.cumsum(accepted[:-1] + 1)]
@@ -246,7 +246,8 @@ def make_records(rng, n=4, k=3, num_layers=L, num_experts=E, top_k=K):
               "router_logits": rng.normal(size=(n, d, num_layers, num_experts)).astype(np.float32),
               "pregate_logits": rng.normal(size=(n, d, num_layers, num_experts)).astype(np.float32),
               "selected": np.zeros((n, d, num_layers, top_k), dtype=np.int64)}
-    return BlockRecords(arrays, top_k=top_k, vocab_size=V, drafter="test")
+    return BlockRecords(arrays, top_k=top_k, vocab_size=V, drafter="test",
+                        selector=selector_preset(selector).to_dict() if selector else {})
 
 
 def test_blocks_from_records_true_rows():
@@ -293,7 +294,7 @@ def test_replay_sd_command(tmp_path, capsys):
     cal = random_calibration(rng)
     cal.save(tmp_path / "cal.safetensors")
     random_trace(rng, [60, 40]).save(tmp_path / "trace.safetensors")
-    make_records(rng).save(tmp_path / "blocks.safetensors")
+    make_records(rng, selector="acceptmoe").save(tmp_path / "blocks.safetensors")
     args = ["replay-sd", "--calibration", str(tmp_path / "cal.safetensors"), "--trace", str(tmp_path / "trace.safetensors"),
             "--records", str(tmp_path / "blocks.safetensors"), "--tau", "2", "--accept-hist-from",
             str(tmp_path / "blocks.safetensors"), "-k", "3", "-C", "4", "--lambdas", "0,0.5", "--budgets", "0,1",
@@ -305,6 +306,13 @@ def test_replay_sd_command(tmp_path, capsys):
     assert all(p.stat().st_mtime_ns == t for p, t in done.items())  # finished sources were not recomputed
     summary = read_table(tmp_path / "out")
     assert summary.source.tolist() == ["records test", "synthetic tau 2", "synthetic histogram of blocks"]
+    # whose accepted lengths each selector's rows replay: the acceptmoe run's records and histogram are
+    # acceptmoe's own (closed loop), exact's and confidence_top1's rows over them are open loop; a tau is a profile
+    # standing in for exact's
+    assert summary.acceptance_from.tolist() == ["acceptmoe", "profile", "acceptmoe"]
+    assert summary.acceptmoe_acceptance.tolist() == ["closed-loop", "open-loop (exact's)", "closed-loop"]
+    assert summary.exact_acceptance.tolist() == ["open-loop (acceptmoe's)", "closed-loop", "open-loop (acceptmoe's)"]
+    assert summary.confidence_top1_acceptance.tolist()[0] == "open-loop (acceptmoe's)"
     results = pd.concat(points_of(summary))
     assert set(results.method) == {"ar_psr", "rollback", "block_exact", "block_acceptmoe", "block_confidence_top1"}
     assert "rollback_over_ar_psr" in capsys.readouterr().out

@@ -107,3 +107,69 @@ def test_copies_plot_draws_the_pools_moves_and_the_cdf_legend_sits_below_the_axe
     assert len(ax.lines) == len(ROWS) and outside(fig, ax)
     assert ax.get_legend().get_window_extent().y1 <= ax.get_window_extent().y0  # below
     plt.close(fig)
+
+
+def units_table(rng, a_scale=0.8, units=6, rounds=3):
+    """Two configurations (0: baseline, 1: a_scale times as slow per token, with noise per unit) over `units`
+    requests and `rounds` rounds, each request its own token count."""
+    tokens = rng.integers(5, 40, units)
+    base_ms = rng.uniform(5.0, 15.0, units)  # ms per token of each request
+    rows = []
+    for r in range(rounds):
+        for config, scale in ((0, 1.0), (1, a_scale)):
+            noise = rng.uniform(0.9, 1.1, units) if config else np.ones(units)
+            ms = base_ms * scale * noise * rng.uniform(0.99, 1.01)
+            row = dict.fromkeys(FIGURES, np.nan)
+            row.update({"config": config, "label": f"c{config}", "kind": "ar", "round": r, "tau": 1.0,
+                        "ms_per_token": float((ms * tokens).sum() / tokens.sum()), "token_ms": [],
+                        "request_ms": list(ms), "request_tokens": list(tokens)})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def test_report_ratio_intervals_are_over_the_workloads_units():
+    """paired_ratios: the ratio of total ms over total tokens, each unit's time a mean over rounds, with a paired
+    bootstrap over the units; checked against a computation written out here."""
+    rng = np.random.default_rng(3)
+    t = units_table(rng)
+    out = report.paired_ratios(t, 0)
+    assert len(out) == 1
+    row = out.iloc[0]
+    assert row.unit == "request" and row.units == 6 and row.rounds == 3
+    # independent: per request, the mean over rounds of ms x tokens; resample requests with numpy
+    a = np.mean([np.asarray(x.request_ms) * np.asarray(x.request_tokens) for x in t[t.config == 1].itertuples()], 0)
+    b = np.mean([np.asarray(x.request_ms) * np.asarray(x.request_tokens) for x in t[t.config == 0].itertuples()], 0)
+    n = np.asarray(t.request_tokens.iloc[0], float)
+    assert row.ratio == pytest.approx(a.sum() / b.sum(), rel=1e-12)
+    draws = np.random.default_rng(0)
+    values = []
+    for _ in range(10000):
+        i = draws.integers(0, 6, 6)
+        values.append((a[i].sum() / n[i].sum()) / (b[i].sum() / n[i].sum()))
+    low, high = np.quantile(values, [0.025, 0.975])
+    assert (row.lo95, row.hi95) == pytest.approx((low, high), rel=1e-12)
+    assert row.hi95 < 1.0 and row.verdict == "faster"
+    # a configuration as fast as the baseline, up to noise: the interval holds 1
+    same = report.paired_ratios(units_table(np.random.default_rng(4), a_scale=1.0), 0).iloc[0]
+    assert same.lo95 < 1.0 < same.hi95 and same.verdict == "within noise"
+    # one request: the rounds are the unit (paired t on log ms per token)
+    one = t.copy()
+    one["request_ms"] = [x[:1] for x in one.request_ms]
+    one["request_tokens"] = [x[:1] for x in one.request_tokens]
+    row = report.paired_ratios(one, 0, "window").iloc[0]
+    assert row.unit == "round" and row.units == 3
+    ratio, lo, hi = report.paired_log_ratio(t[t.config == 1].ms_per_token, t[t.config == 0].ms_per_token)
+    assert (row.ratio, row.lo95, row.hi95) == pytest.approx((ratio, lo, hi))
+    # a run directory of an older version (no request_tokens): each unit weighs one
+    old = report.paired_ratios(t.drop(columns=["request_tokens"]), 0).iloc[0]
+    per_token = [np.mean([x.request_ms for x in t[t.config == c].itertuples()], 0) for c in (1, 0)]
+    assert old.ratio == pytest.approx(per_token[0].sum() / per_token[1].sum())
+
+
+def test_report_states_the_unit_and_the_verdict(tmp_path):
+    path = tmp_path / "run"
+    path.mkdir()
+    units_table(np.random.default_rng(5)).to_parquet(path / RESULTS, index=False)
+    (path / MANIFEST).write_text(json.dumps({"name": "units", "config": {"mode": "generation", "rounds": 3}}))
+    text = report.render(path).read_text()
+    assert "over the workload's units (requests)" in text and "| faster | request | 6 | 3 |" in text

@@ -279,3 +279,61 @@ def test_an_engine_refuses_a_run_it_has_no_router_for(family, drafter, calibrati
         ar_only.follow(np.zeros(3))
     with pytest.raises(ValueError, match="an engine needs a policy"):
         build_engine(model, None, calibration, EngineConfig(max_seq_len=SEQ), residency=residency)
+
+
+def test_each_selector_follows_its_own_runs_records(family, drafter, calibration, residency, prompt, tmp_path):
+    """Closed loop in the engine benchmark (scripts/bench_spec_engine.py `block_sources`): with block records of
+    exact's and of a lossy selector's run, the lossy selector's row follows its own run's accepted lengths (and
+    synthetic blocks at its own histogram), a selector without records follows exact's, labelled open loop, and
+    --closed-loop refuses that."""
+    import sys
+    from pathlib import Path
+
+    from specmoe.harness import record_trace
+    from specmoe.records import CLOSED_LOOP, AcceptanceProfile, BlockRecords, BlockSourceError, open_loop
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_spec_engine import block_sources, spec_pass
+
+    model, adapter = family
+    paths, accepted = [], {}
+    for name in ("exact", "confidence_top1"):
+        config = SpeculativeConfig(selector_preset(name), k=K_DRAFTS, pool_size=8, max_new_tokens=NEW)
+        runs = [speculative_generate(model, adapter, drafter, torch.tensor(p), config, calibration=calibration,
+                                     record=True, divergence=False) for p in (prompt, prompt[4:14])]
+        records = BlockRecords.from_requests([r.blocks for r in runs], top_k=adapter.top_k,
+                                             vocab_size=adapter.vocab_size, selector=config.selector.to_dict(),
+                                             drafter="ar")
+        paths.append(records.save(tmp_path / f"blocks_c{len(paths):04d}_ar_{name}.safetensors"))
+        accepted[name] = records.arrays["accepted"]
+    trace = record_trace(model, [prompt])
+    args = SimpleNamespace(records=[str(p) for p in paths], selectors=["exact", "acceptmoe", "confidence_top1"],
+                           k=[K_DRAFTS], taus=[2.0], seed=0, max_blocks=None, closed_loop=False)
+    geometry = (adapter.num_moe_layers, adapter.num_experts, adapter.top_k)
+    sources = block_sources(args, trace, geometry)
+    assert set(sources) == {f"synthetic_tau2_k{K_DRAFTS}", f"ar_records_k{K_DRAFTS}", f"synthetic_ar_hist_k{K_DRAFTS}"}
+    _, per_selector, reference = sources[f"ar_records_k{K_DRAFTS}"]
+    assert {s: a for s, (_, a) in per_selector.items()} == {
+        "exact": CLOSED_LOOP, "confidence_top1": CLOSED_LOOP, "acceptmoe": open_loop("exact")}
+    np.testing.assert_array_equal(per_selector["confidence_top1"][0].accepted, accepted["confidence_top1"])
+    np.testing.assert_array_equal(per_selector["acceptmoe"][0].accepted, accepted["exact"])
+    np.testing.assert_array_equal(reference.accepted, accepted["exact"])  # AR follows exact's committed sequence
+    _, tau_source, _ = sources[f"synthetic_tau2_k{K_DRAFTS}"]
+    assert tau_source["confidence_top1"][1] == open_loop("exact") and tau_source["exact"][1] == CLOSED_LOOP
+    _, histogram, _ = sources[f"synthetic_ar_hist_k{K_DRAFTS}"]
+    own = AcceptanceProfile.of_records(BlockRecords.load(paths[1]), K_DRAFTS)
+    assert own.values == tuple(float(v) for v in np.bincount(accepted["confidence_top1"]))
+    assert histogram["confidence_top1"][0].source.endswith("confidence_top1 accepted-length histogram")
+    # the lossy selector's row: trace-following its own records commits its own run's accepted lengths
+    config = SpeculativeConfig(selector_preset("confidence_top1"), k=K_DRAFTS, pool_size=8, max_new_tokens=NEW)
+    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=SEQ), speculative=config,
+                          residency=residency)
+    results = engine.follow(per_selector["confidence_top1"][0], first_position=len(prompt))
+    np.testing.assert_array_equal(np.concatenate([r.accepted for r in results]), accepted["confidence_top1"])
+    row = spec_pass(engine, per_selector["confidence_top1"][0], len(prompt))
+    assert row["committed"] == int((accepted["confidence_top1"] + 1).sum())
+    args.closed_loop = True
+    with pytest.raises(BlockSourceError, match="no block records of selector 'acceptmoe'"):
+        block_sources(args, trace, geometry)
+    args.selectors = ["exact", "confidence_top1"]
+    assert set(block_sources(args, trace, geometry)[f"synthetic_tau2_k{K_DRAFTS}"][1]) == {"exact"}

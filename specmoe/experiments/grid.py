@@ -84,7 +84,19 @@ class Configuration:
                 "k": self.k, "P": self.pool, "tau_target": self.tau,
                 "cache_mode": settings.get("cache_mode", ""), "max_in_flight": settings.get("max_in_flight"),
                 "copy_delay": "" if delay is None else f"{delay[0]:g}-{delay[1]:g}",
-                "skip_copies": settings.get("skip_copies")}
+                "skip_copies": settings.get("skip_copies"), "acceptance": self.acceptance}
+
+    @property
+    def acceptance(self) -> str:
+        """Whose accepted lengths the configuration commits: "closed-loop" where it runs its own selection
+        against the drafts (a speculative run; exact over a synthetic profile, which stands in for exact's),
+        "open-loop (exact's)" for a lossy selector replayed over the synthetic drafter's blocks, whose profile is
+        exact verification's (optimistic for it); "" without verification blocks."""
+        from specmoe.records import CLOSED_LOOP, open_loop
+
+        if self.kind == "sd" or (self.kind == "block" and self.selector.kind == "exact"):
+            return CLOSED_LOOP
+        return open_loop("exact") if self.kind == "block" else ""
 
 
 def _settings_suffix(settings: tuple) -> str:

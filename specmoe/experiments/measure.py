@@ -25,7 +25,7 @@ an AR step's wall time for the token it produces; in speculative decoding (harne
 `block_token_ms`) a block's drafting + verification time divided by the tokens it commits (accepted drafts +
 the bonus token), given to each of them; the first new token, decoded by the prompt's forward, is in no block
 and not listed (as the prompt is untimed in AR). request_ms is the ms per token of each request or window (the
-unit the report pairs configurations on).
+unit the report's intervals resample, `specmoe.stats.unit_ratio`), request_tokens the tokens it counts over.
 """
 
 from __future__ import annotations
@@ -230,6 +230,7 @@ class Session:
         row["round"], row["seconds"] = round_, round(time.time() - started, 3)
         row.setdefault("token_ms", [])
         row.setdefault("request_ms", [])
+        row.setdefault("request_tokens", [])
         return row
 
     def _harness_ar(self, c: Configuration) -> dict:
@@ -247,7 +248,7 @@ class Session:
                     "unused_per_token": r["unused"], "displaced_per_token_layer": r["displaced_mass"] / adapter.num_moe_layers,
                     "nll": r["nll_policy"], "excess_nll": r["excess_nll"], "wait_ms_per_token": 0.0}
         sums = dict.fromkeys(("demand", "prefetch", "unused", "displaced_mass", "kl_sum", "excess_nll_sum"), 0.0)
-        token_ms, request_ms, positions = [], [], 0
+        token_ms, request_ms, request_tokens, positions = [], [], [], 0
         for prompt in self._each(c):
             context = patch_model(model, adapter, c.policy, self.calibration)
             timer = ForwardTimer(model)
@@ -267,6 +268,7 @@ class Session:
             positions += divergence["positions"]
             token_ms += ms
             request_ms.append(float(np.mean(ms)))
+            request_tokens.append(len(ms))
         n = max(positions, 1)
         return {"requests": len(self.sequences), "tokens": positions, "verifications": positions, "tau": 1.0,
                 "copies_per_token": (sums["demand"] + sums["prefetch"]) / n, "demand_per_token": sums["demand"] / n,
@@ -275,7 +277,7 @@ class Session:
                 "kl": sums["kl_sum"] / n, "excess_nll": sums["excess_nll_sum"] / n,
                 "ms_per_token": float(np.mean(token_ms)), **_ms_stats(token_ms), "draft_ms_per_token": 0.0,
                 "verify_ms_per_token": float(np.mean(token_ms)), "wait_ms_per_token": 0.0,
-                "token_ms": token_ms, "request_ms": request_ms}
+                "token_ms": token_ms, "request_ms": request_ms, "request_tokens": request_tokens}
 
     def _harness_sd(self, c: Configuration) -> dict:
         from specmoe.harness import speculative_generate
@@ -284,12 +286,13 @@ class Session:
         config = SpeculativeConfig(c.selector, k=c.k, pool_size=c.pool, max_new_tokens=self.config.workload.new_tokens,
                                    stop_tokens=self.stop_tokens)
         drafter = self.drafters[c.drafter]
-        results, token_ms, request_ms = [], [], []
+        results, token_ms, request_ms, request_tokens = [], [], [], []
         for prompt in self._each(c):
             r = speculative_generate(self.model, self.adapter, drafter, prompt, config, calibration=self.calibration,
                                      record=self.config.sd.records)
             results.append(r)
             request_ms.append(1e3 * (r.draft_s + r.verify_s) / max(int(r.tokens.numel()), 1))
+            request_tokens.append(max(int(r.tokens.numel()), 1))
             token_ms += block_token_ms(r.accepted, 1e3 * np.asarray(r.block_s))
         if self.config.sd.records:
             self._save_records(c, results)
@@ -300,7 +303,8 @@ class Session:
                 "kl": s["kl"], "excess_nll": s["excess_nll"],
                 "ms_per_token": s["draft_ms_per_token"] + s["verify_ms_per_token"], **_ms_stats(token_ms),
                 "draft_ms_per_token": s["draft_ms_per_token"], "verify_ms_per_token": s["verify_ms_per_token"],
-                "wait_ms_per_token": 0.0, "token_ms": token_ms, "request_ms": request_ms}
+                "wait_ms_per_token": 0.0, "token_ms": token_ms, "request_ms": request_ms,
+                "request_tokens": request_tokens}
 
     def _each(self, c: Configuration):
         """The workload's sequences, with a progress bar over them."""
@@ -344,7 +348,7 @@ class Session:
                                              np.asarray(w)) for w in self.sequences]
         engine.configure(policy=c.policy, **self._settings(c))
         totals = dict.fromkeys(("demand", "prefetch", "prefetch_in_time", "prefetch_late", "prefetch_unused"), 0.0)
-        token_ms, request_ms, wait, nll, excess, kl, positions = [], [], 0.0, 0.0, 0.0, 0.0, 0
+        token_ms, request_ms, request_tokens, wait, nll, excess, kl, positions = [], [], [], 0.0, 0.0, 0.0, 0.0, 0
         for seq in self.sequences:
             if tf:
                 r = engine.teacher_forced(np.asarray(seq), 1, return_logits=True)
@@ -370,6 +374,7 @@ class Session:
             ms = r.ms[r.timed].tolist()
             token_ms += ms
             request_ms.append(float(np.mean(ms)))
+            request_tokens.append(len(ms))
         n = max(len(token_ms), 1)
         p = max(positions, 1)
         mean = float(np.mean(token_ms))
@@ -382,20 +387,21 @@ class Session:
                 "nll": nll / p if tf else NAN, "excess_nll": excess / p, "kl": NAN if tf else kl / p,
                 "ms_per_token": mean, **_ms_stats(token_ms), "draft_ms_per_token": 0.0,
                 "verify_ms_per_token": mean, "wait_ms_per_token": wait / n, "token_ms": token_ms,
-                "request_ms": request_ms}
+                "request_ms": request_ms, "request_tokens": request_tokens}
 
     def _engine_sd(self, c: Configuration) -> dict:
         from specmoe.speculation import summarize
 
         engine = self._spec_engine(c.drafter, c.k, c.pool, c.selector)
         engine.configure(**{k: v for k, v in self._settings(c).items() if k != "cache_mode"})
-        results, token_ms, request_ms = [], [], []
+        results, token_ms, request_ms, request_tokens = [], [], [], []
         for prompt in self.sequences:
             r = engine.generate(np.asarray(prompt), self.config.workload.new_tokens, self.stop_tokens,
                                 drafter=self.drafters[c.drafter])
             results.append(r)
             token_ms += block_token_ms(r.accepted, r.draft_ms + r.ms)
             request_ms.append((r.draft_ms.sum() + r.ms.sum()) / max(len(r.tokens), 1))
+            request_tokens.append(max(len(r.tokens), 1))
         s = summarize([r.counts() for r in results])
         committed = max(s["committed"], 1)
         # the GPU's copy wait is not seen by the host (NaN; compare with a copies-skipped run)
@@ -405,7 +411,8 @@ class Session:
                 "moves_per_token": s["moves_per_token"], "displaced_per_token_layer": s["displaced_per_token_layer"],
                 "ms_per_token": s["draft_ms_per_token"] + s["verify_ms_per_token"], **_ms_stats(token_ms),
                 "draft_ms_per_token": s["draft_ms_per_token"], "verify_ms_per_token": s["verify_ms_per_token"],
-                "wait_ms_per_token": wait, "token_ms": token_ms, "request_ms": request_ms}
+                "wait_ms_per_token": wait, "token_ms": token_ms, "request_ms": request_ms,
+                "request_tokens": request_tokens}
 
     def _replay(self, c: Configuration) -> dict:
         from specmoe.harness import record_trace

@@ -17,11 +17,11 @@ File formats only: no torch, and nothing here records (the harness does).
 """
 
 from .block_records import BlockRecordError, BlockRecords
-from .blocks import (AcceptanceProfile, Blocks, BlockSourceError, blocks_from_records, synthetic_blocks,
-                     with_true_continuation)
+from .blocks import (CLOSED_LOOP, AcceptanceProfile, Blocks, BlockSourceError, blocks_from_records, open_loop,
+                     records_per_selector, synthetic_blocks, with_true_continuation)
 from .traces import Trace, TraceError
 
 __all__ = [
-    "AcceptanceProfile", "BlockRecordError", "BlockRecords", "BlockSourceError", "Blocks", "Trace", "TraceError",
-    "blocks_from_records", "synthetic_blocks", "with_true_continuation",
+    "CLOSED_LOOP", "AcceptanceProfile", "BlockRecordError", "BlockRecords", "BlockSourceError", "Blocks", "Trace", "TraceError",
+    "blocks_from_records", "open_loop", "records_per_selector", "synthetic_blocks", "with_true_continuation",
 ]

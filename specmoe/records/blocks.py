@@ -17,6 +17,11 @@ Sources:
   `specmoe.drafters.synthetic` draws it. Rejected positions carry the trace's logits at those positions, the
   true continuation's (the synthetic drafter's wrong token was never run through the model). Confidences are
   c_d = q_d / q_{d-1}, a calibrated drafter.
+
+Acceptance per selector: blocks carry the accepted lengths of the run that made them. A lossy selector that
+follows another selector's blocks (exact verification's) replays that run's acceptance: open loop, labelled
+`open_loop(...)`; following its own run's records (`records_per_selector`), or synthetic blocks drawn from its
+own records' histogram (`AcceptanceProfile.of_records`), is closed loop (`CLOSED_LOOP`).
 """
 
 from __future__ import annotations
@@ -171,6 +176,50 @@ def blocks_from_records(records: BlockRecords, k: int | None = None, source: str
                   groups=records.groups, scoring=records.scoring)
 
 
+# -- acceptance per selector: closed or open loop ---------------------------------------------------------------
+CLOSED_LOOP = "closed-loop"  # a selector's blocks come from its own run: its own accepted lengths
+
+
+def open_loop(selector: str) -> str:
+    """The acceptance label of blocks that carry another selector's accepted lengths (`selector`'s run)."""
+    return f"open-loop ({selector}'s)"
+
+
+def records_per_selector(records: list, selectors, require_own: bool = False) -> dict:
+    """Block records matched to the selectors that follow them: drafter -> selector -> (records, acceptance).
+
+    A lossy selector (acceptmoe, confidence_top1) commits other tokens, at another rate, than exact verification;
+    following exact's blocks with it replays exact's accepted lengths (open loop, optimistic for it). Each
+    records file names the selector of its run (`BlockRecords.selector`, its ``kind``), one file per drafter and
+    selector (`specmoe sd --records`: blocks_cNNNN_DRAFTER_SELECTOR.safetensors). A selector with records of its
+    own for a drafter follows them (`CLOSED_LOOP`); one without follows the drafter's exact records, labelled
+    `open_loop("exact")`, unless `require_own`, where that is a BlockSourceError, as is a drafter without exact
+    records for such a selector, or two files of one drafter and selector."""
+    by_run: dict = {}
+    for r in records:
+        kind = r.selector.get("kind", "")
+        if not kind:
+            raise BlockSourceError(f"block records of drafter {r.drafter!r} name no selector")
+        if (r.drafter, kind) in by_run:
+            raise BlockSourceError(f"two block record files of drafter {r.drafter!r} and selector {kind!r}")
+        by_run[(r.drafter, kind)] = r
+    out: dict = {}
+    for drafter in dict.fromkeys(d for d, _ in by_run):
+        out[drafter] = {}
+        for name in selectors:
+            if (drafter, name) in by_run:
+                out[drafter][name] = (by_run[(drafter, name)], CLOSED_LOOP)
+            elif require_own:
+                raise BlockSourceError(f"closed loop: no block records of selector {name!r} for drafter {drafter!r} "
+                                       f"(have {', '.join(k for d, k in by_run if d == drafter)}); record them with "
+                                       f"`specmoe sd --records --selectors {name}`")
+            elif (drafter, "exact") in by_run:
+                out[drafter][name] = (by_run[(drafter, "exact")], open_loop("exact"))
+            else:
+                raise BlockSourceError(f"no block records of selector {name!r} nor of exact for drafter {drafter!r}")
+    return out
+
+
 # -- synthetic drafter over a trace --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AcceptanceProfile:
@@ -200,6 +249,15 @@ class AcceptanceProfile:
             raise BlockSourceError(f"an accepted-length histogram needs finite non-negative counts with a positive sum, "
                                    f"got {counts}")
         return cls("histogram", counts)
+
+    @classmethod
+    def of_records(cls, records: BlockRecords, k: int | None = None) -> "AcceptanceProfile":
+        """The accepted-length histogram of a run's block records (`histogram`), each block's accepted drafts
+        cut to k where given (`blocks_from_records`' cut): the acceptance of the selector that ran them."""
+        accepted = records.arrays["accepted"]
+        if accepted.size == 0:
+            raise BlockSourceError("block records without blocks give no acceptance histogram")
+        return cls.histogram(np.bincount(accepted if k is None else np.minimum(accepted, int(k))))
 
     @classmethod
     def for_tau(cls, tau: float, k: int) -> "AcceptanceProfile":

@@ -7,6 +7,11 @@ the true continuation's logits), at each k of `-k`. For every source: the rollba
 lambda and n, block-level selection's over gamma and the prune budget, exact verification, AR-PSR on the same
 committed sequence, the copy ratio at matched displaced mass, and (records) the fraction of committed
 token-layers whose experts change with the rejected drafts. The calibration must be the traced model's.
+Every method replays the source's accepted lengths: those of the run that made the records (its selector, the
+records' `selector` field; `specmoe sd --records` writes one file per drafter and selector) or a given profile.
+Each source's row says so per selector (`acceptance_from`, `<selector>_acceptance`: closed-loop where the
+records are the selector's own run, open-loop otherwise, e.g. a lossy selector over exact's blocks, optimistic
+for it); pass each selector's records for closed-loop rows.
 Writes a run directory (--out): one cell per source, its summary row and every point of its sweeps (JSON column
 `points`); a run stopped part-way resumes without recomputing the finished sources. `specmoe report RUN_DIR`
 writes the summary table and frontier.png (one panel per source, two a row on shared axes, one legend below).
@@ -18,8 +23,6 @@ import argparse
 import json
 import math
 from pathlib import Path
-
-import numpy as np
 
 from specmoe.arguments import int_at_least
 from specmoe.limits import MAX_COUNT
@@ -83,7 +86,8 @@ def add_parser(sub) -> None:
 
 def _sources(args, calibration) -> list[tuple[str, object]]:
     """The sources of blocks, in run order, as (label, build): build() loads the files and returns the `Blocks`
-    (each source one cell of the run directory, so nothing is loaded for a finished one)."""
+    and the selector whose run gave their accepted lengths (the records' selector kind; None for a profile given
+    by number), each source one cell of the run directory, so nothing is loaded for a finished one."""
     from specmoe.records import (AcceptanceProfile, BlockRecords, blocks_from_records, synthetic_blocks,
                                  with_true_continuation)
     from specmoe.records.synthetic import read_trace
@@ -93,14 +97,15 @@ def _sources(args, calibration) -> list[tuple[str, object]]:
     def records(path):
         records = BlockRecords.load(path, num_layers=num_layers, num_experts=num_experts)
         calibration.check(num_layers, num_experts, records.vocab_size, fingerprint=records.fingerprint or None)
-        return blocks_from_records(records, args.records_k, source=f"records {records.drafter or Path(path).stem}")
+        return (blocks_from_records(records, args.records_k, source=f"records {records.drafter or Path(path).stem}"),
+                records.selector.get("kind") or "unknown")
 
     out = []
     for path in args.records:
         out.append((f"records {Path(path).name}", lambda path=path: records(path)))
         if args.true_continuation:
             out.append((f"records {Path(path).name}, true continuation",
-                        lambda path=path: with_true_continuation(records(path))))
+                        lambda path=path: (lambda b, kind: (with_true_continuation(b), kind))(*records(path))))
     if args.trace is None:
         if args.tau or args.accept_rate or args.accept_table or args.accept_hist_from:
             raise ValueError("a synthetic acceptance option needs --trace")
@@ -117,22 +122,41 @@ def _sources(args, calibration) -> list[tuple[str, object]]:
     for k in _ints(args.k, "-k"):
         profiles = []
         if args.tau:
-            profiles += [(f"tau {t:g}", lambda t=t, k=k: AcceptanceProfile.for_tau(t, k)) for t in _floats(args.tau, "--tau")]
+            profiles += [(f"tau {t:g}", lambda t=t, k=k: (AcceptanceProfile.for_tau(t, k), None))
+                         for t in _floats(args.tau, "--tau")]
         if args.accept_rate:
-            profiles += [(f"rate {r:g}", lambda r=r: AcceptanceProfile.geometric(r))
+            profiles += [(f"rate {r:g}", lambda r=r: (AcceptanceProfile.geometric(r), None))
                          for r in _floats(args.accept_rate, "--accept-rate")]
         if args.accept_table:
             table = _floats(args.accept_table, "--accept-table")
-            profiles.append(("table", lambda: AcceptanceProfile.table(table)))
+            profiles.append(("table", lambda: (AcceptanceProfile.table(table), None)))
         if args.accept_hist_from:
-            profiles.append((f"histogram of {Path(args.accept_hist_from).stem}", lambda: AcceptanceProfile.histogram(
-                np.bincount(BlockRecords.load(args.accept_hist_from).arrays["accepted"]))))
+            def histogram():
+                records = BlockRecords.load(args.accept_hist_from)
+                return AcceptanceProfile.of_records(records), records.selector.get("kind") or "unknown"
+
+            profiles.append((f"histogram of {Path(args.accept_hist_from).stem}", histogram))
         if not profiles:
             raise ValueError("--trace needs an acceptance: --tau, --accept-rate, --accept-table or --accept-hist-from")
         for label, profile in profiles:
-            out.append((f"synthetic {label}, k={k}", lambda k=k, label=label, profile=profile: synthetic_blocks(
-                trace(), k, profile(), seed=args.seed, max_blocks=args.max_blocks, source=f"synthetic {label}")))
+            def build(k=k, label=label, profile=profile):
+                acceptance, kind = profile()
+                return synthetic_blocks(trace(), k, acceptance, seed=args.seed, max_blocks=args.max_blocks,
+                                        source=f"synthetic {label}"), kind
+
+            out.append((f"synthetic {label}, k={k}", build))
     return out
+
+
+def acceptance_columns(kind: str | None, selectors) -> dict:
+    """Whose accepted lengths a source's block rows replay: `acceptance_from` (the selector of the run that made
+    the records or the histogram; "profile" for one given by number, which stands in for exact's) and, per selector,
+    closed-loop (its own run's) or open-loop (another's: optimistic for a lossy selector following exact's)."""
+    from specmoe.records import CLOSED_LOOP, open_loop
+
+    owner = kind or "exact"  # a profile given by number (a tau, a rate) stands in for exact verification's
+    return {"acceptance_from": kind or "profile", **{f"{name}_acceptance": CLOSED_LOOP if name == owner else
+                                                     open_loop(owner) for name in ("exact", *selectors)}}
 
 
 IDENTITY = ("calibration", "records", "records_k", "true_continuation", "trace", "tau", "accept_rate", "accept_table",
@@ -189,11 +213,11 @@ def main(args) -> int:
 
     def measure(item, round_):
         index, (label, build) = item
-        blocks = build()
+        blocks, kind = build()
         if blocks.top_k > args.capacity:
             raise BlockSourceError(f"-C {args.capacity} is below the blocks' K={blocks.top_k}")
         table = report.sweep(blocks, calibration, args.capacity, **options)
-        summary = report.summarize(table)
+        summary = {**report.summarize(table), **acceptance_columns(kind, options["selectors"])}
         return {"config": index, "round": round_, "label": label, "kind": "replay_sd", **summary,
                 "points": table.to_json(orient="records")}
 
@@ -202,9 +226,11 @@ def main(args) -> int:
         table, manifest = run_cells(run_dir, manifest, cells, lambda: (measure, {}), name="replay-sd",
                                     max_cells=args.max_cells, progress=not args.no_progress)
     summary = table.drop(columns=["points"])
-    shown = summary[["source", "k", "tau", "blocks", "ar_psr_copies", "rollback_psr_copies", "rollback_over_ar_psr",
-                     "exact_block_copies"] + [c for c in summary.columns if c.endswith(("_copies", "_ratio_min",
-                     "_ratio_max", "_ratio_at_preset", "_changed")) and c.split("_")[0] in ("acceptmoe", "confidence")]]
+    columns = ["source", "k", "tau", "blocks", "acceptance_from", "ar_psr_copies", "rollback_psr_copies",
+               "rollback_over_ar_psr", "exact_block_copies"]
+    shown = summary[[c for c in columns if c in summary.columns] + [  # cells of older versions lack acceptance_from
+        c for c in summary.columns if c.endswith(("_copies", "_ratio_min", "_ratio_max", "_ratio_at_preset", "_changed"))
+        and c.split("_")[0] in ("acceptmoe", "confidence")]]
     with pd.option_context("display.width", 250, "display.max_columns", 40):
         print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"results: {run_dir.path / 'results.parquet'}; tables and the frontier plot: specmoe report {run_dir.path}")
