@@ -57,6 +57,7 @@ def test_gpu_all_resident_logits_with_kernels_and_graphs_match_the_torch_path(fu
     assert (fast.kernels["backend"], fast.kernels["attention"]) == ("triton", "split_kv"), fast.decoder.notes
     assert fast.kernels["gdn"] in ("fla", "triton"), fast.decoder.notes
     assert fast.decoder.grouped_moe, fast.decoder.notes
+    assert fast.decoder.fused and fast.decoder.router_into, fast.decoder.notes
     got = fast.teacher_forced(tokens, return_logits=True).logits
     del fast
     slow = _engine(full, backend="torch", attention="sdpa", cuda_graphs=False)
