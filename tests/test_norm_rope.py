@@ -64,9 +64,40 @@ for D in (1, 16):
 print("kernels ok")
 """
 
-# The tiny decoder (float32) with the kernels against its torch path: a prompt step of 16 positions, then single
-# positions; every layer's MoE input, router logits and KV rows, and the final logits (the kernels' last-bit
-# differences, above, through 4 layers).
+def compare_decoders(plain, fused, rows, tokens, tol):
+    """Run the tiny decoder's torch path and its fused path side by side (routing both by the torch path's router
+    logits, so that last-bit differences cannot change an expert): a prompt step of 16 positions, then single
+    positions; every layer's MoE input, router logits and residual, the final logits and greedy tokens, the KV
+    cache."""
+    from test_qwen3_5_moe_decode import exact_route
+
+    top_k, seq = plain.geometry.top_k, plain.geometry.max_seq_len
+    for position in [0] + list(range(16, len(tokens))):
+        chunk = tokens[position:16] if position == 0 else tokens[position:position + 1]
+        steps = [dec.step(len(chunk)) for dec in (plain, fused)]
+        for step in steps:
+            step.set_input(chunk, position, seq)
+        for layer in range(plain.geometry.num_layers):
+            for dec, step in zip((plain, fused), steps):
+                dec.attention_router(step, layer, copy_out=False)
+            a, b = steps
+            for name in ("moe_in", "h"):
+                torch.testing.assert_close(b.work[name], a.work[name], **tol)
+            torch.testing.assert_close(b.logits_dev[layer], a.logits_dev[layer], **tol)
+            selected, weights = exact_route(a.logits_dev[layer, :, :plain.geometry.num_experts].cpu(), top_k)
+            for dec, step in zip((plain, fused), steps):
+                step.slots_np[layer], step.weights_np[layer] = selected.numpy(), weights.numpy()
+                dec.moe(step, layer, rows[layer])
+        for dec, step in zip((plain, fused), steps):
+            dec.head(step, copy_out=False)
+        torch.testing.assert_close(steps[1].out_logits, steps[0].out_logits, **tol)
+        assert torch.equal(steps[1].next_dev, steps[0].next_dev)
+        torch.testing.assert_close(fused.k_cache, plain.k_cache, **tol)
+        torch.testing.assert_close(fused.v_cache, plain.v_cache, **tol)
+
+
+# The tiny decoder (float32) with the kernels against its torch path (the kernels' last-bit differences, above,
+# through 4 layers).
 _DECODER = r"""
 import sys
 import torch
@@ -74,35 +105,13 @@ sys.path.insert(0, "tests")
 from specmoe.models import load_model
 from specmoe.models.qwen3_5_moe_decode import Qwen35MoeDecoder
 from specmoe.offload.store import ExpertStore
-from test_qwen3_5_moe_decode import exact_route
+from test_norm_rope import compare_decoders
 model, adapter = load_model("qwen3.5-moe-tiny", seed=0)
-store = ExpertStore.from_model(model, adapter, pin=False)
-rows = [store.layers[layer] for layer in range(store.num_layers)]
-tokens = torch.randint(0, model.config.vocab_size, (19,), generator=torch.Generator().manual_seed(3)).tolist()
+rows = ExpertStore.from_model(model, adapter, pin=False).layers
+tokens = torch.randint(0, model.config.vocab_size, (17,), generator=torch.Generator().manual_seed(3)).tolist()
 plain, fused = Qwen35MoeDecoder.from_model(model, 40), Qwen35MoeDecoder.from_model(model, 40)
 fused.fused = fused.router_into = True
-TOL = dict(rtol=1e-4, atol=1e-5)
-for position, chunk in ((0, tokens[:16]), (16, tokens[16:17]), (17, tokens[17:18])):
-    steps = [dec.step(len(chunk)) for dec in (plain, fused)]
-    for step in steps:
-        step.set_input(chunk, position, 40)
-    for layer in range(4):
-        for dec, step in zip((plain, fused), steps):
-            dec.attention_router(step, layer)
-        a, b = steps
-        torch.testing.assert_close(b.work["moe_in"], a.work["moe_in"], **TOL)
-        torch.testing.assert_close(b.logits_dev[layer], a.logits_dev[layer], **TOL)
-        torch.testing.assert_close(b.work["h"], a.work["h"], **TOL)
-        selected, weights = exact_route(torch.from_numpy(a.router_logits(layer).copy()), 4)
-        for dec, step in zip((plain, fused), steps):
-            step.slots_np[layer], step.weights_np[layer] = selected.numpy(), weights.numpy()
-            dec.moe(step, layer, rows[layer])
-    for dec, step in zip((plain, fused), steps):
-        dec.head(step)
-    torch.testing.assert_close(steps[1].out_logits, steps[0].out_logits, **TOL)
-    assert torch.equal(steps[1].next_dev, steps[0].next_dev)
-    torch.testing.assert_close(fused.k_cache, plain.k_cache, **TOL)
-    torch.testing.assert_close(fused.v_cache, plain.v_cache, **TOL)
+compare_decoders(plain, fused, rows, tokens, dict(rtol=1e-4, atol=1e-5))
 print("decoder ok")
 """
 
@@ -206,26 +215,19 @@ def test_kernels_on_gpu_at_qwen36_shapes(num_pos):
 
 @pytest.mark.gpu
 def test_tiny_decoder_on_gpu_with_and_without_the_kernels():
-    """The tiny decoder (float32, CUDA): use_kernels("triton") checks and takes the fused kernels; a prompt step
-    of 16 and a single step give the torch path's logits and KV rows."""
+    """The tiny decoder (float32, CUDA): use_kernels("triton") checks and takes the fused kernels (with split-KV
+    attention), and gives the torch path's MoE inputs, router logits, KV rows and logits."""
     from specmoe.models import load_model
     from specmoe.models.qwen3_5_moe_decode import Qwen35MoeDecoder
     from specmoe.offload.store import ExpertStore
 
-    from test_qwen3_5_moe_decode import run_step
-
     model, adapter = load_model("qwen3.5-moe-tiny", seed=0)
-    model = model.cuda()
     rows = [r.cuda() for r in ExpertStore.from_model(model, adapter, pin=False).layers]
+    model = model.cuda()
     tokens = torch.randint(0, model.config.vocab_size, (17,), generator=torch.Generator().manual_seed(3)).tolist()
     fused, plain = Qwen35MoeDecoder.from_model(model, 40), Qwen35MoeDecoder.from_model(model, 40)
-    fused.use_kernels("triton", "sdpa", "slot", rows[0])
-    assert fused.fused and fused.router_into, fused.notes
+    fused.use_kernels("triton", "auto", "slot", rows[0])
+    assert fused.fused and fused.router_into and fused.attention == "split_kv", fused.notes
     plain.use_kernels("torch", "sdpa", "slot", rows[0])
-    assert not plain.fused
-    for position, chunk in ((0, tokens[:16]), (16, tokens[16:])):
-        _, want = run_step(plain, rows, chunk, position)
-        _, got = run_step(fused, rows, chunk, position)
-        torch.cuda.synchronize()
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fused.k_cache, plain.k_cache, rtol=1e-4, atol=1e-5)
+    assert not plain.fused and not plain.router_into
+    compare_decoders(plain, fused, rows, tokens, dict(rtol=1e-4, atol=1e-4))
