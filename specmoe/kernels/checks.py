@@ -160,6 +160,47 @@ def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, e
     _agree("attention prologue kernel", *outs)
 
 
+def check_zero_centred_kernels(s: Geometry, rotary_dim: int, shared_inter: int, eps: float, dtype: torch.dtype,
+                               device: torch.device) -> None:
+    """Qwen3.5-MoE's fused kernels (`norm_rope`) against their torch versions at the decoder's shapes, for one
+    position and a block of three: the zero-centred RMSNorm alone and with the residual add (the sum too), the
+    gated attention's prologue (per-head zero-centred q/k norms, rotary on the first `rotary_dim` dims of each
+    head, q and the KV rows written), and gate_mul as the decoder calls it (the output gate beside q, the shared
+    expert's SwiGLU product, its sigmoid-gated residual add)."""
+    from . import norm_rope as knr
+
+    g = torch.Generator(device=device).manual_seed(6)
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=g).to(dtype)  # noqa: E731
+    nh, nkv, hd, seq = s.num_heads, s.num_kv_heads, s.head_dim, 8
+    cos, sin = knr.rope_tables(rotary_dim, 10000.0, seq, device)
+    for d in (1, 3):
+        x, res, w = rand(d, s.hidden), rand(d, s.hidden), rand(s.hidden) * 0.1
+        _agree("zero-centred RMSNorm kernel", knr.rmsnorm_torch(x, w, eps, True),
+               knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), zero_centred=True))
+        res_out = res.clone()
+        out = knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), zero_centred=True, residual=res_out)
+        _agree("residual add of the RMSNorm kernel", res + x, res_out)
+        _agree("RMSNorm kernel after the residual add", knr.rmsnorm_torch(res + x, w, eps, True), out)
+        qkv, qn, kn = rand(d, (2 * nh + 2 * nkv) * hd), rand(hd) * 0.1, rand(hd) * 0.1
+        outs = []
+        for fn in (knr.qkv_prologue_torch, knr.qkv_prologue_triton):
+            q = torch.zeros(d, nh, hd, device=device, dtype=dtype)
+            kc, vc = (torch.zeros(nkv, seq, hd, device=device, dtype=dtype) for _ in range(2))
+            fn(qkv, qn, kn, cos, sin, torch.tensor([seq - d], device=device), q, kc, vc, eps, None,
+               zero_centred=True, head_norm=True, gated=True)
+            outs.append(torch.cat([q.flatten(), kc.flatten(), vc.flatten()]))
+        _agree("gated attention prologue kernel", *outs)
+        gate = qkv[:, :2 * nh * hd].view(d, nh, 2 * hd)[..., hd:]
+        gate_up, y = rand(d, 2 * shared_inter + 1), rand(d, s.hidden)
+        for name, args in (("output gate", (gate, rand(d, nh * hd), "sigmoid")),
+                           ("SwiGLU product", (gate_up[:, :shared_inter], gate_up[:, shared_inter:-1], "silu")),
+                           ("sigmoid-gated residual add", (gate_up[:, -1:], y, "sigmoid", res))):
+            width = args[1].shape[1]
+            _agree(f"{name} kernel", knr.gate_mul_torch(args[0], args[1], torch.empty(d, width, device=device,
+                                                                                       dtype=dtype), *args[2:]),
+                   knr.gate_mul_triton(args[0], args[1], torch.empty(d, width, device=device, dtype=dtype), *args[2:]))
+
+
 def check_grouped_moe(s: Geometry, slot_buf: torch.Tensor, dtype: torch.dtype, device: torch.device,
                       params: dict | None = None, num_positions: int = 17) -> None:
     """The grouped slot MoE kernel (D positions, each distinct slot read once) against the torch path, one

@@ -1,16 +1,23 @@
-"""RMSNorm and the attention prologue of the D positions of one decode step (QK-norm, rotary embedding,
-KV-cache write): D = 1 for autoregressive decoding, k + 1 for a verification block.
+"""RMSNorm, the attention prologue of the D positions of one decode step (QK-norm, rotary embedding, KV-cache
+write) and the small gates around the projections: D = 1 for autoregressive decoding, k + 1 for a verification
+block.
 
 Each comes as a single Triton launch for the device and as plain torch for the CPU (and as the reference in
-tests). Fusing them matters at batch 1: transformers' eager versions are 6 kernels per RMSNorm and about 20
-for the prologue, each only a few microseconds of work, which inside a CUDA graph still costs launch gaps.
-Rounding follows transformers' OLMoE: normalise in float32, round to the model dtype, multiply by the weight.
-The first position comes from a device tensor, so the same captured graph serves every step.
+tests). Fusing them matters at batch 1: transformers' eager versions are 6 to 10 kernels per RMSNorm and about
+20 for the prologue, each only a few microseconds of work, which inside a CUDA graph still costs launch gaps.
+Two norm conventions, with their rounding points: OLMoE's (normalise in float32, round to the model dtype,
+multiply by the weight) and the zero-centred one of Qwen3.5-MoE (`zero_centred`: normalise and scale by 1 + w in
+float32, round once). The prologue also takes Qwen3.5-MoE's gated attention (`head_norm`, `gated`: per-head
+zero-centred norms, q rows interleaved with the output gate, rotary embedding on the first rotary dims of each
+head). `gate_mul` is out = [residual +] act(g) * x, act silu or sigmoid: the SwiGLU product, the output gate of
+the gated attention and the sigmoid-gated shared expert. The first position comes from a device tensor, so the
+same captured graph serves every step.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -36,10 +43,13 @@ def rope_tables(head_dim: int, theta: float, max_seq_len: int, device) -> tuple[
     return freqs.cos().to(device).contiguous(), freqs.sin().to(device).contiguous()
 
 
-def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' OlmoeRMSNorm over the last dimension of x [..., N]."""
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """transformers' OlmoeRMSNorm over the last dimension of x [..., N]; zero_centred: Qwen3_5MoeRMSNorm
+    (normalised in float32, scaled by 1 + w, then rounded to x's dtype)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
@@ -50,31 +60,57 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def qkv_prologue_torch(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, eps: float, clip: float | None) -> None:
+                       v_cache: torch.Tensor, eps: float, clip: float | None, zero_centred: bool = False,
+                       head_norm: bool = False, gated: bool = False) -> None:
     """For each of D positions pos, pos + 1, ..., pos + D - 1 (pos: [1] device tensor): split its row of
-    qkv [D, (NH + 2 NKV) HD], QK-norm (over all heads, as OLMoE does), clip, rotary embedding (cos/sin
-    tables [S, HD/2], float32), write q_out [D, NH, HD] and the caches [NKV, S, HD] at the position."""
+    qkv [D, (NH + 2 NKV) HD] (gated: [D, (2 NH + 2 NKV) HD], each head's q followed by its output gate, which is
+    left for the caller), QK-norm (over all heads, as OLMoE does; head_norm: per head, weights [HD]; zero_centred:
+    scale 1 + w), clip, rotary embedding on the first RD dims of each head (cos/sin tables [S, RD/2], float32;
+    RD = HD for OLMoE), write q_out [D, NH, HD] and the caches [NKV, S, HD] at the position."""
     num_pos, num_heads, head_dim = q_out.shape
     num_kv = k_cache.shape[0]
-    q, k, v = qkv.split([num_heads * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
-    q, k = rmsnorm_torch(q, q_norm, eps), rmsnorm_torch(k, k_norm, eps)
+    q, k, v = qkv.split([(1 + gated) * num_heads * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
+    if gated:
+        q = q.view(num_pos, num_heads, 2 * head_dim)[..., :head_dim]
+    if head_norm:
+        q, k = q.reshape(num_pos, num_heads, head_dim), k.reshape(num_pos, num_kv, head_dim)
+    q, k = rmsnorm_torch(q, q_norm, eps, zero_centred), rmsnorm_torch(k, k_norm, eps, zero_centred)
     if clip is not None:
         q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
     positions = pos + torch.arange(num_pos, device=pos.device)
-    c = cos.index_select(0, positions).repeat(1, 2).to(q.dtype)[:, None]  # [D, 1, HD], as transformers' cat((f, f))
+    rd = 2 * cos.shape[1]
+    c = cos.index_select(0, positions).repeat(1, 2).to(q.dtype)[:, None]  # [D, 1, RD], as transformers' cat((f, f))
     s = sin.index_select(0, positions).repeat(1, 2).to(q.dtype)[:, None]
-    q = q.view(num_pos, num_heads, head_dim)
-    k = k.view(num_pos, num_kv, head_dim)
-    q_out.copy_(q * c + rotate_half(q) * s)
-    k_cache.index_copy_(1, positions, (k * c + rotate_half(k) * s).transpose(0, 1))
-    v_cache.index_copy_(1, positions, v.view(num_pos, num_kv, head_dim).transpose(0, 1))
+    rotate = lambda t: torch.cat([t[..., :rd] * c + rotate_half(t[..., :rd]) * s, t[..., rd:]], dim=-1)  # noqa: E731
+    q_out.copy_(rotate(q.reshape(num_pos, num_heads, head_dim)))
+    k_cache.index_copy_(1, positions, rotate(k.reshape(num_pos, num_kv, head_dim)).transpose(0, 1))
+    v_cache.index_copy_(1, positions, v.reshape(num_pos, num_kv, head_dim).transpose(0, 1))
+
+
+GATE_ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+
+def gate_mul_torch(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, act: str,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out [D, N] = [residual +] act(g) * x (each rounded to the model dtype, as the torch ops): x [D, N]; g [D, N],
+    [D, A, B] with A B = N (a strided view, e.g. the output gates beside q), or [D, 1] (one gate per row)."""
+    y = GATE_ACTS[act](g).reshape(g.shape[0], -1) * x
+    return out.copy_(y if residual is None else residual + y)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
-        """One program per row of x [D, N]."""
+    def _scaled(x, w, r, dt: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+        """The normed x (rsqrt r) times its weight, rounded to dt as `rmsnorm_torch`."""
+        if ZERO_CENTRED:
+            return ((x * r) * (1.0 + w)).to(dt)
+        return (w * (x * r).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr):
+        """One program per row of x [D, N] (HAS_RESIDUAL: residual += x first, and the sum is normed)."""
         dt = out_ptr.dtype.element_ty
         row = tl.program_id(0).to(tl.int64)
         x_ptr += row * N
@@ -82,91 +118,153 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         m = offs < N
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            res_ptr += row * N
+            x = (tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32) + x).to(dt)
+            tl.store(res_ptr + offs, x, mask=m)
+            x = x.to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        y = (x * r).to(dt).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, (w * y).to(dt), mask=m)
+        tl.store(out_ptr + offs, _scaled(x, w, r, dt, ZERO_CENTRED), mask=m)
 
     @triton.jit
-    def _rope_half(x1, x2, c, s):
-        return x1 * c - x2 * s, x2 * c + x1 * s
+    def _norm_rope_head(src, w_ptr, r, e, partner, sign, c, s, clip, dt: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+                        HAS_CLIP: tl.constexpr):
+        """One head of q or k: normed (rsqrt r), scaled, clipped, rotated (its partner in rotate_half at
+        `partner` with `sign`; c = 1, s = 0 past the rotary dims), rounded as `qkv_prologue_torch`."""
+        y = _scaled(tl.load(src + e).to(tl.float32), tl.load(w_ptr + e).to(tl.float32), r, dt, ZERO_CENTRED)
+        yp = _scaled(tl.load(src + partner).to(tl.float32), tl.load(w_ptr + partner).to(tl.float32), r, dt,
+                     ZERO_CENTRED)
+        y, yp = y.to(tl.float32), yp.to(tl.float32)
+        if HAS_CLIP:
+            y = tl.minimum(tl.maximum(y, -clip), clip)
+            yp = tl.minimum(tl.maximum(yp, -clip), clip)
+        return ((y * c).to(dt).to(tl.float32) + (sign * yp * s).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
     def _qkv_prologue_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-                             S, eps, clip, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
-                             BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_CLIP: tl.constexpr):
+                             S, eps, clip, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
+                             QS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                             HAS_CLIP: tl.constexpr, ZERO_CENTRED: tl.constexpr, HEAD_NORM: tl.constexpr):
         """One program per head and position: programs [0, NH) write q, [NH, NH + NKV) k, the rest v, for the
-        position pos + program_id(1) (row program_id(1) of qkv and q)."""
+        position pos + program_id(1) (row program_id(1) of qkv and q). Head p's q starts at p QS in the row
+        (QS = 2 HD where its output gate follows it)."""
         p = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
-        qkv_ptr += row * (NH + 2 * NKV) * HD
+        qkv_ptr += row * (NH * QS + 2 * NKV * HD)
         q_ptr += row * NH * HD
         dt = q_ptr.dtype.element_ty
-        half = HD // 2
-        d = tl.arange(0, HD // 2)
+        half = RD // 2
+        e = tl.arange(0, HD)
+        rot = e < RD
+        partner = tl.where(e < half, e + half, tl.where(rot, e - half, e))
+        sign = tl.where(e < half, -1.0, 1.0)
         pos = tl.load(pos_ptr).to(tl.int64) + row
-        c = tl.load(cos_ptr + pos * half + d).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + pos * half + d).to(dt).to(tl.float32)
+        ci = tl.where(e < half, e, e - half)
+        c = tl.load(cos_ptr + pos * half + ci, mask=rot, other=1.0).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + pos * half + ci, mask=rot, other=0.0).to(dt).to(tl.float32)
         if p < NH:
-            offs = tl.arange(0, BLOCK_Q)
-            allq = tl.load(qkv_ptr + offs, mask=offs < NH * HD, other=0.0).to(tl.float32)
-            r = tl.rsqrt(tl.sum(allq * allq, axis=0) / (NH * HD) + eps)
-            x1 = tl.load(qkv_ptr + p * HD + d).to(tl.float32)
-            x2 = tl.load(qkv_ptr + p * HD + half + d).to(tl.float32)
-            w1 = tl.load(qw_ptr + p * HD + d).to(tl.float32)
-            w2 = tl.load(qw_ptr + p * HD + half + d).to(tl.float32)
-            y1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-            y2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-            if HAS_CLIP:
-                y1 = tl.minimum(tl.maximum(y1, -clip), clip)
-                y2 = tl.minimum(tl.maximum(y2, -clip), clip)
-            o1, o2 = _rope_half(y1, y2, c, s)
-            tl.store(q_ptr + p * HD + d, o1.to(dt))
-            tl.store(q_ptr + p * HD + half + d, o2.to(dt))
+            src = qkv_ptr + p * QS
+            if HEAD_NORM:
+                x = tl.load(src + e).to(tl.float32)
+                r = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
+                w_ptr = qw_ptr
+            else:  # over all heads (QS = HD: q is contiguous)
+                offs = tl.arange(0, BLOCK_Q)
+                allq = tl.load(qkv_ptr + offs, mask=offs < NH * HD, other=0.0).to(tl.float32)
+                r = tl.rsqrt(tl.sum(allq * allq, axis=0) / (NH * HD) + eps)
+                w_ptr = qw_ptr + p * HD
+            out = _norm_rope_head(src, w_ptr, r, e, partner, sign, c, s, clip, dt, ZERO_CENTRED, HAS_CLIP)
+            tl.store(q_ptr + p * HD + e, out)
         elif p < NH + NKV:
             h = p - NH
-            kbase = qkv_ptr + NH * HD
-            offs = tl.arange(0, BLOCK_KV)
-            allk = tl.load(kbase + offs, mask=offs < NKV * HD, other=0.0).to(tl.float32)
-            r = tl.rsqrt(tl.sum(allk * allk, axis=0) / (NKV * HD) + eps)
-            x1 = tl.load(kbase + h * HD + d).to(tl.float32)
-            x2 = tl.load(kbase + h * HD + half + d).to(tl.float32)
-            w1 = tl.load(kw_ptr + h * HD + d).to(tl.float32)
-            w2 = tl.load(kw_ptr + h * HD + half + d).to(tl.float32)
-            y1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-            y2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-            if HAS_CLIP:
-                y1 = tl.minimum(tl.maximum(y1, -clip), clip)
-                y2 = tl.minimum(tl.maximum(y2, -clip), clip)
-            o1, o2 = _rope_half(y1, y2, c, s)
-            dst = kc_ptr + h * S * HD + pos * HD
-            tl.store(dst + d, o1.to(dt))
-            tl.store(dst + half + d, o2.to(dt))
+            kbase = qkv_ptr + NH * QS
+            src = kbase + h * HD
+            if HEAD_NORM:
+                x = tl.load(src + e).to(tl.float32)
+                r = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
+                w_ptr = kw_ptr
+            else:
+                offs = tl.arange(0, BLOCK_KV)
+                allk = tl.load(kbase + offs, mask=offs < NKV * HD, other=0.0).to(tl.float32)
+                r = tl.rsqrt(tl.sum(allk * allk, axis=0) / (NKV * HD) + eps)
+                w_ptr = kw_ptr + h * HD
+            out = _norm_rope_head(src, w_ptr, r, e, partner, sign, c, s, clip, dt, ZERO_CENTRED, HAS_CLIP)
+            tl.store(kc_ptr + h * S * HD + pos * HD + e, out)
         else:
             h = p - NH - NKV
-            e = tl.arange(0, HD)
-            v = tl.load(qkv_ptr + (NH + NKV) * HD + h * HD + e).to(tl.float32)
+            v = tl.load(qkv_ptr + NH * QS + NKV * HD + h * HD + e).to(tl.float32)
             if HAS_CLIP:
                 v = tl.minimum(tl.maximum(v, -clip), clip)
             tl.store(vc_ptr + h * S * HD + pos * HD + e, v.to(dt))
 
+    @triton.jit
+    def _gate_mul_kernel(g_ptr, x_ptr, res_ptr, out_ptr, N, G_ROW, G_INNER, G_OUTER, G_STEP, X_ROW,
+                         BLOCK: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """Program (i, row): columns [i BLOCK, (i + 1) BLOCK) of out[row] = [res +] act(g) * x; column n's gate at
+        g + row G_ROW + (n // G_INNER) G_OUTER + (n % G_INNER) G_STEP."""
+        dt = out_ptr.dtype.element_ty
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < N
+        g = tl.load(g_ptr + row * G_ROW + (cols // G_INNER) * G_OUTER + (cols % G_INNER) * G_STEP, mask=m,
+                    other=0.0).to(tl.float32)
+        if SILU:
+            a = g / (1.0 + tl.exp(-g))
+        else:
+            a = 1.0 / (1.0 + tl.exp(-g))
+        x = tl.load(x_ptr + row * X_ROW + cols, mask=m, other=0.0).to(tl.float32)
+        y = (a.to(dt).to(tl.float32) * x).to(dt)
+        if HAS_RESIDUAL:
+            y = (tl.load(res_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dt)
+        tl.store(out_ptr + row * N + cols, y, mask=m)
 
-def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-    """`rmsnorm_torch` over the rows of a contiguous x [..., N], written into out."""
+
+def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, zero_centred: bool = False,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`rmsnorm_torch` over the rows of a contiguous x [..., N], written into out; with a residual (contiguous,
+    x's shape): residual += x (rounded to its dtype, as torch's add_), and out = the norm of the sum."""
     n = x.shape[-1]
-    _rmsnorm_kernel[(x.numel() // n,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8)
+    res = x if residual is None else residual
+    _rmsnorm_kernel[(x.numel() // n,)](x, res, weight, out, n, eps, BLOCK=triton.next_power_of_2(n),
+                                       ZERO_CENTRED=zero_centred, HAS_RESIDUAL=residual is not None, num_warps=8)
     return out
 
 
-def qkv_prologue_triton(qkv, q_norm, k_norm, cos, sin, pos, q_out, k_cache, v_cache, eps, clip) -> None:
+def qkv_prologue_triton(qkv, q_norm, k_norm, cos, sin, pos, q_out, k_cache, v_cache, eps, clip,
+                        zero_centred: bool = False, head_norm: bool = False, gated: bool = False) -> None:
     """`qkv_prologue_torch` in one launch (contiguous qkv [D, W] and q_out [D, NH, HD])."""
     num_pos, num_heads, head_dim = q_out.shape
     num_kv, max_seq, _ = k_cache.shape
     if head_dim & (head_dim - 1):
         raise ValueError(f"the Triton attention prologue needs a power-of-two head dim, got {head_dim}")
+    if gated and not head_norm:
+        raise ValueError("the Triton attention prologue norms a gated q per head only (head_norm=True)")
     grid = (num_heads + 2 * num_kv, num_pos)
     _qkv_prologue_kernel[grid](qkv, q_norm, k_norm, cos, sin, pos, q_out, k_cache, v_cache, max_seq, eps,
                                0.0 if clip is None else float(clip), NH=num_heads, NKV=num_kv, HD=head_dim,
+                               RD=2 * cos.shape[1], QS=(1 + gated) * head_dim,
                                BLOCK_Q=triton.next_power_of_2(num_heads * head_dim),
                                BLOCK_KV=triton.next_power_of_2(num_kv * head_dim), HAS_CLIP=clip is not None,
-                               num_warps=4)
+                               ZERO_CENTRED=zero_centred, HEAD_NORM=head_norm, num_warps=4)
+
+
+def gate_mul_triton(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, act: str,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`gate_mul_torch` in one launch (out and residual contiguous [D, N], x's rows unit-stride; out may alias x
+    or the residual)."""
+    d, n = out.shape
+    g3 = g.unsqueeze(1) if g.dim() == 2 else g
+    if g3.shape[1] * g3.shape[2] == 1:  # one gate per row
+        inner, outer, step = n, 0, 0
+    elif g3.shape[1] * g3.shape[2] == n:
+        inner, outer, step = g3.shape[2], g3.stride(1), g3.stride(2)
+    else:
+        raise ValueError(f"gates of shape {tuple(g.shape)} do not fit rows of {n}")
+    if x.stride(-1) != 1:
+        raise ValueError("gate_mul needs unit-stride rows of x")
+    block = min(1024, triton.next_power_of_2(n))
+    _gate_mul_kernel[(triton.cdiv(n, block), d)](g, x, out if residual is None else residual, out, n, g3.stride(0),
+                                                 inner, outer, step, x.stride(0), BLOCK=block, SILU=act == "silu",
+                                                 HAS_RESIDUAL=residual is not None, num_warps=4)
+    return out

@@ -7,15 +7,19 @@ experts); rounding points follow transformers' modules where the arithmetic is t
 exact decoding matches it (tested in float32).
 
 Kernels (`use_kernels`, as OLMoE's: each checked against its torch version on the device, a failure noted and the
-torch path used): on CUDA the gated attention runs the split-KV kernel (`specmoe.kernels.split_kv`; the q/k
-norms, partial rotary and the sigmoid output gate are torch ops around it), the routed experts the slot MoE
-Triton kernels (per token; grouped for D > 1), and the Gated DeltaNet's recurrence fla's kernels where the
-optional `fla` is installed, else our Triton kernel (`specmoe.kernels.gdn`); `notes` and the returned "gdn" say
-which ran. Around it, the Gated DeltaNet's prologue (short convolution, q/k norms, decay and beta into the step's
-buffers) and its gated RMSNorm run as one Triton launch each (`gdn_fused`), so that its token mixer is five
-launches: in_proj, prologue, recurrence, gated norm, out_proj. On the CPU everything is torch: the recurrence
-position by position. The other norms and the projections are torch ops everywhere. A step has static shapes and
-reads no host value, so each layer's launch captures into a CUDA graph; a prompt chunk runs through the same steps.
+torch path used): on CUDA the gated attention runs the split-KV kernel (`specmoe.kernels.split_kv`), the routed
+experts the slot MoE Triton kernels (per token; grouped for D > 1), and the Gated DeltaNet's recurrence our Triton
+kernel (`specmoe.kernels.gdn`), else fla's kernels where the optional `fla` is installed; `notes` and the returned
+"gdn" say which ran. With the triton backend, the Gated DeltaNet's prologue (short convolution, q/k norms, decay
+and beta into the step's buffers) and its gated RMSNorm run as one Triton launch each (`gdn_fused`), so that its
+token mixer is five launches (in_proj, prologue, recurrence, gated norm, out_proj); the zero-centred norms (the
+post-attention one with the residual add), the gated attention's prologue (q/k norms, partial rotary, KV write,
+one launch), the output gate and the shared expert's SwiGLU product and gated residual add are one launch each
+(`fused`, `specmoe.kernels.norm_rope`); a float32 model's router writes its logits straight into the step's buffer
+(`router_into`; a bf16 model's router rounds them to bf16 first, as transformers' does, then copies). On the CPU
+everything is torch: the recurrence position by position. The projections are torch GEMMs everywhere. A step has
+static shapes and reads no host value, so each layer's launch captures into a CUDA graph; a prompt chunk runs
+through the same steps.
 
 Layers. Every decoder layer is an MoE layer (MoE layer l = decoder layer l). Its token mixer is, by the config's
 `layer_types`, either
@@ -93,12 +97,23 @@ def _check_config(config) -> None:
         raise ModelSourceError("linear_num_value_heads must be a multiple of linear_num_key_heads")
 
 
-def zero_centred_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3_5MoeRMSNorm over the last dimension: normalised in float32, scaled by 1 + w, then
-    rounded to x's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).to(x.dtype)
+def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) written into out without a copy; a float32 out from a lower-precision x takes cuBLAS's
+    float32 result (CUDA only)."""
+    if out.dtype == x.dtype:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.mm(x, weight.t(), out_dtype=out.dtype, out=out)
+
+
+def check_linear_into(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+    """`linear_into` against F.linear on random input (RuntimeError above `checks.TOLERANCE`)."""
+    g = torch.Generator(device=device).manual_seed(5)
+    x = torch.randn(3, rows, device=device, generator=g).to(dtype)
+    weight = torch.randn(cols, rows, device=device, generator=g).to(dtype)
+    out = linear_into(x, weight, torch.empty(3, cols, device=device))
+    err = checks.relative_error(F.linear(x, weight), out)
+    if not err < checks.TOLERANCE:
+        raise RuntimeError(f"the router GEMM into float32 differs from F.linear: relative error {err:.3g}")
 
 
 class Qwen35MoeDecoder(FeatureCapture):
@@ -125,6 +140,8 @@ class Qwen35MoeDecoder(FeatureCapture):
         self.device, self.dtype = torch.device(device), dtype
         self.scoring = adapter.router_scoring(weight)
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
+        # the Triton norm, prologue and gate kernels; the router's direct write into the logits (`use_kernels`)
+        self.fused, self.router_into = False, False
         self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # as OLMoE's (`use_kernels`)
         self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
         # the Gated DeltaNet's recurrence (`specmoe.kernels.gdn`): what was asked, what runs; rollback mode
@@ -147,11 +164,12 @@ class Qwen35MoeDecoder(FeatureCapture):
         for j in range(num_layers):
             p = f"{prefix}layers.{j}."
             mlp = p + "mlp."
+            # the shared expert's input projections in one product: [gate; up; its sigmoid gate's row]
             layer = {"input_ln": w(p + "input_layernorm.weight"), "post_ln": w(p + "post_attention_layernorm.weight"),
-                     "gate_up": torch.cat([w(mlp + "shared_expert.gate_proj.weight"),
-                                           w(mlp + "shared_expert.up_proj.weight")], dim=0),
-                     "down": w(mlp + "shared_expert.down_proj.weight"),
-                     "shared_gate": w(mlp + "shared_expert_gate.weight")}
+                     "shared_in": torch.cat([w(mlp + "shared_expert.gate_proj.weight"),
+                                             w(mlp + "shared_expert.up_proj.weight"),
+                                             w(mlp + "shared_expert_gate.weight")], dim=0),
+                     "down": w(mlp + "shared_expert.down_proj.weight")}
             if self.mixers[j] == "linear_attention":
                 a = p + "linear_attn."
                 layer.update(in_proj=torch.cat([w(a + "in_proj_qkv.weight"), w(a + "in_proj_z.weight"),
@@ -209,13 +227,13 @@ class Qwen35MoeDecoder(FeatureCapture):
     # -- kernels ---------------------------------------------------------------------------------------
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:
         """See `Decoder.use_kernels`; the same choices, self-checks and fallbacks as OLMoE's: attention through
-        the split-KV kernel (q/k norms, partial rotary and the output gate stay torch around it), the routed
-        experts through the slot MoE Triton kernels (per token, and grouped for D > 1) with tuned launch
-        parameters; and the Gated DeltaNet's recurrence through fla's kernels where installed, else our Triton
-        kernel (`specmoe.kernels.gdn`; `set_gdn` narrows the choice), and its prologue and gated RMSNorm through
-        one Triton launch each (`gdn_fused`), each checked against torch on this device. The other norms and the
-        projections are torch ops on every path. The returned dict adds "gdn": the recurrence's kernel. flash-attn
-        and vLLM's experts are not implemented here: noted, split-KV / slot used."""
+        the split-KV kernel, the routed experts through the slot MoE Triton kernels (per token, and grouped for
+        D > 1) with tuned launch parameters; the Gated DeltaNet's recurrence through our Triton kernel, else fla's
+        kernels where installed (`specmoe.kernels.gdn`; `set_gdn` narrows the choice); with the triton backend the
+        Gated DeltaNet's prologue and gated RMSNorm (`gdn_fused`), the fused norm, prologue and gate kernels
+        (`fused`) and, for a float32 model, the router's direct write (`router_into`; see the module docstring);
+        each checked against torch on this device. The returned dict adds "gdn": the recurrence's kernel.
+        flash-attn and vLLM's experts are not implemented here: noted, split-KV / slot used."""
         check_kernel_choice(backend, attention, moe)
         tune = check_tune(tune)
         for what, asked, used in (("attention", attention, "split_kv or sdpa"), ("moe", moe, "slot")):
@@ -224,7 +242,7 @@ class Qwen35MoeDecoder(FeatureCapture):
         triton_ok = self.device.type == "cuda" and triton_available()
         g, on = self.geometry, (self.dtype, self.device)
         self.moe_params, self.grouped_moe, self.grouped_params, self.attention = None, False, {}, "sdpa"
-        self.gdn_kernel, self.backend = "torch", "torch"
+        self.gdn_kernel, self.backend, self.fused, self.router_into = "torch", "torch", False, False
         self.gdn_fused = {"prologue": False, "norm": False}
         self.launch.clear()
         self._tuning = (tune, slot_buf)
@@ -232,11 +250,22 @@ class Qwen35MoeDecoder(FeatureCapture):
             if verified(self, "split-KV attention", "SDPA", lambda: checks.check_attention(
                     g, "split-KV attention kernel", split_kv_check, *on)):
                 self.attention = "split_kv"
-        if (backend == "triton" or (backend == "auto" and triton_ok)) and use_slot_moe(self, slot_buf, tune):
+        triton_asked = backend == "triton" or (backend == "auto" and triton_ok)
+        if triton_asked and use_slot_moe(self, slot_buf, tune):
             self._choose_gdn_kernel()
             self._choose_gdn_fusion()
         elif self.gdn_choice not in ("auto", "torch"):
             self.notes.append(f"Gated DeltaNet kernel {self.gdn_choice!r} needs the triton backend; torch used")
+        if triton_asked:
+            shared_inter = self.layers[0]["down"].shape[1]
+            self.fused = verified(self, "Triton zero-centred norm, attention prologue and gate kernels",
+                                  "their torch versions", lambda: checks.check_zero_centred_kernels(
+                                      g, self.rotary_dim, shared_inter, self.eps, *on))
+            # a bf16 router's logits are rounded to bf16 first, as transformers' router rounds them (exact routing
+            # selects as transformers does, near-ties included); only a float32 model's GEMM writes them directly
+            self.router_into = self.dtype == torch.float32 and verified(
+                self, "router GEMM into the float32 logits", "GEMM and copy",
+                lambda: check_linear_into(g.hidden, 2 * g.num_experts, *on))
         self.notes.append(f"Gated DeltaNet recurrence: {self.gdn_kernel}, rollback by {self.gdn_rollback}")
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "gdn": self.gdn_kernel}
@@ -303,7 +332,8 @@ class Qwen35MoeDecoder(FeatureCapture):
                 shape = (n, d, nv, dk, dv) if self.gdn_rollback == "history" else (n, nv, dk, dv)
                 step.work["recurrent" if self.gdn_rollback == "history" else "start"] = torch.zeros(shape, **f32)
             # the attention layers: the query, the written length, the split-KV kernel's scratch
-            step.work.update(q=torch.zeros(d, c.num_heads, c.head_dim, dtype=dt, device=dev),
+            step.work.update(shared_act=torch.zeros(d, self.layers[0]["down"].shape[1], dtype=dt, device=dev),
+                             q=torch.zeros(d, c.num_heads, c.head_dim, dtype=dt, device=dev),
                              att=torch.zeros(d, c.num_heads * c.head_dim, dtype=dt, device=dev),
                              seqlens=torch.zeros(1, dtype=torch.int32, device=dev))
             if self.attention_layers:
@@ -376,28 +406,35 @@ class Qwen35MoeDecoder(FeatureCapture):
             out = gated_rmsnorm(out.to(x.dtype), z, lw["norm"], self.eps)
         return F.linear(out.reshape(d, value_dim), lw["out"])
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """out = the zero-centred RMSNorm of x; with a residual: residual += x first, and out is the norm of the
+        sum (one launch each on the fused path)."""
+        if self.fused:
+            return norm_rope.rmsnorm_triton(x, weight, self.eps, out, zero_centred=True, residual=residual)
+        if residual is not None:
+            x = residual.add_(x)
+        return out.copy_(norm_rope.rmsnorm_torch(x, weight, self.eps, zero_centred=True))
+
+    def _gate_mul(self, g, x, out, act, residual=None) -> torch.Tensor:
+        fn = norm_rope.gate_mul_triton if self.fused else norm_rope.gate_mul_torch
+        return fn(g, x, out, act, residual)
+
     def _attention(self, step: DecodeStep, j: int, x: torch.Tensor) -> torch.Tensor:
         """Layer j's gated attention on the normed input x [D, H] (its KV rows written)."""
         w, lw, d, c, i = step.work, self.layers[j], step.num_positions, self.geometry, self.cache_index[j]
-        nh, nkv, hd, rd = c.num_heads, c.num_kv_heads, c.head_dim, self.rotary_dim
-        query_gate, k, v = F.linear(x, lw["qkv"]).split([2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, gate = query_gate.view(d, nh, 2 * hd).chunk(2, dim=-1)
-        q = zero_centred_rmsnorm(q, lw["q_norm"], self.eps)
-        k = zero_centred_rmsnorm(k.view(d, nkv, hd), lw["k_norm"], self.eps)
-        positions = step.input_dev[d:] + self.positions[:d]
-        cos = self.cos.index_select(0, positions).repeat(1, 2).to(x.dtype)[:, None]  # [D, 1, rd]
-        sin = self.sin.index_select(0, positions).repeat(1, 2).to(x.dtype)[:, None]
-        rotate = lambda t: torch.cat([t[..., :rd] * cos + norm_rope.rotate_half(t[..., :rd]) * sin,  # noqa: E731
-                                      t[..., rd:]], dim=-1)
-        q, k = rotate(q), rotate(k)
-        self.k_cache[i].index_copy_(1, positions, k.transpose(0, 1))
-        self.v_cache[i].index_copy_(1, positions, v.view(d, nkv, hd).transpose(0, 1))
+        nh, hd = c.num_heads, c.head_dim
+        qkv = F.linear(x, lw["qkv"])  # per head [q | gate], then k, v
+        prologue = norm_rope.qkv_prologue_triton if self.fused else norm_rope.qkv_prologue_torch
+        prologue(qkv, lw["q_norm"], lw["k_norm"], self.cos, self.sin, step.input_dev[d:], w["q"], self.k_cache[i],
+                 self.v_cache[i], self.eps, None, zero_centred=True, head_norm=True, gated=True)
         if self.attention == "split_kv":
-            att = split_kv_attention(w["q"].copy_(q), self.k_cache[i], self.v_cache[i], w["seqlens"], self.scale,
-                                     w["att"], w["split_kv"])
+            att = split_kv_attention(w["q"], self.k_cache[i], self.v_cache[i], w["seqlens"], self.scale, w["att"],
+                                     w["split_kv"])
         else:
-            att = decode_attention(q.contiguous(), self.k_cache[i], self.v_cache[i], w["mask"], self.scale)
-        return F.linear(att * torch.sigmoid(gate.reshape(d, nh * hd)), lw["o"])
+            att = decode_attention(w["q"], self.k_cache[i], self.v_cache[i], w["mask"], self.scale)
+        gate = qkv[:, :2 * nh * hd].view(d, nh, 2 * hd)[..., hd:]
+        return F.linear(self._gate_mul(gate, att, att, "sigmoid"), lw["o"])
 
     def attention_router(self, step: DecodeStep, layer: int, copy_out: bool = True) -> None:
         w, d, lw = step.work, step.num_positions, self.layers[layer]
@@ -410,25 +447,29 @@ class Qwen35MoeDecoder(FeatureCapture):
                 w["seqlens"].copy_(step.input_dev[d:] + d)
         else:
             self._write_features(step, layer - 1, w["h"])
-        x = w["xn"].copy_(zero_centred_rmsnorm(w["h"], lw["input_ln"], self.eps))
+        x = self._norm(w["h"], lw["input_ln"], w["xn"])
         mix = self._linear_attention if self.mixers[layer] == "linear_attention" else self._attention
-        w["h"].add_(mix(step, layer, x))
-        m = w["moe_in"].copy_(zero_centred_rmsnorm(w["h"], lw["post_ln"], self.eps))
-        step.logits_dev[layer].copy_(F.linear(m, self.router_pair[layer]))
+        m = self._norm(mix(step, layer, x), lw["post_ln"], w["moe_in"], residual=w["h"])
+        if self.router_into:
+            linear_into(m, self.router_pair[layer], step.logits_dev[layer])
+        else:
+            step.logits_dev[layer].copy_(F.linear(m, self.router_pair[layer]))
         if copy_out:
             step.copy_out_logits(layer)
         # the shared expert, resident and gated, here rather than in `moe` (which may run several times per layer)
-        gate, up = F.linear(m, lw["gate_up"]).chunk(2, dim=-1)
-        w["h"].add_(torch.sigmoid(F.linear(m, lw["shared_gate"])) * F.linear(F.silu(gate) * up, lw["down"]))
+        inter = lw["down"].shape[1]
+        gate_up = F.linear(m, lw["shared_in"])  # [D, 2 I + 1]: gate, up, the logit of its sigmoid gate
+        act = self._gate_mul(gate_up[:, :inter], gate_up[:, inter:2 * inter], w["shared_act"], "silu")
+        self._gate_mul(gate_up[:, 2 * inter:], F.linear(act, lw["down"]), w["h"], "sigmoid", residual=w["h"])
 
     def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
         routed_moe(self, step, layer, slot_buf, copy_in)
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
-        x = step.work["xn"].copy_(zero_centred_rmsnorm(step.work["h"], self.final_norm, self.eps))
+        x = self._norm(step.work["h"], self.final_norm, step.work["xn"])
         self._write_features(step, self.geometry.num_layers - 1, x)
         step.out_logits.copy_(F.linear(x, self.lm_head))
-        step.next_dev.copy_(step.out_logits.argmax(dim=-1))
+        torch.argmax(step.out_logits, dim=-1, out=step.next_dev)
         if copy_out:
             step.copy_out_next()
 
