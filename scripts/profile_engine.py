@@ -1,0 +1,69 @@
+"""Where a decode step's GPU time goes: the engine as `build_engine` makes it with default settings, every expert
+resident (one CUDA graph per token where the policy routes on the device), a named full-size config with seeded
+random weights on the GPU; ms/token over --tokens teacher-forced tokens at --position, then a torch.profiler table
+of the kernels of 16 tokens (their count per token and GPU time).
+
+    PYTHONPATH=. python3 scripts/profile_engine.py --model qwen3.6-35b-a3b [--out runs/profile.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from specmoe.engines import EngineConfig, build_engine  # noqa: E402
+from specmoe.engines.helpers import random_model_on_device  # noqa: E402
+from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
+from specmoe.routing import Calibration, preset  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3.6-35b-a3b", help="a named config of specmoe.models")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--position", type=int, default=256, help="first position of the timed tokens")
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--out", default=None, help="also write the output to this file")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_engine.py needs a CUDA device")
+    lines = []
+
+    def say(*parts) -> None:
+        text = " ".join(str(p) for p in parts)
+        print(text, flush=True)
+        lines.append(text)
+
+    t0 = time.time()
+    model, adapter = random_model_on_device(args.model, 0, torch.bfloat16, "cuda")
+    store = ExpertStore.from_model(model, adapter, release=True)
+    g = adapter
+    engine = build_engine(model, preset("exact_lru", g.num_experts, g.top_k),
+                          Calibration.uniform(g.num_moe_layers, g.num_experts, g.vocab_size),
+                          EngineConfig(max_seq_len=args.max_seq_len),
+                          residency=ExpertResidency(store, g.num_experts, "cuda"))
+    say(f"{args.model}: set up in {time.time() - t0:.0f} s; kernels {engine.kernels}")
+    tokens = np.random.default_rng(1).integers(0, g.vocab_size, args.tokens)
+    for _ in range(2):  # the first run warms up
+        result = engine.teacher_forced(tokens, first_position=args.position)
+    say(f"ms/token {result.ms[result.timed].mean():.3f} (routing: {result.info['routing']})")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.teacher_forced(tokens[:16], first_position=args.position)
+    table = prof.key_averages()
+    say(f"kernels per token {sum(e.count for e in table) / 16:.1f}")
+    say(table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
