@@ -344,12 +344,37 @@ def _write_replay_sd_report(out: Path, run_dir: Path, table, manifest: dict) -> 
     (out / "report.md").write_text("\n".join(lines))
 
 
+def _write_eval_report(out: Path, run_dir: Path, table, manifest: dict) -> None:
+    """report.md of a `specmoe eval` run directory: the model arguments, lm-eval's figures per task (and
+    subtask, filter, metric) and what each task cost (seconds, routing summary); no plot."""
+    from specmoe.evaluation.run import cost_table, task_table
+
+    config = manifest.get("config", {})
+    options = {k: config.get(k) for k in ("num_fewshot", "limit", "apply_chat_template", "include_path")}
+    lines = _header(run_dir, table, manifest)
+    model_args = " ".join(f"{k}={v}" for k, v in config.get("model_args", {}).items())
+    chosen = ", ".join(f"{k} {v}" for k, v in options.items() if v not in (None, False)) or "the tasks' defaults"
+    lines += [f"- model arguments: `{model_args}`; lm-eval options: {chosen}", ""]
+    if config.get("limit") is not None:
+        lines += [f"**--limit {config['limit']}: a subset of each task's questions, not a benchmark figure.**", ""]
+    lines += ["## Tasks", "", "lm-eval's figures as it reports them (value and its standard error; n: questions "
+              "scored). Pair two runs question by question with `specmoe compare RUN_A RUN_B`.", "",
+              _markdown(task_table(table), 4), "",
+              "## Cost per task", "", "Wall seconds of the task, seconds inside the model, and the routing summary "
+              "(a routing policy: copies, demand, prefetch, unused prefetches, replaced slots and displaced router "
+              "mass per routed token; speculative decoding: tau and copies per committed token).", "",
+              _markdown(cost_table(table), 3), ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
 def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: int | None) -> None:
     """Write report.md and its plots into the (new, temporary) directory `out`."""
     import pandas as pd
 
     if manifest.get("kind") == "replay-sd":
         return _write_replay_sd_report(out, run_dir, table, manifest)
+    if manifest.get("kind") == "eval":
+        return _write_eval_report(out, run_dir, table, manifest)
     m = means_table(table)
     quality = _quality(m)
     lines = _header(run_dir, table, manifest)
