@@ -304,7 +304,7 @@ def test_replay_sd_command(tmp_path, capsys):
     assert main(args) == 0
     assert all(p.stat().st_mtime_ns == t for p, t in done.items())  # finished sources were not recomputed
     summary = read_table(tmp_path / "out")
-    assert summary.source.tolist() == ["records test", "synthetic tau 2", "synthetic histogram of blocks"]
+    assert summary.source.tolist() == ["records test (blocks)", "synthetic tau 2", "synthetic histogram of blocks"]
     results = pd.concat(points_of(summary))
     assert set(results.method) == {"ar_psr", "rollback", "block_exact", "block_acceptmoe", "block_confidence_top1"}
     assert "rollback_over_ar_psr" in capsys.readouterr().out
