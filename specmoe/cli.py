@@ -38,6 +38,7 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .evaluation import compare
+    from .evaluation import run as evaluation
     from .experiments import calibrate, demo, report, run, sd, stats, trace
     from .replay import command as replay_sd
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_parser(sub)
     sd.add_parser(sub)
     replay_sd.add_parser(sub)
+    evaluation.add_parser(sub)
     compare.add_parser(sub)
     run.add_parser(sub)
     report.add_parser(sub)

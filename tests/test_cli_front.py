@@ -34,7 +34,7 @@ def test_help_of_every_command_imports_no_heavy_module():
     done = subprocess.run([sys.executable, "-c", HELP_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert {"run", "report", "sd", "demo", "calibrate", "trace", "replay", "replay-sd", "compare"} <= set(
+    assert {"run", "report", "sd", "demo", "calibrate", "trace", "replay", "replay-sd", "compare", "eval"} <= set(
         result["commands"])
     assert result["loaded"] == []
 

@@ -132,3 +132,74 @@ def test_compare_command_prints_and_writes_the_table(tmp_path, capsys):
     assert "is an existing directory" in capsys.readouterr().err
     assert main(["compare", str(run_a), str(run_b), "--metrics", "nope", "--out", str(out)]) == 2
     assert "no task, filter and metric in common" in capsys.readouterr().err
+
+
+# -- `specmoe eval` run directories (lm-eval replaced by a fake: these tests need no lm-eval) --------------------
+def _fake_lm_eval(source, calls):
+    """A stand-in for `specmoe.evaluation.run.start_lm_eval` that 'evaluates' a task by copying its samples file
+    from the lm-eval output `source` and returns lm-eval's results dict for it (acc: the mean, as lm-eval)."""
+    from specmoe.evaluation.compare import read_samples
+
+    def start(model_args, options):
+        files = sample_files(source)
+
+        def evaluate(task, out_dir):
+            calls.append(task)
+            records = read_samples(files[task])
+            (out_dir / "model").mkdir(parents=True)
+            (out_dir / "model" / files[task].name).write_text(files[task].read_text())
+            acc = float(np.mean([r["acc"] for r in records]))
+            return {"results": {task: {"alias": task, "acc,none": acc, "acc_stderr,none": 0.01}},
+                    "n-samples": {task: {"original": len(records), "effective": len(records)}},
+                    "versions": {task: 1.0}, "higher_is_better": {task: {"acc": True}}, "configs": {task: {}}}
+
+        return evaluate, lambda: {"seconds": 0.5, "copies": 1.25, "tokens": 10}
+
+    return start
+
+
+def test_eval_writes_a_run_directory_that_report_and_compare_read(tmp_path, monkeypatch, capsys):
+    """`specmoe eval` into a run directory (one cell per task, resumable, lm-eval's sample files inside),
+    `specmoe report` of it (the per-task table), and `specmoe compare` of two of them, equal to comparing the
+    lm-eval outputs they hold."""
+    from specmoe.evaluation import run as evaluation
+    from specmoe.rundir import RunDir, read_table
+
+    source_a, source_b, _ = _two_runs(tmp_path / "source")
+    calls = []
+    runs = {}
+    for name, source, args in (("a", source_a, ["policy=psr", "capacity=16,bonus=0.3"]),
+                               ("b", source_b, ["policy=exact_lru"])):
+        monkeypatch.setattr(evaluation, "start_lm_eval", _fake_lm_eval(source, calls))
+        out = tmp_path / f"eval_{name}"
+        argv = ["eval", "--tasks", "qa,other", "--model-args", *args, "--out", str(out), "--no-progress"]
+        assert main([*argv, "--max-cells", "1"]) == 0
+        assert read_table(out).label.tolist() == ["qa"]
+        (out / "lm_eval" / "c0001.partial").mkdir()  # a task interrupted part-way: run again from scratch
+        assert main(argv) == 0  # resumes: only the second task runs
+        runs[name] = out
+    assert calls == ["qa", "other", "qa", "other"]
+    manifest = RunDir(runs["a"]).manifest()
+    assert manifest["kind"] == "eval" and manifest["status"] == "complete" and len(manifest["invocations"]) == 2
+    assert manifest["config"]["model_args"] == {"policy": "psr", "capacity": 16, "bonus": 0.3}
+    assert manifest["description"] == "lm-eval: policy=psr capacity=16 bonus=0.3"
+    assert sorted(p.name for p in (runs["a"] / "lm_eval").iterdir()) == ["c0000", "c0001"]
+    table = read_table(runs["a"])
+    assert table.kind.tolist() == ["lm_eval", "lm_eval"] and json.loads(table.routing[0])["copies"] == 1.25
+
+    capsys.readouterr()
+    assert main(["report", str(runs["a"])]) == 0
+    report = (runs["a"] / "report" / "report.md").read_text()
+    assert "| qa | acc | none |" in report and "| other | acc | none | 1.0000 | 0.0100 | 20 | yes |" in report
+    assert "policy=psr capacity=16 bonus=0.3" in report and "## Cost per task" in report
+
+    out = tmp_path / "compare.md"
+    assert main(["compare", str(runs["a"]), str(runs["b"]), "--out", str(out), "--resamples", "2000"]) == 0
+    text = out.read_text()
+    assert "(lm-eval: policy=psr capacity=16 bonus=0.3)" in text
+    assert main(["compare", str(source_a), str(source_b), "--out", str(tmp_path / "plain.md"),
+                 "--resamples", "2000"]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["rows"] == \
+        json.loads((tmp_path / "plain.json").read_text())["rows"]
+    assert main(["eval", "--tasks", "qa", "--model-args", "policy", "--out", str(tmp_path / "bad")]) == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err

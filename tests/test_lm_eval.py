@@ -1,8 +1,9 @@
 """The lm-eval model (`specmoe.evaluation.lm_eval_model`) on the shipped family, offline: its methods against
-the harness's own decoding under the same policy, the per-request reset, speculative decoding, and a whole
-`simple_evaluate` run with logged samples on two policies over a small local task, compared by
-`specmoe compare`. Skipped where lm-eval (the `eval` extra) is not installed; that specmoe imports without it is
-checked in tests/test_imports.py (a module-level skip here would skip that check too)."""
+the harness's own decoding under the same policy, the per-request reset, speculative decoding, and two whole
+`specmoe eval` runs (run directories, lm-eval with logged samples) of two policies over a small local task,
+compared by `specmoe compare`. Skipped where lm-eval (the `eval` extra) is not installed; that specmoe imports
+without it is checked in tests/test_imports.py (a module-level skip here would skip that check too); the run
+directory, `report` and `compare` of `specmoe eval` without lm-eval: tests/test_compare.py."""
 
 import json
 import os
@@ -198,14 +199,9 @@ def flat_mean(items):
 '''
 
 
-def test_simple_evaluate_two_policies_then_compare(family, calibration, docs, tmp_path, capsys):
-    """lm-eval end to end on a local task (multiple choice and generation), offline, with logged samples;
-    `specmoe compare` pairs the two runs and reports lm-eval's own scores as A and B."""
-    from lm_eval.loggers import EvaluationTracker
-    from lm_eval.tasks import TaskManager
-
-    from specmoe.cli import main
-
+@pytest.fixture
+def task_dir(docs, tmp_path):
+    """A directory of two local tasks over `docs`: tiny_mc (multiple choice) and tiny_gen (generation)."""
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     data = tasks / "docs.jsonl"
@@ -213,17 +209,38 @@ def test_simple_evaluate_two_policies_then_compare(family, calibration, docs, tm
     for name, body in (("tiny_mc", _MC), ("tiny_gen", _GEN)):
         (tasks / f"{name}.yaml").write_text(_TASK.format(name=name, data=data, cache=tmp_path / "hf") + body)
     (tasks / "utils.py").write_text(_UTILS)
-    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    return tasks
+
+
+def test_eval_runs_two_policies_into_run_directories_then_compare(task_dir, calibration, tmp_path, capsys):
+    """`specmoe eval` end to end on a local task (multiple choice and generation), offline: each run a run
+    directory holding lm-eval's results and logged samples; `specmoe compare` pairs the two run directories and
+    reports lm-eval's own scores as A and B; `specmoe report` shows them per task."""
+    from specmoe.cli import main
+    from specmoe.rundir import RunDir, read_table
+
     scores = {}
-    for run, kwargs in (("exact", {}), ("cache_prior", {"policy": "cache_prior", "capacity": 16, "bonus": 1.0})):
-        lm = _lm(family, calibration, **kwargs)
-        results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"], task_manager=manager,
-                                          log_samples=True, bootstrap_iters=0)
-        tracker = EvaluationTracker(output_path=str(tmp_path / run))
-        tracker.save_results_aggregated(results=results, samples=results["samples"])
-        for task in results["configs"]:
-            tracker.save_results_samples(task_name=task, samples=results["samples"][task])
-        scores[run] = results["results"]
+    for run, args in (("exact", []), ("cache_prior", ["policy=cache_prior", "capacity=16", "bonus=1.0"])):
+        out = tmp_path / run
+        assert main(["eval", "--tasks", "tiny_mc,tiny_gen", "--include-path", str(task_dir), "--bootstrap-iters",
+                     "0", "--no-progress", "--out", str(out), "--model-args", f"calibration={calibration}",
+                     "threads=1", *args]) == 0
+        table = read_table(out)
+        assert table.label.tolist() == ["tiny_mc", "tiny_gen"]
+        scores[run] = {task: figures for cell in table.results for task, figures in json.loads(cell).items()}
+        routing = json.loads(table.routing[0])
+        assert routing["tokens"] > 0 and (routing["copies"] > 0) == (run == "cache_prior")
+        manifest = RunDir(out).manifest()
+        assert manifest["kind"] == "eval" and manifest["status"] == "complete"
+        assert set(manifest["inputs"]) == {"calibration", "include_path/docs.jsonl", "include_path/tiny_gen.yaml",
+                                           "include_path/tiny_mc.yaml", "include_path/utils.py"}
+        assert len(list((out / "lm_eval").rglob("samples_tiny_*.jsonl"))) == 2
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "cache_prior")]) == 0
+    report = (tmp_path / "cache_prior" / "report" / "report.md").read_text()
+    acc = scores["cache_prior"]["tiny_mc"]["acc,none"]
+    assert f"| tiny_mc | acc | none | {acc:.4f} |" in report
+
     out = tmp_path / "compare.md"
     assert main(["compare", str(tmp_path / "cache_prior"), str(tmp_path / "exact"), "--out", str(out)]) == 0
     rows = {(r["task"], r["metric"]): r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}

@@ -305,7 +305,7 @@ def test_replay_sd_command(tmp_path, capsys):
     assert main(args) == 0
     assert all(p.stat().st_mtime_ns == t for p, t in done.items())  # finished sources were not recomputed
     summary = read_table(tmp_path / "out")
-    assert summary.source.tolist() == ["records test", "synthetic tau 2", "synthetic histogram of blocks"]
+    assert summary.source.tolist() == ["records test (blocks)", "synthetic tau 2", "synthetic histogram of blocks"]
     # whose accepted lengths each selector's rows replay: the acceptmoe run's records and histogram are
     # acceptmoe's own (closed loop), exact's and confidence_top1's rows over them are open loop; a tau is a profile
     # standing in for exact's

@@ -100,6 +100,11 @@ def test_copies_plot_draws_the_pools_moves_and_the_cdf_legend_sits_below_the_axe
     assert bars[report.MOVES_LABEL] == [0.0, 2.0, 0.0, 3.0]  # SD rows' moves; AR rows have none
     assert bars["demand"] == [8.0, 9.0, 5.0, 6.0]
     assert outside(fig, ax)
+    labels = [t.get_text() for t in ax.texts]  # each bar's value on it: stacks' totals, then the moves
+    assert labels[-2:] == ["2", "3"] and len(labels) == 6
+    assert all(t.get_position()[1] < ax.get_ylim()[1] for t in ax.texts)  # inside the axes
+    key = "\n".join(t.get_text() for t in fig.texts)  # configuration # -> label under the plot
+    assert all(f"{row.config}: {row.label}" in key for row in m.itertuples())
     plt.close(fig)
 
     fig = report.cdf_figure(table())

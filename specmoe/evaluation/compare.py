@@ -1,7 +1,8 @@
 """`specmoe compare RUN_A RUN_B`: two benchmark runs compared question by question, one table of paired tests.
 
-A run is lm-evaluation-harness output written with ``--log_samples``: a directory (searched recursively for
-``samples_<task>_<date>.jsonl``; one file per task) or one such file. Per task, filter and metric, the
+A run is a run directory of `specmoe eval` (the sample files of its finished tasks), or lm-evaluation-harness
+output written with ``--log_samples``: a directory (searched recursively for ``samples_<task>_<date>.jsonl``;
+one file per task) or one such file. Per task, filter and metric, the
 questions both runs scored (matched by doc_id; a doc_id whose document hash differs between the runs is an
 error) give one row: the mean score of A and of B, the paired difference A - B with its standard error, and a
 p-value, two-sided:
@@ -47,13 +48,18 @@ _NOT_METRICS = {"doc_id", "doc", "target", "arguments", "resps", "filtered_resps
 # -- reading runs --------------------------------------------------------------------------------------------
 def sample_files(run: str | Path) -> dict[str, Path]:
     """task -> the samples file of that task in `run` (a directory searched recursively, or one file)."""
+    from .run import is_eval_dir, sample_files_of
+
     run = Path(run)
     if run.is_file():
         files = [run]
+    elif is_eval_dir(run):  # a `specmoe eval` run directory: its finished tasks' sample files
+        files = sample_files_of(run)
     elif run.is_dir():
         files = sorted(run.rglob("samples_*.jsonl"))
     else:
-        raise FileNotFoundError(f"no run at {run} (expected lm-eval's --output_path directory or a samples file)")
+        raise FileNotFoundError(f"no run at {run} (expected a `specmoe eval` run directory, lm-eval's --output_path "
+                                "directory or a samples file)")
     found: dict[str, Path] = {}
     for path in files:
         match = _SAMPLE_FILE.match(path.name)
@@ -231,6 +237,17 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, metrics=None, pools: d
 
 
 # -- the table -----------------------------------------------------------------------------------------------
+def _run_name(run: str) -> str:
+    """The run's path, and for a `specmoe eval` run directory what it ran (its manifest's description)."""
+    from specmoe.rundir import RunDir
+
+    from .run import is_eval_dir
+
+    if not is_eval_dir(run):
+        return f"`{run}`"
+    return f"`{run}` ({(RunDir(run).manifest() or {}).get('description', 'specmoe eval')})"
+
+
 def _num(value: float, scale: float, digits: int = 1) -> str:
     return f"{value * scale:.{digits}f}" if scale == 100.0 else f"{value:.4g}"
 
@@ -243,7 +260,7 @@ def markdown(rows: list[Row], notes: list[str], run_a: str, run_b: str) -> str:
     """The comparison table as markdown (see the module docstring)."""
     from specmoe import stats
 
-    lines = [f"A: `{run_a}`  ", f"B: `{run_b}`", "",
+    lines = [f"A: {_run_name(run_a)}  ", f"B: {_run_name(run_b)}", "",
              "| task | metric | filter | n | A | B | A − B | se | test | p | p (Holm) |",
              "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for row in rows:

@@ -292,3 +292,10 @@ class SpecmoeLM(TemplateLM):
 
         self.context.finish()
         return {"seconds": self.seconds, **copy_stats(self.context)}
+
+    def clear_summary(self) -> None:
+        """Start `routing_summary`'s figures again from zero (`specmoe eval` reports each task's own)."""
+        self.seconds, self.counts = 0.0, []
+        if self.context is not None:
+            self.context.finish()
+            self.context.clear_counters()

@@ -15,7 +15,8 @@ Written to RUN_DIR/report/ (or --out): report.md with
 - per-token latency percentiles (latency_cdf.png: the distribution of every committed token's latency,
   `token_ms` as `specmoe.experiments.measure` defines it);
 - copies by class (copies.png): demand, prefetch in time, late, unused prefetches stacked, and beside them the
-  speculative pool's refill moves (hatched; device to device, not copies);
+  speculative pool's refill moves (hatched; device to device, not copies), each bar's value on it;
+- under every plot with configuration numbers, a key naming each configuration;
 - ratios of ms per token against a baseline configuration with 95% intervals over the workload's units
   (requests or windows; a paired bootstrap, `paired_ratios`), which needs the same requests in every
   configuration, each read as faster, slower or within noise.
@@ -200,6 +201,16 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def _key(fig, configs, labels) -> None:
+    """Below the figure, what each configuration # of its points and bars is ("#: label", two columns)."""
+    entries = [f"{c}: {label}" for c, label in zip(configs, labels)]
+    half = math.ceil(len(entries) / 2)
+    columns = [entries[:half], entries[half:]] if len(entries) > 4 else [entries]
+    for i, column in enumerate(columns):
+        fig.text(0.02 + 0.5 * i, 0.0, "\n".join(column), ha="left", va="top", fontsize=8, family="monospace",
+                 transform=fig.transFigure)
+
+
 def _plot_frontier(m: pd.DataFrame, quality: str, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
@@ -217,14 +228,17 @@ def _plot_frontier(m: pd.DataFrame, quality: str, path: Path) -> bool:
             ax.plot(m[x].to_numpy()[best], m[quality].to_numpy()[best], "k--", lw=1, label="frontier")
         for row in m.itertuples():
             if np.isfinite(getattr(row, x)) and np.isfinite(getattr(row, quality)):
-                ax.annotate(str(row.config), (getattr(row, x), getattr(row, quality)), fontsize=7,
-                            xytext=(3, 3), textcoords="offset points")
+                ax.annotate(str(row.config), (getattr(row, x), getattr(row, quality)), fontsize=9,
+                            xytext=(4, 3), textcoords="offset points")
         ax.set_xlabel({"ms_per_token": "ms per committed token", "copies_per_token": "copies per committed token"}[x])
         ax.set_ylabel("displaced router mass per token-layer" if quality == "displaced_per_token_layer"
                       else f"{quality} against exact routing (nats per token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
-    fig.suptitle("latency-divergence frontier (numbers: configuration #)")
+    what = "latency-divergence" if "ms_per_token" in axes_x else "copies-divergence"  # a replay has no latency
+    fig.suptitle(f"{what} frontier (numbers: configuration #, named below)")
+    fig.tight_layout()
+    _key(fig, m.config, m.label)
     _save(fig, path)
     return True
 
@@ -245,6 +259,12 @@ def cdf_figure(table: pd.DataFrame):
         plt.close(fig)
         return None
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
+    ax.tick_params(axis="x", which="minor", labelsize=8)
     ax.set_xlabel("ms per committed token")
     ax.set_ylabel("fraction of tokens")
     ax.grid(alpha=0.3)
@@ -297,14 +317,25 @@ def copies_figure(c: pd.DataFrame):
         if values.any():
             ax.bar(left, values, width, bottom=bottom, label=name)
             bottom += values
+    for xi, total in zip(left, bottom):  # each stack's total copies on top of it
+        ax.annotate(f"{total:.3g}", (xi, total), xytext=(0, 2), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=8, rotation=90 if has_moves else 0)
     if has_moves:
         ax.bar(x + width / 2, np.nan_to_num(moves), width, label=MOVES_LABEL, color="white", edgecolor="0.3",
                hatch="//")
+        for xi, value in zip(x + width / 2, moves):
+            if np.isfinite(value):
+                ax.annotate(f"{value:.3g}", (xi, value), xytext=(0, 2), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=8, color="0.3", rotation=90)
+    top = max(np.nanmax(bottom), np.nanmax(moves) if has_moves else 0.0)
+    ax.set_ylim(0, top * 1.18 if top > 0 else 1.0)  # room for the value labels
     ax.set_xticks(x, [str(i) for i in c["config"]])
     ax.set_xlabel("configuration #")
     ax.set_ylabel("copies (and moves) per committed token")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    _key(fig, c["config"], c["label"])
     return fig
 
 
@@ -384,12 +415,37 @@ def _write_replay_sd_report(out: Path, run_dir: Path, table, manifest: dict) -> 
     (out / "report.md").write_text("\n".join(lines))
 
 
+def _write_eval_report(out: Path, run_dir: Path, table, manifest: dict) -> None:
+    """report.md of a `specmoe eval` run directory: the model arguments, lm-eval's figures per task (and
+    subtask, filter, metric) and what each task cost (seconds, routing summary); no plot."""
+    from specmoe.evaluation.run import cost_table, task_table
+
+    config = manifest.get("config", {})
+    options = {k: config.get(k) for k in ("num_fewshot", "limit", "apply_chat_template", "include_path")}
+    lines = _header(run_dir, table, manifest)
+    model_args = " ".join(f"{k}={v}" for k, v in config.get("model_args", {}).items())
+    chosen = ", ".join(f"{k} {v}" for k, v in options.items() if v not in (None, False)) or "the tasks' defaults"
+    lines += [f"- model arguments: `{model_args}`; lm-eval options: {chosen}", ""]
+    if config.get("limit") is not None:
+        lines += [f"**--limit {config['limit']}: a subset of each task's questions, not a benchmark figure.**", ""]
+    lines += ["## Tasks", "", "lm-eval's figures as it reports them (value and its standard error; n: questions "
+              "scored). Pair two runs question by question with `specmoe compare RUN_A RUN_B`.", "",
+              _markdown(task_table(table), 4), "",
+              "## Cost per task", "", "Wall seconds of the task, seconds inside the model, and the routing summary "
+              "(a routing policy: copies, demand, prefetch, unused prefetches, replaced slots and displaced router "
+              "mass per routed token; speculative decoding: tau and copies per committed token).", "",
+              _markdown(cost_table(table), 3), ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
 def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: int | None) -> None:
     """Write report.md and its plots into the (new, temporary) directory `out`."""
     import pandas as pd
 
     if manifest.get("kind") == "replay-sd":
         return _write_replay_sd_report(out, run_dir, table, manifest)
+    if manifest.get("kind") == "eval":
+        return _write_eval_report(out, run_dir, table, manifest)
     m = means_table(table)
     quality = _quality(m)
     lines = _header(run_dir, table, manifest)

@@ -97,7 +97,8 @@ def _sources(args, calibration) -> list[tuple[str, object]]:
     def records(path):
         records = BlockRecords.load(path, num_layers=num_layers, num_experts=num_experts)
         calibration.check(num_layers, num_experts, records.vocab_size, fingerprint=records.fingerprint or None)
-        return (blocks_from_records(records, args.records_k, source=f"records {records.drafter or Path(path).stem}"),
+        name = f"{records.drafter} ({Path(path).stem})" if records.drafter else Path(path).stem  # files of one
+        return (blocks_from_records(records, args.records_k, source=f"records {name}"),  # drafter stay apart
                 records.selector.get("kind") or "unknown")
 
     out = []
