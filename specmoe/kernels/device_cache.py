@@ -182,6 +182,21 @@ if triton is not None:
         return s, z
 
     @triton.jit
+    def _state_rows(irow, frow, valid, E: tl.constexpr):
+        """A layer's per-expert state rows that part 1 and part 2 both read: expert -> slot, slot -> expert, last
+        use, protection, selection and prefetch tokens, the fast and slow scores and the stored priority."""
+        es = tl.load(irow + _EXPERT_SLOT * E, mask=valid, other=-1)
+        se = tl.load(irow + _SLOT_EXPERT * E, mask=valid, other=-1)
+        last = tl.load(irow + _LAST_USE * E, mask=valid, other=-1)
+        prot = tl.load(irow + _PROTECTED * E, mask=valid, other=-1)
+        sel_tok = tl.load(irow + _SELECTED * E, mask=valid, other=-1)
+        pref = tl.load(irow + _PREFETCHED * E, mask=valid, other=-1)
+        sf = tl.load(frow + _S_FAST * E, mask=valid, other=0.0)
+        ss = tl.load(frow + _S_SLOW * E, mask=valid, other=0.0)
+        prio = tl.load(frow + _PRIORITY * E, mask=valid, other=0.0)
+        return es, se, last, prot, sel_tok, pref, sf, ss, prio
+
+    @triton.jit
     def _part1(ist_ptr, isc_ptr, fst_ptr, cnt_ptr, fpar_ptr, pind_ptr, pexp_ptr, pval_ptr, bias_ptr, VOCAB,
                token, layer, g_ptr, prefetch_ptr, idx, valid,
                E: tl.constexpr, BLOCK_E: tl.constexpr, M: tl.constexpr, R: tl.constexpr, N_INS: tl.constexpr,
@@ -193,16 +208,8 @@ if triton is not None:
         isc = isc_ptr + layer * _N_ISCALARS
         t = tl.load(isc + _POS)
         snap = tl.load(isc + _SNAP_TOKEN)
-        es = tl.load(irow + _EXPERT_SLOT * E, mask=valid, other=-1)
-        se = tl.load(irow + _SLOT_EXPERT * E, mask=valid, other=-1)
-        last = tl.load(irow + _LAST_USE * E, mask=valid, other=-1)
-        prot = tl.load(irow + _PROTECTED * E, mask=valid, other=-1)
-        sel_tok = tl.load(irow + _SELECTED * E, mask=valid, other=-1)
-        pref = tl.load(irow + _PREFETCHED * E, mask=valid, other=-1)
+        es, se, last, prot, sel_tok, pref, sf, ss, prio = _state_rows(irow, frow, valid, E)
         pred = tl.load(irow + _PREDICTED * E, mask=valid, other=-1)
-        sf = tl.load(frow + _S_FAST * E, mask=valid, other=0.0)
-        ss = tl.load(frow + _S_SLOW * E, mask=valid, other=0.0)
-        prio = tl.load(frow + _PRIORITY * E, mask=valid, other=0.0)
         prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU)
         g, _ = _scores(g_ptr, bias_ptr, layer, valid, idx, E, SIGMOID)
         rank = _rank(g, g, valid, idx, M, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
@@ -247,15 +254,7 @@ if triton is not None:
         fsc = fsc_ptr + layer * _N_FSCALARS
         t = tl.load(isc + _POS)
         snap = tl.load(isc + _SNAP_TOKEN)
-        es = tl.load(irow + _EXPERT_SLOT * E, mask=valid, other=-1)
-        se = tl.load(irow + _SLOT_EXPERT * E, mask=valid, other=-1)
-        last = tl.load(irow + _LAST_USE * E, mask=valid, other=-1)
-        prot = tl.load(irow + _PROTECTED * E, mask=valid, other=-1)
-        sel_tok = tl.load(irow + _SELECTED * E, mask=valid, other=-1)
-        pref = tl.load(irow + _PREFETCHED * E, mask=valid, other=-1)
-        sf = tl.load(frow + _S_FAST * E, mask=valid, other=0.0)
-        ss = tl.load(frow + _S_SLOW * E, mask=valid, other=0.0)
-        prio = tl.load(frow + _PRIORITY * E, mask=valid, other=0.0)
+        es, se, last, prot, sel_tok, pref, sf, ss, prio = _state_rows(irow, frow, valid, E)
         prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU)
         zs, z = _scores(z_ptr, bias_ptr, layer, valid, idx, E, SIGMOID)
         zmax = tl.max(tl.where(valid, zs, float("-inf")), axis=0)
