@@ -32,8 +32,8 @@ def _add_policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="psr", help="a preset of specmoe.routing.PRESETS, e.g. psr, cache_prior, "
                         "exact_lru (default psr; an unknown name lists them all)")
     parser.add_argument("--capacity", "-C", type=int_at_least(1), required=True, help="expert slots per layer")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a policy field, e.g. --set bonus=0.25 --set window=4")
+    parser.add_argument("--set", action="extend", nargs="+", default=[], metavar="FIELD=VALUE",
+                        help="override policy fields, e.g. --set bonus=0.25 window=4 (one or more per --set)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -117,6 +117,8 @@ def test_set_overrides_keys_before_the_checks_and_makes_another_run(tmp_path, ca
     assert main([*argv, "--set", 'sd.drafters=["synthetic"]', "--set", "rounds=2"]) == 0
     out = capsys.readouterr().out
     assert "SD synthetic + exact, k=8, P=32" in out and "dflash" not in out and "2 rounds" in out
+    assert main([*argv, "--set", 'sd.drafters=["synthetic"]', "rounds=2"]) == 0  # several after one --set
+    assert capsys.readouterr().out == out
     for bad, message in [("sd.drafterz=1", "sd.drafterz: unknown key"), ("rounds=0", "rounds: expected an integer"),
                          ("rounds", "expected KEY=VALUE"), ('sd.drafters=["medusa"]', "sd.drafters: expected some")]:
         assert main([*argv, "--set", bad]) == 2

@@ -169,9 +169,10 @@ def add_parser(sub) -> None:
 
 
 def add_options(parser) -> None:
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="override a key of the config, a dotted TOML key and a TOML value, e.g. --set rounds=2 "
-                        "--set sd.drafters='[\"synthetic\"]' (repeatable; recorded in the manifest)")
+    parser.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override keys of the config, each a dotted TOML key and a TOML value, e.g. --set "
+                        "rounds=2 sd.drafters='[\"synthetic\"]' (one or more per --set, --set repeatable; recorded in "
+                        "the manifest)")
     parser.add_argument("--out", default=None, help="run directory (default runs/NAME, NAME from the config; "
                         "runs/NAME-DIGEST with --set)")
     parser.add_argument("--dry-run", action="store_true", help="print the grid and what is done; run nothing")
