@@ -16,9 +16,6 @@ import json
 from specmoe.arguments import int_at_least
 from specmoe.files import check_output_file
 
-# Copies per token at C = 32 of OLMoE-1B-7B, the paper's Section 6.5 (quoted, not measured here); psr: (copies, demand)
-PAPER_OLMOE_C32 = {"exact_lru": (30.5, None), "cache_prior": (10.5, None), "psr": (13.8, 2.2), "spec_exec": (29.1, None)}
-
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
@@ -90,11 +87,15 @@ def _trace(args):
 
 def comparison(stats: dict):
     """pandas table: copies per token (demand) of each replayed policy at C = 32 next to the paper's OLMoE
-    figures (None where the trace was not replayed at C = 32)."""
+    figures (None where the trace was not replayed at C = 32); the paper's figures are quoted in one place,
+    `specmoe.records.synthetic.OLMOE_COPIES` (Section 6.5), not measured here."""
     import pandas as pd
 
-    rows = {}
-    for name, (paper, paper_demand) in PAPER_OLMOE_C32.items():
+    from specmoe.records.synthetic import OLMOE_COPIES, PAPER_POLICIES
+
+    paper_c32, rows = OLMOE_COPIES[32], {}
+    for name in PAPER_POLICIES:
+        paper, paper_demand = paper_c32[name], paper_c32.get(f"{name}_demand")
         measured = stats["policies"].get(f"{name}@C=32")
         if measured is None:
             return None
