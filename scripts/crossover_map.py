@@ -23,7 +23,7 @@ operating point each, and are assumed to hold over the whole grid.
 
 Writes crossover.csv (one row per point and C) and crossover_C{C}.png (per C: which method wins in copies and
 in the proxy, panels over skew and margin, persistence against pre-gate noise; the olmoe-like point starred,
-the family's nearest point by its measured statistics circled). See docs/crossover.md.
+the family's nearest point by its measured statistics circled, by its copies squared). See docs/crossover.md.
 """
 
 from __future__ import annotations
@@ -68,11 +68,12 @@ H200 = {
            "draft_ms_per_block": 1.684},
 }
 
-# The shipped family's means over layers, quoted from docs/routing-stats.md (`specmoe stats`, 516 tokens,
-# in-sample calibration): used only to place the family on the grid by its statistics.
+# The shipped family, quoted from docs/routing-stats.md (`specmoe stats`, 516 tokens, in-sample calibration): its
+# means over layers and its replayed copies per token at C = 32, used only to place the family on the grid, by its
+# statistics (each scaled by its range over the grid, load skew on a log scale) and by its copies (log scale).
 FAMILY_STATS = {"reuse_consecutive": 0.366, "pregate_recall": 0.843, "load_max_over_mean": 4.0,
                 "margin_over_delta_mean": 0.018}
-STATS = tuple(FAMILY_STATS)
+FAMILY_COPIES_C32 = {"exact_lru": 14.76, "cache_prior": 1.18, "psr": 7.91}
 
 
 def per_copy_ms(policy: str, capacity: int) -> float:
@@ -91,7 +92,7 @@ def point(params, capacities=(32, 16), tokens: int = 2048, calibration_tokens: i
     calibration = synthetic_calibration(params, calibration_tokens)
     stats = routing_stats(trace, calibration, capacities=(), policy_capacities=())["mean"]
     blocks = synthetic_blocks(trace, k, AcceptanceProfile.for_tau(tau, k), seed=seed)
-    base = {**{a: getattr(params, a) for a in AXES}, **{s: stats[s] for s in STATS}, "sd_tau": blocks.tau}
+    base = {**{a: getattr(params, a) for a in AXES}, **{s: stats[s] for s in FAMILY_STATS}, "sd_tau": blocks.tau}
     rows = []
     for capacity in capacities:
         row = {**base, "C": int(capacity)}
@@ -128,16 +129,23 @@ def latency_proxy(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def nearest(table: pd.DataFrame, stats: dict) -> pd.Series:
-    """The grid point whose routing statistics are nearest to `stats` (each statistic scaled by its range over
-    the grid; load skew on a log scale)."""
-    grid = table.drop_duplicates(list(AXES))
-    columns = np.stack([grid[s].to_numpy(float) for s in STATS], axis=1)
-    target = np.array([stats[s] for s in STATS], dtype=float)
-    log = [i for i, s in enumerate(STATS) if s == "load_max_over_mean"]
-    columns[:, log], target[log] = np.log(columns[:, log]), np.log(target[log])
+def nearest(table: pd.DataFrame, target: dict, log=("load_max_over_mean",), capacity: int | None = None) -> pd.Series:
+    """The grid point (the row at C = `capacity`, or the first C) nearest to `target` ({column: value}), each
+    column scaled by its range over the grid, the columns in `log` on a log scale."""
+    rows = table[table.C == (capacity or table.C.iloc[0])]
+    names = list(target)
+    columns = np.stack([rows[n].to_numpy(float) for n in names], axis=1)
+    goal = np.array([target[n] for n in names], dtype=float)
+    on_log = [i for i, n in enumerate(names) if n in log]
+    columns[:, on_log], goal[on_log] = np.log(columns[:, on_log]), np.log(goal[on_log])
     span = np.maximum(columns.max(0) - columns.min(0), 1e-9)
-    return grid.iloc[int(np.argmin((((columns - target) / span) ** 2).sum(1)))]
+    return rows.iloc[int(np.argmin((((columns - goal) / span) ** 2).sum(1)))]
+
+
+def family_points(table: pd.DataFrame) -> dict:
+    """The family's place on the grid: {"statistics": row, "copies": row} (see FAMILY_STATS)."""
+    return {"statistics": nearest(table, FAMILY_STATS),
+            "copies": nearest(table, FAMILY_COPIES_C32, log=tuple(FAMILY_COPIES_C32), capacity=32)}
 
 
 def crossover_map(grid: dict = GRID, capacities=(32, 16), progress: bool = False, **options) -> pd.DataFrame:
@@ -164,6 +172,7 @@ def plot(table: pd.DataFrame, capacity: int, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    family = {how: tuple(row[a] for a in AXES) for how, row in family_points(table).items()}
     table = table[table.C == capacity]
     skews, margins = sorted(table["skew"].unique()), sorted(table.margin.unique(), reverse=True)
     xs, ys = sorted(table.persistence.unique()), sorted(table.pregate_noise.unique())
@@ -171,7 +180,6 @@ def plot(table: pd.DataFrame, capacity: int, path: Path) -> None:
     fig, axes = plt.subplots(len(rows), len(skews), figsize=(2.3 * len(skews) + 0.6, 2.0 * len(rows) + 0.9),
                              squeeze=False, sharex=True, sharey=True)
     olmoe = SOURCES["olmoe-like"]
-    family = nearest(table, FAMILY_STATS)
     for (r, (margin, what)), (c, skew) in itertools.product(enumerate(rows), enumerate(skews)):
         ax = axes[r, c]
         part = table[(table["skew"] == skew) & (table.margin == margin)]
@@ -182,8 +190,10 @@ def plot(table: pd.DataFrame, capacity: int, path: Path) -> None:
             here = tuple(row[a] for a in AXES)
             if here == tuple(getattr(olmoe, a) for a in AXES):
                 ax.plot(x + 0.3, y + 0.3, "*", color="k", ms=9)
-            if here == tuple(family[a] for a in AXES):
+            if here == family["statistics"]:
                 ax.plot(x - 0.3, y + 0.3, "o", mfc="none", mec="k", ms=8)
+            if here == family["copies"]:
+                ax.plot(x - 0.3, y - 0.3, "s", mfc="none", mec="k", ms=7)
         ax.set_xlim(-0.5, len(xs) - 0.5)
         ax.set_ylim(-0.5, len(ys) - 0.5)
         ax.set_xticks(range(len(xs)), [f"{v:g}" for v in xs])
@@ -195,12 +205,13 @@ def plot(table: pd.DataFrame, capacity: int, path: Path) -> None:
             ax.set_ylabel("pre-gate noise", fontsize=8)
     handles = [Patch(color=COLOURS[m], alpha=0.75, label=LABELS[m]) for m in METHODS]
     handles += [plt.Line2D([], [], marker="*", color="k", ls="", label="olmoe-like"),
-                plt.Line2D([], [], marker="o", mfc="none", mec="k", ls="", label="family (nearest statistics)")]
+                plt.Line2D([], [], marker="o", mfc="none", mec="k", ls="", label="family: nearest statistics"),
+                plt.Line2D([], [], marker="s", mfc="none", mec="k", ls="", label="family: nearest C=32 copies")]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False)
-    fig.suptitle(f"Which method wins at C = {capacity} of 64 (CPU replay; 'proxy ms' is a latency proxy from H200 "
-                 "figures, not a measurement); cell text: Cache-Prior / PSR", fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
-    fig.savefig(path, dpi=90)
+    fig.suptitle(f"Which method wins at C = {capacity} of 64 experts, OLMoE geometry (CPU replay)\n'proxy ms': a "
+                 "latency proxy from H200 figures, not a measurement; cell text: Cache-Prior / PSR", fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -230,9 +241,9 @@ def main() -> None:
     table.to_csv(out / "crossover.csv", index=False, float_format="%.4g")
     for capacity in capacities:
         plot(table, capacity, out / f"crossover_C{capacity}.png")
-    family = nearest(table, FAMILY_STATS)
-    print(f"{len(table)} rows in {time.perf_counter() - start:.0f} s; family's nearest grid point: "
-          + ", ".join(f"{a} {family[a]:g}" for a in AXES))
+    print(f"{len(table)} rows in {time.perf_counter() - start:.0f} s")
+    for how, row in family_points(table).items():
+        print(f"the family's nearest grid point by {how}: " + ", ".join(f"{a} {row[a]:g}" for a in AXES))
     shown = ["C", *AXES, *METHODS, "psr_demand", "win_copies", "win_ms", "cache_prior_over_psr_ms"]
     with pd.option_context("display.width", 250, "display.max_rows", 500):
         print(table[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
