@@ -1,0 +1,258 @@
+"""The crossover map: where Cache-Prior, PSR, exact routing with prefetch and block-selected speculative decoding
+win in copies per token (CPU replay) and in a latency proxy, as the synthetic routing source's parameters move.
+
+For every point of a grid over `SourceParams` (persistence: consecutive-token reuse; pre-gate noise: pre-gate
+recall; skew: load skew; margin: the top-K margin over Delta; the other parameters at the "olmoe-like" source's
+values), a draw of the source (`synthetic_trace`) with its held-out calibration (`synthetic_calibration`) is
+replayed at OLMoE's geometry (E 64, K 8, L 16) and each capacity C:
+
+- AR policies (`specmoe.routing.replay`, presets): exact LRU, Cache-Prior lambda 0.2 (LRU), PSR lambda 0.3 n 1
+  (A priority; demand and total copies), exact routing with prefetch (`exact_prefetch`, total copies);
+- block-selected SD (`specmoe.replay.replay_block_selection`, what `specmoe replay-sd` runs): synthetic blocks
+  (`synthetic_blocks`) over the same draw at k drafts and a fixed tau (geometric acceptance, the same for every
+  point: open-loop), the `acceptmoe` selector's preset (and `exact` verification) with a pool of P = C.
+
+The latency proxy (not a measurement) prices those copies with H200 figures of full-size OLMoE-1B-7B quoted in
+BENCHMARKS.md (`H200`, below): AR ms/token = all-resident ms + copies x the policy's measured ms per copy above
+the all-resident time; SD ms per committed token = (verification compute per block + drafting per block) / tau
++ copies x the measured exposed ms per copy. The per-copy costs carry each policy's overlap (PSR's prefetches
+hide part of a copy); they were measured on random routing (AR) and on the family's routing (SD), at one
+operating point each, and are assumed to hold over the whole grid.
+
+    python3 scripts/crossover_map.py [--out runs/crossover] [--tokens 2048] [--capacities 32,16]
+
+Writes crossover.csv (one row per point and C) and crossover_C{C}.png (per C: which method wins in copies and
+in the proxy, panels over skew and margin, persistence against pre-gate noise; the olmoe-like point starred,
+the family's nearest point by its measured statistics circled, by its copies squared). See docs/crossover.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from specmoe.records import AcceptanceProfile, synthetic_blocks
+from specmoe.records.synthetic import SOURCES, synthetic_calibration, synthetic_trace
+from specmoe.routing import preset, replay
+from specmoe.routing.statistics import routing_stats
+
+AXES = ("persistence", "pregate_noise", "skew", "margin")
+GRID = {"persistence": (0.3, 0.6, 0.85), "pregate_noise": (0.3, 0.6, 1.0), "skew": (0.3, 0.6, 1.0),
+        "margin": (0.0, 0.5)}
+AR_POLICIES = ("exact_lru", "cache_prior", "psr", "exact_prefetch")
+METHODS = (*AR_POLICIES, "sd_block")  # what competes on the map (PSR and exact_prefetch: total copies)
+LABELS = {"exact_lru": "exact LRU", "cache_prior": "Cache-Prior", "psr": "PSR", "exact_prefetch": "exact+prefetch",
+          "sd_block": "SD (acceptmoe)"}
+COLOURS = {"exact_lru": "#999999", "cache_prior": "#1f77b4", "psr": "#d62728", "exact_prefetch": "#9467bd",
+           "sd_block": "#2ca02c"}
+
+# H200, full-size OLMoE-1B-7B, bf16, quoted from BENCHMARKS.md. AR: section "AR offloading engine (issue 3)"
+# (2026-11-29, random routing, 3 rounds): all-resident ms, and per policy and C (ms/token, transferred copies per
+# token); per-copy cost = (ms - all-resident) / copies. SD: section "Trace-following: synthetic blocks ..."
+# (2026-12-01), row synthetic_tau5_k8 acceptmoe (tau 4.47; compute-only 0.77 and exposed copies 2.12 ms per
+# committed token at 6.8 copies); drafting: the DFlash drafter's 1.684 ms per block ("Drafters against the
+# target's step").
+H200 = {
+    "all_resident_ms": 1.76,
+    "ar": {32: {"exact_lru": (12.69, 44.9), "exact_prefetch": (10.74, 45.3), "cache_prior": (4.52, 10.9),
+                "psr": (3.92, 15.4)},
+           16: {"exact_lru": (20.86, 80.4), "exact_prefetch": (18.68, 80.6), "cache_prior": (10.15, 34.2),
+                "psr": (7.33, 30.7)}},
+    "sd": {"tau": 4.47, "compute_ms_per_token": 0.77, "exposed_ms_per_token": 2.12, "copies_per_token": 6.8,
+           "draft_ms_per_block": 1.684},
+}
+
+# The shipped family, quoted from docs/routing-stats.md (`specmoe stats`, 516 tokens, in-sample calibration): its
+# means over layers and its replayed copies per token at C = 32, used only to place the family on the grid, by its
+# statistics (each scaled by its range over the grid, load skew on a log scale) and by its copies (log scale).
+FAMILY_STATS = {"reuse_consecutive": 0.366, "pregate_recall": 0.843, "load_max_over_mean": 4.0,
+                "margin_over_delta_mean": 0.018}
+FAMILY_COPIES_C32 = {"exact_lru": 14.76, "cache_prior": 1.18, "psr": 7.91}
+
+
+def per_copy_ms(policy: str, capacity: int) -> float:
+    """The measured H200 ms per copy above the all-resident time of an AR policy at C (see `H200`)."""
+    ms, copies = H200["ar"][capacity][policy]
+    return (ms - H200["all_resident_ms"]) / copies
+
+
+def point(params, capacities=(32, 16), tokens: int = 2048, calibration_tokens: int = 8192, k: int = 8,
+          tau: float = 5.0, seed: int = 1) -> list[dict]:
+    """One grid point: the source `params`' routing statistics and, per C, copies per token of every method."""
+    from specmoe.replay import replay_block_selection
+    from specmoe.verifiers import selector_preset
+
+    trace = synthetic_trace(params, tokens, seed=seed)
+    calibration = synthetic_calibration(params, calibration_tokens)
+    stats = routing_stats(trace, calibration, capacities=(), policy_capacities=())["mean"]
+    blocks = synthetic_blocks(trace, k, AcceptanceProfile.for_tau(tau, k), seed=seed)
+    base = {**{a: getattr(params, a) for a in AXES}, **{s: stats[s] for s in FAMILY_STATS}, "sd_tau": blocks.tau}
+    rows = []
+    for capacity in capacities:
+        row = {**base, "C": int(capacity)}
+        for name in AR_POLICIES:
+            summary = replay(preset(name, capacity, trace.top_k), trace.router_logits, trace.pregate_logits,
+                             trace.token_ids, calibration, sequence_starts=trace.sequence_starts,
+                             scoring=trace.scoring).summary()
+            row[name] = summary["copies"]
+            row[f"{name}_demand"] = summary["demand"]
+        for selector, column in (("acceptmoe", "sd_block"), ("exact", "sd_exact")):
+            result = replay_block_selection(selector_preset(selector), blocks, calibration, capacity)
+            row[column] = result.copies_per_token
+            row[f"{column}_displaced"] = result.displaced_per_token_layer
+        rows.append(row)
+    return rows
+
+
+def latency_proxy(table: pd.DataFrame) -> pd.DataFrame:
+    """Add the proxy ms per token of every method (`<method>_ms`, module docstring) and the winners in copies
+    and in the proxy (`win_copies`, `win_ms`), and Cache-Prior / PSR in both."""
+    table = table.copy()
+    sd = H200["sd"]
+    verify_ms_per_block = sd["compute_ms_per_token"] * sd["tau"]
+    sd_per_copy = sd["exposed_ms_per_token"] / sd["copies_per_token"]
+    for name in AR_POLICIES:
+        cost = table.C.map(lambda c, name=name: per_copy_ms(name, int(c)))
+        table[f"{name}_ms"] = H200["all_resident_ms"] + table[name] * cost
+    table["sd_block_ms"] = (verify_ms_per_block + sd["draft_ms_per_block"]) / table.sd_tau \
+        + table.sd_block * sd_per_copy
+    table["win_copies"] = table[list(METHODS)].idxmin(axis=1)
+    table["win_ms"] = table[[f"{m}_ms" for m in METHODS]].idxmin(axis=1).str.removesuffix("_ms")
+    table["cache_prior_over_psr_copies"] = table.cache_prior / table.psr
+    table["cache_prior_over_psr_ms"] = table.cache_prior_ms / table.psr_ms
+    return table
+
+
+def nearest(table: pd.DataFrame, target: dict, log=("load_max_over_mean",), capacity: int | None = None) -> pd.Series:
+    """The grid point (the row at C = `capacity`, or the first C) nearest to `target` ({column: value}), each
+    column scaled by its range over the grid, the columns in `log` on a log scale."""
+    rows = table[table.C == (capacity or table.C.iloc[0])]
+    names = list(target)
+    columns = np.stack([rows[n].to_numpy(float) for n in names], axis=1)
+    goal = np.array([target[n] for n in names], dtype=float)
+    on_log = [i for i, n in enumerate(names) if n in log]
+    columns[:, on_log], goal[on_log] = np.log(columns[:, on_log]), np.log(goal[on_log])
+    span = np.maximum(columns.max(0) - columns.min(0), 1e-9)
+    return rows.iloc[int(np.argmin((((columns - goal) / span) ** 2).sum(1)))]
+
+
+def family_points(table: pd.DataFrame) -> dict:
+    """The family's place on the grid: {"statistics": row, "copies": row} (see FAMILY_STATS)."""
+    return {"statistics": nearest(table, FAMILY_STATS),
+            "copies": nearest(table, FAMILY_COPIES_C32, log=tuple(FAMILY_COPIES_C32), capacity=32)}
+
+
+def crossover_map(grid: dict = GRID, capacities=(32, 16), progress: bool = False, **options) -> pd.DataFrame:
+    """Every point of `grid` (axis -> values; axes missing from it at the olmoe-like values) through `point` and
+    `latency_proxy`: one row per point and C."""
+    base = SOURCES["olmoe-like"]
+    values = [grid.get(a, (getattr(base, a),)) for a in AXES]
+    rows = []
+    for i, combo in enumerate(itertools.product(*values)):
+        start = time.perf_counter()
+        rows += point(dataclasses.replace(base, **dict(zip(AXES, combo))), capacities, **options)
+        if progress:
+            print(f"{i + 1}/{int(np.prod([len(v) for v in values]))} {dict(zip(AXES, combo))} "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
+    return latency_proxy(pd.DataFrame(rows))
+
+
+def plot(table: pd.DataFrame, capacity: int, path: Path) -> None:
+    """Winners at C = capacity: a row of panels over skew per (margin, copies | proxy); each panel persistence
+    (x) against pre-gate noise (y), the cell coloured by the winner and labelled with Cache-Prior / PSR."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    family = {how: tuple(row[a] for a in AXES) for how, row in family_points(table).items()}
+    table = table[table.C == capacity]
+    skews, margins = sorted(table["skew"].unique()), sorted(table.margin.unique(), reverse=True)
+    xs, ys = sorted(table.persistence.unique()), sorted(table.pregate_noise.unique())
+    rows = [(m, what) for m in margins for what in ("copies", "ms")]
+    fig, axes = plt.subplots(len(rows), len(skews), figsize=(2.3 * len(skews) + 0.6, 2.0 * len(rows) + 0.9),
+                             squeeze=False, sharex=True, sharey=True)
+    olmoe = SOURCES["olmoe-like"]
+    for (r, (margin, what)), (c, skew) in itertools.product(enumerate(rows), enumerate(skews)):
+        ax = axes[r, c]
+        part = table[(table["skew"] == skew) & (table.margin == margin)]
+        for _, row in part.iterrows():
+            x, y = xs.index(row.persistence), ys.index(row.pregate_noise)
+            ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, color=COLOURS[row[f"win_{what}"]], alpha=0.75))
+            ax.text(x, y, f"{row[f'cache_prior_over_psr_{what}']:.2f}", ha="center", va="center", fontsize=7)
+            here = tuple(row[a] for a in AXES)
+            if here == tuple(getattr(olmoe, a) for a in AXES):
+                ax.plot(x + 0.3, y + 0.3, "*", color="k", ms=9)
+            if here == family["statistics"]:
+                ax.plot(x - 0.3, y + 0.3, "o", mfc="none", mec="k", ms=8)
+            if here == family["copies"]:
+                ax.plot(x - 0.3, y - 0.3, "s", mfc="none", mec="k", ms=7)
+        ax.set_xlim(-0.5, len(xs) - 0.5)
+        ax.set_ylim(-0.5, len(ys) - 0.5)
+        ax.set_xticks(range(len(xs)), [f"{v:g}" for v in xs])
+        ax.set_yticks(range(len(ys)), [f"{v:g}" for v in ys])
+        ax.set_title(f"skew {skew:g}, margin {margin:g}: {'copies' if what == 'copies' else 'proxy ms'}", fontsize=8)
+        if r == len(rows) - 1:
+            ax.set_xlabel("persistence (reuse)", fontsize=8)
+        if c == 0:
+            ax.set_ylabel("pre-gate noise", fontsize=8)
+    handles = [Patch(color=COLOURS[m], alpha=0.75, label=LABELS[m]) for m in METHODS]
+    handles += [plt.Line2D([], [], marker="*", color="k", ls="", label="olmoe-like"),
+                plt.Line2D([], [], marker="o", mfc="none", mec="k", ls="", label="family: nearest statistics"),
+                plt.Line2D([], [], marker="s", mfc="none", mec="k", ls="", label="family: nearest C=32 copies")]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.suptitle(f"Which method wins at C = {capacity} of 64 experts, OLMoE geometry (CPU replay)\n'proxy ms': a "
+                 "latency proxy from H200 figures, not a measurement; cell text: Cache-Prior / PSR", fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _values(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(","))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/crossover", help="output directory (csv and png)")
+    for axis in AXES:
+        parser.add_argument(f"--{axis.replace('_', '-')}", default=",".join(map(str, GRID[axis])),
+                            help=f"values of {axis} (default {','.join(map(str, GRID[axis]))})")
+    parser.add_argument("--capacities", default="32,16", help="C values (default 32,16)")
+    parser.add_argument("--tokens", type=int, default=2048, help="positions per draw (default 2048)")
+    parser.add_argument("--calibration-tokens", type=int, default=8192, help="held-out calibration draw (8192)")
+    parser.add_argument("--tau", type=float, default=5.0, help="SD blocks' tau (geometric acceptance; default 5)")
+    parser.add_argument("-k", type=int, default=8, help="SD drafts per block (default 8)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    grid = {a: _values(getattr(args, a)) for a in AXES}
+    capacities = tuple(int(c) for c in _values(args.capacities))
+    start = time.perf_counter()
+    table = crossover_map(grid, capacities, progress=True, tokens=args.tokens,
+                          calibration_tokens=args.calibration_tokens, k=args.k, tau=args.tau)
+    table.to_csv(out / "crossover.csv", index=False, float_format="%.4g")
+    for capacity in capacities:
+        plot(table, capacity, out / f"crossover_C{capacity}.png")
+    print(f"{len(table)} rows in {time.perf_counter() - start:.0f} s")
+    for how, row in family_points(table).items():
+        print(f"the family's nearest grid point by {how}: " + ", ".join(f"{a} {row[a]:g}" for a in AXES))
+    shown = ["C", *AXES, *METHODS, "psr_demand", "win_copies", "win_ms", "cache_prior_over_psr_ms"]
+    with pd.option_context("display.width", 250, "display.max_rows", 500):
+        print(table[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        for capacity in capacities:
+            part = table[table.C == capacity]
+            print(f"C = {capacity}: wins in copies", part.win_copies.value_counts().to_dict(),
+                  "; in the proxy", part.win_ms.value_counts().to_dict())
+    print(f"wrote {out / 'crossover.csv'} and {', '.join(f'crossover_C{c}.png' for c in capacities)}")
+
+
+if __name__ == "__main__":
+    main()
