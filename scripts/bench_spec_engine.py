@@ -87,7 +87,7 @@ def block_sources(args, trace, geometry) -> dict:
     for k in args.k:
         for tau in args.taus:
             blocks = synthetic_blocks(trace, k, AcceptanceProfile.for_tau(tau, k), seed=args.seed,
-                                      max_blocks=args.max_blocks)
+                                      max_blocks=args.max_blocks, blocks_per_request=args.blocks_per_request)
             shown = [s for s in selectors if s == "exact" or not args.closed_loop]
             if shown:
                 add(f"synthetic_tau{tau:g}_k{k}", k, {s: (blocks, CLOSED_LOOP if s == "exact" else open_loop("exact"))
@@ -101,6 +101,7 @@ def block_sources(args, trace, geometry) -> dict:
                 per_selector[name] = (_first_blocks(blocks, args.max_blocks) if args.max_blocks else blocks, acceptance)
                 profile = AcceptanceProfile.of_records(records, k)
                 histogram[name] = (synthetic_blocks(trace, k, profile, seed=args.seed, max_blocks=args.max_blocks,
+                                                    blocks_per_request=args.blocks_per_request,
                                                     source=f"synthetic, {drafter} {records.selector['kind']} "
                                                     "accepted-length histogram"), acceptance)
             add(f"{drafter}_records_k{k}", k, per_selector)
@@ -185,6 +186,9 @@ def main(argv=None) -> int:
                     help="AR policies at each capacity (PSR at the paper's lambda for C of E, n = 1)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-blocks", type=int, default=None, help="blocks per source (default: all)")
+    ap.add_argument("--blocks-per-request", type=int, default=None,
+                    help="synthetic blocks per trace sequence (request), so that a short run keeps every request "
+                    "(the units of the ratio's interval); default: up to --max-blocks from the first sequences")
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--first-position", type=int, default=256)
     ap.add_argument("--model", default="olmoe-1b-7b")

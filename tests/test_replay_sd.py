@@ -55,6 +55,24 @@ def test_rollback_equals_replay_of_committed_sequence(policy, seed):
     assert result.displaced == pytest.approx(reference.displaced, rel=1e-12, abs=1e-12)
 
 
+def test_synthetic_blocks_cap_each_request_or_all():
+    # blocks_per_request keeps every sequence of the trace in a short run; max_blocks takes the first blocks only
+    rng = np.random.default_rng(4)
+    trace = random_trace(rng, [40, 40, 40])
+    profile = AcceptanceProfile.geometric(0.5)
+    every = synthetic_blocks(trace, 3, profile, seed=2)
+    counts = np.bincount(every.request, minlength=3)
+    assert (counts > 3).all()
+    capped = synthetic_blocks(trace, 3, profile, seed=2, blocks_per_request=3)
+    assert np.bincount(capped.request).tolist() == [3, 3, 3]
+    first = synthetic_blocks(trace, 3, profile, seed=2, max_blocks=3)
+    assert first.request.tolist() == [0, 0, 0]
+    np.testing.assert_array_equal(capped.rows[:3], every.rows[:3])  # the first request starts as without a cap
+    np.testing.assert_array_equal(capped.accepted[:3], every.accepted[:3])
+    with pytest.raises(BlockSourceError, match="blocks_per_request"):
+        synthetic_blocks(trace, 3, profile, blocks_per_request=0)
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
 def test_state_after_rollback_equals_fresh_run_over_committed_prefix(policy):
     rng = np.random.default_rng(7)

@@ -297,18 +297,22 @@ class AcceptanceProfile:
 
 
 def synthetic_blocks(trace, k: int, profile: AcceptanceProfile, seed: int = 0, max_blocks: int | None = None,
-                     source: str = "") -> Blocks:
+                     source: str = "", blocks_per_request: int | None = None) -> Blocks:
     """Blocks of a synthetic drafter over `trace` (a `specmoe.records.Trace`), see the module docstring. Each
     recorded sequence is a request; its blocks start at its first position and stop where fewer than k + 1
-    positions remain."""
+    positions remain, after `blocks_per_request` blocks of the request, or once `max_blocks` blocks are made in all
+    (a cap per request keeps every request in a short run: the units of an interval over requests)."""
     k = integer(k, "k (drafts per block)", BlockSourceError, minimum=1, maximum=MAX_DRAFTS)
+    if blocks_per_request is not None:
+        blocks_per_request = integer(blocks_per_request, "blocks_per_request", BlockSourceError, minimum=1)
     q = profile.commit_probabilities(k)
     rng = np.random.default_rng(seed)
     rows, accepted, request = [], [], []
     offsets = np.arange(k + 1)
     for index, (lo, hi) in enumerate(trace.sequences()):
-        p = lo
-        while p + k + 1 <= hi and (max_blocks is None or len(rows) < max_blocks):
+        p, first = lo, len(rows)
+        while p + k + 1 <= hi and (max_blocks is None or len(rows) < max_blocks) and \
+                (blocks_per_request is None or len(rows) - first < blocks_per_request):
             a = int((rng.random() < q).sum())
             rows.append(p + offsets)
             accepted.append(a)
