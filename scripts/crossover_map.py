@@ -6,8 +6,9 @@ recall; skew: load skew; margin: the top-K margin over Delta; the other paramete
 values), a draw of the source (`synthetic_trace`) with its held-out calibration (`synthetic_calibration`) is
 replayed at OLMoE's geometry (E 64, K 8, L 16) and each capacity C:
 
-- AR policies (`specmoe.routing.replay`, presets): exact LRU, Cache-Prior lambda 0.2 (LRU), PSR lambda 0.3 n 1
-  (A priority; demand and total copies), exact routing with prefetch (`exact_prefetch`, total copies);
+- AR policies (`specmoe.routing.statistics.replay_policies`, the paper's settings): exact LRU, Cache-Prior lambda
+  0.2 (LRU), PSR n 1 at the paper's lambda for C (0.3 at C = 32, 0.25 at C = 16; A priority; demand and total
+  copies), exact routing with prefetch (`exact_prefetch`, total copies);
 - block-selected SD (`specmoe.replay.replay_block_selection`, what `specmoe replay-sd` runs): synthetic blocks
   (`synthetic_blocks`) over the same draw at k drafts and a fixed tau (geometric acceptance, the same for every
   point: open-loop), the `acceptmoe` selector's preset (and `exact` verification) with a pool of P = C.
@@ -39,8 +40,7 @@ import pandas as pd
 
 from specmoe.records import AcceptanceProfile, synthetic_blocks
 from specmoe.records.synthetic import SOURCES, synthetic_calibration, synthetic_trace
-from specmoe.routing import preset, replay
-from specmoe.routing.statistics import routing_stats
+from specmoe.routing.statistics import replay_policies, routing_stats
 
 AXES = ("persistence", "pregate_noise", "skew", "margin")
 GRID = {"persistence": (0.3, 0.6, 0.85), "pregate_noise": (0.3, 0.6, 1.0), "skew": (0.3, 0.6, 1.0),
@@ -96,10 +96,7 @@ def point(params, capacities=(32, 16), tokens: int = 2048, calibration_tokens: i
     rows = []
     for capacity in capacities:
         row = {**base, "C": int(capacity)}
-        for name in AR_POLICIES:
-            summary = replay(preset(name, capacity, trace.top_k), trace.router_logits, trace.pregate_logits,
-                             trace.token_ids, calibration, sequence_starts=trace.sequence_starts,
-                             scoring=trace.scoring).summary()
+        for name, summary in replay_policies(trace, calibration, (capacity,), AR_POLICIES)[capacity].items():
             row[name] = summary["copies"]
             row[f"{name}_demand"] = summary["demand"]
         for selector, column in (("acceptmoe", "sd_block"), ("exact", "sd_exact")):

@@ -246,20 +246,10 @@ PAPER_POLICIES = ("exact_lru", "cache_prior", "psr", "spec_exec")
 
 def paper_copies(trace: Trace, calibration: Calibration, capacities=(32, 16)) -> dict:
     """Copies per token of the paper's Section 6.5 policies replayed over `trace` (exact LRU, Cache-Prior lambda
-    0.2, PSR n = 1 at `psr_bonus(C, E)`, speculative execution): {C: {name: copies, "psr_demand": demand}}, in the
-    layout of `OLMOE_COPIES`."""
-    from ..routing import preset, psr_bonus, replay
+    0.2, PSR n = 1 at `psr_bonus(C, E)`, speculative execution; `specmoe.routing.statistics.replay_policies`):
+    {C: {name: copies, "psr_demand": demand}}, in the layout of `OLMOE_COPIES`."""
+    from ..routing.statistics import replay_policies
 
-    out = {}
-    for capacity in capacities:
-        row = {}
-        for name in PAPER_POLICIES:
-            extra = {"bonus": psr_bonus(capacity, trace.num_experts)} if name == "psr" else {}
-            summary = replay(preset(name, capacity, trace.top_k, **extra), trace.router_logits, trace.pregate_logits,
-                             trace.token_ids, calibration, sequence_starts=trace.sequence_starts,
-                             scoring=trace.scoring).summary()
-            row[name] = summary["copies"]
-            if name == "psr":
-                row["psr_demand"] = summary["demand"]
-        out[int(capacity)] = row
-    return out
+    return {capacity: {**{name: summary["copies"] for name, summary in row.items()},
+                       "psr_demand": row["psr"]["demand"]}
+            for capacity, row in replay_policies(trace, calibration, capacities, PAPER_POLICIES).items()}

@@ -18,8 +18,8 @@ The statistics that decide which policy wins (docs/routing-stats.md), per MoE la
   over ln E (1 for a balanced load);
 - LRU miss rate as a function of C: demand copies / (T K) of exact routing with an LRU cache of C experts per
   layer, from the routing core's replay (`specmoe.routing.replay`, preset exact_lru);
-- copies per token of the paper's policies at given capacities (replay of presets), for comparison with
-  published figures.
+- copies per token of the paper's policies at given capacities (`replay_policies`: the presets, PSR at the
+  paper's operating point `psr_bonus(C, E)`), for comparison with published figures.
 
 Own top-K and pre-gate rankings are on the selection scores (`RouterScoring.selection_scores`), group-limited
 where the router is, ties to the lower index (the calibration's `_top_k`, the routing core's rule).
@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from .calibration import Calibration, CalibrationBuilder, _top_k
-from .policy import preset
+from .policy import preset, psr_bonus
 from .replay import replay
 from .scoring import RouterScoring
 
@@ -86,6 +86,30 @@ def _calibration_of(trace, calibration: Calibration | None) -> tuple[Calibration
 
 def _scoring(trace) -> RouterScoring:
     return trace.scoring if trace.scoring is not None else RouterScoring("softmax")
+
+
+def paper_policy(name: str, capacity: int, num_experts: int, top_k: int):
+    """The paper's setting of preset `name` at C of E experts: the preset, and PSR at `psr_bonus(C, E)` (lambda 0.3
+    at half residency, 0.25 at a quarter)."""
+    return preset(name, capacity, top_k, **({"bonus": psr_bonus(capacity, num_experts)} if name == "psr" else {}))
+
+
+def replay_policies(trace, calibration: Calibration, capacities, names=POLICIES) -> dict:
+    """The replay summaries (`ReplayResult.summary`, with "policy": its name) of the paper's settings of `names`
+    (`paper_policy`) over `trace` at each capacity in [K, E]: {C: {name: summary}}. The one loop that `routing_stats`,
+    the synthetic source's fit and the crossover map replay the paper's policies through."""
+    num_experts, k = trace.router_logits.shape[-1], trace.top_k
+    out = {}
+    for capacity in capacities:
+        if not k <= capacity <= num_experts:
+            continue
+        row = out[int(capacity)] = {}
+        for name in names:
+            policy = paper_policy(name, capacity, num_experts, k)
+            row[name] = {"policy": policy.name, **replay(
+                policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
+                sequence_starts=trace.sequence_starts, scoring=trace.scoring).summary()}
+    return out
 
 
 def _per_layer(values) -> list:
@@ -156,12 +180,8 @@ def routing_stats(trace, calibration: Calibration | None = None, capacities=(8, 
                             calibration, **run)
             miss[int(capacity)] = _per_layer(result.demand_copies.sum(0) / (num_tokens * k))
             lru_copies[int(capacity)] = float(result.demand_copies.sum() / num_tokens)
-    for capacity in policy_capacities:
-        if k <= capacity <= num_experts:
-            for name in POLICIES:
-                policy = preset(name, capacity, k)
-                result = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration, **run)
-                policies[f"{name}@C={capacity}"] = {"policy": policy.name, **result.summary()}
+    for capacity, row in replay_policies(trace, calibration, policy_capacities).items():
+        policies.update({f"{name}@C={capacity}": summary for name, summary in row.items()})
 
     chance = k / num_experts
     return {
