@@ -393,3 +393,76 @@ def device_cache_case(num_layers: int, num_experts: int, num_positions: int, see
 
     tokens = rng.integers(0, vocab + 3, num_positions)
     return calibration, logits(), logits(), tokens
+
+
+def device_select_case(num_blocks: int, num_layers: int, positions: int, num_experts: int, seed: int = 0):
+    """Router logits float32 [B, L, D, E] on a bfloat16 grid with deliberate ties (duplicated expert columns,
+    repeated rows, +-0) and position weights float64 [B, D] in [0, 1] with equal values, for `check_device_select`."""
+    rng = np.random.default_rng(seed)
+    z = torch.from_numpy(rng.normal(0.0, 1.5, (num_blocks, num_layers, positions, num_experts))).to(torch.bfloat16)
+    z = z.float().numpy()
+    z[..., 7] = z[..., 3]  # tied experts
+    z[..., num_experts - 1] = z[..., 0]
+    z[:, :, positions // 2] = z[:, :, 1]  # tied positions
+    z[..., 5] = -0.0
+    z[..., 6] = 0.0
+    alpha = np.round(rng.uniform(0.0, 1.0, (num_blocks, positions)), 1)  # ties, and values at rescue thresholds
+    alpha[:, 0] = 1.0
+    return np.ascontiguousarray(z, dtype=np.float32), alpha
+
+
+def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alpha: np.ndarray, device) -> dict:
+    """Block selection and the pool on the device (`device_select.DevicePool`) against the host
+    (`select_block_into` with float32 weights, `ExpertPool.use`, `end_block`), block by block and layer by layer:
+    router_logits float32 [B, L, D, E], alpha [B, D]; `pool` a fresh host pool (it is advanced). The counts,
+    eligible set, union, missing experts and slots, selections, route rows, the weights' float32 bits and the
+    displaced mass to 1e-12 relative (float64 exp may differ in
+    the last bit between numba, numpy and libdevice), and after each block the pool's slot table, members, recency and refill
+    moves must be equal. Raises AssertionError at the first difference; returns the host pool's totals."""
+    from specmoe.verifiers import SelectionBuffers, select_block_into
+
+    from .device_select import DevicePool
+
+    num_blocks, num_layers, positions, num_experts = router_logits.shape
+    k = pool.top_k
+    dev = DevicePool(pool, selector, scoring, positions, device)
+    buffers = SelectionBuffers(positions, num_experts, k)
+    for block in range(num_blocks):
+        a = np.ascontiguousarray(alpha[block], dtype=np.float64)
+        a_dev = torch.tensor(a, device=device)
+        for layer in range(num_layers):
+            z = router_logits[block, layer]
+            counts = select_block_into(selector, z, pool.resident(layer), a, k, scoring, buffers, layer=layer)
+            missing, slots = pool.use(layer, buffers.selected[:positions])
+            route = pool.slot_table(layer)[buffers.selected[:positions]]
+            dev.select(layer, torch.tensor(z, device=device), a_dev)
+            where = f"block {block} layer {layer}"
+            got = dev.counts.cpu().numpy()
+            assert tuple(got) == (*counts, 1), f"{where}: counts {got} != {counts}"
+            n_eligible, n_union, n_missing = counts
+            for name, host, device_value in (
+                    ("eligible", buffers.eligible[:n_eligible], dev.eligible[:n_eligible]),
+                    ("union", buffers.union[:n_union], dev.union[:n_union]),
+                    ("missing", missing, dev.missing[:n_missing]),
+                    ("missing slots", slots, dev.missing_slots[:n_missing]),
+                    ("selected", buffers.selected[:positions], dev.selected),
+                    ("route", route, dev.route),
+                    ("weights", buffers.weights[:positions].view(np.int32), dev.weights.view(torch.int32))):
+                device_value = device_value.cpu().numpy()
+                assert np.array_equal(host, device_value), f"{where}: {name}\nhost   {host}\ndevice {device_value}"
+            displaced = dev.displaced.cpu().numpy()
+            assert np.allclose(displaced, buffers.displaced[:positions], rtol=1e-12, atol=0.0), \
+                f"{where}: displaced\nhost   {buffers.displaced[:positions]}\ndevice {displaced}"
+        pool.end_block()
+        dev.end_block()
+        state = dev.state()
+        for name in ("slot", "pool_mask", "recency"):
+            assert np.array_equal(getattr(pool, name), state[name]), f"block {block}: pool {name} differs"
+        assert state["block"] == pool.block
+        moves, n_moves = dev.moves.cpu().numpy(), dev.n_moves.cpu().numpy()
+        for layer in range(num_layers):
+            src, dst = pool.refill_moves(layer)
+            n = n_moves[layer]
+            assert n == src.size and np.array_equal(moves[layer, 0, :n], src) and \
+                np.array_equal(moves[layer, 1, :n], dst), f"block {block} layer {layer}: refill moves differ"
+    return pool.totals()

@@ -1,0 +1,377 @@
+"""Block selection and the expert pool on the device: `select_block_into` + `ExpertPool.use` of one layer as one
+Triton launch, and `ExpertPool.end_block` (the refill by recency) as a second one over all layers.
+
+`DevicePool` holds an `ExpertPool`'s state (slot table, pool mask, recency, the block number, the warm ranks) as
+device tensors. `DevicePool.select(layer, router_logits, alpha)` runs, in one program, for a block of D
+positions (router logits float32 [D, E], position weights alpha float64 [D]):
+
+- every position's router distribution (softmax, or the normalised sigmoid), its selection scores (a sigmoid
+  router's sigmoid + the layer's bias) and own top-K (group-limited where the scoring is);
+- the selector (`SelectorConfig`: exact, or a block selector with gamma, rescue and pruning): the demand u of
+  experts outside the root's top-K, its entropy, the extra candidates, pruning within the rerouting budget
+  against the pool, and each position's executed experts;
+- the execution weights (float32, as the engine's buffers hold them), the displaced router mass (float64);
+- `ExpertPool.use`: the missing experts (executed, not in the pool; ascending) take union slots P, P+1, ...,
+  executed experts' recency is marked; and the route rows (slot ids int32 [D, K]) the MoE kernel reads.
+
+`DevicePool.end_block()` refills every layer's pool with its P most recent experts (ties to the lower index,
+never executed ones in the warm ranking's order), entering experts taking the freed pool slots in ascending
+order, and writes the moves (union slot -> pool slot) the slot buffer must make.
+
+Arithmetic follows the host's (`specmoe.verifiers.selection._select`): float64 from the float32 logits, sums in
+the host's order (the normalisers over E, the demand and entropy over ascending experts, the weights' sums over
+the selection's order: sequential loops, not tree sums), float constants from a float64 tensor, launched
+without FMA contraction, ties broken as the host breaks them. docs/device-cache.md ("Block selection on the
+device") says what is bitwise and what is not supported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specmoe.routing import RouterScoring
+from specmoe.routing.scoring import check_groups
+from specmoe.verifiers import ExpertPool, SelectorConfig
+from specmoe.verifiers.pool import POSITIONS_PER_BLOCK
+from specmoe.verifiers.selection import ENTROPY_SLACK, TINY
+
+from .device_cache import triton
+
+# float64 parameters (one tensor: a Python float launch argument would be float32)
+F_GAMMA, F_RESCUE, F_PRUNE, F_SCALE, F_EPS, F_TINY, F_SLACK = range(7)
+N_FPARAMS = 7
+C_ELIGIBLE, C_UNION, C_MISSING, C_OK = range(4)  # the counts row: n_eligible, n_union, n_missing, 1 (0: over U)
+MAX_EXPERTS = 1024  # the refill's recency key holds the expert index in 10 bits
+
+if triton is not None:
+    import triton.language as tl
+
+    from .device_cache import _best, _pick_int, _rank
+
+    _F_GAMMA = tl.constexpr(F_GAMMA)
+    _F_RESCUE = tl.constexpr(F_RESCUE)
+    _F_PRUNE = tl.constexpr(F_PRUNE)
+    _F_SCALE = tl.constexpr(F_SCALE)
+    _F_EPS = tl.constexpr(F_EPS)
+    _F_TINY = tl.constexpr(F_TINY)
+    _F_SLACK = tl.constexpr(F_SLACK)
+    _POSITIONS_PER_BLOCK = tl.constexpr(POSITIONS_PER_BLOCK)
+
+    @triton.jit
+    def _pick_float(vec, idx, i):
+        """vec[i] of a float vector (exact: one element survives the max)."""
+        return tl.max(tl.where(idx == i, vec, float("-inf")), axis=0)
+
+    @triton.jit
+    def _row(tile, rows, d):
+        """Row d of an integer tile [BLOCK_D, BLOCK_E] (entries >= -1)."""
+        return tl.max(tl.where(rows[:, None] == d, tile, -1), axis=0)
+
+    @triton.jit
+    def _position(z_ptr, bias_ptr, d, top, norm, rows, idx, valid, E: tl.constexpr, SIGMOID: tl.constexpr):
+        """Position d's float64 logits, router probabilities (exp(z - max z), or sigmoid(z): `prob` of the
+        host), selection scores and normaliser."""
+        z = tl.load(z_ptr + d * E + idx, mask=valid, other=0.0).to(tl.float64)
+        if SIGMOID:
+            p = 1.0 / (1.0 + tl.exp(-z))
+            s = p + tl.load(bias_ptr + idx, mask=valid, other=0.0)
+        else:
+            p = tl.exp(z - _pick_float(top, rows, d))
+            s = z
+        return z, tl.where(valid, p, 0.0), s, _pick_float(norm, rows, d)
+
+    @triton.jit
+    def _ordered_sum(vec, order, K: tl.constexpr):
+        """sum over j = 0..K-1 of vec at order == j, added in that order (vec >= 0)."""
+        total = tl.zeros([], tl.float64)
+        for j in tl.static_range(K):
+            total += tl.max(tl.where(order == j, vec, 0.0), axis=0)
+        return total
+
+    @triton.jit
+    def _select_kernel(z_ptr, alpha_ptr, bias_ptr, fpar_ptr, pool_ptr, slot_ptr, rec_ptr, block_ptr, D,
+                       selected_ptr, weights_ptr, displaced_ptr, eligible_ptr, union_ptr, missing_ptr,
+                       missing_slots_ptr, route_ptr, counts_ptr,
+                       E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
+                       BLOCK: tl.constexpr, SIGMOID: tl.constexpr, RENORMALISE: tl.constexpr,
+                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                       P: tl.constexpr, U: tl.constexpr):
+        """`selection._select` + `pool._use` of one layer (its pool row, slot row and recency row)."""
+        rows = tl.arange(0, BLOCK_D)
+        idx = tl.arange(0, BLOCK_E)
+        vrow = rows < D
+        valid = idx < E
+        tiny = tl.load(fpar_ptr + _F_TINY)
+        scale = tl.load(fpar_ptr + _F_SCALE)
+
+        # the normalisers of r_d, summed over experts in index order for all positions at once
+        zt = tl.load(z_ptr + rows[:, None] * E + idx[None, :], mask=vrow[:, None] & valid[None, :],
+                     other=float("-inf")).to(tl.float64)
+        top = tl.where(vrow, tl.max(zt, axis=1), 0.0)
+        total = tl.zeros([BLOCK_D], tl.float64)
+        for e in range(E):
+            col = tl.load(z_ptr + rows * E + e, mask=vrow, other=0.0).to(tl.float64)
+            if SIGMOID:
+                total += 1.0 / (1.0 + tl.exp(-col))
+            else:
+                total += tl.exp(col - top)
+        if SIGMOID:
+            norm = tl.where(tiny > total, tiny, total)
+        else:
+            norm = total
+
+        # own top-K of every position (rank j of expert e, -1 outside), and v_e
+        own = tl.full([BLOCK_D, BLOCK_E], -1, tl.int32)
+        v = tl.zeros([BLOCK_E], tl.int32)
+        for d in range(D):
+            z, p, s, nd = _position(z_ptr, bias_ptr, d, top, norm, rows, idx, valid, E, SIGMOID)
+            rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
+            own = tl.where(rows[:, None] == d, rank[None, :], own)
+            v += (rank >= 0).to(tl.int32)
+        in_root = _row(own, rows, 0) >= 0
+        resident = tl.load(pool_ptr + idx, mask=valid, other=0).to(tl.int32)
+
+        eligible = in_root
+        rescue = tl.load(fpar_ptr + _F_RESCUE)
+        if BLOCK:
+            u = tl.zeros([BLOCK_E], tl.float64)
+            for d in range(D):
+                z, p, s, nd = _position(z_ptr, bias_ptr, d, top, norm, rows, idx, valid, E, SIGMOID)
+                mine = (_row(own, rows, d) >= 0) & (in_root == 0) & valid
+                u = tl.where(mine, u + tl.load(alpha_ptr + d) * p / nd, u)
+            positive = (u > 0.0) & valid
+            m = tl.sum(positive.to(tl.int32), axis=0)
+            demand = tl.zeros([], tl.float64)
+            prev = tl.full([], -1, tl.int32)
+            for _ in range(m):  # in ascending expert order, as the host adds
+                e = tl.min(tl.where(positive & (idx > prev), idx, BLOCK_E), axis=0)
+                demand += _pick_float(u, idx, e)
+                prev = e
+            entropy = tl.zeros([], tl.float64)
+            prev = tl.full([], -1, tl.int32)
+            for _ in range(m):
+                e = tl.min(tl.where(positive & (idx > prev), idx, BLOCK_E), axis=0)
+                q = _pick_float(u, idx, e) / demand
+                entropy -= q * tl.log(q)
+                prev = e
+            size = tl.load(fpar_ptr + _F_GAMMA) * tl.exp(entropy) - tl.load(fpar_ptr + _F_SLACK)
+            saturated = size >= m.to(tl.float64)  # may exceed any integer (gamma 1e300)
+            extra = tl.where(saturated, m, tl.ceil(tl.where(saturated, 0.0, size)).to(tl.int32))
+            extra = tl.where(m > 0, extra, 0)
+            ranked = tl.full([BLOCK_E], -1, tl.int32)  # position among the extra candidates by decreasing u
+            for i in range(extra):
+                pick = _best(u, u, valid & (ranked < 0), idx, BLOCK_E)
+                ranked = tl.where(idx == pick, i, ranked)
+            eligible = in_root | (ranked >= 0)
+            lost = tl.sum(tl.where(eligible | (valid == 0), 0, v), axis=0)
+            limit = tl.load(fpar_ptr + _F_PRUNE) * lost.to(tl.float64)
+            removed = tl.zeros([], tl.int32)
+            stopped = tl.zeros([], tl.int32)
+            for i in range(extra):  # in increasing u: from the last candidate back
+                e = tl.min(tl.where(ranked == extra - 1 - i, idx, BLOCK_E), axis=0)
+                ve = _pick_int(v, idx, e)
+                candidate = (stopped == 0) & (_pick_int(resident, idx, e) == 0)
+                over = (removed + ve).to(tl.float64) > limit
+                stopped = stopped | (candidate & over).to(tl.int32)
+                gone = candidate & (over == 0)
+                removed += tl.where(gone, ve, 0)
+                eligible = eligible & ((idx != e) | (gone == 0))
+
+        # what each position executes, its weights and displaced mass
+        executed = tl.full([BLOCK_D, BLOCK_E], -1, tl.int32)
+        last = tl.full([BLOCK_E], -1, tl.int64)
+        for d in range(D):
+            z, p, s, nd = _position(z_ptr, bias_ptr, d, top, norm, rows, idx, valid, E, SIGMOID)
+            mine = _row(own, rows, d)
+            if BLOCK:
+                top1 = tl.min(tl.where(mine == 0, idx, BLOCK_E), axis=0)
+                rescued = (d > 0) & (rescue >= 0.0) & (tl.load(alpha_ptr + d) >= rescue) & \
+                    (_pick_int(eligible.to(tl.int32), idx, top1) == 0)
+                sel = tl.where(rescued & (idx == top1), 0, tl.full([BLOCK_E], -1, tl.int32))
+                start = rescued.to(tl.int32)
+                for j in tl.static_range(K):
+                    pick = _best(s, s, eligible & valid & (sel < 0), idx, BLOCK_E)
+                    sel = tl.where((idx == pick) & (j >= start), j, sel)
+                sel = tl.where(d == 0, mine, sel)
+            else:
+                sel = mine
+            if SIGMOID:
+                den = _ordered_sum(p, sel, K) + tl.load(fpar_ptr + _F_EPS)
+                if RENORMALISE:
+                    w = p / den * scale
+                else:
+                    w = p * scale
+            else:
+                if RENORMALISE:
+                    den = _ordered_sum(p, sel, K)
+                else:
+                    den = nd
+                # renormalised over experts whose softmax underflows: shift by their own maximum instead
+                shift = tl.max(tl.where(sel >= 0, z, float("-inf")), axis=0)
+                q = tl.where(sel >= 0, tl.exp(z - shift), 0.0)
+                w = tl.where(den >= tiny, p / den * scale, q / _ordered_sum(q, sel, K) * scale)
+            tl.store(selected_ptr + d * K + sel, idx.to(tl.int64), mask=sel >= 0)
+            tl.store(weights_ptr + d * K + sel, w.to(tl.float32), mask=sel >= 0)
+            gone = tl.where(sel >= 0, K, mine)  # own ranks not executed; executed ones moved out of 0..K-1
+            tl.store(displaced_ptr + d, _ordered_sum(p, gone, K) / nd)
+            executed = tl.where(rows[:, None] == d, sel[None, :], executed)
+            last = tl.where(sel >= 0, d, last)
+
+        # ExpertPool.use: missing experts take union slots in ascending order; recency; the route rows
+        ran = (last >= 0) & valid
+        missing = ran & (resident == 0)
+        n_missing = tl.sum(missing.to(tl.int32), axis=0)
+        ok = n_missing <= U
+        order = tl.cumsum(missing.to(tl.int32), axis=0) - 1
+        tl.store(missing_ptr + order, idx.to(tl.int64), mask=missing)
+        tl.store(missing_slots_ptr + order, (P + order).to(tl.int64), mask=missing)
+        slot = tl.load(slot_ptr + idx, mask=valid, other=-1)
+        slot = tl.where(missing & ok, P + order, slot)
+        tl.store(slot_ptr + idx, slot, mask=valid)
+        recency = tl.load(rec_ptr + idx, mask=valid, other=0)
+        base = tl.load(block_ptr) * _POSITIONS_PER_BLOCK
+        tl.store(rec_ptr + idx, tl.where(ran & ok, base + last + 1, recency), mask=valid)
+        tl.store(route_ptr + rows[:, None] * K + executed, slot[None, :].to(tl.int32),
+                 mask=(executed >= 0) & vrow[:, None])
+        n_union = tl.sum(ran.to(tl.int32), axis=0)
+        tl.store(union_ptr + tl.cumsum(ran.to(tl.int32), axis=0) - 1, idx.to(tl.int64), mask=ran)
+        if BLOCK:
+            chosen = eligible & valid
+        else:
+            chosen = ran
+        tl.store(eligible_ptr + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, idx.to(tl.int64), mask=chosen)
+        tl.store(counts_ptr + 0, tl.sum(chosen.to(tl.int64), axis=0))
+        tl.store(counts_ptr + 1, n_union.to(tl.int64))
+        tl.store(counts_ptr + 2, n_missing.to(tl.int64))
+        tl.store(counts_ptr + 3, ok.to(tl.int64))
+
+    @triton.jit
+    def _refill_kernel(pool_ptr, slot_ptr, rec_ptr, warm_rank_ptr, block_ptr, moves_ptr, n_moves_ptr,
+                       E: tl.constexpr, BLOCK_E: tl.constexpr, P: tl.constexpr):
+        """`ExpertPool.end_block` of layer program_id(0): keep the P most recent experts, entering experts (in
+        ascending index) take the freed pool slots (ascending); moves [2, E]: their union slots, their pool slots."""
+        layer = tl.program_id(0)
+        idx = tl.arange(0, BLOCK_E)
+        valid = idx < E
+        row = layer * E + idx
+        pool = tl.load(pool_ptr + row, mask=valid, other=0).to(tl.int32)
+        slot = tl.load(slot_ptr + row, mask=valid, other=-1)
+        recency = tl.load(rec_ptr + row, mask=valid, other=0)
+        warm = tl.load(warm_rank_ptr + row, mask=valid, other=0)
+        # one key, larger = more recent: executed by (recency, lower index), then the warm ranking's order
+        key = tl.where(recency > 0, recency * 1024 + (1023 - idx), 1023 - warm)
+        key = tl.where(valid, key, -1)
+        lo = tl.zeros([], tl.int64)
+        hi = tl.max(key, axis=0)
+        for _ in range(64):  # the P-th largest key (keys are distinct): the largest t with P keys >= t
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= P
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        keep = (key >= lo) & valid
+        entering = keep & (pool == 0)
+        leaving = (pool != 0) & (keep == 0) & valid
+        n = tl.sum(entering.to(tl.int32), axis=0)
+        new = tl.where(keep, slot, -1)
+        for i in range(n):
+            e = tl.min(tl.where(entering, idx, BLOCK_E), axis=0)
+            free = tl.min(tl.where(leaving, slot, BLOCK_E), axis=0)
+            f = tl.min(tl.where(leaving & (slot == free), idx, BLOCK_E), axis=0)
+            tl.store(moves_ptr + layer * 2 * E + i, _pick_int(slot, idx, e))
+            tl.store(moves_ptr + layer * 2 * E + E + i, free)
+            new = tl.where(idx == e, free, new)
+            entering = entering & (idx != e)
+            leaving = leaving & (idx != f)
+        tl.store(slot_ptr + row, new, mask=valid)
+        tl.store(pool_ptr + row, keep.to(tl.int8), mask=valid)
+        tl.store(n_moves_ptr + layer, n.to(tl.int64))
+        if layer == 0:
+            tl.store(block_ptr, tl.load(block_ptr) + 1)
+
+
+class DevicePool:
+    """An `ExpertPool` and the block selection over it on the device (see the module docstring).
+
+    pool: the host pool whose current state is copied (the host is untouched); selector, scoring: as
+    `select_block_into` takes them (a bool scoring: a softmax router that renormalises or not);
+    max_positions: the largest block D. Outputs (device tensors, rewritten by each `select`): selected int64
+    [D, K], weights float32 [D, K], displaced float64 [D], route int32 [D, K] (the slot of each selected
+    expert), eligible / union / missing / missing_slots int64 [E] and counts int64 [4] (n_eligible, n_union,
+    n_missing, 1, or 0 if more than U experts are missing: then the pool is unchanged, as the host's raises);
+    by `end_block`: moves int64 [L, 2, E] (each layer's union slots left, pool slots taken) and n_moves [L].
+    """
+
+    def __init__(self, pool: ExpertPool, selector: SelectorConfig, scoring: RouterScoring | bool,
+                 max_positions: int, device):
+        if triton is None:
+            raise RuntimeError("DevicePool needs Triton")
+        if not isinstance(selector, SelectorConfig):
+            raise ValueError(f"expected a SelectorConfig, got {type(selector).__name__}")
+        if isinstance(scoring, (bool, np.bool_)):
+            scoring = RouterScoring("softmax", renormalise=bool(scoring))
+        E, k = pool.num_experts, pool.top_k
+        if E > MAX_EXPERTS:
+            raise ValueError(f"at most {MAX_EXPERTS} experts, got {E}")
+        check_groups(scoring.n_group, scoring.topk_group, E, k)
+        self.pool, self.selector, self.scoring, self.device = pool, selector, scoring, torch.device(device)
+        self.num_layers, self.num_experts, self.top_k, self.max_positions = pool.num_layers, E, k, max_positions
+
+        def put(array, dtype):
+            return torch.tensor(np.ascontiguousarray(array), dtype=dtype, device=self.device)
+
+        self.slot, self.recency = put(pool.slot, torch.int64), put(pool.recency, torch.int64)
+        self.pool_mask = put(pool.pool_mask, torch.int8)
+        self.warm_rank = put(pool.warm_rank, torch.int64)
+        self.block = put([pool.block], torch.int64)
+        self.bias = put(scoring.bias_rows(pool.num_layers, E), torch.float64)
+        fpar = np.zeros(N_FPARAMS)
+        params = selector.kernel_params
+        fpar[[F_GAMMA, F_RESCUE, F_PRUNE]] = params[1], params[2], params[3]
+        fpar[[F_SCALE, F_EPS, F_TINY, F_SLACK]] = scoring.scale, 1e-20, TINY, ENTROPY_SLACK
+        self.fparams = put(fpar, torch.float64)
+        self.selected = torch.zeros(max_positions, k, dtype=torch.int64, device=self.device)
+        self.weights = torch.zeros(max_positions, k, dtype=torch.float32, device=self.device)
+        self.displaced = torch.zeros(max_positions, dtype=torch.float64, device=self.device)
+        self.route = torch.zeros(max_positions, k, dtype=torch.int32, device=self.device)
+        self.sets = torch.zeros(4, E, dtype=torch.int64, device=self.device)
+        self.eligible, self.union, self.missing, self.missing_slots = self.sets
+        self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self.moves = torch.zeros(pool.num_layers, 2, E, dtype=torch.int64, device=self.device)
+        self.n_moves = torch.zeros(pool.num_layers, dtype=torch.int64, device=self.device)
+        self._constants = dict(
+            E=E, BLOCK_E=triton.next_power_of_2(E), BLOCK_D=triton.next_power_of_2(max_positions), K=k,
+            BLOCK=int(params[0] != 0.0), SIGMOID=int(scoring.kind == "sigmoid"),
+            RENORMALISE=int(bool(scoring.renormalise)), N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group,
+            BLOCK_G=triton.next_power_of_2(scoring.n_group), P=pool.pool_size, U=pool.union_slots)
+
+    def select(self, layer: int, router_logits: torch.Tensor, alpha: torch.Tensor) -> None:
+        """One launch: the selection of `layer` for the block's D positions (router_logits float32 [D, E],
+        contiguous; alpha float64 [D], finite and >= 0: the host checks both, the kernel does not) and
+        `ExpertPool.use` of its executions. Once per layer and block (not checked)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+        z = router_logits
+        if z.dtype != torch.float32 or z.dim() != 2 or not 1 <= z.shape[0] <= self.max_positions \
+                or z.shape[1] != self.num_experts or not z.is_contiguous():
+            raise ValueError(f"router logits must be contiguous float32 [D <= {self.max_positions}, "
+                             f"{self.num_experts}], got {z.dtype} {tuple(z.shape)}")
+        if alpha.dtype != torch.float64 or alpha.shape != (z.shape[0],):
+            raise ValueError(f"alpha must be float64 [{z.shape[0]}], got {alpha.dtype} {tuple(alpha.shape)}")
+        _select_kernel[(1,)](
+            z, alpha, self.bias[layer], self.fparams, self.pool_mask[layer], self.slot[layer], self.recency[layer],
+            self.block, z.shape[0], self.selected, self.weights, self.displaced, self.eligible, self.union,
+            self.missing, self.missing_slots, self.route, self.counts, **self._constants, num_warps=4,
+            enable_fp_fusion=False)
+
+    def end_block(self) -> None:
+        """`ExpertPool.end_block` on the device, every layer in one launch (moves, n_moves)."""
+        c = self._constants
+        _refill_kernel[(self.num_layers,)](self.pool_mask, self.slot, self.recency, self.warm_rank, self.block,
+                                           self.moves, self.n_moves, E=c["E"], BLOCK_E=c["BLOCK_E"], P=c["P"],
+                                           num_warps=4)
+
+    def state(self) -> dict:
+        """The pool's state on the host, named as `ExpertPool`'s attributes (for checks against it)."""
+        return {"slot": self.slot.cpu().numpy(), "pool_mask": self.pool_mask.cpu().numpy().astype(bool),
+                "recency": self.recency.cpu().numpy(), "block": int(self.block.item())}

@@ -1,0 +1,76 @@
+"""Block selection and the expert pool on the device (`specmoe.kernels.device_select`) against the host
+(`select_block_into`, `ExpertPool.use` / `end_block`), block by block and layer by layer
+(`checks.check_device_select`: counts, sets, selections, route rows, the weights' and displaced mass's bits, the
+pool's state and refill moves): every selector in Triton's interpreter on the CPU (a few blocks), and more blocks
+on a CUDA device (marked gpu)."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+from _interpreter import run_in_interpreter
+
+from specmoe.routing import RouterScoring
+from specmoe.verifiers import ExpertPool, selector_preset
+
+# (name, selector, overrides, E, P, scoring, D, blocks)
+CASES = [
+    ("exact", "exact", {}, 64, 16, "softmax", 9, 2),
+    ("acceptmoe", "acceptmoe", {}, 64, 16, "softmax", 9, 3),
+    ("acceptmoe_pruned", "acceptmoe", {"gamma": 2.0, "prune_budget": 0.5}, 64, 24, "softmax_renorm", 16, 2),
+    ("confidence_top1", "confidence_top1", {}, 64, 16, "softmax", 16, 2),
+    ("confidence_sigmoid_groups", "confidence_top1", {}, 64, 32, "sigmoid_groups", 9, 2),
+    ("acceptmoe_sigmoid", "acceptmoe", {"gamma": 1.5}, 64, 16, "sigmoid", 9, 2),
+    ("acceptmoe_e256", "acceptmoe", {}, 256, 64, "softmax", 16, 2),
+    ("confidence_e256_groups", "confidence_top1", {"gamma": 1.2}, 256, 64, "sigmoid_groups", 9, 1),
+    ("exact_e256", "exact", {}, 256, 32, "sigmoid", 9, 1),
+]
+
+
+def scoring_of(name: str, num_layers: int, num_experts: int, seed: int = 0):
+    if name == "softmax":
+        return False
+    if name == "softmax_renorm":
+        return RouterScoring("softmax", renormalise=True, scale=1.5)
+    bias = np.random.default_rng(seed).normal(0.0, 0.1, (num_layers, num_experts))
+    bias[:, 10:14] = bias[:, 10:11]  # equal biases: equal selection scores where the logits tie
+    groups = (8, 4 if num_experts == 256 else 3) if name == "sigmoid_groups" else (1, 1)
+    return RouterScoring("sigmoid", renormalise=True, scale=2.5, bias=bias, n_group=groups[0], topk_group=groups[1])
+
+
+def run_case(case, device, num_blocks=None, num_layers=2, seed=0):
+    from specmoe.kernels.checks import check_device_select, device_select_case
+
+    name, kind, overrides, E, P, scoring, D, blocks = case
+    blocks = num_blocks or blocks
+    z, alpha = device_select_case(blocks, num_layers, D, E, seed=seed)
+    warm = np.stack([np.random.default_rng(seed + layer).permutation(E) for layer in range(num_layers)])
+    pool = ExpertPool(num_layers, E, 8, P, warm)
+    return check_device_select(selector_preset(kind, **overrides), scoring_of(scoring, num_layers, E, seed), pool, z,
+                               alpha, device)
+
+
+_CHECK = r"""
+import sys
+sys.path.insert(0, "tests")
+from test_device_cache import _FAST_CALLS
+exec(_FAST_CALLS)
+from test_device_select import CASES, run_case
+for i, case in enumerate(CASES):
+    print("ok", case[0], run_case(case, "cpu", seed=i), flush=True)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_device_select_equals_host_in_the_interpreter():
+    done = run_in_interpreter(_CHECK)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for name, *_ in CASES:
+        assert f"ok {name} " in done.stdout, done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_gpu_device_select_equals_host(case):
+    """40 blocks of 4 layers per case."""
+    run_case(case, "cuda", num_blocks=40, num_layers=4, seed=7)
