@@ -308,7 +308,8 @@ def test_each_selector_follows_its_own_runs_records(family, drafter, calibration
         accepted[name] = records.arrays["accepted"]
     trace = record_trace(model, [prompt])
     args = SimpleNamespace(records=[str(p) for p in paths], selectors=["exact", "acceptmoe", "confidence_top1"],
-                           k=[K_DRAFTS], taus=[2.0], seed=0, max_blocks=None, closed_loop=False)
+                           k=[K_DRAFTS], taus=[2.0], seed=0, max_blocks=None, blocks_per_request=None,
+                           closed_loop=False)
     geometry = (adapter.num_moe_layers, adapter.num_experts, adapter.top_k)
     sources = block_sources(args, trace, geometry)
     assert set(sources) == {f"synthetic_tau2_k{K_DRAFTS}", f"ar_records_k{K_DRAFTS}", f"synthetic_ar_hist_k{K_DRAFTS}"}
