@@ -73,7 +73,7 @@ def _run_replay(args) -> int:
     import dataclasses
     import math
 
-    from .rundir import RunDir, _check_pyarrow, digest_of, run_cells
+    from .rundir import RunDir, digest_of, run_cells
     from .routing import parse_policy, replay
     from .records.synthetic import input_sha256, read_calibration, read_trace
 
@@ -87,7 +87,6 @@ def _run_replay(args) -> int:
     digest = digest_of(identity, inputs)
     run_dir = RunDir(args.out or f"runs/replay-{digest}", digest)
     run_dir.check(digest, inputs, identity, "pass another --out DIR")
-    _check_pyarrow()
 
     def measure(_, round_):
         from .experiments.measure import COLUMNS

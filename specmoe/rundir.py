@@ -153,9 +153,11 @@ class RunDir:
 
     def check(self, digest: str, inputs: dict | None = None, identity: dict | None = None,
               change: str = "pass --out DIR") -> None:
-        """ValueError unless this directory is new, empty, or a run of the same `digest` (to resume). inputs: the
-        run's input files ({key: {"path", "sha256"}}); identity: the manifest's "config" entry, for naming an input
-        file whose contents changed; change: what to do to start another run instead (in the message)."""
+        """ValueError unless this directory is new, empty, or a run of the same `digest` (to resume), and the
+        results table can be written (pyarrow). inputs: the run's input files ({key: {"path", "sha256"}});
+        identity: the manifest's "config" entry, for naming an input file whose contents changed; change: what to
+        do to start another run instead (in the message)."""
+        _check_pyarrow()
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(f"run directory {self.path} is an existing file")
         if not self.path.exists():

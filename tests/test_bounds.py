@@ -89,7 +89,8 @@ def test_bad_cell_files_are_named_and_measured_again(tmp_path):
     import pandas as pd
 
     from specmoe.experiments.config import load_config
-    from specmoe.experiments.run import RunDir, run_experiment
+    from specmoe.experiments.run import run_experiment
+    from specmoe.rundir import RunDir
 
     path = tmp_path / "x.toml"
     path.write_text(MICRO.replace("rounds = 2", "rounds = 1").replace("[0.1, 0.3]", "[0.1, 0.2, 0.3, 0.4]"))
@@ -121,7 +122,7 @@ def test_bad_cell_files_are_named_and_measured_again(tmp_path):
 
 
 def test_another_runs_cell_is_not_taken(tmp_path):
-    from specmoe.experiments.run import RunDir
+    from specmoe.rundir import RunDir
 
     mine, other = RunDir(tmp_path, "a" * 16), RunDir(tmp_path, "b" * 16)
     other.write_cell({"config": 0, "round": 0, "copies_per_token": 1.5})
@@ -194,7 +195,8 @@ def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
     import subprocess
 
     from specmoe.experiments.config import load_config
-    from specmoe.experiments.run import RunDir, run_experiment
+    from specmoe.experiments.run import run_experiment
+    from specmoe.rundir import RunDir
 
     path = tmp_path / "x.toml"
     path.write_text(MICRO.replace("rounds = 2", "rounds = 1"))
@@ -227,7 +229,7 @@ def test_run_directories_that_hold_no_run_are_named(tmp_path, capsys):
 
     import pandas as pd
 
-    from specmoe.experiments.run import MANIFEST, RESULTS
+    from specmoe.rundir import MANIFEST, RESULTS
 
     config = tmp_path / "x.toml"
     config.write_text(MICRO)
@@ -249,7 +251,7 @@ def test_run_directories_that_hold_no_run_are_named(tmp_path, capsys):
 
 
 def test_a_cell_with_no_fields_is_named_and_measured_again(tmp_path):
-    from specmoe.experiments.run import RunDir
+    from specmoe.rundir import RunDir
 
     run = RunDir(tmp_path, "a" * 16)
     run.write_cell({"config": 0, "round": 0, "copies_per_token": 1.5})

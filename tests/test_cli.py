@@ -11,7 +11,7 @@ from specmoe.routing import Calibration, PolicyError, parse_policy
 
 
 def run_demo(tmp_path, name):
-    from specmoe.experiments.run import read_table
+    from specmoe.rundir import read_table
 
     out = tmp_path / name
     code = main(["demo", "--model", "olmoe-micro", "--windows", "2", "--length", "24", "--capacities", "16,8",

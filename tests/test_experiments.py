@@ -13,7 +13,8 @@ from specmoe.cli import main
 from specmoe.experiments.config import load_config, parse_config
 from specmoe.experiments.grid import expand, grid_model
 from specmoe.experiments.report import paired_log_ratio
-from specmoe.experiments.run import RunDir, run_experiment
+from specmoe.experiments.run import run_experiment
+from specmoe.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "experiments").glob("*.toml"))

@@ -305,7 +305,7 @@ def test_bad_input_is_refused_clearly():
 # -- the command --------------------------------------------------------------------------------------------
 def test_replay_sd_command(tmp_path, capsys):
     from specmoe.cli import main
-    from specmoe.experiments.run import read_table
+    from specmoe.rundir import read_table
     from specmoe.replay.command import points_of
 
     rng = np.random.default_rng(5)

@@ -12,7 +12,8 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from specmoe.experiments import report  # noqa: E402
-from specmoe.experiments.run import MANIFEST, RESULTS, means_table  # noqa: E402
+from specmoe.experiments.run import means_table  # noqa: E402
+from specmoe.rundir import MANIFEST, RESULTS  # noqa: E402
 
 FIGURES = ("requests", "tokens", "verifications", "tau", "copies_per_token", "demand_per_token",
            "prefetch_per_token", "prefetch_in_time_per_token", "prefetch_late_per_token", "unused_per_token",

@@ -204,7 +204,7 @@ def test_a_stop_callback_ends_the_request_after_its_block(family, prompt, refere
 
 
 def test_sd_command_prints_the_table_and_refuses_bad_input(tmp_path, capsys):
-    from specmoe.experiments.run import read_table
+    from specmoe.rundir import read_table
 
     out = tmp_path / "sd"
     small = ["--prompts", "1", "--prompt-length", "24", "--new-tokens", "8", "--calibration-windows", "2",

@@ -142,7 +142,7 @@ def cell_row(index: int, round_: int, task: str, results: dict, samples: list[st
 def run_evaluation(model_args: dict, tasks: list[str], options: dict, out: str | Path | None = None, *,
                    max_cells: int | None = None, progress: bool = True, command: list[str] | None = None):
     """Run (or resume) the tasks into a run directory (default runs/eval-DIGEST); returns (table, manifest, path)."""
-    from specmoe.rundir import RunDir, _check_pyarrow, digest_of, run_cells
+    from specmoe.rundir import RunDir, digest_of, run_cells
 
     if not tasks:
         raise ValueError("--tasks: name at least one task")
@@ -153,7 +153,6 @@ def run_evaluation(model_args: dict, tasks: list[str], options: dict, out: str |
     digest = digest_of(identity, inputs)
     run_dir = RunDir(out if out is not None else Path("runs") / f"eval-{digest}", digest)
     run_dir.check(digest, inputs, identity, "pass another --out DIR")
-    _check_pyarrow()
     description = f"lm-eval: {describe(model_args)}"
     manifest = {"kind": KIND, "name": "eval", "description": description, "digest": digest, "inputs": inputs,
                 "config": identity, "grid": [{"config": i, "label": t, "kind": "lm_eval"} for i, t in enumerate(tasks)],

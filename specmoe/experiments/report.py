@@ -36,8 +36,9 @@ if TYPE_CHECKING:
     import pandas as pd
 
 from specmoe.files import check_output_dir, write_dir_atomic, write_file_atomic
+from specmoe.rundir import RunDir, read_table
 
-from .run import RunDir, means_table, read_table, summary_table
+from .run import means_table, summary_table
 
 REPORT_FILES = ("report.md", "frontier.png", "latency_cdf.png", "copies.png")  # what a report holds
 

@@ -32,12 +32,10 @@ if TYPE_CHECKING:
 from specmoe.arguments import int_at_least
 from specmoe.files import check_output_file, write_text_atomic
 from specmoe.geometry import Geometry
+from specmoe.rundir import RESULTS, RunDir, run_cells
 
 from .config import ConfigError, ExperimentConfig, load_config
 from .grid import Configuration, check_sizes, expand, grid_model
-from specmoe.rundir import (CELL, LOCK, MANIFEST, RESULTS, RunDir, _check_pyarrow, git_state, hardware,  # noqa: F401
-                     read_table, run_cells, versions)
-
 
 
 def shipped_config(name: str) -> Path:
@@ -132,7 +130,6 @@ def run_experiment(config: ExperimentConfig, out: str | Path | None = None, *, m
         return None, {}
     from .measure import check_device
 
-    _check_pyarrow()
     check_device(config)  # before anything is written
     with run_dir.lock():
         return _run(config, target, grid, run_dir, max_cells=max_cells, on_cell=on_cell, progress=progress,
@@ -213,4 +210,4 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["ConfigError", "RunDir", "quickstart_config", "run_shipped", "shipped_config", "read_table", "run_experiment"]
+__all__ = ["ConfigError", "quickstart_config", "run_shipped", "shipped_config", "run_experiment"]

@@ -175,7 +175,7 @@ def points_of(table) -> list:
 def main(args) -> int:
     import pandas as pd
 
-    from specmoe.rundir import RunDir, _check_pyarrow, digest_of, run_cells
+    from specmoe.rundir import RunDir, digest_of, run_cells
     from specmoe.records import BlockSourceError
     from specmoe.records.synthetic import input_sha256, read_calibration
     from specmoe.limits import MAX_DRAFTS
@@ -206,7 +206,6 @@ def main(args) -> int:
     digest = digest_of(identity, inputs)
     run_dir = RunDir(args.out, digest)
     run_dir.check(digest, inputs, identity, "pass another --out DIR")
-    _check_pyarrow()
     grid = [{"config": i, "label": label, "kind": "replay_sd"} for i, (label, _) in enumerate(sources)]
     manifest = {"kind": "replay-sd", "name": "replay_sd", "description": "rollback logical cache vs block-level "
                 "expert selection (CPU replay)", "digest": digest, "inputs": inputs, "config": identity,
