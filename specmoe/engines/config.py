@@ -64,7 +64,7 @@ class EngineConfig:
         if self.max_seq_len != decoder.geometry.max_seq_len:
             raise ValueError(f"max_seq_len={self.max_seq_len} but the decoder's KV cache has "
                              f"{decoder.geometry.max_seq_len} positions")
-        if self.state_rollback != "auto" and not hasattr(decoder, "set_gdn"):
+        if self.state_rollback != "auto" and decoder.state_rollback is None:
             raise ValueError(f"state_rollback={self.state_rollback!r}: the {type(decoder).__name__} has no recurrent "
                              "state to roll back (only \"auto\" applies)")
 
@@ -72,11 +72,11 @@ class EngineConfig:
         """Choose and check the decoder's kernels (`Decoder.use_kernels`) on the compute stream `stream` (None
         on the CPU); the slots must hold real experts (the checks read them). Returns what is used."""
         if self.state_rollback != "auto":
-            decoder.set_gdn(rollback=self.state_rollback)
+            decoder.set_state_rollback(self.state_rollback)
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             used = decoder.use_kernels(self.backend, self.attention, self.moe, residency.slots.layer(0), self.tune)
-        if hasattr(decoder, "gdn_rollback"):
-            used["state_rollback"] = decoder.gdn_rollback
+        if decoder.state_rollback is not None:
+            used["state_rollback"] = decoder.state_rollback
         return used
 
 

@@ -362,6 +362,13 @@ class Decoder(Protocol):
         nothing (the next step's position overwrites the rejected rows); a recurrent state (linear attention)
         is restored to the one after position committed - 1 of the step, which the step keeps per position."""
 
+    # how `rollback` restores a recurrent state ("history": the step keeps every position's state; "recompute":
+    # the committed positions rerun from the step's start), None for a decoder whose state is all indexed by position
+    state_rollback: str | None
+
+    def set_state_rollback(self, mode: str) -> None:
+        """Choose `state_rollback` (decoders with recurrent state); the steps made so far are dropped."""
+
     def randomize_cache(self, seed: int) -> None:
         """Fill the KV cache (and any recurrent state) with seeded random values: timing at long contexts
         without decoding a prefix (the outputs are then no model's on any text)."""

@@ -100,6 +100,8 @@ class DeepseekV3Decoder(FeatureCapture):
     """DeepSeek-V3 (MLA, dense first layers, shared experts) without the routed experts, over a static latent
     KV cache; see the module docstring."""
 
+    state_rollback = None  # every state is indexed by position (`Decoder.state_rollback`)
+
     def __init__(self, config, weight, max_seq_len: int, device, dtype: torch.dtype):
         """config: a transformers DeepseekV3Config; weight(name) -> tensor, for transformers' parameter (and
         buffer) names (from a model or a checkpoint)."""

@@ -41,6 +41,8 @@ def _layer_keys(i: int) -> dict[str, str]:
 class OlmoeDecoder(FeatureCapture):
     """OLMoE without the routed experts, over a static KV cache; see the module docstring."""
 
+    state_rollback = None  # every state is indexed by position (`Decoder.state_rollback`)
+
     def __init__(self, config, weight, max_seq_len: int, device, dtype: torch.dtype):
         """config: a transformers OlmoeConfig; weight(name) -> tensor, for transformers' parameter names
         (from a model or a checkpoint)."""

@@ -98,11 +98,8 @@ def _check_config(config) -> None:
 
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) written into out without a copy; a float32 out from a lower-precision x takes cuBLAS's
-    float32 result (CUDA only)."""
-    if out.dtype == x.dtype:
-        return torch.mm(x, weight.t(), out=out)
-    return torch.mm(x, weight.t(), out_dtype=out.dtype, out=out)
+    """F.linear(x, weight) written into out (of x's dtype: a float32 model's router logits) without a copy."""
+    return torch.mm(x, weight.t(), out=out)
 
 
 def check_linear_into(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -314,6 +311,14 @@ class Qwen35MoeDecoder(FeatureCapture):
             if rollback != self.gdn_rollback:
                 self._steps.clear()
             self.gdn_rollback = rollback
+
+    @property
+    def state_rollback(self) -> str:
+        """`Decoder.state_rollback`: the Gated DeltaNet's rollback mode (GDN_ROLLBACKS)."""
+        return self.gdn_rollback
+
+    def set_state_rollback(self, mode: str) -> None:
+        self.set_gdn(rollback=mode)
 
     # -- buffers ---------------------------------------------------------------------------------------
     def step(self, num_positions: int) -> DecodeStep:
