@@ -1,6 +1,8 @@
 """What the harness tests of every architecture beyond OLMoE share (tests/test_deepseek_v3.py,
 tests/test_qwen3_5_moe.py): seeded prompts, a tiny named config written by save_pretrained and loaded back, the
-executed sets of transformers' own routers, and the check that exact routing changes nothing."""
+executed sets of transformers' own routers, and the check that exact routing changes nothing; and what several
+test files build or check alike: left-padded batches, Qwen3.5-MoE's shipped image-text layout, and the family's
+loop-against-walk tau cross-check."""
 
 import numpy as np
 import torch
@@ -70,3 +72,34 @@ def check_exact_routing_changes_nothing(model, adapter):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
     assert torch.equal(out.sequences, reference.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+
+
+def image_text_qwen(model):
+    """A Qwen3_5MoeForConditionalGeneration (the shipped layout: model_type qwen3_5_moe, tensors under
+    model.language_model.) holding the text model `model`'s weights, with a one-layer vision tower."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    config = Qwen3_5MoeConfig(text_config=model.config.to_dict(),
+                              vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                                 out_hidden_size=64))
+    full = Qwen3_5MoeForConditionalGeneration(config).eval()
+    full.model.language_model.load_state_dict(model.model.state_dict())
+    full.lm_head.load_state_dict(model.lm_head.state_dict())
+    return full
+
+
+def assert_loop_agrees_with_the_walk(target, ar, dflash, prompt, new: int, k: int) -> None:
+    """The family's tau cross-check (`tau_crosscheck`) on one prompt [S]: with each drafter the speculative loop
+    commits the target's greedy text and every block agrees with the teacher-forced walk."""
+    from specmoe_train.evaluate import ar_accept_runs, dflash_accept_lengths, greedy_continuation
+    from specmoe_train.family import tau_crosscheck
+
+    greedy = greedy_continuation(target, prompt[None], new)
+    match = ar_accept_runs(ar, greedy)
+    accepted = dflash_accept_lengths(target, dflash, greedy, prompt.numel() - 1, k)
+    check = tau_crosscheck(target, ar, dflash, prompt[None], greedy, match, accepted, prompt.numel(), (k,),
+                           log=lambda message: None)
+    for name in ("ar_drafter", "dflash_drafter"):
+        result = check[f"k{k}_{name}"]
+        assert result["prompts_with_identical_tokens"] == 1, name  # committed text = the target's greedy text
+        assert result["blocks"] > 0 and result["blocks_agreeing"] == result["blocks"], name

@@ -46,6 +46,36 @@ ti.InterpreterBuilder.cast_impl = _cast_rne
 """
 
 
+# Decoder steps with given routes (the host's part replaced by fixed route rows), for scripts that compare a
+# decoder's kernels with its torch path: `routes = random_routes(...)`, then `run_routed(decoder, bufs, ...)`.
+ROUTED_DECODE = r"""
+def random_routes(positions, num_layers, k, num_slots, rng):
+    # [positions, layers, 2K] route rows: K distinct slots, then K weights (float32 bits) summing to 1
+    routes = np.zeros((positions, num_layers, 2 * k), np.int32)
+    for i in range(positions):
+        for layer in range(num_layers):
+            routes[i, layer, :k] = rng.choice(num_slots, k, replace=False)
+            routes[i, layer].view(np.float32)[k:] = rng.dirichlet(np.ones(k))
+    return routes
+
+
+def run_routed(decoder, bufs, ids, routes, seq, d):
+    # the logits of `ids` through `decoder` in steps of d positions, each layer's MoE over bufs[layer] at `routes`
+    out = []
+    with torch.no_grad():
+        step = decoder.step(d)
+        for start in range(0, len(ids), d):
+            step.set_input(ids[start: start + d], start, seq)
+            for layer in range(len(bufs)):
+                decoder.attention_router(step, layer)
+                step.route_np[layer] = routes[start: start + d, layer]
+                decoder.moe(step, layer, bufs[layer])
+            decoder.head(step)
+            out.append(step.out_logits.clone())
+    return torch.cat(out)
+"""
+
+
 def run_in_interpreter(script: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `script` (after PRELUDE) in a fresh interpreter with TRITON_INTERPRET=1, from the repository root
     (which goes first on the path, so the checkout's package is imported)."""

@@ -6,14 +6,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from _architecture_checks import assert_loop_agrees_with_the_walk
 
 from specmoe.assets import FAMILY_MEMBERS, family_path
 from specmoe.drafters.dflash_model import DFlashDraftModel
 from specmoe.harness import record_trace
 from specmoe.models import adapter_for
 from specmoe.records import Trace
-from specmoe_train.evaluate import ar_accept_runs, dflash_accept_lengths, greedy_continuation
-from specmoe_train.family import load_family, slice_metrics, tau_crosscheck
+from specmoe_train.family import load_family, slice_metrics
 
 FAMILY = family_path("target").parent
 MiB = 1 << 20
@@ -127,16 +127,7 @@ def test_the_split_record_keeps_the_parts_apart(metrics):
 def test_the_speculative_loop_and_the_teacher_forced_walk_agree_on_cpu(family, metrics):
     target, ar, dflash = family
     prompt = torch.tensor(metrics["slice"]["slice"]["token_ids"][1][:48])
-    new, k = 24, 8
-    greedy = greedy_continuation(target, prompt[None], new)
-    match = ar_accept_runs(ar, greedy)
-    accepted = dflash_accept_lengths(target, dflash, greedy, prompt.numel() - 1, k)
-    check = tau_crosscheck(target, ar, dflash, prompt[None], greedy, match, accepted, prompt.numel(), (k,),
-                           log=lambda message: None)
-    for name in ("ar_drafter", "dflash_drafter"):
-        result = check[f"k{k}_{name}"]
-        assert result["prompts_with_identical_tokens"] == 1, name  # committed text = the target's greedy text
-        assert result["blocks"] > 0 and result["blocks_agreeing"] == result["blocks"], name
+    assert_loop_agrees_with_the_walk(target, ar, dflash, prompt, new=24, k=8)
 
 
 def test_a_trace_of_the_shipped_target(family, tmp_path, metrics):

@@ -5,8 +5,8 @@ bit for bit): every policy kind in Triton's interpreter on the CPU (short sequen
 
 import importlib.util
 
-import numpy as np
 import pytest
+from _device_cases import FAST_CALLS, case_scoring
 from _interpreter import run_in_interpreter
 
 from specmoe.routing import Calibration, LogicalCache, RouterScoring, preset
@@ -29,38 +29,10 @@ CASES = [
 
 
 def scoring_of(name: str, num_layers: int, num_experts: int, seed: int = 0) -> RouterScoring:
-    if name == "softmax":
-        return RouterScoring("softmax")
-    if name == "softmax_renorm":
-        return RouterScoring("softmax", renormalise=True, scale=1.5)
-    bias = np.random.default_rng(seed).normal(0.0, 0.1, (num_layers, num_experts))
-    bias[:, 10:14] = bias[:, 10:11]  # equal biases: equal selection scores where the logits tie
-    groups = (8, 3) if name == "sigmoid_groups" else (1, 1)
-    return RouterScoring("sigmoid", renormalise=True, scale=2.446, bias=bias, n_group=groups[0], topk_group=groups[1])
+    return case_scoring(name, num_layers, num_experts, seed, scale=2.446, groups=(8, 3))
 
 
-# Interpreter-only speed-up: the interpreter patches triton.language again at every call of a jit function from
-# another (about 1.5 ms each, hundreds per step); patching once per module and launch is equivalent.
-_FAST_CALLS = r"""
-_patched = set()
-_launch = ti.GridExecutor.__call__
-def _grid_call(self, *args, **kwargs):
-    _patched.clear()
-    return _launch(self, *args, **kwargs)
-def _device_call(self, *args, **kwargs):
-    if id(self.fn.__globals__) not in _patched:
-        ti._patch_lang(self.fn)
-        _patched.add(id(self.fn.__globals__))
-    fn = self.rewrite()
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:
-        raise ti.InterpreterError(repr(e)) from e
-ti.GridExecutor.__call__ = _grid_call
-ti.InterpretedFunction.__call__ = _device_call
-"""
-
-_CHECK = _FAST_CALLS + r"""
+_CHECK = FAST_CALLS + r"""
 import sys
 sys.path.insert(0, "tests")
 from test_device_cache import CASES, scoring_of

@@ -8,9 +8,9 @@ import importlib.util
 
 import numpy as np
 import pytest
+from _device_cases import case_scoring
 from _interpreter import run_in_interpreter
 
-from specmoe.routing import RouterScoring
 from specmoe.verifiers import ExpertPool, selector_preset
 
 # (name, selector, overrides, E, P, scoring, D, blocks)
@@ -29,13 +29,8 @@ CASES = [
 
 def scoring_of(name: str, num_layers: int, num_experts: int, seed: int = 0):
     if name == "softmax":
-        return False
-    if name == "softmax_renorm":
-        return RouterScoring("softmax", renormalise=True, scale=1.5)
-    bias = np.random.default_rng(seed).normal(0.0, 0.1, (num_layers, num_experts))
-    bias[:, 10:14] = bias[:, 10:11]  # equal biases: equal selection scores where the logits tie
-    groups = (8, 4 if num_experts == 256 else 3) if name == "sigmoid_groups" else (1, 1)
-    return RouterScoring("sigmoid", renormalise=True, scale=2.5, bias=bias, n_group=groups[0], topk_group=groups[1])
+        return False  # the pool's own softmax selection scores
+    return case_scoring(name, num_layers, num_experts, seed, scale=2.5, groups=(8, 4 if num_experts == 256 else 3))
 
 
 def run_case(case, device, num_blocks=None, num_layers=2, seed=0):
@@ -53,8 +48,8 @@ def run_case(case, device, num_blocks=None, num_layers=2, seed=0):
 _CHECK = r"""
 import sys
 sys.path.insert(0, "tests")
-from test_device_cache import _FAST_CALLS
-exec(_FAST_CALLS)
+from _device_cases import FAST_CALLS
+exec(FAST_CALLS)
 from test_device_select import CASES, run_case
 for i, case in enumerate(CASES):
     print("ok", case[0], run_case(case, "cpu", seed=i), flush=True)

@@ -137,15 +137,10 @@ def test_fp8_errors(checkpoints, tmp_path):
 def test_the_shipped_image_text_layout_in_fp8(tmp_path):
     """Qwen3.5-MoE's shipped layout (model_type qwen3_5_moe, tensors under model.language_model.) converted to FP8:
     load_model gives its text model dequantised, and the engine read from the directory (FP8 store) equals it."""
-    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    from _architecture_checks import image_text_qwen
 
     model, adapter = load_model("qwen3.5-moe-tiny", seed=0)
-    config = Qwen3_5MoeConfig(text_config=model.config.to_dict(),
-                              vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
-                                                 out_hidden_size=64))
-    full = Qwen3_5MoeForConditionalGeneration(config).eval()
-    full.model.language_model.load_state_dict(model.model.state_dict())
-    full.lm_head.load_state_dict(model.lm_head.state_dict())
+    full = image_text_qwen(model)
     src, dst = tmp_path / "bf16", tmp_path / "fp8"
     full.save_pretrained(src)
     assert quantize_experts_fp8(src, dst) == adapter.num_moe_layers * adapter.num_experts * 3

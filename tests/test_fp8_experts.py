@@ -9,7 +9,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from _interpreter import run_in_interpreter
+from _interpreter import ROUTED_DECODE, run_in_interpreter
 
 from specmoe.kernels.fp8 import (FP8_BLOCK, dequantize_fp8, fp8_row_layout, fp8_rows_of, quantize_fp8,
                                  unpack_fp8_rows)
@@ -135,7 +135,7 @@ def test_triton_kernels_dequantise_fp8_rows_in_the_interpreter():
     assert "fp8 kernels ok" in done.stdout
 
 
-_DECODER_CHECK = r"""
+_DECODER_CHECK = ROUTED_DECODE + r"""
 import numpy as np
 import torch
 from transformers import OlmoeConfig
@@ -154,27 +154,12 @@ fp8_bufs = [fp8_rows_of(torch.randn(C, 2 * c.inter, c.hidden, generator=g) * 0.3
 deq_bufs = [torch.cat([t.flatten(1) for t in unpack_fp8_rows(b, c.hidden, c.inter, torch.float32)], 1)
             for b in fp8_bufs]
 rng = np.random.default_rng(4)
-routes = np.zeros((5, num_layers, 2 * k), np.int32)
-for i in range(5):
-    for layer in range(num_layers):
-        routes[i, layer, :k] = rng.choice(C, k, replace=False)
-        routes[i, layer].view(np.float32)[k:] = rng.dirichlet(np.ones(k))
+routes = random_routes(5, num_layers, k, C, rng)
 ids = rng.integers(0, c.vocab_size, 5)
 
 
 def run(decoder, bufs, d):
-    out = []
-    with torch.no_grad():
-        step = decoder.step(d)
-        for start in range(0, 5, d):
-            step.set_input(ids[start: start + d], start, SEQ)
-            for layer in range(num_layers):
-                decoder.attention_router(step, layer)
-                step.route_np[layer] = routes[start: start + d, layer]
-                decoder.moe(step, layer, bufs[layer])
-            decoder.head(step)
-            out.append(step.out_logits.clone())
-    return torch.cat(out)
+    return run_routed(decoder, bufs, ids, routes, SEQ, d)
 
 
 kernels = OlmoeDecoder.from_model(model, SEQ)

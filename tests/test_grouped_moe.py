@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from _interpreter import run_in_interpreter
+from _interpreter import ROUTED_DECODE, run_in_interpreter
 
 from specmoe.kernels.grouped_moe import (default_block_m, grouped_moe_bytes, grouped_params, make_grouped_workspace,
                                          slot_moe_grouped, slot_moe_grouped_torch, zipf_routes)
@@ -217,7 +217,7 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
     run_interpreted(_KERNEL_CHECK, "grouped ok")
 
 
-_DECODER_CHECK = r"""
+_DECODER_CHECK = ROUTED_DECODE + r"""
 import numpy as np
 import torch
 from transformers import OlmoeConfig
@@ -234,27 +234,12 @@ k, num_layers = c.top_k, c.num_layers
 g = torch.Generator().manual_seed(0)
 slot_bufs = [torch.randn(C, 3 * c.hidden * c.inter, generator=g) * 0.2 for _ in range(num_layers)]
 rng = np.random.default_rng(4)
-routes = np.zeros((5, num_layers, 2 * k), np.int32)
-for i in range(5):
-    for layer in range(num_layers):
-        routes[i, layer, :k] = rng.choice(C, k, replace=False)
-        routes[i, layer].view(np.float32)[k:] = rng.dirichlet(np.ones(k))
+routes = random_routes(5, num_layers, k, C, rng)
 ids = rng.integers(0, c.vocab_size, 5)
 
 
 def run(decoder, d):
-    out = []
-    with torch.no_grad():
-        step = decoder.step(d)
-        for start in range(0, 5, d):
-            step.set_input(ids[start: start + d], start, SEQ)
-            for layer in range(num_layers):
-                decoder.attention_router(step, layer)
-                step.route_np[layer] = routes[start: start + d, layer]
-                decoder.moe(step, layer, slot_bufs[layer])
-            decoder.head(step)
-            out.append(step.out_logits.clone())
-    return torch.cat(out)
+    return run_routed(decoder, slot_bufs, ids, routes, SEQ, d)
 
 
 assert decoder.use_kernels("triton", "sdpa", "slot", slot_bufs[0], tune=False)["backend"] == "triton", decoder.notes

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _architecture_checks import left_padded
 from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 
 from specmoe.harness import (
@@ -40,16 +41,6 @@ def model(micro):
     unpatch(micro[0])
 
 
-def _left_padded(prompts, pad=1):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
-    return ids, mask
-
-
 def _prompts(vocab, lengths=(6, 11, 8), seed=7):
     return [_tokens(vocab, n, seed + i) for i, n in enumerate(lengths)]
 
@@ -57,7 +48,7 @@ def _prompts(vocab, lengths=(6, 11, 8), seed=7):
 @pytest.mark.parametrize("name", ["exact_lru", "exact_a", "exact_prefetch"])
 def test_exact_routing_leaves_forward_logits_bitwise_unchanged(micro, model, name):
     _, adapter, calibration = micro
-    ids, mask = _left_padded(_prompts(adapter.vocab_size))
+    ids, mask = left_padded(_prompts(adapter.vocab_size))
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask).logits
         ctx = patch_model(model, adapter, preset(name, C, 8), calibration)
@@ -73,7 +64,7 @@ def test_exact_routing_leaves_forward_logits_bitwise_unchanged(micro, model, nam
 
 def test_exact_routing_leaves_greedy_generate_bitwise_unchanged(micro, model):
     _, adapter, calibration = micro
-    ids, mask = _left_padded(_prompts(adapter.vocab_size))
+    ids, mask = left_padded(_prompts(adapter.vocab_size))
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GEN)
     patch_model(model, adapter, preset("exact_a", C, 8), calibration)
     routed = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GEN)
@@ -88,7 +79,7 @@ def test_harness_and_replay_agree_decision_for_decision(micro, model, name):
     _, adapter, calibration = micro
     policy = preset(name, C, 8)
     prompts = _prompts(adapter.vocab_size)
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     ctx = patch_model(model, adapter, policy, calibration, record=True)
     executed = []
     hook = adapter.moe_blocks(model)[5].experts.register_forward_hook(lambda m, args, out: executed.append(args[1]))
@@ -146,7 +137,7 @@ def test_recorded_logits_are_router_and_pregate(micro, model):
 
 def test_routing_is_deterministic(micro, model):
     _, adapter, calibration = micro
-    ids, mask = _left_padded(_prompts(adapter.vocab_size))
+    ids, mask = left_padded(_prompts(adapter.vocab_size))
     runs = []
     for _ in range(2):
         ctx = patch_model(model, adapter, preset("psr", C, 8), calibration, record=True)
@@ -161,7 +152,7 @@ def test_rows_of_a_left_padded_batch_are_independent(micro, model):
     """Each row of a padded batch routes and generates as the same prompt alone."""
     _, adapter, calibration = micro
     prompts = _prompts(adapter.vocab_size)
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     ctx = patch_model(model, adapter, preset("psr", C, 8), calibration, record=True)
     batch = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
     batch_records = [ctx.recorded(row) for row in range(len(prompts))]

@@ -48,16 +48,10 @@ def test_speculative_exact_selection_equals_ar_greedy_through_rollbacks(tiny, mo
 
 def test_an_engine_read_from_an_image_text_checkpoint_equals_the_text_model(tiny, tokens, tmp_path):
     # the shipped layout (model_type qwen3_5_moe, tensors under model.language_model.)
-    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    from _architecture_checks import image_text_qwen
 
     model, adapter, _ = tiny
-    config = Qwen3_5MoeConfig(text_config=model.config.to_dict(),
-                              vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
-                                                 out_hidden_size=64))
-    full = Qwen3_5MoeForConditionalGeneration(config).eval()
-    full.model.language_model.load_state_dict(model.model.state_dict())
-    full.lm_head.load_state_dict(model.lm_head.state_dict())
-    full.save_pretrained(tmp_path)
+    image_text_qwen(model).save_pretrained(tmp_path)
     calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
     policy = preset("exact_lru", adapter.num_experts, adapter.top_k)
     read = build_engine_from_checkpoint(tmp_path, policy, calibration, EngineConfig(max_seq_len=SEQ),

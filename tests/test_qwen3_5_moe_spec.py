@@ -140,22 +140,15 @@ def test_the_member_s_recorded_blocks_replay(member):
 def test_the_member_s_loop_and_teacher_forced_walk_agree():
     """The family's tau cross-check (`tau_crosscheck`: the loop against the teacher-forced walk) now runs on the Qwen
     member, with the family's AR drafter and the member's DFlash drafter."""
+    from _architecture_checks import assert_loop_agrees_with_the_walk
+
     from specmoe.assets import family_path
-    from specmoe_train.evaluate import ar_accept_runs, dflash_accept_lengths, greedy_continuation
-    from specmoe_train.family import load_family, tau_crosscheck
+    from specmoe_train.family import load_family
     from specmoe_train.members import load_member
 
     root = family_path("qwen3_5_moe").parent
     target, dflash = load_member(root, "qwen3_5_moe")
     ar = load_family(root)[1]
-    prompt, new, k = torch.tensor(_prompt(adapter_for(target.config), 24)), 24, 8
-    greedy = greedy_continuation(target, prompt[None], new)
-    match = ar_accept_runs(ar, greedy)
-    accepted = dflash_accept_lengths(target, dflash, greedy, prompt.numel() - 1, k)
-    check = tau_crosscheck(target, ar, dflash, prompt[None], greedy, match, accepted, prompt.numel(), (k,),
-                           log=lambda message: None)
-    for name in ("ar_drafter", "dflash_drafter"):
-        result = check[f"k{k}_{name}"]
-        assert result["prompts_with_identical_tokens"] == 1, name
-        assert result["blocks"] > 0 and result["blocks_agreeing"] == result["blocks"], name
+    prompt = torch.tensor(_prompt(adapter_for(target.config), 24))
+    assert_loop_agrees_with_the_walk(target, ar, dflash, prompt, new=24, k=8)
 
