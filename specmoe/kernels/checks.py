@@ -69,7 +69,34 @@ def check_slot_moe(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None,
     kmoe.slot_moe_torch(x, res, slot_buf, route, act, ref, s.hidden, s.inter)
     kmoe.slot_moe_triton(x, res, slot_buf, route, act, out, s.hidden, s.inter, moe_params)
     _agree("slot MoE kernel", ref, out)
+    if kmoe.is_fp8_rows(slot_buf):
+        check_fp8_equals_dequantised(s, moe_params, dtype, device, x, route)
     return g
+
+
+def check_fp8_equals_dequantised(s: Geometry, moe_params: dict | None, dtype: torch.dtype, device: torch.device,
+                                 x: torch.Tensor, route: torch.Tensor) -> None:
+    """The per-token kernel over FP8 rows of random experts and over the same rows dequantised to `dtype`:
+    bitwise equal (the FP8 store decodes as the bf16 store of the dequantised weights; `moe.row_sums` fixes the
+    reduction order that the two row formats' tile layouts would otherwise change)."""
+    from . import moe as kmoe
+    from .fp8 import fp8_rows_of, unpack_fp8_rows
+
+    g, k = torch.Generator().manual_seed(5), s.top_k
+    route = route.clone()
+    route[:k] = torch.arange(k, device=device, dtype=torch.int32)  # K random experts in slots 0 .. K - 1
+    rows = fp8_rows_of(torch.randn(k, 2 * s.inter, s.hidden, generator=g) * s.hidden ** -0.5,
+                       torch.randn(k, s.hidden, s.inter, generator=g) * s.inter ** -0.5)
+    deq = torch.cat([t.flatten(1) for t in unpack_fp8_rows(rows, s.hidden, s.inter, dtype)], dim=1)
+    res = torch.randn(s.hidden, generator=g).to(device, dtype)
+    act = torch.empty(s.top_k, s.inter, device=device, dtype=dtype)
+    outs = []
+    for buf in (rows.to(device), deq.to(device)):
+        outs.append(torch.empty_like(res))
+        kmoe.slot_moe_triton(x, res, buf, route, act, outs[-1], s.hidden, s.inter, moe_params)
+    if not torch.equal(*outs):
+        raise RuntimeError(f"slot MoE kernel over FP8 rows differs from it over the dequantised rows in "
+                           f"{int((outs[0] != outs[1]).sum())} of {s.hidden} outputs")
 
 
 def check_gdn(kernel: str, heads: tuple[int, int, int, int], device: torch.device, fla=None,

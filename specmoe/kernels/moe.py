@@ -10,7 +10,10 @@ weights as float32 bit patterns. `slot_moe` computes
     out = residual + sum_j w_j * down_j(silu(gate_j x) * up_j x)
 
 with the rounding points of transformers' bf16 OLMoE experts (each projection's output and the weighted
-expert output rounded to the model dtype; the sum over experts in float32).
+expert output rounded to the model dtype; the sum over experts in float32). Each dot product is summed in a
+fixed order (`row_sums`: a pairwise tree over each tile of columns, the tiles in order), not tl.sum's, whose
+order follows the compiler's layout of the tile: over FP8 rows the layout differs from that over bf16 rows, so
+the FP8 kernel would otherwise not compute bit for bit what the bf16 kernel computes on the dequantised rows.
 
 Why our own kernel by default: at batch 1 the slot ids are written by the host-side routing step between the
 two CUDA graphs of a layer, so the kernel must take them from a device tensor inside a captured graph with a
@@ -89,10 +92,22 @@ if triton is not None:
 
     @triton.jit
     def fp8_weights(w, scale_ptr, index, mask):
-        """FP8 bytes w times their block scales at scale_ptr + index (broadcast over w), in float32 (callers
+        """FP8 bytes w times their block scales at scale_ptr + index (broadcast over w; the per-token kernels
+        pass a vector along the columns, so the scale load does not impose its layout on the tile), in float32 (callers
         round the result to the model dtype, as `fp8.dequantize_fp8` does)."""
         s = tl.load(scale_ptr + index, mask=mask, other=0.0)
         return w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+
+    @triton.jit
+    def row_sums(t, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """The sums of the rows of t [ROWS, COLS] (COLS a power of two) in float32, as a fixed pairwise tree:
+        adjacent pairs first, then pairs of those, and so on. A sum of two is the same whichever way round,
+        so the result does not depend on how the compiler spreads t over threads (tl.sum's order does: the
+        FP8 kernels' tiles get another layout than the bf16 ones'); the tree's first levels stay inside a
+        thread where it holds adjacent columns."""
+        for level in tl.static_range(1, COLS.bit_length()):
+            t = tl.sum(tl.reshape(t, (ROWS, COLS >> level, 2)), axis=2)
+        return tl.reshape(t, (ROWS,))
 
     @triton.jit
     def _gate_up_act_kernel(x_ptr, buf_ptr, route_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr,
@@ -117,11 +132,11 @@ if triton is not None:
             wg = tl.load(base + rows[:, None] * H + cols[None, :], mask=m2, other=0.0)
             wu = tl.load(base + (rows[:, None] + I) * H + cols[None, :], mask=m2, other=0.0)
             if FP8:  # this program's rows lie in one row block (BLOCK_N divides B): one scale per column block
-                index = ((pid_n * BLOCK_N) // B * NH + cols // B)[None, :]
-                wg = fp8_weights(wg, scales, index, cmask[None, :]).to(dt)
-                wu = fp8_weights(wu, scales + NI * NH, index, cmask[None, :]).to(dt)
-            acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-            acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
+                index = (pid_n * BLOCK_N) // B * NH + cols // B  # a vector, as x: the tile keeps its own layout
+                wg = fp8_weights(wg, scales, index, cmask).to(dt)
+                wu = fp8_weights(wu, scales + NI * NH, index, cmask).to(dt)
+            acc_g += row_sums(wg.to(tl.float32) * xv[None, :], BLOCK_N, BLOCK_K)
+            acc_u += row_sums(wu.to(tl.float32) * xv[None, :], BLOCK_N, BLOCK_K)
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
@@ -151,9 +166,8 @@ if triton is not None:
                 wd = tl.load(base + rows[:, None] * I + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                              other=0.0)
                 if FP8:
-                    wd = fp8_weights(wd, scales, ((pid * BLOCK_H) // B * NI + cols // B)[None, :],
-                                     cmask[None, :]).to(dt)
-                acc_j += tl.sum(wd.to(tl.float32) * a[None, :], axis=1)
+                    wd = fp8_weights(wd, scales, (pid * BLOCK_H) // B * NI + cols // B, cmask).to(dt)
+                acc_j += row_sums(wd.to(tl.float32) * a[None, :], BLOCK_H, BLOCK_K)
             acc += (acc_j.to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
         res = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows, (res + acc).to(dt), mask=rmask)
