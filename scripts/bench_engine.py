@@ -48,9 +48,10 @@ from specmoe.engines import EngineConfig, build_engine
 from specmoe.engines.helpers import calibration_from_engine, random_model_on_device, weight_bytes_per_token
 from specmoe.engines.results import LogitFeed
 from specmoe.files import write_text_atomic
+from specmoe.records.synthetic import is_source
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration, preset, psr_bonus
-from specmoe.stats import log_ratio_ttest
+from specmoe.stats import log_ratio_ttest, unit_ratio
 
 def psr(capacity: int, num_experts: int, top_k: int, window: int = 8):
     """PSR at the paper's operating point for C of E (`psr_bonus`), n = 1, pre-gate window `window`."""
@@ -69,11 +70,27 @@ def policies(capacity: int, num_experts: int, top_k: int, window: int = 8) -> di
 
 def ratio_ci(a: list[float], b: list[float]) -> dict:
     """a / b over paired rounds (`specmoe.stats.log_ratio_ttest`: paired t on log latency): point, 95% interval,
-    p; the interval and p are NaN with one round."""
+    p; the interval and p are NaN with one round. Rounds repeat the same work: this interval says how repeatable
+    the machine is, `window_ratio`'s how the ratio varies over the workload."""
     if len(a) < 2:
-        return {"ratio": float(np.exp(np.mean(np.log(a) - np.log(b)))), "lo": math.nan, "hi": math.nan, "p": math.nan}
+        return {"ratio": float(np.exp(np.mean(np.log(a) - np.log(b)))), "lo": math.nan, "hi": math.nan, "p": math.nan,
+                "over": "rounds"}
     r = log_ratio_ttest(a, b)
-    return {"ratio": r.ratio, "lo": r.low, "hi": r.high, "p": r.p_value}
+    return {"ratio": r.ratio, "lo": r.low, "hi": r.high, "p": r.p_value, "over": "rounds"}
+
+
+def window_ratio(a: dict, b: dict) -> dict:
+    """a / b, two configurations' ms per token over the same windows, with a 95% paired bootstrap interval over
+    the windows (`specmoe.stats.unit_ratio`; each window's time a mean over the interleaved rounds), and the
+    paired t over rounds beside it (`ratio_ci`). a and b: {"rounds": [ms per round], "windows": [[window ms sum
+    per window] per round], "tokens": [timed tokens per window]}. Falls back to the rounds' interval with one
+    window."""
+    rounds = ratio_ci(a["rounds"], b["rounds"])
+    if len(a["tokens"]) < 2 or a["tokens"] != b["tokens"]:
+        return rounds
+    r = unit_ratio(np.mean(a["windows"], axis=0), a["tokens"], np.mean(b["windows"], axis=0), b["tokens"])
+    return {"ratio": r.estimate, "lo": r.low, "hi": r.high, "p": math.nan, "over": f"{len(a['tokens'])} windows",
+            "rounds": rounds}
 
 
 class _Timer:
@@ -204,6 +221,17 @@ def time_hf_generate(model, prompt: np.ndarray, new: int, impl: str) -> float:
     return (run(new) - run(1)) / (new - 1) * 1e3
 
 
+def trace_label(spec: str) -> str:
+    """A --trace argument as a row-name prefix: a file's stem, or a source spec's name and parameters
+    ("olmoe-like:margin=0" -> "olmoe_like_margin_0")."""
+    if is_source(spec):
+        name, _, rest = spec.partition(":")
+        text = "_".join([name] + [x for x in rest.split(",") if x and not x.startswith(("tokens=", "seed="))])
+    else:
+        text = Path(spec).stem
+    return "".join(ch if ch.isalnum() else "_" for ch in text).strip("_")
+
+
 def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[int, int, int, int], count: int,
                        length: int) -> dict:
     """The first `count` sequences of a recorded trace, cut to `length` tokens, as engine logit feeds (router and
@@ -243,6 +271,7 @@ def run_windows(engine, windows, trace=None, prompt: int = 0, first_position: in
     copies = {k: sum(s["copies_per_token"][k] * s["tokens"] for s in summaries) / n
               for k in summaries[0]["copies_per_token"]}
     out = {"ms_tokens": np.concatenate(ms), "copies_per_token": copies, "results": results,
+           "window_ms": [float(x.sum()) for x in ms], "window_tokens": [int(x.size) for x in ms],
            "host_us_per_layer": float(np.mean([s["host_us_per_layer"] for s in summaries])),
            "host_us_per_layer_parts": {k: float(np.mean([s["host_us_per_layer_parts"][k] for s in summaries]))
                                        for k in summaries[0]["host_us_per_layer_parts"]}}
@@ -299,7 +328,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=4, help="teacher-forced windows: the units of the ratios' intervals")
     ap.add_argument("--tokens", type=int, default=64, help="timed tokens per teacher-forced window")
     ap.add_argument("--prompt", type=int, default=256, help="untimed prompt tokens before each window's timed ones")
     ap.add_argument("--max-seq-len", type=int, default=4096, help="positions of the static KV cache")
@@ -315,10 +344,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="olmoe-1b-7b", help="named config of specmoe.models")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script's logic")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--trace", help="routing trace of a trained model with the same L, E, K (`specmoe trace`) or a "
-                    "synthetic routing source NAME[:tokens=T,seed=S] (docs/routing-source.md): "
-                    "adds trace-following rows (router and pre-gate logits and tokens from the trace)")
-    ap.add_argument("--trace-calibration", help="calibration file of the traced model (needed with --trace; for a "
+    ap.add_argument("--trace", nargs="+", help="routing traces of a trained model with the same L, E, K (`specmoe trace`) or a "
+                    "synthetic routing source NAME[:key=value,...] (docs/routing-source.md): "
+                    "adds trace-following rows (router and pre-gate logits and tokens from the trace); several traces give "
+                    "several sets of rows, named by each trace's label (one trace: trace_C32_psr, ...)")
+    ap.add_argument("--trace-calibration", nargs="+", help="one per --trace: calibration file of the traced model (needed with --trace; for a "
                     "synthetic routing source such as olmoe-like, its name)")
     ap.add_argument("--configs", nargs="+", help="run only these configurations (names as in the table; "
                     "all_resident is always run, efficiencies need it)")
@@ -397,13 +427,23 @@ def main(argv=None) -> int:
         configs += [(f"C{c}_{name}", c, pol) for name, pol in policies(c, E, K, args.psr_window).items()]
     # per configuration: the calibration, the windows and the trace each window follows (None: own router)
     setting = {name: (calib, windows, None) for name, _, _ in configs}
+    prefixes = [""]
     if args.trace:
-        traced = load_trace_windows(args.trace, args.trace_calibration, (L, E, K, V), args.windows, window)
-        report["trace"] = {"file": args.trace, "calibration": args.trace_calibration, **traced["info"]}
-        for c in args.capacities:
-            for name, pol in policies(c, E, K, args.psr_window).items():
-                configs.append((f"trace_C{c}_{name}", c, pol))
-                setting[f"trace_C{c}_{name}"] = (traced["calibration"], traced["windows"], traced["traces"])
+        if len(args.trace_calibration or []) != len(args.trace):
+            raise SystemExit(f"--trace-calibration: one per --trace ({len(args.trace)}), got "
+                             f"{len(args.trace_calibration or [])}")
+        report["traces"] = {}
+        for spec, calibration_spec in zip(args.trace, args.trace_calibration):
+            prefix = "trace_" if len(args.trace) == 1 else trace_label(spec) + "_"
+            if prefix in prefixes:
+                raise SystemExit(f"--trace: two traces are labelled {prefix[:-1]!r}")
+            prefixes.append(prefix)
+            traced = load_trace_windows(spec, calibration_spec, (L, E, K, V), args.windows, window)
+            report["traces"][prefix] = {"file": spec, "calibration": calibration_spec, **traced["info"]}
+            for c in args.capacities:
+                for name, pol in policies(c, E, K, args.psr_window).items():
+                    configs.append((f"{prefix}C{c}_{name}", c, pol))
+                    setting[f"{prefix}C{c}_{name}"] = (traced["calibration"], traced["windows"], traced["traces"])
     if args.configs:
         unknown = set(args.configs) - {name for name, _, _ in configs}
         if unknown:
@@ -428,8 +468,10 @@ def main(argv=None) -> int:
                 engine.configure(policy=pol, calibration=cal, instrument=False, skip_copies=False)
                 res = run_windows(engine, wins, trace=tr, prompt=args.prompt)
                 rounds[name].append(float(res["ms_tokens"].mean()))
-                d = details.setdefault(name, {"ms_tokens": [], "policy": pol.name, "capacity": c})
+                d = details.setdefault(name, {"ms_tokens": [], "policy": pol.name, "capacity": c, "windows": [],
+                                              "tokens": res["window_tokens"]})
                 d["ms_tokens"].append(res["ms_tokens"])
+                d["windows"].append(res["window_ms"])
                 d.setdefault("copies_per_token_rounds", []).append(res["copies_per_token"])
                 d.setdefault("host_us_per_layer_rounds", []).append(res["host_us_per_layer"])
                 d.setdefault("host_parts_rounds", []).append(res["host_us_per_layer_parts"])
@@ -499,18 +541,25 @@ def main(argv=None) -> int:
                "instrumented": d.get("instrumented"), "copies_skipped_ms": d.get("copies_skipped_ms")}
         table[name] = row
     ratios = {}
-    if rounds.get("all_resident_host_routing") and rounds["all_resident"]:
-        ratios["all-resident: host routing / device routing"] = ratio_ci(rounds["all_resident_host_routing"],
-                                                                         rounds["all_resident"])
+
+    def units(name):
+        d = details.get(name)
+        if not d or len(d["windows"]) != len(rounds[name]):
+            return None
+        return {"rounds": rounds[name], "windows": d["windows"], "tokens": d["tokens"]}
+
+    if units("all_resident_host_routing") and units("all_resident"):
+        ratios["all-resident: host routing / device routing"] = window_ratio(units("all_resident_host_routing"),
+                                                                             units("all_resident"))
     for impl in hf_impls:
         if rounds[f"hf_{impl}"] and rounds["all_resident"]:
             ratios[f"hf_{impl} / engine all-resident"] = ratio_ci(rounds[f"hf_{impl}"], rounds["all_resident"])
-    for prefix in ("", "trace_"):
+    for prefix in prefixes:
         for c in args.capacities:
             for base in ("exact_lru", "exact_prefetch", "cache_prior", "spec_exec"):
-                a, b = rounds.get(f"{prefix}C{c}_{base}"), rounds.get(f"{prefix}C{c}_psr")
-                if a and b and len(a) == len(b):
-                    ratios[f"{prefix}C{c}: {base} / psr"] = ratio_ci(a, b)
+                a, b = units(f"{prefix}C{c}_{base}"), units(f"{prefix}C{c}_psr")
+                if a and b and len(a["rounds"]) == len(b["rounds"]):
+                    ratios[f"{prefix}C{c}: {base} / psr"] = window_ratio(a, b)
     report["table"] = table
     report["ratios"] = ratios
     report["hf_ms"] = {impl: float(np.mean(rounds[f"hf_{impl}"])) for impl in hf_impls if rounds[f"hf_{impl}"]}
@@ -535,8 +584,8 @@ def markdown(report: dict) -> str:
              f"{report.get('copy_issue_path')}." + (" Host µs to issue copies + one event record: " + ", ".join(
                  f"{k} {v:.1f}" for k, v in report["issue_us"].items()) + "." if report.get("issue_us") else ""), "",
              "Random weights route without temporal locality: copy counts are far above a trained model's. "
-             "Rows trace_* follow the router and pre-gate logits (and tokens) of a recorded trace "
-             + (f"of {report['trace']['model']}" if report.get("trace") else "") + ".", "",
+             "Rows trace_* (or LABEL_*) follow the router and pre-gate logits (and tokens) of a trace"
+             + ("".join(f"; {p[:-1]}: {t['model']}" for p, t in report.get("traces", {}).items())) + ".", "",
              "| config | policy | mean ms | p50 | p99 | copies/token (demand / pf in time / late / unused / "
              "transferred) | link floor ms | efficiency | host µs/layer (routing / copy issue / copy checks) | GPU gap µs/layer, of it copy wait "
              "(instr.) | compute-only ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -554,9 +603,11 @@ def markdown(report: dict) -> str:
             f"{row['efficiency']:.2f} | {row['host_us_per_layer']:.1f} ("
             + " / ".join(f"{v:.1f}" for v in row["host_us_per_layer_parts"].values()) + ") | "
             f"{'-' if gap is None else gap} | {'-' if skip is None else f'{skip:.2f}'} |")
-    lines += ["", "| ratio | point | 95% interval | p |", "|---|---|---|---|"]
+    lines += ["", "| ratio | point | 95% interval | over | over rounds (paired t) |", "|---|---|---|---|---|"]
     for name, r in report["ratios"].items():
-        lines.append(f"| {name} | {r['ratio']:.3f} | {r['lo']:.3f}-{r['hi']:.3f} | {r['p']:.3g} |")
+        t = r.get("rounds", r)
+        lines.append(f"| {name} | {r['ratio']:.3f} | {r['lo']:.3f}-{r['hi']:.3f} | {r['over']} | "
+                     f"{t['lo']:.3f}-{t['hi']:.3f} |")
     sweep = report.get("sweep")
     if sweep:
         pos = sweep["positions"]

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay_parser = sub.add_parser("replay", help="run a policy over a recorded routing trace (no model)")
     replay_parser.add_argument("--trace", required=True, help="trace file written by `specmoe trace`, or a "
-                               "synthetic routing source NAME[:tokens=T,seed=S] (docs/routing-source.md)")
+                               "synthetic routing source NAME[:key=value,...] (docs/routing-source.md)")
     replay_parser.add_argument("--calibration", required=True, help="calibration file of the traced model (for a "
                                "synthetic source: its name)")
     _add_policy_args(replay_parser)

@@ -65,16 +65,22 @@ def test_device_cache_refuses_other_groups_than_the_cache():
         DeviceCache(cache, RouterScoring("sigmoid", n_group=8, topk_group=3), "cpu")
 
 
+# (E, C) of the long CUDA runs, taken in turn by the cases: every policy kind at both E, every C at both E
+_GPU_GEOMETRIES = [(64, 16), (256, 32), (64, 64), (256, 16), (64, 32), (256, 64)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_experts", [64, 256])
-@pytest.mark.parametrize("capacity", [16, 32, 64])
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "psr_e256"], ids=lambda c: c[0])
+@pytest.mark.parametrize("case, num_experts, capacity",
+                         [(c, *_GPU_GEOMETRIES[i % len(_GPU_GEOMETRIES)])
+                          for i, c in enumerate(c for c in CASES if c[0] != "psr_e256")],
+                         ids=lambda x: x[0] if isinstance(x, tuple) else str(x))
 def test_gpu_device_cache_equals_host_cache(case, num_experts, capacity):
-    """Long sequences (300 positions, 4 layers, a reset half-way) of every case at E = 64 and 256, C = 16, 32, 64."""
+    """Long sequences (160 positions, 4 layers, a reset half-way) of every case, the cases spread over E = 64
+    and 256 and C = 16, 32, 64 (each step is a launch and a host comparison: the whole product took 25 s a case)."""
     from specmoe.kernels.checks import check_device_cache, device_cache_case
 
     name, base, overrides, _, _, scoring, _, _ = case
     num_layers = 4
-    calibration, z, g, tokens = device_cache_case(num_layers, num_experts, 300, seed=capacity + num_experts)
+    calibration, z, g, tokens = device_cache_case(num_layers, num_experts, 160, seed=capacity + num_experts)
     check_device_cache(preset(base, capacity, 8, **overrides), scoring_of(scoring, num_layers, num_experts),
                        calibration, z, g, tokens, "cuda", sequences=2)

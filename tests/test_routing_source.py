@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from specmoe.records import Trace
-from specmoe.records.synthetic import (OLMOE_COPIES, SOURCES, SourceParams, is_source, paper_copies, read_calibration,
-                                       read_trace, synthetic_calibration, synthetic_trace)
+from specmoe.records.synthetic import (OLMOE_COPIES, SOURCES, SourceParams, input_sha256, is_source, paper_copies,
+                                       read_calibration, read_trace, synthetic_calibration, synthetic_trace)
+from specmoe.records.traces import TraceError
 from specmoe.routing.statistics import routing_stats
 
 SMALL = SourceParams(num_layers=4, num_experts=32, top_k=4, vocab_size=256, sequence_length=256,
@@ -74,6 +75,25 @@ def test_the_resolver_reads_files_and_source_specs(tmp_path):
     np.testing.assert_array_equal(read_trace(str(path)).router_logits, trace.router_logits)
     with pytest.raises(Exception, match="bad routing source spec"):
         read_trace("olmoe-like:tokens=many")
+
+
+def test_a_spec_sets_a_point_of_the_map():
+    """"NAME:key=value" overrides the named source's parameters: the trace and its calibration are those of the
+    changed source (what the engines follow at a crossover map point), and a bad key, value or range is named."""
+    spec = "olmoe-like:tokens=300,margin=0,skew=0.3"
+    point = SOURCES["olmoe-like"].replace(margin=0.0, skew=0.3)
+    trace = read_trace(spec)
+    np.testing.assert_array_equal(trace.router_logits, synthetic_trace(point, 300).router_logits)
+    assert not np.array_equal(trace.router_logits, synthetic_trace("olmoe-like", 300).router_logits)
+    assert trace.model == "synthetic routing source olmoe-like:margin=0,skew=0.3"
+    calibration = read_calibration(spec)
+    np.testing.assert_array_equal(calibration.delta, read_calibration("olmoe-like:margin=0,skew=0.3").delta)
+    assert not np.array_equal(calibration.warm_ranking, read_calibration("olmoe-like").warm_ranking)
+    assert input_sha256(spec) != input_sha256("olmoe-like:tokens=300")
+    for bad, named in (("olmoe-like:margin=x", "margin=x"), ("olmoe-like:colour=1", "colour=1"),
+                       ("olmoe-like:skew=nan", "skew=nan"), ("olmoe-like:persistence=1.5", "persistence")):
+        with pytest.raises(TraceError, match=named):
+            read_trace(bad)
 
 
 def test_specmoe_replay_and_stats_accept_a_source(tmp_path, capsys):

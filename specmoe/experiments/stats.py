@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               "pre-gate recall, distinct experts, load skew, LRU miss rate by C)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", help="a trace file written by `specmoe trace`, or a synthetic "
-                   "routing source NAME[:tokens=T,seed=S] such as olmoe-like (then no model is loaded)")
+                   "routing source NAME[:key=value,...] such as olmoe-like (then no model is loaded)")
     p.add_argument("--model", default="family", help="the model to record a trace of, without --trace: a checkpoint "
                    "directory, 'family' (default) or 'family/<member>'")
     text = p.add_mutually_exclusive_group()

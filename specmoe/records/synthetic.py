@@ -29,7 +29,8 @@ held-out draw of the same source through `CalibrationBuilder`, as a real model's
 Named sources (`SOURCES`): "olmoe-like", fitted by `scripts/fit_routing_source.py` so that the CPU replay of exact
 LRU, Cache-Prior and PSR reproduces OLMoE-1B-7B's copy counts (the paper's Section 6.5). `read_trace` and
 `read_calibration` are the one resolver where a trace or calibration file is accepted: a file, or a source spec
-"NAME[:tokens=T,seed=S,length=N]".
+"NAME[:key=value,...]": the draw's tokens and seed, and any float parameter overriding the named source's (a point
+of the crossover map).
 """
 
 from __future__ import annotations
@@ -153,74 +154,106 @@ def source_params(source: "str | SourceParams") -> SourceParams:
     return SOURCES[source]
 
 
-def synthetic_trace(source: "str | SourceParams" = "olmoe-like", tokens: int = 8192, seed: int = 0) -> Trace:
+def synthetic_trace(source: "str | SourceParams" = "olmoe-like", tokens: int = 8192, seed: int = 0,
+                    name: str | None = None) -> Trace:
     """A draw of `tokens` positions (sequences of the source's `sequence_length`) from a routing source, as a
-    `Trace` (softmax router). Deterministic in (source, tokens, seed)."""
+    `Trace` (softmax router). Deterministic in (source, tokens, seed). `name` labels it (default: the source's
+    name, or "synthetic" for bare parameters)."""
     params = source_params(source)
     parts = list(_draw(params, _EVALUATION, tokens, seed))
     z, g, x = (np.concatenate(arrays) for arrays in zip(*parts))
     starts = np.arange(0, x.shape[0], params.sequence_length)
-    name = source if isinstance(source, str) else "synthetic"
+    name = name or (source if isinstance(source, str) else "synthetic")
     return Trace(z, g, x, starts, params.top_k, params.vocab_size, model=f"synthetic routing source {name}",
                  fingerprint=params.digest(),
                  info={"source": name, "params": dataclasses.asdict(params), "seed": int(seed), "tokens": int(tokens)})
 
 
 def synthetic_calibration(source: "str | SourceParams" = "olmoe-like", tokens: int = CALIBRATION_TOKENS,
-                          seed: int = CALIBRATION_SEED) -> Calibration:
+                          seed: int = CALIBRATION_SEED, name: str | None = None) -> Calibration:
     """The source's calibration from a held-out draw (its own split, never a `synthetic_trace` draw) of `tokens`
     positions, through `CalibrationBuilder` as `specmoe calibrate` builds a model's."""
     params = source_params(source)
     builder = CalibrationBuilder(params.num_layers, params.num_experts, params.vocab_size, params.top_k)
     for z, _, x in _draw(params, _CALIBRATION, tokens, seed):
         builder.add(z, x)
-    name = source if isinstance(source, str) else "synthetic"
+    name = name or (source if isinstance(source, str) else "synthetic")
     return builder.finish({"model": f"synthetic routing source {name}", "fingerprint": params.digest(),
                            "text": f"held-out draw of {tokens} tokens, seed {seed}"})
 
 
-@functools.lru_cache(maxsize=4)
-def _named_calibration(name: str) -> Calibration:
-    return synthetic_calibration(name)
+@functools.lru_cache(maxsize=8)
+def _spec_calibration(params: SourceParams, name: str) -> Calibration:
+    return synthetic_calibration(params, name=name)
 
 
-def parse_source(spec: str) -> tuple[str, dict] | None:
-    """(name, {"tokens", "seed"}) of a source spec "NAME[:tokens=T,seed=S]", or None if `spec` names no source."""
+# what a source spec may set: the draw, and the source's parameters (a point of the crossover map)
+_DRAW_OPTIONS = ("tokens", "seed")
+_PARAMETERS = ("persistence", "latent_share", "token_share", "skew", "margin", "pregate_noise", "scale", "token_zipf")
+
+
+def parse_source(spec) -> tuple[SourceParams, dict] | None:
+    """(parameters, {"tokens", "seed"}) of a source spec "NAME[:key=value,...]", or None if `spec` names no
+    source. The keys are the draw's tokens and seed (integers) and any of the source's float parameters
+    (`_PARAMETERS`), which override the named source's: "olmoe-like:margin=0,skew=0.3" is a point of the
+    crossover map (docs/crossover.md). A bad key or value is a TraceError naming the spec."""
     name, _, rest = str(spec).partition(":")
     if name not in SOURCES:
         return None
-    options = {"tokens": 8192, "seed": 0}
+    options, overrides = {"tokens": 8192, "seed": 0}, {}
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or key not in options or not value.isdigit():
-            raise TraceError(f"bad routing source spec {spec!r}: expected NAME[:tokens=T,seed=S] with integers")
-        options[key] = int(value)
-    return name, options
+        try:
+            if not sep or key not in _DRAW_OPTIONS + _PARAMETERS:
+                raise ValueError(key)
+            if key in _DRAW_OPTIONS:
+                if not value.isdigit():
+                    raise ValueError(value)
+                options[key] = int(value)
+            else:
+                overrides[key] = float(value)
+                if not np.isfinite(overrides[key]):
+                    raise ValueError(value)
+        except ValueError:
+            raise TraceError(f"bad routing source spec {spec!r} at {item!r}: expected NAME[:key=value,...] with "
+                             f"integer {', '.join(_DRAW_OPTIONS)} and float {', '.join(_PARAMETERS)}") from None
+    try:
+        return SOURCES[name].replace(**overrides), options
+    except TraceError as exc:
+        raise TraceError(f"routing source spec {spec!r}: {exc}") from None
 
 
 def is_source(spec) -> bool:
     """Whether `spec` (a --trace or --calibration argument) names a synthetic source rather than a file: a source
     spec for which no file of that name exists."""
-    return isinstance(spec, str) and not os.path.exists(spec) and parse_source(spec) is not None
+    return isinstance(spec, str) and not os.path.exists(spec) and spec.partition(":")[0] in SOURCES
+
+
+def _label(spec: str) -> str:
+    """The source's name in a spec, with its parameter overrides (the draw options do not change the source)."""
+    name, _, rest = spec.partition(":")
+    params = [item for item in filter(None, rest.split(",")) if item.partition("=")[0] in _PARAMETERS]
+    return name + (":" + ",".join(params) if params else "")
 
 
 def read_trace(spec: "str | os.PathLike", **check) -> Trace:
     """The trace a --trace argument names: a trace file (`Trace.load`, with its geometry checks `check`), or a
-    synthetic source spec "NAME[:tokens=T,seed=S]" (`synthetic_trace`, checked the same way)."""
+    synthetic source spec "NAME[:key=value,...]" (`synthetic_trace`, checked the same way)."""
     if not is_source(spec):
         return Trace.load(spec, **check)
-    name, options = parse_source(spec)
-    trace = synthetic_trace(name, **options)
+    params, options = parse_source(spec)
+    trace = synthetic_trace(params, **options, name=_label(spec))
     trace.check(**check)
     return trace
 
 
 def read_calibration(spec: "str | os.PathLike") -> Calibration:
-    """The calibration a --calibration argument names: a calibration file, or a source spec (its held-out
-    calibration, `synthetic_calibration` at the defaults, whatever tokens and seed the spec gives)."""
+    """The calibration a --calibration argument names: a calibration file, or a source spec (the held-out
+    calibration of the source with the spec's parameters, `synthetic_calibration` at the defaults, whatever
+    tokens and seed the spec gives)."""
     if not is_source(spec):
         return Calibration.load(spec)
-    return _named_calibration(parse_source(spec)[0])
+    return _spec_calibration(parse_source(spec)[0], _label(spec))
 
 
 def input_sha256(spec: "str | os.PathLike") -> str:
@@ -230,7 +263,7 @@ def input_sha256(spec: "str | os.PathLike") -> str:
 
     if not is_source(spec):
         return file_sha256(spec)
-    return hashlib.sha256(f"{spec}\n{SOURCES[parse_source(spec)[0]].digest()}".encode()).hexdigest()
+    return hashlib.sha256(f"{spec}\n{parse_source(spec)[0].digest()}".encode()).hexdigest()
 
 
 # OLMoE-1B-7B's copies per token (paper, RTX 4090 engine, teacher-forced): C = 32 quoted from Section 6.5 (PSR at

@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
     p.add_argument("--true-continuation", action="store_true",
                    help="records: also replay them with the true continuation at rejected positions")
     p.add_argument("--trace", default=None, help="AR trace (specmoe trace) for the synthetic drafter, or a "
-                   "synthetic routing source NAME[:tokens=T,seed=S] (docs/routing-source.md)")
+                   "synthetic routing source NAME[:key=value,...] (docs/routing-source.md)")
     p.add_argument("--tau", default=None, help="synthetic: geometric acceptance with these tau values, e.g. 3,5,7")
     p.add_argument("--accept-rate", default=None, help="synthetic: geometric acceptance rates, e.g. 0.7,0.8")
     p.add_argument("--accept-table", default=None, help="synthetic: one table q_1,q_2,... (non-increasing)")
