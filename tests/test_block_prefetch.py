@@ -213,3 +213,48 @@ def test_qwen3_5_moe_prefetch_changes_nothing():
     for a, b in zip(on.block_selected, off.block_selected, strict=True):
         np.testing.assert_array_equal(a, b)
     assert on_stats["prefetch"] > 0 and on_stats["demand"] < off_stats["demand"]
+
+
+def test_replay_sd_reports_the_prefetch(tmp_path, capsys):
+    """`specmoe replay-sd --prefetch`: demand copies and unused prefetches per committed token for each budget
+    (budget 0: every copy is a demand copy), exact and each selector's preset; the budget list is validated."""
+    from specmoe.cli import main
+    from specmoe.rundir import read_table
+    from specmoe.records.synthetic import synthetic_calibration, synthetic_trace
+
+    synthetic_calibration("olmoe-like", tokens=512).save(tmp_path / "cal.safetensors")
+    synthetic_trace("olmoe-like", tokens=256).save(tmp_path / "trace.safetensors")
+    args = ["replay-sd", "--calibration", str(tmp_path / "cal.safetensors"), "--trace", str(tmp_path / "trace.safetensors"),
+            "--tau", "4", "-k", "8", "--lambdas", "0", "--budgets", "1", "--gammas", "1", "--prune-budgets", "1",
+            "--no-progress"]
+    assert main(args + ["--prefetch", "0,4", "--out", str(tmp_path / "out")]) == 0
+    assert "acceptmoe_prefetch4_demand" in capsys.readouterr().out
+    row = read_table(tmp_path / "out").iloc[0]
+    for name in ("exact", "acceptmoe", "confidence_top1"):
+        assert row[f"{name}_prefetch0_demand"] == pytest.approx(row[f"{name}_copies" if name != "exact" else
+                                                                    "exact_block_copies"])
+        assert row[f"{name}_prefetch4_demand"] < row[f"{name}_prefetch0_demand"]
+        assert row[f"{name}_prefetch0_unused"] == 0 and row[f"{name}_prefetch4_unused"] > 0
+    assert main(args + ["--prefetch", "-1", "--out", str(tmp_path / "bad")]) == 2
+    assert "--prefetch" in capsys.readouterr().err
+
+
+def test_the_harness_counts_the_prefetch_as_the_engine_makes_it(family, drafter, calibration, residency, family_text):
+    """The harness loop's prefetch counts (`PrefetchTally` over its blocks) are the engine's copy stream's over the
+    same request's blocks (prefill excluded in both)."""
+    from specmoe.harness import speculative_generate
+
+    model, adapter = family
+    prompt = family_text[:16]
+    config = SpeculativeConfig(selector_preset("acceptmoe"), k=K_DRAFTS, pool_size=POOL, max_new_tokens=NEW,
+                               prefetch=4)
+    harness = speculative_generate(model, adapter, drafter, torch.tensor(prompt), config, calibration=calibration,
+                                   divergence=False)
+    result = _engine(model, calibration, residency, "acceptmoe", 4).generate(prompt, NEW, drafter=drafter)
+    totals = result.copy_totals()
+    assert harness.prefetch["prefetch"] == totals["prefetch"] > 0
+    assert harness.prefetch["prefetch_hit"] == totals["prefetch_in_time"] + totals["prefetch_late"]
+    assert harness.prefetch["prefetch_unused"] == totals["prefetch_unused"]
+    assert harness.prefetch["demand"] == totals["demand"]
+    assert harness.prefetch["demand"] + harness.prefetch["prefetch_hit"] == harness.copies
+    assert harness.summary()["demand_per_token"] == pytest.approx(totals["demand"] / len(harness.tokens))
