@@ -9,7 +9,8 @@ for every router; a router is called at three points of it:
   ones execute) hands the layer out in groups: the engine runs each group's MoE, waits for it, and asks
   `next_group(layer)` until it returns None;
 - `predict(layer)`, once the layer's attention has run (its pre-gate logits are on the host), before the
-  previous layer's copies are waited for: insertions of predicted experts to prefetch (PSR's part 1);
+  previous layer's copies are waited for: insertions of predicted experts to prefetch (PSR's part 1; for a
+  block, the block prefetch of `specmoe.verifiers.prefetch`);
 - `end_step(accepted)`, after the step's head: what the step's outcome changes (the pool's refill after a
   verification block) and the slot moves that follow it.
 
