@@ -62,7 +62,7 @@ from specmoe.records import (CLOSED_LOOP, AcceptanceProfile, BlockRecords, block
                              open_loop, records_per_selector, synthetic_blocks)
 from specmoe.records.synthetic import read_calibration, read_trace  # noqa: E402
 from specmoe.routing import preset, psr_bonus  # noqa: E402
-from specmoe.speculation import SpeculativeConfig, tau as tau_of  # noqa: E402
+from specmoe.speculation import PREFETCH, SpeculativeConfig, tau as tau_of  # noqa: E402
 from specmoe.stats import unit_ratio  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
 
@@ -134,6 +134,8 @@ def spec_pass(engine: Engine, blocks, first_position: int) -> dict:
             "request_ms": [float(r.ms.sum()) for r in results], "request_tokens": [len(r.tokens) for r in results],
             "copies_per_token": sum(r.counts()["copies"] for r in results) / committed,
             "moves_per_token": sum(r.moves for r in results) / committed,
+            **{f"{c}_per_token": sum(r.copy_totals()[c] for r in results) / committed  # the block prefetch's
+               for c in ("demand", "prefetch", "prefetch_unused")},
             "tau": tau_of(sum(r.block_committed for r in results), sum(int(r.timed.sum()) for r in results)),
             "blocks": len(block_ms),
             "committed": committed, "union_used": max(r.info["union_used"] for r in results)}
@@ -177,6 +179,8 @@ def main(argv=None) -> int:
                     "without it a selector without records follows exact's, labelled open-loop")
     ap.add_argument("--pool", type=int, default=24)
     ap.add_argument("--union", type=int, default=None, help="union slots U per layer (default E - P)")
+    ap.add_argument("--prefetch", type=int, default=PREFETCH, help="block prefetch budget per layer and block "
+                    f"(docs/block-prefetch.md; 0: off; default {PREFETCH})")
     ap.add_argument("--k", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--taus", type=float, nargs="+", default=[3, 5, 7])
     ap.add_argument("--selectors", nargs="+", default=["exact", "acceptmoe", "confidence_top1"])
@@ -236,7 +240,8 @@ def main(argv=None) -> int:
     engines = {}
     for k in args.k:
         for name in args.selectors:
-            config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union)
+            config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union,
+                                       prefetch=args.prefetch)
             decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
             engines[(k, name)] = Engine(decoder, unit, None, calibration, cfg, fingerprint=fingerprint,
                                         speculative=config)
@@ -272,7 +277,8 @@ def main(argv=None) -> int:
                             d["block_ms"].append(res["block_ms"])
                             d.setdefault("request_ms", []).append(res["request_ms"])
                             d["request_tokens"] = res["request_tokens"]
-                            d.update({x: res[x] for x in ("copies_per_token", "moves_per_token", "tau", "blocks",
+                            d.update({x: res[x] for x in ("copies_per_token", "demand_per_token", "prefetch_per_token",
+                                                          "prefetch_unused_per_token", "moves_per_token", "tau", "blocks",
                                                           "committed")})
                 except Exception as exc:
                     report["errors"].append(f"{key} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
@@ -325,7 +331,9 @@ def main(argv=None) -> int:
                    "copies_per_token": d["copies_per_token"], "moves_per_token": d["moves_per_token"],
                    "ms_per_token": ms, "compute_ms_per_token": skip_ms, "exposed_copy_ms_per_token": ms - skip_ms,
                    "block_ms_p50": float(np.percentile(block_ms, 50)), "block_ms_p99": float(np.percentile(block_ms, 99)),
-                   "union_used": d["union_used"], "skip_copies_per_token": s.get("copies_per_token")}
+                   "union_used": d["union_used"], "skip_copies_per_token": s.get("copies_per_token"),
+                   "demand_per_token": d["demand_per_token"], "prefetch_per_token": d["prefetch_per_token"],
+                   "prefetch_unused_per_token": d["prefetch_unused_per_token"], "prefetch": args.prefetch}
             fastest = None
             for (policy, c) in ar_engines:
                 ar = rounds.get(f"{source}/ar_{policy}_C{c}")

@@ -28,6 +28,7 @@ from specmoe.routing.validate import integer
 from specmoe.verifiers import SELECTORS, CommitRate, SelectorConfig, selector_preset
 
 EXACT = selector_preset("exact")
+PREFETCH = 4  # the default block prefetch budget (docs/block-prefetch.md)
 
 
 class Drafter(Protocol):
@@ -59,8 +60,10 @@ class Drafter(Protocol):
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """The settings of speculative decoding: the selector, k drafts per block, P pool experts per layer, the most
-    new tokens per request, the tokens that end a request, and U union slots per layer for a block's missing
-    experts (the engine's slot buffer; None: E - P, always enough; the harness's pool needs none)."""
+    new tokens per request, the tokens that end a request, U union slots per layer for a block's missing
+    experts (the engine's slot buffer; None: E - P, always enough; the harness's pool needs none), and the block
+    prefetch budget: at most `prefetch` experts per layer and block copied ahead of the layer from the pre-gate
+    logits' prediction (`specmoe.verifiers.prefetch`; 0: off; never changes a selection)."""
 
     selector: SelectorConfig
     k: int = 8
@@ -68,6 +71,7 @@ class SpeculativeConfig:
     max_new_tokens: int = 64
     stop_tokens: tuple[int, ...] = ()
     union_slots: int | None = None
+    prefetch: int = PREFETCH
 
     def __post_init__(self) -> None:
         if not isinstance(self.selector, SelectorConfig):
@@ -76,6 +80,8 @@ class SpeculativeConfig:
         object.__setattr__(self, "max_new_tokens", integer(self.max_new_tokens, "max_new_tokens", minimum=1,
                                                            maximum=MAX_TOKENS))
         object.__setattr__(self, "pool_size", integer(self.pool_size, "pool_size", minimum=1))
+        object.__setattr__(self, "prefetch", integer(self.prefetch, "prefetch (experts per layer and block)",
+                                                     minimum=0))
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
     def union(self, num_experts: int) -> int:

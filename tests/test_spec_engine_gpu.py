@@ -82,7 +82,8 @@ def test_gpu_agrees_with_the_harness_loop(gpu_family, prompt):
     # selections and 2% of the copies differ). A failure names the block: look for such a near-tie there.
     for b, (mine, theirs) in enumerate(zip(result.block_selected, harness.blocks, strict=True)):
         np.testing.assert_array_equal(np.sort(mine, -1), np.sort(theirs["selected"], -1), err_msg=f"block {b}")
-    assert result.counts()["copies"] == harness.copies
+    # the link's copies less the unused block prefetches: the pool's copies
+    assert result.counts()["copies"] - result.copy_totals()["prefetch_unused"] == harness.copies
 
 
 def test_gpu_copy_timing_changes_no_token_or_selection(gpu_family, prompt):
@@ -109,10 +110,38 @@ def test_gpu_trace_following_equals_the_cpu_replay(gpu_family, prompt):
     for skip in (False, True):
         engine.configure(skip_copies=skip)
         (result,) = engine.follow(blocks, first_position=len(prompt), record=True)
-        assert result.counts()["copies"] == expected.copies
+        assert result.counts()["copies"] - result.copy_totals()["prefetch_unused"] == expected.copies
         committed = np.concatenate([s[: a + 1] for s, a in zip(result.block_selected, result.accepted)])
         np.testing.assert_array_equal(committed, expected.selected)
     engine.configure(skip_copies=False)
+
+
+@pytest.mark.parametrize("selector", ["exact", "acceptmoe"])
+def test_gpu_block_prefetch_changes_no_token_selection_or_pool(gpu_family, prompt, selector):
+    """The block prefetch on the device (copies issued after the next layer's attention is launched, into
+    physical union slots apart from the pool's logical table): tokens, selections and the pool bitwise as with
+    it off, at any copy timing; the pool's copies are the same, fewer of them demand copies; U never exceeded."""
+    runs = {}
+    for prefetch, settings in ((0, {}), (4, {}), (64, {}), (4, {"max_in_flight": 1, "copy_delay": (0.0, 0.001)})):
+        engine = spec(gpu_family, selector, prefetch=prefetch)
+        engine.configure(**settings)
+        result = sd(engine, prompt, record=True)
+        engine.configure(max_in_flight=2, copy_delay=None)
+        pool = engine.block_router.pool
+        runs[(prefetch, bool(settings))] = result, (pool.slot.copy(), pool.recency.copy(), pool.totals())
+        assert result.info["union_used"] <= result.info["union_slots"]
+    (off, off_pool) = runs[(0, False)]
+    for (prefetch, _), (result, state) in runs.items():
+        assert result.tokens == off.tokens and list(result.accepted) == list(off.accepted)
+        for a, b in zip(result.block_selected, off.block_selected, strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(state[0], off_pool[0])
+        np.testing.assert_array_equal(state[1], off_pool[1])
+        assert state[2] == off_pool[2]
+        totals = result.copy_totals()
+        assert result.counts()["copies"] - totals["prefetch_unused"] == off.counts()["copies"]
+        if prefetch:
+            assert totals["prefetch"] > 0 and totals["demand"] < off.copy_totals()["demand"]
 
 
 def test_gpu_ar_and_spec_engines_alternate_on_one_unit(gpu_family, prompt):

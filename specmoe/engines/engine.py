@@ -479,7 +479,8 @@ class Engine:
         return greedy, features
 
     def _verify(self, rec: StepRecorder, t: int, run: StepRunner, ids: list[int], root: int, confidences,
-                record: bool, feed: np.ndarray | None = None, accepted: int | None = None):
+                record: bool, feed: np.ndarray | None = None, accepted: int | None = None,
+                pregate: np.ndarray | None = None):
         """Step t: one verification block (root token and drafts `ids` at position `root`), its acceptance
         (greedy, or the recorded `accepted`), the commitment rates' update and the pool refill. Returns (the
         target's greedy tokens, accepted drafts, displaced mass of the committed positions, selections [D, L, K]
@@ -489,7 +490,7 @@ class Engine:
         alpha = block_weights(router.config.selector, k, router.commit_rate, confidences)
         displaced = np.zeros(k + 1)
         selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
-        router.begin(run.step, router.config.selector, alpha, displaced, selected, feed)
+        router.begin(run.step, router.config.selector, alpha, displaced, selected, feed, pregate)
         self._forward(run, ids, root, router, NO_RECORD)
         greedy = run.step.next_np[:k + 1].tolist()
         a = accepted_length(ids[1:], greedy) if accepted is None else accepted
@@ -502,7 +503,9 @@ class Engine:
                             prefill_ms: float, **info) -> DecodeResult:
         s = self.settings
         info = {"kernels": self.kernels, "cuda_graphs": self.graphs is not None, **info,
-                "union_used": self.union_used, "skip_copies": s.skip_copies, "max_in_flight": s.max_in_flight,
+                "union_used": self.union_used, "union_slots": self.block_router.union_slots,
+                "prefetch": self.block_router.config.prefetch,
+                "skip_copies": s.skip_copies, "max_in_flight": s.max_in_flight,
                 "selector": self.block_router.config.selector.name, "notes": list(self.notes)}
         return rec.result(0, None, info, k=self.block_router.config.k, tokens=tokens, displaced=displaced,
                           block_selected=blocks, prefill_ms=prefill_ms)
@@ -518,8 +521,8 @@ class Engine:
         source: a `LogitFeed` with tokens (a recorded autoregressive run: one `DecodeResult`, every step timed),
         or `Blocks` (the verification blocks of a recorded speculative run, `blocks_from_records`, or of a
         synthetic drafter over a trace, `synthetic_blocks`: one `DecodeResult` per request). Each block's input
-        is its recorded root and drafts, selection reads its recorded router logits at every position and layer,
-        and its accepted length is the recorded one. As in the CPU replay, each request starts at the
+        is its recorded root and drafts, selection reads its recorded router logits at every position and layer
+        (the block prefetch its recorded pre-gate logits), and its accepted length is the recorded one. As in the CPU replay, each request starts at the
         calibration's warm set and its prompt is not run: the first step sits at `first_position` (the KV cache
         below holds whatever it holds), later ones follow the committed lengths. draft_cost_s is charged per
         block as drafting time (no drafter runs). fingerprint: the recorded model's router fingerprint
@@ -565,7 +568,8 @@ class Engine:
                 rows, a = blocks.rows[b], int(blocks.accepted[b])
                 greedy, _, d_mass, selected = self._verify(rec, i, run, blocks.tokens[rows].tolist(), position,
                                                            blocks.confidences[b], record,
-                                                           feed=blocks.router_logits[rows], accepted=a)
+                                                           feed=blocks.router_logits[rows], accepted=a,
+                                                           pregate=blocks.pregate_logits[rows])
                 displaced += d_mass
                 if record:
                     selections.append(selected)

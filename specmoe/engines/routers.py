@@ -9,7 +9,8 @@ for every router; a router is called at three points of it:
   ones execute) hands the layer out in groups: the engine runs each group's MoE, waits for it, and asks
   `next_group(layer)` until it returns None;
 - `predict(layer)`, once the layer's attention has run (its pre-gate logits are on the host), before the
-  previous layer's copies are waited for: insertions of predicted experts to prefetch (PSR's part 1);
+  previous layer's copies are waited for: insertions of predicted experts to prefetch (PSR's part 1; for a
+  block, the block prefetch of `specmoe.verifiers.prefetch`);
 - `end_step(accepted)`, after the step's head: what the step's outcome changes (the pool's refill after a
   verification block) and the slot moves that follow it.
 
@@ -37,12 +38,14 @@ from specmoe.kernels.device_routing import device_routing_applies
 from specmoe.models.decoder import DecodeStep
 from specmoe.offload import CopyStream
 from specmoe.routing import Calibration, EngineScoring, LogicalCache, PolicyConfig, RouterScoring
-from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, select_block_into
+from specmoe.verifiers import (CommitRate, ExpertPool, SelectionBuffers, place_union, predict_prefetch,
+                               select_block_into)
 
 if TYPE_CHECKING:
     from specmoe.speculation import SpeculativeConfig
 
 NO_DEMAND = None
+NO_PREFETCH = np.empty(0, dtype=np.int64)
 
 
 class Router(Protocol):
@@ -209,7 +212,14 @@ class CacheRouter:
 
 class BlockRouter:
     """Block-level selection over the expert pool (module docstring), for steps of any D (`begin` each block
-    with its selector and position weights)."""
+    with its selector and position weights).
+
+    With a prefetch budget (`SpeculativeConfig.prefetch`), `predict(l)` runs the block's selector on the D
+    positions' pre-gate logits and copies the predicted missing experts into union slots at once
+    (`specmoe.verifiers.prefetch`); `route(l)` then places the real missing experts (`place_union`). The pool's
+    slot table stays logical (a block's missing experts in union slots P, P+1, ... by expert order); `physical`
+    maps each logical union slot of the current block to the slot that holds its expert, and the route rows and
+    the refill moves read it. Off (budget 0) the two are the same."""
 
     def __init__(self, config: SpeculativeConfig, calibration: Calibration, geometry: Geometry,
                  scoring: RouterScoring, copies: CopyStream):
@@ -219,8 +229,13 @@ class BlockRouter:
         self.pool = ExpertPool(g.num_layers, g.num_experts, g.top_k, config.pool_size, calibration, self.union_slots)
         self.commit_rate = CommitRate()
         self.buffers = SelectionBuffers(config.k + 1, g.num_experts, g.top_k, np.float32)
-        self.union_used = 0  # the most union slots one layer of one block needed
-        self.step = self.selector = self.alpha = self.feed = self.displaced = self.selected = None
+        self.predicted = SelectionBuffers(config.k + 1, g.num_experts, g.top_k, np.float32)  # the prefetch's
+        p = config.pool_size
+        self.physical = np.tile(np.arange(p, p + self.union_slots, dtype=np.int64), (g.num_layers, 1))
+        self._slot_map = np.arange(p + self.union_slots, dtype=np.int64)  # logical slot -> physical (route rows)
+        self.prefetched = [NO_PREFETCH] * g.num_layers  # this block's prefetched experts (ascending), per layer
+        self.union_used = 0  # the most union slots one layer of one block used (prefetches included)
+        self.step = self.selector = self.alpha = self.feed = self.pregate = self.displaced = self.selected = None
 
     @property
     def num_slots(self) -> int:
@@ -238,15 +253,18 @@ class BlockRouter:
         self.pool.reset()
         self.commit_rate.reset()
         self.union_used = 0
+        self.prefetched = [NO_PREFETCH] * self.geometry.num_layers
 
     def begin(self, step: DecodeStep, selector, alpha: np.ndarray, displaced: np.ndarray | None = None,
-              selected: np.ndarray | None = None, feed: np.ndarray | None = None) -> None:
+              selected: np.ndarray | None = None, feed: np.ndarray | None = None,
+              pregate: np.ndarray | None = None) -> None:
         """The next step's block: `selector` with position weights `alpha` [D]; displaced [D] accumulates the
         displaced router mass over layers; selected [D, L, K] receives the selections; feed [D, L, E]: router
         raw logits that selection reads instead of the model's (trace-following; records hold raw logits), routed
-        by the decoder's rule like the model's own."""
+        by the decoder's rule like the model's own; pregate [D, L, E]: the pre-gate logits the prefetch reads
+        with a feed (None: the model's)."""
         self.step, self.selector, self.alpha = step, selector, alpha
-        self.displaced, self.selected, self.feed = displaced, selected, feed
+        self.displaced, self.selected, self.feed, self.pregate = displaced, selected, feed, pregate
 
     def route(self, layer: int):
         step, pool, b, d = self.step, self.pool, self.buffers, self.step.num_positions
@@ -257,12 +275,22 @@ class BlockRouter:
             missing, slots = pool.use(layer, b.selected[:d])
         except ValueError as exc:
             raise ValueError(f"verification block at position {int(step.input_np[d])}: {exc}") from None
-        demand = NO_DEMAND
-        if missing.size:
-            demand = (slots.astype(np.int64), missing.astype(np.int64))
-            self.union_used = max(self.union_used, int(missing.size))
         route = step.slots_np[layer]
         route[:] = pool.slot_table(layer)[b.selected[:d]]
+        demand = NO_DEMAND
+        if missing.size:
+            p = self.config.pool_size
+            placed, copy, used = place_union(missing, self.prefetched[layer], p, self.union_slots)
+            self.physical[layer, slots - p] = placed
+            self.union_used = max(self.union_used, used)
+            if self.prefetched[layer].size:  # the route rows point where the experts physically are
+                self._slot_map[slots] = placed
+                route[:] = self._slot_map[route]
+                self._slot_map[slots] = slots
+            if copy.any():
+                demand = (placed[copy], missing[copy].astype(np.int64))
+        elif self.prefetched[layer].size:
+            self.union_used = max(self.union_used, int(self.prefetched[layer].size))
         step.weights_np[layer] = b.weights[:d]
         if self.displaced is not None:
             self.displaced += b.displaced[:d]
@@ -271,18 +299,33 @@ class BlockRouter:
         return np.unique(route), demand
 
     def predict(self, layer: int) -> None:
-        return None
+        """The block prefetch of `layer` (>= 1) from the D positions' pre-gate logits, copies issued at once."""
+        budget = self.config.prefetch
+        if not budget:
+            return
+        g = self.step.pregate_logits(layer) if self.pregate is None else self.pregate[:, layer]
+        experts = predict_prefetch(self.selector, np.ascontiguousarray(g), self.pool.resident(layer), self.alpha,
+                                   self.geometry.top_k, self.scoring, self.predicted, budget, self.union_slots, layer)
+        self.prefetched[layer] = experts
+        if experts.size:
+            slots = np.arange(self.config.pool_size, self.config.pool_size + experts.size, dtype=np.int64)
+            self.copies.assign(layer, slots, experts, prefetch=True, issue_now=True)
 
     grouped = False  # the whole block executes at once
 
     def end_step(self, accepted: int | None) -> None:
-        """The pool refill; the slot buffer follows: each expert entering the pool moves from its union slot to
-        the pool slot the refill gives it (`ExpertPool.refill_moves`). accepted: the block's accepted drafts,
-        which update the commitment rates (None: a prefill block)."""
+        """The pool refill; the slot buffer follows: each expert entering the pool moves from the union slot
+        that holds it to the pool slot the refill gives it (`ExpertPool.refill_moves`, through `physical`);
+        prefetches the block did not execute count unused. accepted: the block's accepted drafts, which update
+        the commitment rates (None: a prefill block)."""
         if accepted is not None:
             self.commit_rate.update(accepted, self.config.k)
         self.pool.end_block()
+        p = self.config.pool_size
         for layer in range(self.geometry.num_layers):
+            if self.prefetched[layer].size:
+                self.copies.retire(layer, np.arange(p, p + self.prefetched[layer].size, dtype=np.int64))
+                self.prefetched[layer] = NO_PREFETCH
             src, dst = self.pool.refill_moves(layer)
             if src.size:
-                self.copies.move(layer, src, dst)
+                self.copies.move(layer, self.physical[layer, src - p], dst)

@@ -297,8 +297,13 @@ class Session:
         if self.config.sd.records:
             self._save_records(c, results)
         s = summarize(results)
+        # the block prefetch as the engine would make it: the link's copies are demand copies and prefetches
+        ahead = {key: sum(r.prefetch[key] for r in results) / max(s["committed"], 1)
+                 for key in ("demand", "prefetch", "prefetch_unused")}
         return {"requests": len(results), "tokens": s["committed"], "verifications": s["verifications"],
-                "tau": s["tau"], "copies_per_token": s["copies_per_token"], "demand_per_token": s["copies_per_token"],
+                "tau": s["tau"], "copies_per_token": ahead["demand"] + ahead["prefetch"],
+                "demand_per_token": ahead["demand"], "prefetch_per_token": ahead["prefetch"],
+                "unused_per_token": ahead["prefetch_unused"],
                 "moves_per_token": s["moves_per_token"], "displaced_per_token_layer": s["displaced_per_token_layer"],
                 "kl": s["kl"], "excess_nll": s["excess_nll"],
                 "ms_per_token": s["draft_ms_per_token"] + s["verify_ms_per_token"], **_ms_stats(token_ms),
@@ -406,8 +411,11 @@ class Session:
         committed = max(s["committed"], 1)
         # the GPU's copy wait is not seen by the host (NaN; compare with a copies-skipped run)
         wait = sum(NAN if r.wait_ms is None else r.wait_ms.sum() for r in results) / committed
+        ahead = {key: sum(r.copy_totals()[key] for r in results) / committed  # the block prefetch's
+                 for key in ("demand", "prefetch", "prefetch_unused")}
         return {"requests": len(results), "tokens": s["committed"], "verifications": s["verifications"],
-                "tau": s["tau"], "copies_per_token": s["copies_per_token"], "demand_per_token": s["copies_per_token"],
+                "tau": s["tau"], "copies_per_token": s["copies_per_token"], "demand_per_token": ahead["demand"],
+                "prefetch_per_token": ahead["prefetch"], "unused_per_token": ahead["prefetch_unused"],
                 "moves_per_token": s["moves_per_token"], "displaced_per_token_layer": s["displaced_per_token_layer"],
                 "ms_per_token": s["draft_ms_per_token"] + s["verify_ms_per_token"], **_ms_stats(token_ms),
                 "draft_ms_per_token": s["draft_ms_per_token"], "verify_ms_per_token": s["verify_ms_per_token"],

@@ -54,7 +54,9 @@ from specmoe.models import MoEAdapter, extract_context_feature
 from specmoe.routing import Calibration, RouterScoring
 from specmoe.speculation import (EXACT, Drafter, SpeculativeConfig, accepted_length, block_weights, commit_block,
                                  crop_cache, drafting_time, prompt_tokens, summarize)
-from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, select_block_into
+from specmoe.verifiers import (CommitRate, ExpertPool, PrefetchTally, SelectionBuffers, SelectorConfig,
+                               predict_prefetch, select_block_into)
+from specmoe.verifiers.prefetch import NONE as NO_PREFETCH
 
 from .patch import check_calibration, exact_routing, model_scoring, routed_by
 from .recurrent import MixerStates
@@ -65,8 +67,12 @@ class BlockRoutingContext:
     of the forward in progress, and what each position saw and executed (layer by layer)."""
 
     def __init__(self, adapter: MoEAdapter, pool: ExpertPool, routers: list[nn.Module], record: bool = False,
-                 scoring: RouterScoring | None = None):
+                 scoring: RouterScoring | None = None, prefetch: int = 0):
         self.adapter = adapter
+        self.prefetch = prefetch  # the block prefetch budget, counted as the engine makes it (`PrefetchTally`)
+        self.tally = PrefetchTally()
+        self.ahead = [NO_PREFETCH] * adapter.num_moe_layers  # the experts prefetched for each layer of the forward
+        self.predicted: SelectionBuffers | None = None
         self.scoring = scoring or RouterScoring("softmax", renormalise=adapter.norm_topk_prob)
         self.pool = pool
         self.routers = routers
@@ -91,6 +97,8 @@ class BlockRoutingContext:
         layers, experts, k = self.adapter.num_moe_layers, self.adapter.num_experts, self.adapter.top_k
         if self.buffers is None or self.buffers.max_positions < span:
             self.buffers = SelectionBuffers(span, experts, k, np.float32)
+            self.predicted = SelectionBuffers(span, experts, k, np.float32)
+        self.ahead = [NO_PREFETCH] * layers
         self.displaced = np.zeros((span, layers))
         self.selected = np.full((span, layers, k), -1, dtype=np.int64)
         if self.record:
@@ -109,14 +117,21 @@ class BlockRoutingContext:
         select_block_into(self.selector, z, self.pool.resident(layer), self.alpha, adapter.top_k, self.scoring,
                           self.buffers, layer=layer, scores=scores)
         selected = self.buffers.selected[:span]
-        self.pool.use(layer, selected)
+        pool = self.pool
+        missing, _ = pool.use(layer, selected)
+        self.tally.count(self.ahead[layer], missing, pool.pool_size, pool.union_slots)
         self.selected[:, layer] = selected
         self.displaced[:, layer] = self.buffers.displaced[:span]
         if self.record:
             self.scores[:, layer] = z  # the raw logits (`specmoe.records.block_records`)
-            if layer + 1 < adapter.num_moe_layers:
-                nxt = adapter.router_logits(self.routers[layer + 1], hidden)
-                self.pregate[:, layer + 1] = nxt.detach().float().cpu().numpy()
+        if layer + 1 < adapter.num_moe_layers and (self.record or self.prefetch):
+            g = adapter.router_logits(self.routers[layer + 1], hidden).detach().float().cpu().numpy()
+            if self.record:
+                self.pregate[:, layer + 1] = g
+            # the block prefetch of the next layer from its pre-gate, as the engine's `BlockRouter.predict`
+            self.ahead[layer + 1] = predict_prefetch(self.selector, g, pool.resident(layer + 1), self.alpha,
+                                                     adapter.top_k, self.scoring, self.predicted, self.prefetch,
+                                                     pool.union_slots, layer + 1)
         return torch.from_numpy(selected.copy()).to(router_logits.device)
 
 
@@ -138,6 +153,7 @@ class SpeculativeResult:
     prefill_s: float
     pool: ExpertPool
     divergence: dict = field(default_factory=dict)
+    prefetch: dict = field(default_factory=dict)  # the blocks' prefetch counts (`PrefetchTally.as_dict`)
     block_s: list[float] = field(default_factory=list)  # each block's drafting + verification seconds
     blocks: list[dict] = field(default_factory=list)  # with record=True: per block, see specmoe.records.block_records
 
@@ -159,7 +175,14 @@ class SpeculativeResult:
                 **{key: self.divergence.get(key, 0.0) for key in ("kl_sum", "excess_nll_sum", "positions")}}
 
     def summary(self) -> dict:
-        return summarize([self])
+        """`summarize` of the request, with the block prefetch's counts per committed token (`prefetch`)."""
+        out = summarize([self])
+        committed = max(int(self.tokens.numel()), 1)
+        out.update({f"{key}_per_token": value / committed for key, value in self.prefetch.items()
+                    if key != "union_peak"})
+        if self.prefetch:
+            out["union_peak"] = self.prefetch["union_peak"]
+        return out
 
 
 def _features(out, drafter: Drafter) -> torch.Tensor | None:
@@ -194,7 +217,7 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     commit_rate = commit_rate or CommitRate()
     commit_rate.reset()
     context = BlockRoutingContext(adapter, pool, adapter.routers(model), record=record,
-                                  scoring=model_scoring(model, adapter))
+                                  scoring=model_scoring(model, adapter), prefetch=config.prefetch)
     cache = DynamicCache(config=model.config)
     mixers = MixerStates(model, cache)  # linear-attention layers' states, rolled back by the loop (none: no-op)
     new: list[int] = []
@@ -212,7 +235,8 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     with routed_by(model, context), mixers:
         started = time.perf_counter()
         out = forward(tokens, EXACT, np.ones(prompt_len))
-        base = pool.totals()
+        base, before = pool.totals(), context.tally.as_dict()
+        context.tally.union_peak = 0  # the blocks' peak
         first = int(out.logits[0, -1].argmax())  # the first new token: the root of the first block
         logprobs.append(torch.log_softmax(out.logits[0, -1:].float(), dim=-1).cpu())
         tokens.append(first)
@@ -254,7 +278,9 @@ def speculative_generate(model: nn.Module, adapter: MoEAdapter, drafter: Drafter
     result = SpeculativeResult(
         torch.tensor(new, dtype=torch.long), k, adapter.num_moe_layers, roots, accepted,
         totals["copies"] - base["copies"], totals["moves"] - base["moves"], displaced,
-        torch.cat(logprobs)[:len(new)], draft_s, verify_s, prefill_s, pool, block_s=block_s, blocks=blocks)
+        torch.cat(logprobs)[:len(new)], draft_s, verify_s, prefill_s, pool, block_s=block_s, blocks=blocks,
+        prefetch={key: value if key == "union_peak" else value - before[key]
+                  for key, value in context.tally.as_dict().items()})
     if divergence:
         result.divergence = divergence_from_exact(model, adapter, tokens[:prompt_len], result.tokens, result.logprobs)
     return result

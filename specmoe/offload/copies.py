@@ -414,6 +414,17 @@ class CopyStream:
         self.fresh[layer, dst] = False
         return number
 
+    def retire(self, layer: int, slots: np.ndarray) -> None:
+        """The prefetches in `slots` of `layer` that were never executed will not be: count them unused now
+        (speculative decoding's block prefetch, whose union slots are free again after the block), dropping
+        any still queued. Slots executed or reassigned since are not counted."""
+        fresh = self.fresh[layer, slots]
+        if fresh.any():
+            self.stats.prefetch_unused += int(fresh.sum())
+            self.stats.dropped += int((fresh & self.queued[layer, slots]).sum())
+            self.queued[layer, slots] = False
+            self.fresh[layer, slots] = False
+
     def in_flight(self) -> int:
         """Prefetch copies issued and not yet complete (retiring the completed ones, oldest first)."""
         while self.inflight and self.batch_done(self.inflight[0]):

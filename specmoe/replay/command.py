@@ -74,6 +74,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gammas", default=",".join(map(str, sweeps.GAMMAS)), help="block selection gamma sweep")
     p.add_argument("--prune-budgets", default=",".join(map(str, sweeps.PRUNE_BUDGETS)), help="prune budget sweep")
     p.add_argument("--selectors", default=",".join(sweeps.SELECTORS), help="block selectors besides exact")
+    p.add_argument("--prefetch", default="", help="block prefetch budgets to replay with exact and each selector's "
+                   "preset, e.g. 0,2,4,8 (docs/block-prefetch.md; default none)")
     p.add_argument("--max-blocks", type=int, default=None, help="synthetic: at most this many blocks per source")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="synthetic acceptance draws (an integer >= 0)")
     p.add_argument("--out", default="runs/replay_sd", help="run directory (default runs/replay_sd): one cell per "
@@ -194,6 +196,8 @@ def main(args) -> int:
     options = dict(lambdas=_floats(args.lambdas, "--lambdas"), budgets=_ints(args.budgets, "--budgets", 0, num_experts),
                    gammas=_floats(args.gammas, "--gammas"), prune_budgets=_floats(args.prune_budgets, "--prune-budgets"),
                    selectors=tuple(s.strip() for s in args.selectors.split(",") if s.strip()))
+    if args.prefetch:  # only when given: earlier run directories keep their identity
+        options["prefetch"] = _ints(args.prefetch, "--prefetch", 0, num_experts)
     unknown = [s for s in options["selectors"] if s not in ("acceptmoe", "confidence_top1")]
     if unknown:
         raise ValueError(f"unknown selector {', '.join(unknown)}; expected some of acceptmoe, confidence_top1")
@@ -233,5 +237,8 @@ def main(args) -> int:
         and c.split("_")[0] in ("acceptmoe", "confidence")]]
     with pd.option_context("display.width", 250, "display.max_columns", 40):
         print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        ahead = [c for c in summary.columns if "_prefetch" in c]
+        if ahead:  # block prefetch: demand copies and unused prefetches per committed token, peak union slots
+            print(summary[["source", "k", *ahead]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"results: {run_dir.path / 'results.parquet'}; tables and the frontier plot: specmoe report {run_dir.path}")
     return 0

@@ -11,7 +11,11 @@ For one source of blocks (`Blocks`) and a capacity C (= the pool's P for every m
   the block frontier's, interpolated linearly at the same mass (`ratio_min`, `ratio_max`); and the ratio at the
   block preset's mass, where the rollback frontier reaches it (`ratio_at_preset`; NaN where it does not);
 - from sources with a known true continuation, the fraction of committed token-layers whose executed set
-  changes when the rejected positions carry the drafter's tokens instead of it (the selectors' presets).
+  changes when the rejected positions carry the drafter's tokens instead of it (the selectors' presets);
+- with prefetch budgets (`--prefetch`), exact and each selector's preset with the block prefetch
+  (`specmoe.verifiers.prefetch`) at each budget: demand copies (those left on the critical path), prefetches,
+  their hits and unused ones per committed token, and the peak union slots (rows `prefetch_<selector>`; summary
+  columns `<selector>_prefetch<n>_demand` / `_unused`, with `<selector>_prefetch0_demand` = all copies).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def rollback_policy(capacity: int, top_k: int, bonus: float, budget: int):
 
 
 def sweep(blocks: Blocks, calibration: Calibration, capacity: int, *, lambdas=LAMBDAS, budgets=BUDGETS,
-          gammas=GAMMAS, prune_budgets=PRUNE_BUDGETS, selectors=SELECTORS, source: str = "") -> pd.DataFrame:
+          gammas=GAMMAS, prune_budgets=PRUNE_BUDGETS, selectors=SELECTORS, source: str = "",
+          prefetch=()) -> pd.DataFrame:
     """Every method's point over `blocks` (rows of the results table)."""
     top_k, num_experts = blocks.top_k, blocks.num_experts
     counterfactual = blocks.true_rows is not None and bool(np.any(blocks.accepted < blocks.k))
@@ -70,6 +75,12 @@ def sweep(blocks: Blocks, calibration: Calibration, capacity: int, *, lambdas=LA
                     prune=prune, preset=False)
         add(replay_block_selection(base, blocks, calibration, capacity, counterfactual=counterfactual),
             f"block_{name}", gamma=base.gamma, prune=base.prune_budget, preset=True)
+    for name in ("exact", *selectors) if prefetch else ():
+        for n in sorted({0, *prefetch}):
+            result = replay_block_selection(selector_preset(name), blocks, calibration, capacity, prefetch=n)
+            per_token = {f"{key}_per_token": value / max(result.committed, 1) for key, value in result.extra.items()
+                         if key != "union_peak"}
+            add(result, f"prefetch_{name}", prefetch=n, union_peak=result.extra["union_peak"], **per_token)
     table = pd.DataFrame(rows)
     table.insert(0, "source", source or blocks.source)
     table.insert(1, "k", blocks.k)
@@ -133,6 +144,13 @@ def summarize(table: pd.DataFrame) -> dict:
             f"{name}_changed": float(chosen.changed_fraction),
             f"{name}_changed_drafts": float(chosen.changed_fraction_drafts),
         })
+    for method in sorted(m for m in table.method.unique() if m.startswith("prefetch_")):
+        name = method[len("prefetch_"):]
+        for row in table[table.method == method].itertuples():
+            n = int(row.prefetch)
+            summary[f"{name}_prefetch{n}_demand"] = float(row.demand_per_token)
+            summary[f"{name}_prefetch{n}_unused"] = float(row.prefetch_unused_per_token)
+            summary[f"{name}_prefetch{n}_union_peak"] = int(row.union_peak)
     return summary
 
 

@@ -39,7 +39,9 @@ from specmoe.routing import Calibration, PolicyConfig, replay
 from specmoe.routing import kernels as K
 from specmoe.routing.cache import LogicalCache
 from specmoe.speculation import block_weights
-from specmoe.verifiers import CommitRate, ExpertPool, SelectionBuffers, SelectorConfig, select_block_into
+from specmoe.verifiers import (CommitRate, ExpertPool, PrefetchTally, SelectionBuffers, SelectorConfig,
+                               predict_prefetch, select_block_into)
+from specmoe.verifiers.prefetch import NONE as NO_PREFETCH
 
 from specmoe.records import Blocks
 
@@ -191,17 +193,26 @@ def replay_rollback(policy: PolicyConfig, blocks: Blocks, calibration: Calibrati
 
 
 def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration: Calibration, pool_size: int,
-                           keep_selected: bool = False, counterfactual: bool = False) -> MethodResult:
+                           keep_selected: bool = False, counterfactual: bool = False, prefetch: int = 0,
+                           union_slots: int | None = None) -> MethodResult:
     """Block-level selection with `selector` over `blocks` and a pool of P = pool_size (module docstring).
     With `counterfactual`, each block whose true continuation is known (`Blocks.true_rows`) is also selected
     with the true continuation's logits at its rejected positions (same pool, same weights): the committed
-    token-layers whose executed set differs are counted in `changed` / `compared`."""
+    token-layers whose executed set differs are counted in `changed` / `compared`.
+
+    prefetch: the block prefetch budget (`specmoe.verifiers.prefetch`, as the engine's `BlockRouter` with
+    `SpeculativeConfig.prefetch`), predicted from the blocks' pre-gate logits over U = union_slots (None:
+    E - P); `extra` holds its counts (`PrefetchTally.as_dict`: prefetches, hits, unused, demand copies, the
+    peak union slots). `copies` counts every missing expert, prefetched or not (selections never change)."""
     top_k = blocks.top_k
     _check(blocks, calibration, top_k)
     num_layers, num_experts, d = blocks.num_layers, blocks.num_experts, blocks.k + 1
-    pool = ExpertPool(num_layers, num_experts, top_k, pool_size, calibration)
+    pool = ExpertPool(num_layers, num_experts, top_k, pool_size, calibration, union_slots)
     buffers = SelectionBuffers(d, num_experts, top_k, np.float64)
     other = SelectionBuffers(d, num_experts, top_k, np.float64)
+    predicted = SelectionBuffers(d, num_experts, top_k, np.float64)
+    tally = PrefetchTally()
+    gt = blocks.pregate_logits
     rates = CommitRate()
     zt = blocks.router_logits
     # the source's router rule: selection ranks its scores of the raw logits, the engine's `select_block_into`
@@ -218,10 +229,15 @@ def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration
         c = int(blocks.accepted[b]) + 1
         alpha = block_weights(selector, blocks.k, rates, blocks.confidences[b])
         z_block = zt[blocks.rows[b]]  # [D, L, E]
+        g_block = gt[blocks.rows[b]] if prefetch else None
         compare = counterfactual and c < d and blocks.true_rows is not None and np.all(blocks.true_rows[b] >= 0)
         z_true = zt[blocks.true_rows[b]] if compare else None
         for layer in range(num_layers):
             resident = pool.resident(layer)
+            ahead = NO_PREFETCH
+            if prefetch and layer > 0:
+                ahead = predict_prefetch(selector, g_block[:, layer], resident, alpha, top_k, scoring, predicted,
+                                         prefetch, pool.union_slots, layer)
             if compare:  # before `use`, which may not change the pool but reads it
                 select_block_into(selector, z_true[:, layer], resident, alpha, top_k, scoring, other, layer=layer)
             _, _, n_missing = select_block_into(selector, z_block[:, layer], resident, alpha, top_k, scoring, buffers,
@@ -235,7 +251,8 @@ def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration
                 result.compared += c
                 result.changed_drafts += int(diff[1:].sum())
                 result.compared_drafts += c - 1
-            pool.use(layer, selected)
+            missing, _ = pool.use(layer, selected)
+            tally.count(ahead, missing, pool_size, pool.union_slots)
             result.copies += n_missing
             result.displaced += float(buffers.displaced[:c].sum())
             if keep_selected:
@@ -244,6 +261,9 @@ def replay_block_selection(selector: SelectorConfig, blocks: Blocks, calibration
         rates.update(c - 1, blocks.k)
         result.committed += c
     result.selected = kept if keep_selected else None
+    if prefetch:
+        result.params["prefetch"] = prefetch
+    result.extra.update(tally.as_dict())
     return result
 
 
