@@ -67,6 +67,14 @@ from specmoe.stats import unit_ratio  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
 
 
+def sd_keys(source: str, per_selector: dict, budgets: list[int]):
+    """(selector, prefetch budget, row key) of every speculative row of a source: "source/selector", with
+    "+prefetchN" when several budgets are measured."""
+    for name in per_selector:
+        for budget in budgets:
+            yield name, budget, f"{source}/{name}" + (f"+prefetch{budget}" if len(budgets) > 1 else "")
+
+
 def block_sources(args, trace, geometry) -> dict:
     """name -> (k, {selector: (Blocks, acceptance)}, the blocks AR follows): synthetic blocks over the trace at
     each tau and k, the records cut to each k and, with records, synthetic blocks at each selector's own
@@ -179,8 +187,9 @@ def main(argv=None) -> int:
                     "without it a selector without records follows exact's, labelled open-loop")
     ap.add_argument("--pool", type=int, default=24)
     ap.add_argument("--union", type=int, default=None, help="union slots U per layer (default E - P)")
-    ap.add_argument("--prefetch", type=int, default=PREFETCH, help="block prefetch budget per layer and block "
-                    f"(docs/block-prefetch.md; 0: off; default {PREFETCH})")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[PREFETCH], help="block prefetch budgets per layer "
+                    f"and block (docs/block-prefetch.md; 0: off; default {PREFETCH}); several give one SD row each, "
+                    "interleaved in the same rounds (e.g. --prefetch 0 4)")
     ap.add_argument("--k", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--taus", type=float, nargs="+", default=[3, 5, 7])
     ap.add_argument("--selectors", nargs="+", default=["exact", "acceptmoe", "confidence_top1"])
@@ -240,13 +249,14 @@ def main(argv=None) -> int:
     engines = {}
     for k in args.k:
         for name in args.selectors:
-            config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union,
-                                       prefetch=args.prefetch)
-            decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
-            engines[(k, name)] = Engine(decoder, unit, None, calibration, cfg, fingerprint=fingerprint,
-                                        speculative=config)
-    report["notes"] = engines[(args.k[0], args.selectors[0])].notes
-    report["kernels"] = {f"k={k} {name}": e.kernels for (k, name), e in engines.items()}  # launch params, sources
+            for budget in args.prefetch:
+                config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union,
+                                           prefetch=budget)
+                decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
+                engines[(k, name, budget)] = Engine(decoder, unit, None, calibration, cfg, fingerprint=fingerprint,
+                                                    speculative=config)
+    report["notes"] = engines[(args.k[0], args.selectors[0], args.prefetch[0])].notes
+    report["kernels"] = {f"k={k} {name} prefetch {b}": e.kernels for (k, name, b), e in engines.items()}
     report["sources"] = {n: {s: {"k": k, "blocks": b.num_blocks, "tau": b.tau, "source": b.source, "acceptance": a}
                              for s, (b, a) in per_selector.items()} for n, (k, per_selector, _) in sources.items()}
     print("sources", report["sources"], flush=True)
@@ -263,9 +273,8 @@ def main(argv=None) -> int:
     ar_engines: dict = {}
     for r in range(args.rounds + 1):
         for source, (k, per_selector, _) in sources.items():
-            for name, (blocks, _) in per_selector.items():
-                key = f"{source}/{name}"
-                engine = engines[(k, name)]
+            for name, budget, key in sd_keys(source, per_selector, args.prefetch):
+                blocks, engine = per_selector[name][0], engines[(k, name, budget)]
                 try:
                     for skip in (False, True):
                         engine.configure(skip_copies=skip)
@@ -320,8 +329,8 @@ def main(argv=None) -> int:
 
     table = []
     for source, (k, per_selector, _) in sources.items():
-        for name, (_, acceptance) in per_selector.items():
-            key = f"{source}/{name}"
+        for name, budget, key in sd_keys(source, per_selector, args.prefetch):
+            acceptance = per_selector[name][1]
             if key not in rounds:
                 continue
             d, s = details[key], details.get(key + "/skip", {})
@@ -333,7 +342,7 @@ def main(argv=None) -> int:
                    "block_ms_p50": float(np.percentile(block_ms, 50)), "block_ms_p99": float(np.percentile(block_ms, 99)),
                    "union_used": d["union_used"], "skip_copies_per_token": s.get("copies_per_token"),
                    "demand_per_token": d["demand_per_token"], "prefetch_per_token": d["prefetch_per_token"],
-                   "prefetch_unused_per_token": d["prefetch_unused_per_token"], "prefetch": args.prefetch}
+                   "prefetch_unused_per_token": d["prefetch_unused_per_token"], "prefetch": budget}
             fastest = None
             for (policy, c) in ar_engines:
                 ar = rounds.get(f"{source}/ar_{policy}_C{c}")
@@ -377,7 +386,9 @@ def markdown(report: dict) -> str:
              "block ms p50 / p99 | fastest AR: config, ms/token (copies) | SD / fastest AR | break-even draft ms/block |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["table"]:
-        cells = [row["source"], row["selector"], row["acceptance"], str(row["k"]), f"{row['tau']:.2f}", f"{row['copies_per_token']:.2f}",
+        selector = row["selector"] + (f" (prefetch {row['prefetch']})" if row.get("prefetch") else "")
+        cells = [row["source"], selector, row["acceptance"], str(row["k"]), f"{row['tau']:.2f}",
+                 f"{row['copies_per_token']:.2f}",
                  f"{row['ms_per_token']:.3f}", f"{row['compute_ms_per_token']:.3f}",
                  f"{row['exposed_copy_ms_per_token']:.3f}", f"{row['block_ms_p50']:.2f} / {row['block_ms_p99']:.2f}"]
         best = row.get("fastest_ar")

@@ -28,7 +28,7 @@ from specmoe.routing.validate import integer
 from specmoe.verifiers import SELECTORS, CommitRate, SelectorConfig, selector_preset
 
 EXACT = selector_preset("exact")
-PREFETCH = 4  # the default block prefetch budget (docs/block-prefetch.md)
+PREFETCH = 0  # the default block prefetch budget: off until a GPU measurement shows it pays (docs/block-prefetch.md)
 
 
 class Drafter(Protocol):
