@@ -186,6 +186,18 @@ def paired_ratios(table: pd.DataFrame, baseline: int, unit: str = "request") -> 
     return pd.DataFrame(rows, columns=["configuration", "ratio", "lo95", "hi95", "verdict", "unit", "units", "rounds"])
 
 
+def latency_ratios(table: pd.DataFrame, mode: str, baseline: int | None = None):
+    """The run's latency comparison, as the report and `specmoe run`'s printout give it: (baseline, unit,
+    `paired_ratios` against it), the baseline by default the first configuration with timed units, the units
+    windows in a teacher-forced run and requests otherwise; None where no row is timed."""
+    timed = table[table.request_ms.map(len) > 0] if "request_ms" in table.columns else table.iloc[:0]
+    if not len(timed):
+        return None
+    baseline = int(timed.config.min()) if baseline is None else baseline
+    unit = "window" if mode == "teacher_forced" else "request"
+    return baseline, unit, paired_ratios(table, baseline, unit)
+
+
 def verdict(ratio: float, low: float, high: float) -> str:
     """How a latency ratio with its 95% interval reads: "faster" / "slower" where the interval excludes 1,
     "within noise" where it holds it, "no interval" without one."""
@@ -357,12 +369,11 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
     table = read_table(run_dir)
     manifest = RunDir(run_dir).manifest() or {}
     out = Path(out) if out is not None else run_dir / "report"
-    timed = table[table.request_ms.map(len) > 0] if "request_ms" in table.columns else table.iloc[:0]
-    base = baseline if baseline is not None else int(timed.config.min()) if len(timed) else None
-    if base is not None and base not in set(table.config):
-        raise ValueError(f"--baseline {base}: no configuration # {base} in {run_dir}")
+    if baseline is not None and baseline not in set(table.config):
+        raise ValueError(f"--baseline {baseline}: no configuration # {baseline} in {run_dir}")
     check_output_dir(out, REPORT_FILES, "report directory")
-    write_dir_atomic(out, lambda tmp: _write_report(tmp, run_dir, table, manifest, timed, base), REPORT_FILES,
+    comparison = latency_ratios(table, manifest.get("config", {}).get("mode", ""), baseline)
+    write_dir_atomic(out, lambda tmp: _write_report(tmp, run_dir, table, manifest, comparison), REPORT_FILES,
                      "report directory")
     return out / "report.md"
 
@@ -439,7 +450,7 @@ def _write_eval_report(out: Path, run_dir: Path, table, manifest: dict) -> None:
     (out / "report.md").write_text("\n".join(lines))
 
 
-def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: int | None) -> None:
+def _write_report(out: Path, run_dir: Path, table, manifest: dict, comparison) -> None:
     """Write report.md and its plots into the (new, temporary) directory `out`."""
     import pandas as pd
 
@@ -498,9 +509,8 @@ def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: 
         if _plot_copies(copies, out / "copies.png"):
             lines += ["![copies](copies.png)", ""]
             written.append("copies.png")
-    if len(timed):
-        unit = "window" if manifest.get("config", {}).get("mode") == "teacher_forced" else "request"
-        ratios = paired_ratios(table, base, unit)
+    if comparison is not None:
+        base, unit, ratios = comparison
         label = table[table.config == base].label.iloc[0]
         lines += [f"## ms per token against #{base} {label}", "",
                   f"Ratio of ms per committed token (total time over total tokens) with its 95% interval over the "

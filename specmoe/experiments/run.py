@@ -191,6 +191,21 @@ def run_shipped(name: str, args, overrides: list[str]) -> int:
     return main(args)
 
 
+def print_ratios(table: pd.DataFrame, mode: str) -> None:
+    """The report's latency comparison (`report.latency_ratios`): ms per token of each configuration over the
+    first timed one, with its 95% interval over the workload's units; nothing for an untimed run."""
+    from .report import latency_ratios
+
+    comparison = latency_ratios(table, mode)
+    if comparison is None:
+        return
+    base, unit, ratios = comparison
+    label = table[table.config == base].label.iloc[0]
+    print(f"ms per token against #{base} {label}, 95% interval over the {unit}s (paired bootstrap, each {unit}'s time "
+          "a mean over the rounds: docs/measurement.md)")
+    print(ratios.drop(columns="unit").to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+
+
 def main(args) -> int:
     import pandas as pd
 
@@ -206,6 +221,7 @@ def main(args) -> int:
     if len(table):
         with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60):
             print(summary_table(table).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+            print_ratios(table, config.mode)
     print(f"results: {Path(out) / RESULTS}; tables and plots: specmoe report {out}")
     return 0
 
