@@ -281,7 +281,7 @@ tau = [2]
     assert table.loc[table.kind == "block", "tau"].iloc[0] == table.loc[table.kind == "rollback", "tau"].iloc[0]
     # the synthetic drafter's profile stands in for exact's acceptance: a lossy selector over it is open loop
     assert list(table["acceptance"]) == ["", "", "closed-loop", "open-loop (exact's)"]
-    from specmoe.experiments.run import summary_table
+    from specmoe.experiments.report import summary_table
 
     assert list(summary_table(table)["acceptance"]) == list(table["acceptance"])
 

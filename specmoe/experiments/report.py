@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 from specmoe.files import check_output_dir, write_dir_atomic, write_file_atomic
 from specmoe.rundir import RunDir, read_table
 
-from .run import means_table, summary_table
-
 REPORT_FILES = ("report.md", "frontier.png", "latency_cdf.png", "copies.png")  # what a report holds
 
 QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a value is the frontier's y
@@ -48,6 +46,36 @@ QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a 
 # one-position AR forward only in float rounding, which leaves a KL of about 3e-8 nats per token. 1e-6 is ~30x
 # that noise and still far below anything a reader would act on (a perplexity change of exp(1e-6) - 1 = 1e-4 %).
 NOISE_FLOOR_NATS = 1e-6
+
+
+def means_table(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration: the identifying columns and the means over rounds of the figures."""
+    import pandas as pd
+
+    numeric = [c for c in table.columns if c not in ("token_ms", "request_ms", "request_tokens", "round") and
+               pd.api.types.is_numeric_dtype(table[c]) and c != "config"]
+    ident = ["config", "label", "kind"]
+    means = table.groupby("config", sort=True)[numeric].mean()
+    first = table.groupby("config", sort=True)[[c for c in ("label", "kind", "acceptance") if c in table]].first()
+    out = first.join(means).reset_index()
+    out["rounds"] = table.groupby("config", sort=True).size().to_numpy()
+    out["verify_compute_ms_per_token"] = out["verify_ms_per_token"] - out["wait_ms_per_token"].fillna(0.0)
+    return out[ident + [c for c in out.columns if c not in ident]]
+
+
+def summary_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The main table: per configuration tau, copies per committed token, KL, excess NLL, ms per token and its
+    split (columns without any value left out), and where a row replays another selector's accepted lengths, the
+    acceptance of each (closed-loop / open-loop, `Configuration.acceptance`)."""
+    m = means_table(table)
+    columns = {"label": "configuration", "tau": "tau", "copies_per_token": "copies/token", "kl": "kl",
+               "excess_nll": "excess_nll", "displaced_per_token_layer": "displaced", "ms_per_token": "ms/token",
+               "draft_ms_per_token": "draft_ms", "verify_compute_ms_per_token": "verify_ms",
+               "wait_ms_per_token": "wait_ms"}
+    if "acceptance" in m and m["acceptance"].astype(str).str.startswith("open-loop").any():
+        columns["acceptance"] = "acceptance"  # a lossy selector replayed at exact's accepted lengths: say so
+    out = m[list(columns)].rename(columns=columns)
+    return out[[c for c in out.columns if c == "configuration" or out[c].notna().any()]]
 
 
 def paired_log_ratio(a, b) -> tuple[float, float, float]:
