@@ -25,7 +25,8 @@ def test_demo_table_is_complete_deterministic_and_consistent(tmp_path, capsys):
     again, _ = run_demo(tmp_path, "b")
     figures = ["label", "C", "copies_per_token", "demand_per_token", "prefetch_per_token", "excess_nll", "nll"]
     pd.testing.assert_frame_equal(table[figures], again[figures])
-    assert len(table) == 8 and set(table["C"]) == {16, 8} and manifest["kind"] == "run"
+    assert len(table) == 8 * 5 and set(table["C"]) == {16, 8} and manifest["kind"] == "run"  # 5 rounds, untimed:
+    assert table.groupby("config")[figures[2:]].nunique().max().max() == 1  # every round repeats the first
     assert "psr(C=16" in capsys.readouterr().out
     kinds = table["policy"].str.extract(r"^(\w+)\(")[0]
     exact = table[kinds == "exact"]
@@ -39,7 +40,7 @@ def test_demo_table_is_complete_deterministic_and_consistent(tmp_path, capsys):
         copies = dict(zip(rows["policy"].str.extract(r"^(\w+)\(")[0], rows["copies_per_token"]))
         assert copies["cache_prior"] < copies["exact"]
     assert manifest["geometry"]["num_experts"] == 64 and (table["tokens"] > 0).all()
-    psr = table[kinds == "psr"].set_index("C")["policy"]  # the paper's bonus at each residency
+    psr = table[(kinds == "psr") & (table["round"] == 0)].set_index("C")["policy"]  # the paper's bonus at each residency
     assert "lambda=0.25" in psr[16] and "lambda=0.25" in psr[8]
 
 

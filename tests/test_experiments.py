@@ -98,6 +98,41 @@ def test_shipped_configs_parse_and_expand(path, capsys):
     assert "configurations x" in out and not (path.parent / "never-written").exists()
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_configs_run_five_rounds_over_at_least_four_units(path):
+    """Every shipped comparison has >= 5 interleaved rounds and >= 4 units (requests or windows), so the
+    report's interval resamples units (`report.paired_ratios`) rather than rounds."""
+    config = load_config(path)
+    assert config.rounds >= 5 and config.workload.count >= 4
+
+
+def test_later_rounds_re_time_without_recomputing_the_divergence(tmp_path, monkeypatch, capsys):
+    """A quickstart-shaped run (AR policies and SD selectors, generation, 4 prompts, 5 rounds) on a tiny model:
+    exact routing's forward for the KL runs once per configuration and request, not once per round; every round
+    gives the same figures; `specmoe run` prints the ratios with an interval over the 4 requests."""
+    import specmoe.harness as harness
+    from specmoe.experiments.report import latency_ratios
+
+    calls = []
+    divergence = harness.divergence_from_exact
+    monkeypatch.setattr(harness, "divergence_from_exact", lambda *a, **k: calls.append(1) or divergence(*a, **k))
+    text = (MICRO.replace("rounds = 2", "rounds = 5").replace("count = 2", "count = 4")
+            + '[sd]\npool = 16\nk = 3\ndrafters = ["synthetic"]\nselectors = ["exact", "acceptmoe"]\n')
+    path = write(tmp_path, text)
+    assert main(["run", str(path), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    table = pd.read_parquet(tmp_path / "run" / "results.parquet")
+    configs = table.config.nunique()
+    assert configs == 5 and len(table) == 25 and 0 < len(calls) <= configs * 4
+    figures = ["tau", "copies_per_token", "kl", "excess_nll", "displaced_per_token_layer", "tokens", "request_tokens"]
+    for _, group in table.groupby("config"):
+        assert group[figures].astype(str).nunique().max() == 1  # the same in every round
+    base, unit, ratios = latency_ratios(table, "generation")
+    assert (base, unit) == (0, "request") and len(ratios) == configs - 1
+    assert (ratios.units == 4).all() and (ratios.rounds == 5).all() and (ratios.lo95 <= ratios.hi95).all()
+    assert "95% interval over the requests" in out and any(v in out for v in ("within noise", "faster", "slower"))
+
+
 def test_the_main_job_is_the_quickstart_config(tmp_path, capsys):
     assert main(["--dry-run", "--out", str(tmp_path / "qs")]) == 0
     out = capsys.readouterr().out
@@ -246,15 +281,24 @@ tau = [2]
     assert table.loc[table.kind == "block", "tau"].iloc[0] == table.loc[table.kind == "rollback", "tau"].iloc[0]
     # the synthetic drafter's profile stands in for exact's acceptance: a lossy selector over it is open loop
     assert list(table["acceptance"]) == ["", "", "closed-loop", "open-loop (exact's)"]
-    from specmoe.experiments.run import summary_table
+    from specmoe.experiments.report import summary_table
 
     assert list(summary_table(table)["acceptance"]) == list(table["acceptance"])
 
 
-def test_harness_teacher_forced(tmp_path):
-    config = load_config(write(tmp_path, MICRO.replace('mode = "generation"', 'mode = "teacher_forced"')
-                               .replace("rounds = 2", "rounds = 1")))
+def test_harness_teacher_forced(tmp_path, monkeypatch):
+    """Untimed cells: computed once per configuration, the later rounds repeat the figures."""
+    from specmoe.experiments.measure import Session
+
+    computed = []
+    harness_ar = Session._harness_ar
+    monkeypatch.setattr(Session, "_harness_ar", lambda self, c: computed.append(c.index) or harness_ar(self, c))
+    config = load_config(write(tmp_path, MICRO.replace('mode = "generation"', 'mode = "teacher_forced"')))
     table, _ = run_experiment(config, tmp_path / "run", progress=False)
+    assert computed == [0, 1, 2] and list(table["round"]) == [0, 0, 0, 1, 1, 1]
+    pd.testing.assert_frame_equal(table[table["round"] == 1].drop(columns=["round", "seconds"]).reset_index(drop=True),
+                                  table[table["round"] == 0].drop(columns=["round", "seconds"]).reset_index(drop=True))
+    table = table[table["round"] == 0]
     exact, psr = table.iloc[0], table.iloc[1]
     assert exact["excess_nll"] == 0 and exact["prefetch_per_token"] == 0 and psr["prefetch_per_token"] > 0
     assert table["ms_per_token"].isna().all() and (table["tokens"] == 2 * 5).all()  # no latency in the harness

@@ -12,7 +12,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from specmoe.experiments import report  # noqa: E402
-from specmoe.experiments.run import means_table  # noqa: E402
+from specmoe.experiments.report import means_table  # noqa: E402
 from specmoe.rundir import MANIFEST, RESULTS  # noqa: E402
 
 FIGURES = ("requests", "tokens", "verifications", "tau", "copies_per_token", "demand_per_token",

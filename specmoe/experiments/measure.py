@@ -26,18 +26,31 @@ an AR step's wall time for the token it produces; in speculative decoding (harne
 the bonus token), given to each of them; the first new token, decoded by the prompt's forward, is in no block
 and not listed (as the prompt is untimed in AR). request_ms is the ms per token of each request or window (the
 unit the report's intervals resample, `specmoe.stats.unit_ratio`), request_tokens the tokens it counts over.
+
+Rounds repeat deterministic work, and only the times differ between them, so a session computes no figure twice
+from the same inputs (`specmoe run`'s later rounds re-time, they do not recompute):
+
+- an untimed cell (harness teacher-forced, replay) is computed once per configuration; its later rounds repeat
+  the figures (`seconds` is the cell's own, about 0);
+- the divergence from exact routing (`divergence_from_exact`, one untimed forward per request) is memoised on
+  its inputs: the prompt, the committed tokens and the exact bytes of the log-probabilities that produced them
+  (`Session.divergence`). A later round that decodes the same tokens with the same distributions reuses it;
+  one that does not (anything non-deterministic) computes it anew.
+
+A resumed run starts a new session: its first cell of each configuration computes everything again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specmoe.speculation import tau
+from specmoe.speculation import prompt_tokens, tau
 from .config import ConfigError, ExperimentConfig
 from .grid import Configuration, GridModel
 
@@ -132,6 +145,9 @@ class Session:
 
             self.exact_nll = token_nll(self.model, None, self.sequences)
         self.trace, self.blocks = None, {}
+        self.untimed: dict[int, dict] = {}  # configuration index -> its figures (module docstring)
+        self.divergences: dict[str, dict] = {}  # digest of divergence_from_exact's inputs -> its result
+        self.divergence_reused = 0
         self.setup_seconds = round(time.time() - started, 1)
 
     # -- set-up -------------------------------------------------------------------------------------------
@@ -216,8 +232,10 @@ class Session:
         """Measure configuration `c` once; the row (module docstring)."""
         started = time.time()
         mode, engine = self.config.mode, self.config.engine
-        if mode == "replay":
-            figures = self._replay(c)
+        if mode == "replay" or (mode == "teacher_forced" and engine == "harness"):  # untimed: once per configuration
+            if c.index not in self.untimed:
+                self.untimed[c.index] = self._replay(c) if mode == "replay" else self._harness_ar(c)
+            figures = dict(self.untimed[c.index])
         elif c.kind == "sd":
             figures = self._engine_sd(c) if engine == "engine" else self._harness_sd(c)
         elif engine == "engine":
@@ -233,8 +251,25 @@ class Session:
         row.setdefault("request_tokens", [])
         return row
 
+    def divergence(self, prompt, tokens: torch.Tensor, logprobs: torch.Tensor) -> dict:
+        """`divergence_from_exact(model, adapter, prompt, tokens, logprobs)`, memoised on the exact bytes of its
+        inputs (module docstring): computed once per distinct prompt, committed tokens and log-probabilities."""
+        from specmoe.harness import divergence_from_exact
+
+        digest = hashlib.sha256()
+        for part in (np.asarray(prompt_tokens(prompt), dtype=np.int64), tokens.cpu().numpy().astype(np.int64),
+                     logprobs.detach().cpu().contiguous().numpy()):
+            digest.update(str(part.dtype).encode() + str(part.shape).encode())
+            digest.update(part.tobytes())
+        key = digest.hexdigest()
+        if key in self.divergences:
+            self.divergence_reused += 1
+        else:
+            self.divergences[key] = divergence_from_exact(self.model, self.adapter, prompt, tokens, logprobs)
+        return dict(self.divergences[key])
+
     def _harness_ar(self, c: Configuration) -> dict:
-        from specmoe.harness import copy_stats, divergence_from_exact, excess_nll, greedy_decode, patch_model, unpatch
+        from specmoe.harness import copy_stats, excess_nll, greedy_decode, patch_model, unpatch
 
         model, adapter = self.model, self.adapter
         if self.config.mode == "teacher_forced":
@@ -262,7 +297,7 @@ class Session:
                 unpatch(model)
             for key in ("demand", "prefetch", "unused", "displaced_mass"):
                 sums[key] += stats[key] * stats["tokens"]
-            divergence = divergence_from_exact(model, adapter, prompt, tokens, logprobs)
+            divergence = self.divergence(prompt, tokens, logprobs)
             sums["kl_sum"] += divergence["kl_sum"]
             sums["excess_nll_sum"] += divergence["excess_nll_sum"]
             positions += divergence["positions"]
@@ -289,7 +324,8 @@ class Session:
         results, token_ms, request_ms, request_tokens = [], [], [], []
         for prompt in self._each(c):
             r = speculative_generate(self.model, self.adapter, drafter, prompt, config, calibration=self.calibration,
-                                     record=self.config.sd.records)
+                                     record=self.config.sd.records, divergence=False)
+            r.divergence = self.divergence(prompt, r.tokens, r.logprobs)
             results.append(r)
             request_ms.append(1e3 * (r.draft_s + r.verify_s) / max(int(r.tokens.numel()), 1))
             request_tokens.append(max(int(r.tokens.numel()), 1))
@@ -340,8 +376,6 @@ class Session:
         return {**defaults, **dict(c.settings)}
 
     def _engine_ar(self, c: Configuration) -> dict:
-        from specmoe.harness import divergence_from_exact
-
         engine = self._ar_engine(c.policy)
         tf = self.config.mode == "teacher_forced"
         if tf and self.reference is None:  # exact routing's NLL of every window (untimed, not a cell)
@@ -367,7 +401,7 @@ class Session:
                 generated = torch.tensor(r.generated)
                 start = len(seq) - 1
                 logprobs = torch.log_softmax(torch.from_numpy(r.logits[start:start + len(generated)]).float(), -1)
-                d = divergence_from_exact(self.model, self.adapter, seq, generated, logprobs)
+                d = self.divergence(seq, generated, logprobs)
                 kl += d["kl_sum"]
                 excess += d["excess_nll_sum"]
                 positions += d["positions"]

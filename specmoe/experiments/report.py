@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 from specmoe.files import check_output_dir, write_dir_atomic, write_file_atomic
 from specmoe.rundir import RunDir, read_table
 
-from .run import means_table, summary_table
-
 REPORT_FILES = ("report.md", "frontier.png", "latency_cdf.png", "copies.png")  # what a report holds
 
 QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a value is the frontier's y
@@ -48,6 +46,36 @@ QUALITY = ("kl", "excess_nll", "displaced_per_token_layer")  # the first with a 
 # one-position AR forward only in float rounding, which leaves a KL of about 3e-8 nats per token. 1e-6 is ~30x
 # that noise and still far below anything a reader would act on (a perplexity change of exp(1e-6) - 1 = 1e-4 %).
 NOISE_FLOOR_NATS = 1e-6
+
+
+def means_table(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration: the identifying columns and the means over rounds of the figures."""
+    import pandas as pd
+
+    numeric = [c for c in table.columns if c not in ("token_ms", "request_ms", "request_tokens", "round") and
+               pd.api.types.is_numeric_dtype(table[c]) and c != "config"]
+    ident = ["config", "label", "kind"]
+    means = table.groupby("config", sort=True)[numeric].mean()
+    first = table.groupby("config", sort=True)[[c for c in ("label", "kind", "acceptance") if c in table]].first()
+    out = first.join(means).reset_index()
+    out["rounds"] = table.groupby("config", sort=True).size().to_numpy()
+    out["verify_compute_ms_per_token"] = out["verify_ms_per_token"] - out["wait_ms_per_token"].fillna(0.0)
+    return out[ident + [c for c in out.columns if c not in ident]]
+
+
+def summary_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The main table: per configuration tau, copies per committed token, KL, excess NLL, ms per token and its
+    split (columns without any value left out), and where a row replays another selector's accepted lengths, the
+    acceptance of each (closed-loop / open-loop, `Configuration.acceptance`)."""
+    m = means_table(table)
+    columns = {"label": "configuration", "tau": "tau", "copies_per_token": "copies/token", "kl": "kl",
+               "excess_nll": "excess_nll", "displaced_per_token_layer": "displaced", "ms_per_token": "ms/token",
+               "draft_ms_per_token": "draft_ms", "verify_compute_ms_per_token": "verify_ms",
+               "wait_ms_per_token": "wait_ms"}
+    if "acceptance" in m and m["acceptance"].astype(str).str.startswith("open-loop").any():
+        columns["acceptance"] = "acceptance"  # a lossy selector replayed at exact's accepted lengths: say so
+    out = m[list(columns)].rename(columns=columns)
+    return out[[c for c in out.columns if c == "configuration" or out[c].notna().any()]]
 
 
 def paired_log_ratio(a, b) -> tuple[float, float, float]:
@@ -184,6 +212,18 @@ def paired_ratios(table: pd.DataFrame, baseline: int, unit: str = "request") -> 
         row["verdict"] = verdict(row["ratio"], row["lo95"], row["hi95"])
         rows.append(row)
     return pd.DataFrame(rows, columns=["configuration", "ratio", "lo95", "hi95", "verdict", "unit", "units", "rounds"])
+
+
+def latency_ratios(table: pd.DataFrame, mode: str, baseline: int | None = None):
+    """The run's latency comparison, as the report and `specmoe run`'s printout give it: (baseline, unit,
+    `paired_ratios` against it), the baseline by default the first configuration with timed units, the units
+    windows in a teacher-forced run and requests otherwise; None where no row is timed."""
+    timed = table[table.request_ms.map(len) > 0] if "request_ms" in table.columns else table.iloc[:0]
+    if not len(timed):
+        return None
+    baseline = int(timed.config.min()) if baseline is None else baseline
+    unit = "window" if mode == "teacher_forced" else "request"
+    return baseline, unit, paired_ratios(table, baseline, unit)
 
 
 def verdict(ratio: float, low: float, high: float) -> str:
@@ -357,12 +397,11 @@ def render(run_dir: str | Path, out: str | Path | None = None, baseline: int | N
     table = read_table(run_dir)
     manifest = RunDir(run_dir).manifest() or {}
     out = Path(out) if out is not None else run_dir / "report"
-    timed = table[table.request_ms.map(len) > 0] if "request_ms" in table.columns else table.iloc[:0]
-    base = baseline if baseline is not None else int(timed.config.min()) if len(timed) else None
-    if base is not None and base not in set(table.config):
-        raise ValueError(f"--baseline {base}: no configuration # {base} in {run_dir}")
+    if baseline is not None and baseline not in set(table.config):
+        raise ValueError(f"--baseline {baseline}: no configuration # {baseline} in {run_dir}")
     check_output_dir(out, REPORT_FILES, "report directory")
-    write_dir_atomic(out, lambda tmp: _write_report(tmp, run_dir, table, manifest, timed, base), REPORT_FILES,
+    comparison = latency_ratios(table, manifest.get("config", {}).get("mode", ""), baseline)
+    write_dir_atomic(out, lambda tmp: _write_report(tmp, run_dir, table, manifest, comparison), REPORT_FILES,
                      "report directory")
     return out / "report.md"
 
@@ -439,7 +478,7 @@ def _write_eval_report(out: Path, run_dir: Path, table, manifest: dict) -> None:
     (out / "report.md").write_text("\n".join(lines))
 
 
-def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: int | None) -> None:
+def _write_report(out: Path, run_dir: Path, table, manifest: dict, comparison) -> None:
     """Write report.md and its plots into the (new, temporary) directory `out`."""
     import pandas as pd
 
@@ -498,9 +537,8 @@ def _write_report(out: Path, run_dir: Path, table, manifest: dict, timed, base: 
         if _plot_copies(copies, out / "copies.png"):
             lines += ["![copies](copies.png)", ""]
             written.append("copies.png")
-    if len(timed):
-        unit = "window" if manifest.get("config", {}).get("mode") == "teacher_forced" else "request"
-        ratios = paired_ratios(table, base, unit)
+    if comparison is not None:
+        base, unit, ratios = comparison
         label = table[table.config == base].label.iloc[0]
         lines += [f"## ms per token against #{base} {label}", "",
                   f"Ratio of ms per committed token (total time over total tokens) with its 95% interval over the "

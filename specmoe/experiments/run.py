@@ -53,36 +53,6 @@ def quickstart_config() -> Path:
     return shipped_config("quickstart")
 
 
-def means_table(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per configuration: the identifying columns and the means over rounds of the figures."""
-    import pandas as pd
-
-    numeric = [c for c in table.columns if c not in ("token_ms", "request_ms", "request_tokens", "round") and
-               pd.api.types.is_numeric_dtype(table[c]) and c != "config"]
-    ident = ["config", "label", "kind"]
-    means = table.groupby("config", sort=True)[numeric].mean()
-    first = table.groupby("config", sort=True)[[c for c in ("label", "kind", "acceptance") if c in table]].first()
-    out = first.join(means).reset_index()
-    out["rounds"] = table.groupby("config", sort=True).size().to_numpy()
-    out["verify_compute_ms_per_token"] = out["verify_ms_per_token"] - out["wait_ms_per_token"].fillna(0.0)
-    return out[ident + [c for c in out.columns if c not in ident]]
-
-
-def summary_table(table: pd.DataFrame) -> pd.DataFrame:
-    """The main table: per configuration tau, copies per committed token, KL, excess NLL, ms per token and its
-    split (columns without any value left out), and where a row replays another selector's accepted lengths, the
-    acceptance of each (closed-loop / open-loop, `Configuration.acceptance`)."""
-    m = means_table(table)
-    columns = {"label": "configuration", "tau": "tau", "copies_per_token": "copies/token", "kl": "kl",
-               "excess_nll": "excess_nll", "displaced_per_token_layer": "displaced", "ms_per_token": "ms/token",
-               "draft_ms_per_token": "draft_ms", "verify_compute_ms_per_token": "verify_ms",
-               "wait_ms_per_token": "wait_ms"}
-    if "acceptance" in m and m["acceptance"].astype(str).str.startswith("open-loop").any():
-        columns["acceptance"] = "acceptance"  # a lossy selector replayed at exact's accepted lengths: say so
-    out = m[list(columns)].rename(columns=columns)
-    return out[[c for c in out.columns if c == "configuration" or out[c].notna().any()]]
-
-
 # -- running ----------------------------------------------------------------------------------------------------
 def describe_grid(config: ExperimentConfig, geo: Geometry, grid: list[Configuration], done: set, out: Path) -> str:
     w = config.workload
@@ -191,8 +161,25 @@ def run_shipped(name: str, args, overrides: list[str]) -> int:
     return main(args)
 
 
+def print_ratios(table: pd.DataFrame, mode: str) -> None:
+    """The report's latency comparison (`report.latency_ratios`): ms per token of each configuration over the
+    first timed one, with its 95% interval over the workload's units; nothing for an untimed run."""
+    from .report import latency_ratios
+
+    comparison = latency_ratios(table, mode)
+    if comparison is None:
+        return
+    base, unit, ratios = comparison
+    label = table[table.config == base].label.iloc[0]
+    print(f"ms per token against #{base} {label}, 95% interval over the {unit}s (paired bootstrap, each {unit}'s time "
+          "a mean over the rounds: docs/measurement.md)")
+    print(ratios.drop(columns="unit").to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+
+
 def main(args) -> int:
     import pandas as pd
+
+    from .report import summary_table
 
     config = load_config(args.config, args.overrides)
     table, manifest = run_experiment(config, args.out, max_cells=args.max_cells, dry_run=args.dry_run,
@@ -206,6 +193,7 @@ def main(args) -> int:
     if len(table):
         with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60):
             print(summary_table(table).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+            print_ratios(table, config.mode)
     print(f"results: {Path(out) / RESULTS}; tables and plots: specmoe report {out}")
     return 0
 
