@@ -219,6 +219,7 @@ def test_engine_configs_run_on_the_cpu(tmp_path):
     text = """
 mode = "generation"
 engine = "engine"
+rounds = 1
 [model]
 source = "family"
 [calibration]
@@ -256,6 +257,7 @@ copy_delay = [0.0001, 0.0002]
 def test_replay_config_runs(tmp_path):
     config = load_config(write(tmp_path, """
 mode = "replay"
+rounds = 1
 [model]
 source = "olmoe-micro"
 [calibration]

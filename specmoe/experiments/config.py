@@ -134,7 +134,7 @@ class ExperimentConfig:
     mode: str = "generation"
     engine: str = "harness"
     device: str = "cpu"
-    rounds: int = 1
+    rounds: int = 5
     seed: int = 0
     threads: int = 1
     description: str = ""
@@ -437,7 +437,7 @@ def parse_config(data: dict, path: str = "<config>", text: str = "") -> Experime
     common = dict(
         name=name, path=path, text=text, description=top.string("description", ""),
         mode=top.string("mode", "generation", MODES), engine=top.string("engine", "harness", ENGINES),
-        device=top.string("device", "cpu"), rounds=top.integer("rounds", 1, minimum=1, maximum=MAX_ROUNDS),
+        device=top.string("device", "cpu"), rounds=top.integer("rounds", 5, minimum=1, maximum=MAX_ROUNDS),
         seed=top.integer("seed", 0, minimum=0), threads=top.integer("threads", 1, minimum=1, maximum=MAX_THREADS))
     if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", common["device"]):
         top.fail("device", "expected 'cpu', 'cuda' or 'cuda:N'", common["device"])
