@@ -77,7 +77,7 @@ def test_gpu_moonlight_psr_with_graphs_equals_without(moonlight, tokens):
     assert graphs.kernels["attention"] == eager.kernels["attention"] == "split_kv"
     a = graphs.teacher_forced(tokens, prompt_len=32, return_logits=True)
     b = eager.teacher_forced(tokens, prompt_len=32, return_logits=True)
-    assert a.info["routing"] == "host" and a.copy_totals()["issued"] > 0
+    assert a.info["routing"] == b.info["routing"] == "device_policy" and a.copy_totals()["issued"] > 0
     np.testing.assert_array_equal(a.selected, b.selected)
     np.testing.assert_array_equal(a.output_tokens, b.output_tokens)
     np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=1e-3 * np.abs(b.logits).max())
