@@ -145,6 +145,12 @@ def test_gpu_device_policy_decodes_as_the_host_policy(policy_name, capacity):
     ns["compare"](a, b, SAME_CLASSES, IN_TIME, LATE, exact_logits=False)
     ga, gb = dev.generate(tokens[:6], 16), host.generate(tokens[:6], 16)
     assert ga.generated == gb.generated and ga.info["routing"] == "device_policy"
+    held = dev._device_policy
+    dev.configure(policy=dev.policy)  # a new router of the same policy: the device policy and its graph are kept
+    again = dev.teacher_forced(tokens, prompt_len=8, return_logits=True)
+    assert dev._device_policy is held and dev._device_policy.router is dev.router
+    np.testing.assert_array_equal(again.selected, a.selected)
+    np.testing.assert_array_equal(again.logits, a.logits)
 
 
 @pytest.mark.gpu

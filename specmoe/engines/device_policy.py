@@ -189,6 +189,9 @@ class DevicePolicy:
             self.delays = (rng.uniform(*settings.copy_delay, 2 * self.num_layers) * CYCLES_PER_SECOND).astype(np.int64)
         self._last = self._totals(self.cache.counters.cpu().numpy().reshape(-1),
                                   int((self.cache.istate[:, K.PREFETCHED] >= 0).sum()))
+        if self.use_graphs:  # captured here, not in the run's first step
+            with torch.no_grad():
+                self._graph()
 
     def _totals(self, counters: np.ndarray, pending: int) -> np.ndarray:
         return np.append(counters.reshape(self.num_layers, K.N_COUNTERS).sum(axis=0), pending)

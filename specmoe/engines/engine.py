@@ -108,7 +108,8 @@ class Engine:
         self.kernels = config.prepare(decoder, residency, self.compute)
         self.notes = list(decoder.notes)
         self._runners: dict[int, StepRunner] = {}
-        self._device_policy: DevicePolicy | None = None
+        self._device_policy: DevicePolicy | None = None  # the last run's
+        self._device_policies: dict = {}
         self._make_runners()
 
     # -- configuration -------------------------------------------------------------------------------
@@ -265,15 +266,20 @@ class Engine:
                                     self.residency.num_slots)
 
     def _policy_step(self) -> DevicePolicy:
-        """The device policy of the current router and one-position step (made again when either changes)."""
-        held = self._device_policy
-        if held is None or held.router is not self.router or held.step is not self.runner.step:
-            self._device_policy = None  # the old one's graphs go first
+        """The device policy of the current policy, calibration and one-position step, kept per policy (a
+        `configure` back to a policy used before finds its graphs); all are dropped when the step changes."""
+        step, router = self.runner.step, self.router
+        held = self._device_policies
+        if any(p.step is not step for p in held.values()):
+            held.clear()
+        key = (router.policy, id(router.calibration))
+        if key not in held or held[key].router.calibration is not router.calibration:
             with torch.no_grad(), self._stream():
-                held = self._device_policy = DevicePolicy(self.decoder, self.runner.step, self.residency,
-                                                          self.router, self.compute, self.config.cuda_graphs,
-                                                          self.runner.copy_in_graph)
-        return held
+                held[key] = DevicePolicy(self.decoder, step, self.residency, router, self.compute,
+                                         self.config.cuda_graphs, self.runner.copy_in_graph)
+        held[key].router = router  # the router whose host state `finish` updates
+        self._device_policy = held[key]
+        return held[key]
 
     def _whole_step(self, t: int, token: int, rec: StepRecorder, position: int) -> None:
         """Step t with routing on the device: one launch, then the records (routing as the host would see it)."""
