@@ -11,17 +11,19 @@ Configurations run in one process, rounds interleaved (A B C ... A B C ...):
   experts), and vs the memory-bandwidth floor (bytes read per token / measured device bandwidth);
 - C = 32 and C = 16: exact LRU, exact + A priority + prefetch (exact_prefetch), Cache-Prior lambda 0.2, PSR
   lambda 0.3 (C=32) / 0.25 (C=16) n=1, speculative execution; each with the policy on the device (`C32_psr`,
-  the default `EngineConfig(policy_device="auto")`: the logical cache and its copy kernels in one graph per
-  token, `specmoe.engines.device_policy`) and on the host (`C32_psr_host_policy`, `policy_device="off"`: a host
+  `EngineConfig(policy_device="on")`: the logical cache and its copy kernels in one graph per token,
+  `specmoe.engines.device_policy`) and on the host (`C32_psr_host_policy`, `policy_device="off"`: a host
   round trip per layer), in the same rounds, with the ratio host policy / device policy (--policy-paths);
-- with --trace (a `specmoe trace` of a trained model with the same L, E, K) and --trace-calibration, the same
-  policies again following the trace's router and pre-gate logits and tokens (realistic copy patterns on the
-  full-size random weights).
+- with --trace (a `specmoe trace` of a trained model with the same L, E, K, or a synthetic routing source) and
+  --trace-calibration, the same policies again, on both paths, following the trace's router and pre-gate logits
+  and tokens (realistic copy patterns on the full-size random weights): rows `trace_C32_psr` and
+  `trace_C32_psr_host_policy` (with several traces `LABEL_C32_psr`, `LABEL_C32_psr_host_policy`).
 Reported per configuration: mean and p99 ms/token, copies per token by class, engine efficiency =
 max(all-resident ms, transferred copies x measured copy ms) / ms, ratios with 95% intervals (paired t-test on
 log latency over rounds), and from separate passes (not in the rounds) the host gap per layer with
-instrumentation and the compute-only time with copies skipped (trace-following the round-1 routing); both
-passes run the host policy (instrumentation and logit feeds are host-path features), also for device-policy rows.
+instrumentation and the compute-only time with copies skipped (trace-following the round-1 routing); the
+instrumented pass runs the host policy (instrumentation is a host-path feature), also for device-policy rows; the
+copies-skipped pass runs the row's own path.
 The policy cell says which path the timed rounds ran (device, device_policy or host).
 
 Then a sweep of decode position (--positions, default 100 500 1000 2000 4000) for all-resident and PSR at
@@ -398,6 +400,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--prompt + --tokens = {window} positions do not fit --max-seq-len {args.max_seq_len}")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
     cfg = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention)
+    # the C < E rows' path, asked for explicitly (the device policy is not EngineConfig's default yet)
+    cfg_device = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention, policy_device="on")
     unit = ExpertResidency(store, E, args.device)  # one unit of E slots for every engine (a full-size model's
     # slots fit the device once, not once per engine); each engine reloads its warm set when it runs
     engines = {E: build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, V), cfg, residency=unit)}
@@ -407,7 +411,7 @@ def main(argv=None) -> int:
                                      "text": "uniform random tokens, seed 100"})
     engines[E].configure(calibration=calib)
     for c in args.capacities:
-        engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, residency=unit)
+        engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg_device, residency=unit)
         if "host" in args.policy_paths:  # the same capacity with the policy on the host (a round trip per layer)
             engines[f"{c}_host_policy"] = build_engine(
                 model, preset("exact_lru", c, K), calib, EngineConfig(max_seq_len=args.max_seq_len,
@@ -435,12 +439,19 @@ def main(argv=None) -> int:
     windows = [rng.integers(0, V, window) for _ in range(args.windows)]
     configs = [("all_resident", E, preset("exact_lru", E, K)),
                ("all_resident_host_routing", "host", preset("exact_lru", E, K))]
-    for c in args.capacities:
-        for name, pol in policies(c, E, K, args.psr_window).items():  # interleaved: device, host, next policy
-            if "device" in args.policy_paths:
-                configs.append((f"C{c}_{name}", c, pol))
-            if "host" in args.policy_paths:
-                configs.append((f"C{c}_{name}_host_policy", f"{c}_host_policy", pol))
+
+    def policy_rows(prefix: str) -> list:
+        """(name, engine key, policy) per policy and capacity, interleaved: device path, host path, next policy."""
+        rows = []
+        for c in args.capacities:
+            for name, pol in policies(c, E, K, args.psr_window).items():
+                if "device" in args.policy_paths:
+                    rows.append((f"{prefix}C{c}_{name}", c, pol))
+                if "host" in args.policy_paths:
+                    rows.append((f"{prefix}C{c}_{name}_host_policy", f"{c}_host_policy", pol))
+        return rows
+
+    configs += policy_rows("")
     # per configuration: the calibration, the windows and the trace each window follows (None: own router)
     setting = {name: (calib, windows, None) for name, _, _ in configs}
     prefixes = [""]
@@ -456,10 +467,9 @@ def main(argv=None) -> int:
             prefixes.append(prefix)
             traced = load_trace_windows(spec, calibration_spec, (L, E, K, V), args.windows, window)
             report["traces"][prefix] = {"file": spec, "calibration": calibration_spec, **traced["info"]}
-            for c in args.capacities:
-                for name, pol in policies(c, E, K, args.psr_window).items():
-                    configs.append((f"{prefix}C{c}_{name}", c, pol))
-                    setting[f"{prefix}C{c}_{name}"] = (traced["calibration"], traced["windows"], traced["traces"])
+            for row in policy_rows(prefix):
+                configs.append(row)
+                setting[row[0]] = (traced["calibration"], traced["windows"], traced["traces"])
     if args.configs:
         unknown = set(args.configs) - {name for name, _, _ in configs}
         if unknown:
@@ -573,11 +583,12 @@ def main(argv=None) -> int:
     for impl in hf_impls:
         if rounds[f"hf_{impl}"] and rounds["all_resident"]:
             ratios[f"hf_{impl} / engine all-resident"] = ratio_ci(rounds[f"hf_{impl}"], rounds["all_resident"])
-    for c in args.capacities:
-        for name in policies(c, E, K, args.psr_window):
-            a, b = units(f"C{c}_{name}_host_policy"), units(f"C{c}_{name}")
-            if a and b and len(a["rounds"]) == len(b["rounds"]):
-                ratios[f"C{c}: {name} host policy / device policy"] = window_ratio(a, b)
+    for prefix in prefixes:
+        for c in args.capacities:
+            for name in policies(c, E, K, args.psr_window):
+                a, b = units(f"{prefix}C{c}_{name}_host_policy"), units(f"{prefix}C{c}_{name}")
+                if a and b and len(a["rounds"]) == len(b["rounds"]):
+                    ratios[f"{prefix}C{c}: {name} host policy / device policy"] = window_ratio(a, b)
     for prefix in prefixes:
         for c in args.capacities:
             for base in ("exact_lru", "exact_prefetch", "cache_prior", "spec_exec"):

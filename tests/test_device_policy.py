@@ -1,7 +1,7 @@
 """The device policy (`specmoe.engines.device_policy`): with C < E an autoregressive token runs the logical cache
 (`DeviceCache`) and its demand and prefetch copies (`expert_copy`) on the device, and decodes exactly as the host
 policy: the same tokens, selections, router and pre-gate logits, logits bit for bit, and copies by class, for every
-policy kind. On the CPU the device-policy token runs its Triton kernels in Triton's interpreter (a subprocess);
+policy kind, routing from the model's own logits or following a logit feed (trace-following). On the CPU the device-policy token runs its Triton kernels in Triton's interpreter (a subprocess);
 on a CUDA device (marked gpu) as one captured graph per token, also under injected copy delays."""
 
 import importlib.util
@@ -79,6 +79,68 @@ for policy_name in POLICIES:
 """
 
 
+# trace-following: router and pre-gate logits (and tokens) from a synthetic source with the tiny model's L, E, K
+FEEDS = r"""
+from specmoe.engines.results import LogitFeed
+from specmoe.records.synthetic import synthetic_trace
+from specmoe.routing import RouterScoring
+
+
+def feeds(adapter, tokens, seed=0):
+    trace = synthetic_trace("olmoe-like", tokens=tokens, seed=seed)
+    assert trace.router_logits.shape[1:] == (adapter.num_moe_layers, adapter.num_experts)
+    assert np.abs(trace.pregate_logits[:, 0]).max() > 0  # a pre-gate row of layer 0 that routing must not read
+    z, g, ids = trace.router_logits, trace.pregate_logits, trace.token_ids % adapter.vocab_size
+    own = LogitFeed(z, g, ids, trace.fingerprint, trace.scoring)  # softmax: routed by the model's rule
+    bias = np.random.default_rng(seed).normal(0.0, 0.2, z.shape[1:])
+    rule = RouterScoring("sigmoid", renormalise=True, scale=2.5, bias=bias)
+    return own, LogitFeed(z, g, ids, trace.fingerprint, rule)  # a sigmoid source: its bias, weights and scale
+
+
+def check_fed(a, b, feed):
+    assert a.info["feed"] and b.info["feed"]
+    n = len(a.output_tokens)
+    np.testing.assert_array_equal(a.router_logits, feed.router_logits[:n])  # routed from the feed, not the model
+    np.testing.assert_array_equal(a.pregate_logits[:, 1:], feed.pregate_logits[:n, 1:])
+    assert not a.pregate_logits[:, 0].any()
+"""
+
+_CHECK_FED = COMPARE + FEEDS + r"""
+import sys
+sys.path.insert(0, "tests")
+from test_device_policy import IN_TIME, LATE, POLICIES, SAME_CLASSES
+for policy_name in POLICIES:
+    dev, host, adapter = engines("olmoe-tiny", policy_name, 16, 24)
+    own, sigmoid = feeds(adapter, 5)
+    tokens = np.zeros(5, dtype=np.int64)  # the feed's tokens are fed
+    for feed in (own, sigmoid) if policy_name == "psr" else (own,):
+        a = dev.teacher_forced(tokens, prompt_len=2, feed=feed, return_logits=True)
+        b = host.teacher_forced(tokens, prompt_len=2, feed=feed, return_logits=True)
+        compare(a, b, SAME_CLASSES, IN_TIME, LATE)
+        check_fed(a, b, feed)
+        print("ok", policy_name, feed.scoring.kind, a.copy_totals(timed_only=False), flush=True)
+    if policy_name == "psr":  # one device policy per rule; the model's own logits again on the same engines
+        assert len(dev._device_policies) == 2, dev._device_policies.keys()
+        a = dev.teacher_forced(tokens + 3, prompt_len=2, return_logits=True)
+        b = host.teacher_forced(tokens + 3, prompt_len=2, return_logits=True)
+        compare(a, b, SAME_CLASSES, IN_TIME, LATE)
+        assert not a.info["feed"]
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_device_policy_follows_a_feed_as_the_host_policy_in_the_interpreter():
+    """Trace-following on the device policy (the feed's rows staged and copied to the device per token) against
+    the host policy with the same feed: a softmax source for every policy kind, a sigmoid one for PSR."""
+    done = run_in_interpreter(_CHECK_FED.replace("import numpy as np\n", "import numpy as np\n" + _fast_calls(), 1))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for name in POLICIES:
+        assert f"ok {name} softmax " in done.stdout, done.stdout
+    assert "ok psr sigmoid " in done.stdout, done.stdout
+    psr = done.stdout.split("ok psr softmax ")[1].split("\n")[0]
+    assert "'demand': 0," not in psr and "'prefetch': 0," not in psr  # both copy kinds ran
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_device_policy_decodes_as_the_host_policy_in_the_interpreter():
     done = run_in_interpreter(_CHECK.replace("import numpy as np\n", "import numpy as np\n" + _fast_calls(), 1))
@@ -107,7 +169,10 @@ def test_host_policy_where_the_device_policy_does_not_apply(tiny, monkeypatch):
     model, adapter, store, cal = tiny
     tokens = np.arange(4)
     psr = preset("psr", 16, adapter.top_k)
-    auto = build_engine(model, psr, cal, EngineConfig(max_seq_len=16), store=store)
+    default = build_engine(model, psr, cal, EngineConfig(max_seq_len=16), store=store)
+    result = default.teacher_forced(tokens)
+    assert result.info["routing"] == "host" and result.info["host_policy_why"] == "policy_device='off'"
+    auto = build_engine(model, psr, cal, EngineConfig(max_seq_len=16, policy_device="auto"), store=store)
     result = auto.teacher_forced(tokens)
     assert result.info["routing"] == "host" and "CPU" in result.info["host_policy_why"]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -117,14 +182,16 @@ def test_host_policy_where_the_device_policy_does_not_apply(tiny, monkeypatch):
     assert on.device_policy() is None
     from specmoe.engines.results import LogitFeed
 
-    assert "feed" in on.device_policy(feed=LogitFeed.of(result))
+    assert on.device_policy(feed=LogitFeed.of(result)) is None  # trace-following runs on the device too
     on.configure(cache_mode="physical")
     assert "physical" in on.device_policy()
     on.configure(cache_mode="logical", instrument=True)
     assert "instrumented" in on.device_policy()
     resident = build_engine(model, preset("psr", adapter.num_experts, adapter.top_k), cal,
-                            EngineConfig(max_seq_len=16), store=store)
+                            EngineConfig(max_seq_len=16, policy_device="auto"), store=store)
     assert "device_routing decides" in resident.device_policy()
+    # device routing follows no feed: with one, "auto" leaves the all-resident run to the device policy
+    assert "device_routing decides" not in resident.device_policy(feed=LogitFeed.of(result))
     with pytest.raises(ValueError, match="policy_device"):
         EngineConfig(policy_device="gpu")
 
@@ -151,6 +218,29 @@ def test_gpu_device_policy_decodes_as_the_host_policy(policy_name, capacity):
     assert dev._device_policy is held and dev._device_policy.router is dev.router
     np.testing.assert_array_equal(again.selected, a.selected)
     np.testing.assert_array_equal(again.logits, a.logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy_name", POLICIES)
+def test_gpu_device_policy_follows_a_feed_as_the_host_policy(policy_name):
+    """Trace-following in the captured graph (the feed's rows copied in by the graph's first node): tokens,
+    selections and copies by class as the host policy's with the same feed (a softmax source, and for PSR a
+    sigmoid one); then the model's own logits on the same engine (its other graph)."""
+    ns = {}
+    exec(COMPARE + FEEDS, ns)
+    dev, host, adapter = ns["engines"]("olmoe-tiny", policy_name, 16, 64, device="cuda")
+    own, sigmoid = ns["feeds"](adapter, 40, seed=3)
+    tokens = np.zeros(40, dtype=np.int64)
+    for feed in (own, sigmoid) if policy_name == "psr" else (own,):
+        a = dev.teacher_forced(tokens, prompt_len=8, feed=feed, return_logits=True)
+        b = host.teacher_forced(tokens, prompt_len=8, feed=feed, return_logits=True)
+        assert dev._device_policy.use_graphs and dev._device_policy.fed and dev._device_policy.graphs, dev.notes
+        ns["compare"](a, b, SAME_CLASSES, IN_TIME, LATE, exact_logits=False)
+        ns["check_fed"](a, b, feed)
+    mine = np.random.default_rng(5).integers(0, adapter.vocab_size, 24)
+    a = dev.teacher_forced(mine, prompt_len=4, return_logits=True)
+    b = host.teacher_forced(mine, prompt_len=4, return_logits=True)
+    ns["compare"](a, b, SAME_CLASSES, IN_TIME, LATE, exact_logits=False)
 
 
 @pytest.mark.gpu

@@ -33,9 +33,11 @@ class EngineConfig:
     the policy reduces to the router's own top-K, route on the device and run each token as one launch
     ("auto": on CUDA; "on": on any device, the CPU included; "off": always the host's `LogicalCache.route`).
     policy_device: with C < E (or a policy that is not the router's own top-K), run the policy's logical cache
-    and its copies on the device, a token as one CUDA graph (`specmoe.engines.device_policy`; "auto": on CUDA
-    where it applies; "on": also on the CPU under Triton's interpreter, for tests; "off": the host's
-    `LogicalCache` between per-layer launches). prefill_chunk: prompt positions per step of the autoregressive prefill (1: one at a time; the policy's
+    and its copies on the device, a token as one CUDA graph, also when routing follows a logit feed
+    (`specmoe.engines.device_policy`; "auto": on CUDA where it applies; "on": also on the CPU under Triton's
+    interpreter, for tests; "off", the default: the host's `LogicalCache` between per-layer launches). "off"
+    stays the default until the device policy's GPU tests have passed on the device; it then becomes "auto".
+    prefill_chunk: prompt positions per step of the autoregressive prefill (1: one at a time; the policy's
     decisions are the same either way, `Engine` module docstring). state_rollback: how a verification block's
     recurrent state (Qwen3.5-MoE's Gated DeltaNet) is rolled back: "history" (the step keeps every position's
     state), "recompute" (the committed positions rerun from the block's start), "auto" (the decoder's default,
@@ -48,7 +50,7 @@ class EngineConfig:
     moe: str = "slot"
     tune: str | bool = "auto"
     device_routing: str = "auto"
-    policy_device: str = "auto"
+    policy_device: str = "off"
     prefill_chunk: int = 16
     state_rollback: str = "auto"
 

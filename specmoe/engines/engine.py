@@ -11,7 +11,9 @@ insertions) and the prefetch pump -> the head graph (final norm, LM head, greedy
 - Autoregressive decoding (`generate(prompt, n)`, `teacher_forced`): D = 1, the `CacheRouter` of the policy
   (exact, Cache-Prior, PSR, speculative execution, logical or physical cache mode). With every expert resident
   and a policy that then routes as the router's own top-K, routing runs on the device instead
-  (`specmoe.kernels.device_routing`, `EngineConfig.device_routing`) and a token is one CUDA graph.
+  (`specmoe.kernels.device_routing`, `EngineConfig.device_routing`) and a token is one CUDA graph; with
+  `EngineConfig.policy_device`, any policy runs on the device with its copies, a token one CUDA graph, from the
+  model's logits or a logit feed (`specmoe.engines.device_policy`).
 - Speculative decoding (`generate(prompt, n, drafter=d)`): D = k + 1, the `BlockRouter` of the speculative
   config: block selection over the expert pool and union slots; greedy acceptance, the bonus token, rollback
   by position (the next block's root sits at the committed length; KV rows above it are overwritten), the
@@ -265,18 +267,20 @@ class Engine:
         return device_policy_reason(self.config.policy_device, self.cuda, self.router, self.settings, feed,
                                     self.residency.num_slots)
 
-    def _policy_step(self) -> DevicePolicy:
-        """The device policy of the current policy, calibration and one-position step, kept per policy (a
-        `configure` back to a policy used before finds its graphs); all are dropped when the step changes."""
+    def _policy_step(self, feed: LogitFeed | None = None) -> DevicePolicy:
+        """The device policy of the current policy, calibration, routing rule (the model's, or that of `feed`:
+        `CacheRouter.feed_rule`) and one-position step, kept per policy and rule (a `configure` back to a policy
+        used before finds its graphs); all are dropped when the step changes."""
         step, router = self.runner.step, self.router
         held = self._device_policies
         if any(p.step is not step for p in held.values()):
             held.clear()
-        key = (router.policy, id(router.calibration))
+        rule = router.feed_rule(feed)
+        key = (router.policy, id(router.calibration), rule, None if rule.bias is None else rule.bias.tobytes())
         if key not in held or held[key].router.calibration is not router.calibration:
             with torch.no_grad(), self._stream():
                 held[key] = DevicePolicy(self.decoder, step, self.residency, router, self.compute,
-                                         self.config.cuda_graphs, self.runner.copy_in_graph)
+                                         self.config.cuda_graphs, self.runner.copy_in_graph, scoring=rule)
         held[key].router = router  # the router whose host state `finish` updates
         self._device_policy = held[key]
         return held[key]
@@ -324,13 +328,13 @@ class Engine:
         host_routing = self.device_routing(feed)
         host_policy = "every expert resident: routing on the device" if host_routing is None else \
             self.device_policy(feed)
-        on_device = None if host_policy is not None else self._policy_step()  # before _start: its warm-up
+        on_device = None if host_policy is not None else self._policy_step(feed)  # before _start: its warm-up
         warm = self._start(router)
         run = self.runner
         if host_routing is None:
             run.set_slot_map(router.slot_map())
         elif on_device is not None:
-            on_device.start(self.settings)
+            on_device.start(self.settings, fed=feed is not None)
         s = self.settings
         router.bind(run.step, ModelFeed(run.step) if feed is None else feed, rec, s.cache_mode == "physical",
                     s.max_in_flight)
@@ -353,7 +357,7 @@ class Engine:
                 if host_routing is None:
                     self._whole_step(t, token, rec, position)
                 elif on_device is not None:
-                    on_device.token(t, token, position, rec)
+                    on_device.token(t, token, position, rec, feed)
                 else:
                     rec.begin(t, token, position)
                     router.begin(t, token)
