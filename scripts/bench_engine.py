@@ -10,14 +10,21 @@ Configurations run in one process, rounds interleaved (A B C ... A B C ...):
   one host round trip per layer), vs transformers' own generate on the same weights (eager and batched_mm
   experts), and vs the memory-bandwidth floor (bytes read per token / measured device bandwidth);
 - C = 32 and C = 16: exact LRU, exact + A priority + prefetch (exact_prefetch), Cache-Prior lambda 0.2, PSR
-  lambda 0.3 (C=32) / 0.25 (C=16) n=1, speculative execution;
-- with --trace (a `specmoe trace` of a trained model with the same L, E, K) and --trace-calibration, the same
-  policies again following the trace's router and pre-gate logits and tokens (realistic copy patterns on the
-  full-size random weights).
+  lambda 0.3 (C=32) / 0.25 (C=16) n=1, speculative execution; each with the policy on the device (`C32_psr`,
+  `EngineConfig(policy_device="on")`: the logical cache and its copy kernels in one graph per token,
+  `specmoe.engines.device_policy`) and on the host (`C32_psr_host_policy`, `policy_device="off"`: a host
+  round trip per layer), in the same rounds, with the ratio host policy / device policy (--policy-paths);
+- with --trace (a `specmoe trace` of a trained model with the same L, E, K, or a synthetic routing source) and
+  --trace-calibration, the same policies again, on both paths, following the trace's router and pre-gate logits
+  and tokens (realistic copy patterns on the full-size random weights): rows `trace_C32_psr` and
+  `trace_C32_psr_host_policy` (with several traces `LABEL_C32_psr`, `LABEL_C32_psr_host_policy`).
 Reported per configuration: mean and p99 ms/token, copies per token by class, engine efficiency =
 max(all-resident ms, transferred copies x measured copy ms) / ms, ratios with 95% intervals (paired t-test on
 log latency over rounds), and from separate passes (not in the rounds) the host gap per layer with
-instrumentation and the compute-only time with copies skipped (trace-following the round-1 routing).
+instrumentation and the compute-only time with copies skipped (trace-following the round-1 routing); the
+instrumented pass runs the host policy (instrumentation is a host-path feature), also for device-policy rows; the
+copies-skipped pass runs the row's own path.
+The policy cell says which path the timed rounds ran (device, device_policy or host).
 
 Then a sweep of decode position (--positions, default 100 500 1000 2000 4000) for all-resident and PSR at
 each capacity, rounds interleaved: --sweep-tokens timed tokens starting at each position over a KV cache
@@ -354,6 +361,8 @@ def main(argv=None) -> int:
                     "all_resident is always run, efficiencies need it)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--psr-window", type=int, default=8, help="PSR's pre-gate window w (the paper's Moonlight: 4)")
+    ap.add_argument("--policy-paths", nargs="+", choices=("device", "host"), default=["device", "host"],
+                    help="C < E rows with the policy on the device (C32_psr) and/or on the host (C32_psr_host_policy)")
     ap.add_argument("--unbatched-copies", action="store_true",
                     help="issue one cudaMemcpyAsync per copy even where cudaMemcpyBatchAsync works (A/B runs)")
     args = ap.parse_args(argv)
@@ -391,6 +400,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--prompt + --tokens = {window} positions do not fit --max-seq-len {args.max_seq_len}")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
     cfg = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention)
+    # the C < E rows' path, asked for explicitly (the device policy is not EngineConfig's default yet)
+    cfg_device = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention, policy_device="on")
     unit = ExpertResidency(store, E, args.device)  # one unit of E slots for every engine (a full-size model's
     # slots fit the device once, not once per engine); each engine reloads its warm set when it runs
     engines = {E: build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, V), cfg, residency=unit)}
@@ -400,7 +411,12 @@ def main(argv=None) -> int:
                                      "text": "uniform random tokens, seed 100"})
     engines[E].configure(calibration=calib)
     for c in args.capacities:
-        engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg, residency=unit)
+        engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg_device, residency=unit)
+        if "host" in args.policy_paths:  # the same capacity with the policy on the host (a round trip per layer)
+            engines[f"{c}_host_policy"] = build_engine(
+                model, preset("exact_lru", c, K), calib, EngineConfig(max_seq_len=args.max_seq_len,
+                                                                      attention=args.attention, policy_device="off"),
+                residency=unit)
     engines["host"] = build_engine(model, preset("exact_lru", E, K), calib,  # all resident, routed on the host
                                    EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention,
                                                 device_routing="off"), residency=unit)
@@ -423,8 +439,19 @@ def main(argv=None) -> int:
     windows = [rng.integers(0, V, window) for _ in range(args.windows)]
     configs = [("all_resident", E, preset("exact_lru", E, K)),
                ("all_resident_host_routing", "host", preset("exact_lru", E, K))]
-    for c in args.capacities:
-        configs += [(f"C{c}_{name}", c, pol) for name, pol in policies(c, E, K, args.psr_window).items()]
+
+    def policy_rows(prefix: str) -> list:
+        """(name, engine key, policy) per policy and capacity, interleaved: device path, host path, next policy."""
+        rows = []
+        for c in args.capacities:
+            for name, pol in policies(c, E, K, args.psr_window).items():
+                if "device" in args.policy_paths:
+                    rows.append((f"{prefix}C{c}_{name}", c, pol))
+                if "host" in args.policy_paths:
+                    rows.append((f"{prefix}C{c}_{name}_host_policy", f"{c}_host_policy", pol))
+        return rows
+
+    configs += policy_rows("")
     # per configuration: the calibration, the windows and the trace each window follows (None: own router)
     setting = {name: (calib, windows, None) for name, _, _ in configs}
     prefixes = [""]
@@ -440,10 +467,9 @@ def main(argv=None) -> int:
             prefixes.append(prefix)
             traced = load_trace_windows(spec, calibration_spec, (L, E, K, V), args.windows, window)
             report["traces"][prefix] = {"file": spec, "calibration": calibration_spec, **traced["info"]}
-            for c in args.capacities:
-                for name, pol in policies(c, E, K, args.psr_window).items():
-                    configs.append((f"{prefix}C{c}_{name}", c, pol))
-                    setting[f"{prefix}C{c}_{name}"] = (traced["calibration"], traced["windows"], traced["traces"])
+            for row in policy_rows(prefix):
+                configs.append(row)
+                setting[row[0]] = (traced["calibration"], traced["windows"], traced["traces"])
     if args.configs:
         unknown = set(args.configs) - {name for name, _, _ in configs}
         if unknown:
@@ -469,7 +495,9 @@ def main(argv=None) -> int:
                 res = run_windows(engine, wins, trace=tr, prompt=args.prompt)
                 rounds[name].append(float(res["ms_tokens"].mean()))
                 d = details.setdefault(name, {"ms_tokens": [], "policy": pol.name, "capacity": c, "windows": [],
-                                              "tokens": res["window_tokens"]})
+                                              "tokens": res["window_tokens"],
+                                              "routing": res["results"][0].info["routing"],
+                                              "host_policy_why": res["results"][0].info.get("host_policy_why")})
                 d["ms_tokens"].append(res["ms_tokens"])
                 d["windows"].append(res["window_ms"])
                 d.setdefault("copies_per_token_rounds", []).append(res["copies_per_token"])
@@ -530,7 +558,8 @@ def main(argv=None) -> int:
         same = all(all(x[k] == copies[k] for k in logical) for x in d["copies_per_token_rounds"])
         ms = float(np.mean(rounds[name]))
         link = copies["issued"] * copy_ms
-        row = {"policy": d["policy"], "C": c, "ms_mean": ms, "ms_p50": float(np.percentile(ms_all, 50)),
+        row = {"policy": d["policy"], "C": c, "routing": d["routing"],
+               "host_policy_why": d["host_policy_why"], "ms_mean": ms, "ms_p50": float(np.percentile(ms_all, 50)),
                "ms_p99": float(np.percentile(ms_all, 99)), "rounds_ms": rounds[name],
                "copies_per_token": copies, "logical_copies_identical_across_rounds": same,
                "copies_per_token_rounds": d["copies_per_token_rounds"],
@@ -554,6 +583,12 @@ def main(argv=None) -> int:
     for impl in hf_impls:
         if rounds[f"hf_{impl}"] and rounds["all_resident"]:
             ratios[f"hf_{impl} / engine all-resident"] = ratio_ci(rounds[f"hf_{impl}"], rounds["all_resident"])
+    for prefix in prefixes:
+        for c in args.capacities:
+            for name in policies(c, E, K, args.psr_window):
+                a, b = units(f"{prefix}C{c}_{name}_host_policy"), units(f"{prefix}C{c}_{name}")
+                if a and b and len(a["rounds"]) == len(b["rounds"]):
+                    ratios[f"{prefix}C{c}: {name} host policy / device policy"] = window_ratio(a, b)
     for prefix in prefixes:
         for c in args.capacities:
             for base in ("exact_lru", "exact_prefetch", "cache_prior", "spec_exec"):
@@ -597,7 +632,7 @@ def markdown(report: dict) -> str:
             gap = f"{gap:.1f}, {gap - inst['gap_without_wait_us_per_layer']:.1f}"
         skip = row.get("copies_skipped_ms")
         lines.append(
-            f"| {name} | {row['policy']} | {row['ms_mean']:.2f} | {row['ms_p50']:.2f} | {row['ms_p99']:.2f} | "
+            f"| {name} | {row['policy']} ({row.get('routing', '-')}) | {row['ms_mean']:.2f} | {row['ms_p50']:.2f} | {row['ms_p99']:.2f} | "
             f"{cp['demand']:.1f} / {cp['prefetch_in_time']:.1f} / {cp['prefetch_late']:.1f} / "
             f"{cp['prefetch_unused']:.1f} / {cp['issued']:.1f} | {row['link_floor_ms']:.2f} | "
             f"{row['efficiency']:.2f} | {row['host_us_per_layer']:.1f} ("

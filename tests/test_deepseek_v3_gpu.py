@@ -2,13 +2,15 @@
 to 1 dense + 3 MoE layers; bf16, seeded random weights drawn on the device): split-KV latent attention, the Triton
 slot MoE kernels (per token and grouped for the prompt chunks), CUDA graphs and device routing of the sigmoid router
 in use; all-resident exact decoding against the torch path (SDPA, torch MoE, host routing, no graphs); PSR with
-C < E with graphs against itself without. Skipped without CUDA (tests/conftest.py)."""
+C < E with graphs against itself without, and with the policy on the device (`EngineConfig.policy_device`)
+against the host policy, from the model's logits and following a recorded run. Skipped without CUDA (tests/conftest.py)."""
 
 import numpy as np
 import pytest
 import torch
 
 from specmoe.engines import EngineConfig, build_engine
+from specmoe.engines.results import COPY_FIELDS, LogitFeed
 from specmoe.models import adapter_for, named_config
 from specmoe.models.deepseek_v3 import build_random_deepseek_v3
 from specmoe.offload import ExpertStore
@@ -83,3 +85,25 @@ def test_gpu_moonlight_psr_with_graphs_equals_without(moonlight, tokens):
     np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=1e-3 * np.abs(b.logits).max())
     ga, gb = graphs.generate(tokens[:8], 12), eager.generate(tokens[:8], 12)
     assert ga.generated == gb.generated
+
+
+def test_gpu_moonlight_psr_device_policy_as_the_host_policy(moonlight, tokens):
+    """The device policy on the sigmoid router with its selection bias and group-limited choice: tokens,
+    selections and demand / prefetch / unused copies as the host policy's (prompt steps one position at a time on
+    both), from the model's own logits and following the host run's recorded logits (a feed)."""
+    dev = _engine(moonlight, "psr", 32, policy_device="on")
+    host = _engine(moonlight, "psr", 32, prefill_chunk=1)
+    same = [COPY_FIELDS.index(name) for name in ("demand", "prefetch", "prefetch_unused")]
+    a = dev.teacher_forced(tokens, prompt_len=32, return_logits=True)
+    b = host.teacher_forced(tokens, prompt_len=32, return_logits=True)
+    feed = LogitFeed.of(b)
+    fa = dev.teacher_forced(tokens, prompt_len=32, feed=feed)
+    fb = host.teacher_forced(tokens, prompt_len=32, feed=feed)
+    for x, y in ((a, b), (fa, fb)):
+        assert x.info["routing"] == "device_policy" and y.info["routing"] == "host", (x.info, y.info)
+        np.testing.assert_array_equal(x.selected, y.selected)
+        np.testing.assert_array_equal(x.output_tokens, y.output_tokens)
+        np.testing.assert_array_equal(x.copies[:, same], y.copies[:, same])
+    np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=1e-3 * np.abs(b.logits).max())
+    np.testing.assert_array_equal(fa.selected, b.selected)  # following a run repeats its decisions
+    assert a.copy_totals()["issued"] > 0

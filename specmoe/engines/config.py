@@ -32,6 +32,11 @@ class EngineConfig:
     one that disagrees is not used (see `Engine.notes`). device_routing: when every expert is resident and
     the policy reduces to the router's own top-K, route on the device and run each token as one launch
     ("auto": on CUDA; "on": on any device, the CPU included; "off": always the host's `LogicalCache.route`).
+    policy_device: with C < E (or a policy that is not the router's own top-K), run the policy's logical cache
+    and its copies on the device, a token as one CUDA graph, also when routing follows a logit feed
+    (`specmoe.engines.device_policy`; "auto": on CUDA where it applies; "on": also on the CPU under Triton's
+    interpreter, for tests; "off", the default: the host's `LogicalCache` between per-layer launches). "off"
+    stays the default until the device policy's GPU tests have passed on the device; it then becomes "auto".
     prefill_chunk: prompt positions per step of the autoregressive prefill (1: one at a time; the policy's
     decisions are the same either way, `Engine` module docstring). state_rollback: how a verification block's
     recurrent state (Qwen3.5-MoE's Gated DeltaNet) is rolled back: "history" (the step keeps every position's
@@ -45,6 +50,7 @@ class EngineConfig:
     moe: str = "slot"
     tune: str | bool = "auto"
     device_routing: str = "auto"
+    policy_device: str = "off"
     prefill_chunk: int = 16
     state_rollback: str = "auto"
 
@@ -55,6 +61,8 @@ class EngineConfig:
         object.__setattr__(self, "prefill_chunk", validate.integer(self.prefill_chunk, "prefill_chunk", minimum=1))
         if self.device_routing not in DEVICE_ROUTING:
             raise ValueError(f"device_routing must be one of {DEVICE_ROUTING}, got {self.device_routing!r}")
+        if self.policy_device not in DEVICE_ROUTING:
+            raise ValueError(f"policy_device must be one of {DEVICE_ROUTING}, got {self.policy_device!r}")
         if self.state_rollback not in STATE_ROLLBACKS:
             raise ValueError(f"state_rollback must be one of {STATE_ROLLBACKS}, got {self.state_rollback!r}")
 

@@ -11,7 +11,9 @@ insertions) and the prefetch pump -> the head graph (final norm, LM head, greedy
 - Autoregressive decoding (`generate(prompt, n)`, `teacher_forced`): D = 1, the `CacheRouter` of the policy
   (exact, Cache-Prior, PSR, speculative execution, logical or physical cache mode). With every expert resident
   and a policy that then routes as the router's own top-K, routing runs on the device instead
-  (`specmoe.kernels.device_routing`, `EngineConfig.device_routing`) and a token is one CUDA graph.
+  (`specmoe.kernels.device_routing`, `EngineConfig.device_routing`) and a token is one CUDA graph; with
+  `EngineConfig.policy_device`, any policy runs on the device with its copies, a token one CUDA graph, from the
+  model's logits or a logit feed (`specmoe.engines.device_policy`).
 - Speculative decoding (`generate(prompt, n, drafter=d)`): D = k + 1, the `BlockRouter` of the speculative
   config: block selection over the expert pool and union slots; greedy acceptance, the bonus token, rollback
   by position (the next block's root sits at the committed length; KV rows above it are overwritten), the
@@ -48,6 +50,7 @@ from specmoe.speculation import (EXACT, Drafter, SpeculativeConfig, accepted_len
                                  drafting_time)
 
 from .config import EngineConfig, RunSettings
+from .device_policy import DevicePolicy, device_policy_reason
 from .recorder import ATTENTION_DONE, COPY_CHECKS, COPY_ISSUE, MOE_START, ROUTING, WAIT_START, StepRecorder
 from .results import DecodeResult, LogitFeed, ModelFeed
 from .routers import BlockRouter, CacheRouter
@@ -107,6 +110,8 @@ class Engine:
         self.kernels = config.prepare(decoder, residency, self.compute)
         self.notes = list(decoder.notes)
         self._runners: dict[int, StepRunner] = {}
+        self._device_policy: DevicePolicy | None = None  # the last run's
+        self._device_policies: dict = {}
         self._make_runners()
 
     # -- configuration -------------------------------------------------------------------------------
@@ -256,18 +261,40 @@ class Engine:
             return "instrumented runs time each layer's host gap"
         return self.router.device_reason(self.residency.num_slots)
 
+    def device_policy(self, feed: LogitFeed | None = None) -> str | None:
+        """None if the next autoregressive run (with C < E, where `device_routing` does not apply) runs the policy
+        and its copies on the device (`specmoe.engines.device_policy`), else why it runs on the host."""
+        return device_policy_reason(self.config.policy_device, self.cuda, self.router, self.settings, feed,
+                                    self.residency.num_slots)
+
+    def _policy_step(self, feed: LogitFeed | None = None) -> DevicePolicy:
+        """The device policy of the current policy, calibration, routing rule (the model's, or that of `feed`:
+        `CacheRouter.feed_rule`) and one-position step, kept per policy and rule (a `configure` back to a policy
+        used before finds its graphs); all are dropped when the step changes."""
+        step, router = self.runner.step, self.router
+        held = self._device_policies
+        if any(p.step is not step for p in held.values()):
+            held.clear()
+        rule = router.feed_rule(feed)
+        key = (router.policy, id(router.calibration), rule, None if rule.bias is None else rule.bias.tobytes())
+        if key not in held or held[key].router.calibration is not router.calibration:
+            with torch.no_grad(), self._stream():
+                held[key] = DevicePolicy(self.decoder, step, self.residency, router, self.compute,
+                                         self.config.cuda_graphs, self.runner.copy_in_graph, scoring=rule)
+        held[key].router = router  # the router whose host state `finish` updates
+        self._device_policy = held[key]
+        return held[key]
+
     def _whole_step(self, t: int, token: int, rec: StepRecorder, position: int) -> None:
         """Step t with routing on the device: one launch, then the records (routing as the host would see it)."""
-        run, e = self.runner, self.num_experts
+        run = self.runner
         step = run.step
         step.set_input((token,), position, self.geometry.max_seq_len)
         rec.begin(t, token, position)
         run.whole_step()
         run.wait_head()
         rec.end(t, int(step.next_np[0]))
-        rec.router_logits[t] = step.logits_np[:, 0, :e]
-        rec.pregate_logits[t, 1:] = step.logits_np[:-1, 0, e:]
-        rec.selected[t] = run.experts_np[:, 0]
+        rec.position_routing(t, step.logits_np, run.experts_np)
 
     @staticmethod
     def _need(router, what: str, setting: str):
@@ -298,17 +325,22 @@ class Engine:
         rec = StepRecorder(num_steps, g.num_layers, g.num_experts, g.top_k, self.copies, self.settings.instrument,
                            self.compute)
         logits = np.zeros((num_steps, g.vocab_size), np.float32) if return_logits else None
+        host_routing = self.device_routing(feed)
+        host_policy = "every expert resident: routing on the device" if host_routing is None else \
+            self.device_policy(feed)
+        on_device = None if host_policy is not None else self._policy_step(feed)  # before _start: its warm-up
         warm = self._start(router)
         run = self.runner
-        host_routing = self.device_routing(feed)
         if host_routing is None:
             run.set_slot_map(router.slot_map())
+        elif on_device is not None:
+            on_device.start(self.settings, fed=feed is not None)
         s = self.settings
         router.bind(run.step, ModelFeed(run.step) if feed is None else feed, rec, s.cache_mode == "physical",
                     s.max_in_flight)
         chunk = self.config.prefill_chunk
         # prompt chunks: the model's own logits, in logical mode (physical mode reads copies in flight per position)
-        prompt = timed_from if feed is None and s.cache_mode == "logical" and chunk > 1 else 0
+        prompt = timed_from if feed is None and s.cache_mode == "logical" and chunk > 1 and on_device is None else 0
         with torch.no_grad(), self._stream():
             t = 0
             while t + chunk <= prompt:
@@ -324,6 +356,8 @@ class Engine:
                 position = first_position + t
                 if host_routing is None:
                     self._whole_step(t, token, rec, position)
+                elif on_device is not None:
+                    on_device.token(t, token, position, rec, feed)
                 else:
                     rec.begin(t, token, position)
                     router.begin(t, token)
@@ -333,9 +367,12 @@ class Engine:
                     logits[t] = run.step.out_logits[0].float().cpu().numpy()
                 if feed_outputs_from is not None and t + 1 >= feed_outputs_from and int(rec.outputs[t]) in stops:
                     break
+        if on_device is not None:
+            on_device.finish()
         # fingerprint: the routers whose logits routing read (LogitFeed.of carries it on)
         info = {"policy": router.policy.name, "warm_copies": warm, **self.kernels,
-                "routing": "device" if host_routing is None else "host", "host_routing_why": host_routing,
+                "routing": "device" if host_routing is None else "device_policy" if on_device else "host",
+                "host_routing_why": host_routing, "host_policy_why": host_policy,
                 "fingerprint": self.fingerprint if feed is None else feed.fingerprint,
                 "cuda_graphs": self.graphs is not None, "cache_mode": s.cache_mode, "max_in_flight": s.max_in_flight,
                 "skip_copies": s.skip_copies, "feed": feed is not None, "notes": list(self.notes)}

@@ -99,6 +99,14 @@ class StepRecorder:
         self.accepted[t] = accepted
         self.steps = t + 1
 
+    def position_routing(self, t: int, logits: np.ndarray, selected: np.ndarray) -> None:
+        """Row t's routing from a step that routed on the device: logits [L, 1, 2E] (router logits, then the next
+        layer's pre-gate), selected [L, 1, K]; as the host loop records them."""
+        e = logits.shape[-1] // 2
+        self.router_logits[t] = logits[:, 0, :e]
+        self.pregate_logits[t, 1:] = logits[:-1, 0, e:]
+        self.selected[t] = selected[:, 0]
+
     # -- after the run -----------------------------------------------------------------------------------
     def result(self, timed_from: int, logits: np.ndarray | None, info: dict, k: int = 0,
                wait_seen: bool | None = None, **fields) -> DecodeResult:

@@ -112,17 +112,22 @@ class CacheRouter:
         """Route the run's steps of `step` (D = 1) from `feed` (router and pre-gate logits), recording in `rec`."""
         self.feed, self.rec = feed, rec
         self.physical, self.max_in_flight = physical, max_in_flight
-        # a followed trace routes by its source's rule; a softmax one with this model's groups selects as this model
-        # does, whose execution weights (renormalisation, scaling) then stay (files without a rule read as softmax)
-        rule = feed.scoring
-        if rule is not None and rule.kind == "softmax" and rule.groups == self.scoring_model.groups:
-            rule = None
-        self.step_scoring = self.scoring if rule is None else EngineScoring.of(rule, self.num_layers, self.num_experts)
-        step_rule = self.scoring_model if rule is None else rule
+        rule = self.feed_rule(feed)
+        own = rule is self.scoring_model
+        self.step_scoring = self.scoring if own else EngineScoring.of(rule, self.num_layers, self.num_experts)
         # what part 1 ranks: the raw pre-gate logits (softmax routers), else their selection scores
-        self.pregate_rule = None if step_rule.kind == "softmax" else step_rule
+        self.pregate_rule = None if rule.kind == "softmax" else rule
         self._slots = [step.slots_np[layer, 0] for layer in range(self.num_layers)]
         self._weights = [step.weights_np[layer, 0] for layer in range(self.num_layers)]
+
+    def feed_rule(self, feed) -> RouterScoring:
+        """The rule routing applies to the logits of `feed` (None or the model's own: the model's rule). A followed
+        trace routes by its source's rule; a softmax one with this model's groups selects as this model does, whose
+        execution weights (renormalisation, scaling) then stay (files without a rule read as softmax)."""
+        rule = None if feed is None else feed.scoring
+        if rule is None or (rule.kind == "softmax" and rule.groups == self.scoring_model.groups):
+            return self.scoring_model
+        return rule
 
     def begin(self, t: int, token: int) -> None:
         """The next step: one position, record row t, input `token`."""

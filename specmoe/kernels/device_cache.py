@@ -428,11 +428,14 @@ class DeviceCache:
             N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group, BLOCK_G=triton.next_power_of_2(scoring.n_group))
 
     def step(self, token: torch.Tensor, layer: int, router_logits: torch.Tensor | None = None,
-             pregate_logits: torch.Tensor | None = None) -> None:
+             pregate_logits: torch.Tensor | None = None, experts_out: torch.Tensor | None = None,
+             route_out: torch.Tensor | None = None) -> None:
         """One launch: `route` of `layer` from router_logits [E] float32 (if given), then part 1 of the next
         layer (`layer` itself when no router logits are given) from pregate_logits [E] float32 (if given; the
         raw logits: a sigmoid router's selection scores are computed here). token: int64 [1] on the device, the
-        position's input token (the token prior's row)."""
+        position's input token (the token prior's row). experts_out int64 [K] / route_out int32 [2K] (contiguous):
+        where the selection and the route row go instead of `experts` / `route` (a step's own rows, so that the
+        MoE reads them where they are)."""
         do_route, do_part1 = router_logits is not None, pregate_logits is not None and self.policy.insert_budget > 0
         target = layer + int(do_route) if do_part1 else layer
         if not 0 <= target < self.num_layers or not 0 <= layer < self.num_layers:
@@ -443,12 +446,18 @@ class DeviceCache:
             if x is not None and (x.shape != (self.num_experts,) or x.dtype != torch.float32 or x.stride(0) != 1):
                 raise ValueError(f"{name} must be float32 [{self.num_experts}] of unit stride, got {x.dtype} "
                                  f"{tuple(x.shape)}")
+        k = self.policy.top_k
+        experts_out = self.experts if experts_out is None else experts_out
+        route_out = self.route if route_out is None else route_out
+        if experts_out.shape != (k,) or experts_out.dtype != torch.int64 or not experts_out.is_contiguous() \
+                or route_out.shape != (2 * k,) or route_out.dtype != torch.int32 or not route_out.is_contiguous():
+            raise ValueError(f"experts_out must be int64 [{k}] and route_out int32 [{2 * k}], contiguous")
         z = router_logits if do_route else self._dummy
         g = pregate_logits if do_part1 else self._dummy
         _cache_step_kernel[(1,)](
             self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.displaced_mass, self.fparams,
             self.delta, self.bias, self.pind, self.pexp, self.pval, self.vocab, token, layer, z, g,
-            self.experts, self.route, self.demand, self.prefetch, **self._constants,
+            experts_out, route_out, self.demand, self.prefetch, **self._constants,
             DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=1, enable_fp_fusion=False)
 
     def reset(self) -> None:

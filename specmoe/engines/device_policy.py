@@ -1,0 +1,278 @@
+"""The device policy: an autoregressive token with the logical cache on the device and its copies issued by the
+device, one CUDA graph per token, no host round trip per layer (`EngineConfig.policy_device`).
+
+Per layer l the token runs, on the compute stream: attention, router and pre-gate (`Decoder.attention_router`);
+the wait for the prefetch branch of layer l (joined here: the step below may evict a prefetched slot and
+demand-copy into it, and it rewrites the prefetch list the branch reads); `DeviceCache.step` (route of l over
+the logical cache, then part 1 of l + 1 from the pre-gate: the host `LogicalCache`'s decisions bit for bit,
+`kernels.device_cache`), writing the selection and the route row straight into the step's rows; the demand copy
+kernel (`kernels.expert_copy`: the demand list's experts from the pinned store into layer l's slots); and the
+MoE over the route row. The prefetch copy kernel of layer l + 1 runs on a side stream forked right after the
+cache step and joined at layer l + 1, so it overlaps the demand copy, the MoE of l and the attention of l + 1.
+Then the head, and one device-to-host copy of the logits, selections, next token and the copy counters.
+
+With a logit feed (trace-following, `LogitFeed`) the token's routing reads the feed, not the model's router: the
+host writes the position's feed rows into a pinned staging buffer [L, 2E] laid out as the step's logits (row l:
+the router logits z_l, then the pre-gate logits g_{l+1}; a feed's pre-gate row of layer 0 is never read, as on
+the host path, which runs no part 1 for layer 0), and the token's first operation, on the compute stream and
+captured in its graph, copies it to a static device buffer in one host-to-device copy; each layer's cache step
+reads that buffer's row instead of the router GEMM's output (the model's router GEMM still runs, its output
+unused). The device cache routes by the rule the host path applies to the feed (`CacheRouter.feed_rule`: a
+trace's own rule, its selection bias and execution weights; the model's for a softmax trace with its groups),
+so one `DevicePolicy` is kept per rule. The MoE reads the route row as always.
+
+The host reads the records after the token (`DevicePolicy.token`), as the whole-step path does with every
+expert resident. Copy accounting keeps the host path's classes (`CopyStats`), from the device cache's counters:
+demand and prefetch insertions are the counters' own; a prefetch is "unused" when evicted (or left at the end)
+without executing, as on the host; every other prefetch that executes is "in time", because its branch is
+joined before its layer's cache step, so before its MoE; none is late, and none is dropped (every listed
+prefetch is copied at once; the host path queues prefetches behind `max_in_flight` and drops those reassigned
+before they were issued, so its `issued` and `dropped` can differ from this path's, never its decisions).
+
+Not on this path (the engine keeps the host loop for them, `device_policy_reason`): the CPU (unless Triton's
+interpreter runs the kernels: tests), the physical-cache mode (routing reads copy timing), instrumented runs,
+and prompt chunks: this path steps the prompt one position at a time (the decisions are the same; only prompt
+time differs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import torch
+
+from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS, launch_copy, word_view
+from specmoe.routing import LogicalCache
+from specmoe.routing import kernels as K
+
+POLICY_DEVICE = ("auto", "on", "off")
+_STATE = ("istate", "iscalar", "fstate", "fscalar", "counters", "displaced_mass")
+
+
+def device_policy_reason(choice: str, cuda: bool, router, settings, feed, num_slots: int) -> str | None:
+    """None if an autoregressive run with this `router` (a `CacheRouter`) on a unit of `num_slots` slots, routing
+    from `feed` (a `LogitFeed`, or None: the model's own logits), runs the device policy, else why the host policy
+    runs. choice: `EngineConfig.policy_device`; "auto" leaves a run that device routing takes (every expert
+    resident, a policy that then reduces to the router's own top-K, no feed) to `EngineConfig.device_routing`."""
+    if router is None:
+        return "no autoregressive policy"
+    if choice == "off":
+        return "policy_device='off'"
+    if choice == "auto" and feed is None and router.device_reason(num_slots) is None:
+        return "every expert resident and the router's own top-K: device_routing decides"
+    if not cuda and choice == "auto":
+        return "policy_device='auto' on the CPU: the host policy"
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the device policy's kernels need CUDA, or Triton's interpreter (TRITON_INTERPRET=1) on the CPU"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the device policy needs Triton"
+    if settings.cache_mode == "physical":
+        return "physical-cache mode reads copy timing on the host"
+    if settings.instrument:
+        return "instrumented runs time each layer's host gap"
+    return None
+
+
+class DevicePolicy:
+    """The device policy of one `CacheRouter` over one decoder step of D = 1 (module docstring): the device cache,
+    the word views of the store and the slots, the feed's staging and device buffers, and one captured graph per
+    copy setting (copies skipped or not, delays) and input (the model's router or a feed), kept in a dict. scoring:
+    the rule routing applies (`CacheRouter.feed_rule`; default the model's). Build it before a request (its
+    warm-up writes the KV rows of position 0)."""
+
+    def __init__(self, decoder, step, residency, router, stream, cuda_graphs: bool = True,
+                 copy_in_graph: bool = True, blocks: int = COPY_BLOCKS, block: int = COPY_BLOCK, scoring=None):
+        from specmoe.kernels.device_cache import DeviceCache
+
+        g = decoder.geometry
+        self.decoder, self.step, self.residency, self.router = decoder, step, residency, router
+        self.stream, self.cuda = stream, stream is not None
+        self.num_layers, self.num_experts, self.top_k = g.num_layers, g.num_experts, g.top_k
+        self.capacity = router.policy.capacity
+        self.blocks, self.block = blocks, block
+        self.scoring = decoder.scoring if scoring is None else scoring
+        host = LogicalCache(router.policy, router.calibration, g.num_layers, g.num_experts,
+                            groups=self.scoring.groups)
+        host.reset()  # the state a run starts from (`reset` on the device gives it again)
+        self.cache = DeviceCache(host, self.scoring, residency.device)
+        self.inserts = router.policy.insert_budget > 0
+        device, pin = residency.device, self.cuda
+        # a feed's rows of the position, laid out as the step's logits [L, 2E] (module docstring)
+        self.feed_host = torch.zeros(g.num_layers, 2 * g.num_experts, dtype=torch.float32, pin_memory=pin)
+        self.feed_np = self.feed_host.numpy()
+        self.feed_dev = torch.zeros(self.feed_host.shape, dtype=torch.float32, device=device)
+        self.experts_dev = torch.zeros(g.num_layers, g.top_k, dtype=torch.int64, device=device)
+        self.experts_host = torch.zeros(self.experts_dev.shape, dtype=torch.int64, pin_memory=pin)
+        n = g.num_layers * K.N_COUNTERS
+        self.records_dev = torch.zeros(n + 1, dtype=torch.int64, device=device)  # counters, then prefetches pending
+        self.records_host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=pin)
+        store, slots = residency.store, residency.slots
+        self.src = [word_view(store.layers[layer]) for layer in range(g.num_layers)]
+        self.dst = [word_view(slots.data[layer]) for layer in range(g.num_layers)]
+        if any(s.dtype != d.dtype for s, d in zip(self.src, self.dst)):
+            self.src = [s.view(torch.uint8) for s in self.src]
+            self.dst = [d.view(torch.uint8) for d in self.dst]
+        self.copy_in_graph = copy_in_graph
+        self.graphs: dict = {}
+        self.use_graphs = self.cuda and cuda_graphs
+        self.skip, self.delays, self.fed = False, None, False
+        self._last = np.zeros(K.N_COUNTERS + 1, np.int64)
+        if self.cuda:
+            self.side = torch.cuda.Stream(device=device)
+            self.ev_done = torch.cuda.Event()
+            with torch.no_grad(), torch.cuda.stream(stream):
+                self._warm_up()
+
+    # -- the token ---------------------------------------------------------------------------------------
+    def _body(self, skip: bool, delays, copy_out: bool, fed: bool = False) -> None:
+        """Every layer (module docstring), the head, the records; copied to the host at the end (copy_out). fed:
+        routing reads the feed's rows (staged in `feed_host` before the launch), not the router's output."""
+        dec, step, cache, e, last = self.decoder, self.step, self.cache, self.num_experts, self.num_layers - 1
+        token = step.input_dev[:1]
+        if fed:
+            self.feed_dev.copy_(self.feed_host, non_blocking=True)
+        for layer in range(self.num_layers):
+            dec.attention_router(step, layer, copy_out=False)
+            if self.cuda and not skip and self.inserts and layer > 0:
+                self.stream.wait_stream(self.side)  # the prefetch branch of this layer, forked at the last step
+            logits = self.feed_dev[layer] if fed else step.logits_dev[layer, 0]
+            cache.step(token, layer, logits[:e], logits[e:] if layer < last else None, self.experts_dev[layer],
+                       step.route_dev[layer, 0])
+            if not skip:
+                self._copy(layer, cache.demand, delays, 2 * layer)
+                if self.inserts and layer < last:
+                    if self.cuda:
+                        self.side.wait_stream(self.stream)
+                    with torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext():
+                        self._copy(layer + 1, cache.prefetch, delays, 2 * layer + 1)
+            dec.moe(step, layer, self.residency.slots.layer(layer), copy_in=False)
+        dec.head(step, copy_out=False)
+        n = self.num_layers * K.N_COUNTERS
+        self.records_dev[:n].copy_(cache.counters.view(-1))
+        self.records_dev[n:].copy_((cache.istate[:, K.PREFETCHED] >= 0).sum().view(1))
+        if copy_out:
+            self._copy_out()
+
+    def _copy(self, layer: int, listing: torch.Tensor, delays, which: int) -> None:
+        if delays is not None and self.cuda:  # timing-independence tests: a fixed wait before this copy
+            torch.cuda._sleep(int(delays[which]))
+        launch_copy(self.src[layer], self.dst[layer], listing, self.blocks, self.block)
+
+    def _copy_out(self) -> None:
+        step = self.step
+        step.logits_host.copy_(step.logits_dev, non_blocking=True)
+        self.experts_host.copy_(self.experts_dev, non_blocking=True)
+        self.records_host.copy_(self.records_dev, non_blocking=True)
+        step.copy_out_next()
+
+    def _warm_up(self) -> None:
+        """Compile every kernel (two eager passes of the token without copies, the second reading the feed buffer,
+        and each copy kernel on an empty list) on a neutral input, then put the device cache's state back."""
+        saved = {name: getattr(self.cache, name).clone() for name in _STATE}
+        self.step.set_input([0], 0, self.decoder.geometry.max_seq_len)
+        for fed in (False, True):
+            self._body(skip=True, delays=None, copy_out=True, fed=fed)
+        for listing in (self.cache.demand, self.cache.prefetch):
+            empty = torch.zeros_like(listing)
+            launch_copy(self.src[0], self.dst[0], empty, self.blocks, self.block)
+        for name, value in saved.items():
+            getattr(self.cache, name).copy_(value)
+        torch.cuda.synchronize()
+
+    def _graph(self):
+        """The captured token for the run's copy settings and input (captured at their first use)."""
+        key = (self.skip, None if self.delays is None else tuple(self.delays), self.fed)
+        if key not in self.graphs:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream):
+                self._body(self.skip, self.delays, self.copy_in_graph, self.fed)
+            self.graphs[key] = graph
+        return self.graphs[key]
+
+    # -- a run ---------------------------------------------------------------------------------------------
+    def start(self, settings, fed: bool = False) -> None:
+        """A new request (after the engine's `_start`: the slots hold the warm set): the device cache at the warm
+        set; the run's copy settings (skip_copies; copy_delay draws a fixed delay per copy launch from
+        delay_seed, on CUDA only); fed: routing reads a logit feed (`token`'s feed)."""
+        from specmoe.offload.copies import CYCLES_PER_SECOND
+
+        self.cache.reset()
+        self.skip, self.fed = settings.skip_copies, fed
+        self.delays = None
+        if settings.copy_delay is not None and self.cuda:
+            rng = np.random.default_rng(settings.delay_seed)
+            self.delays = (rng.uniform(*settings.copy_delay, 2 * self.num_layers) * CYCLES_PER_SECOND).astype(np.int64)
+        self._last = self._totals(self.cache.counters.cpu().numpy().reshape(-1),
+                                  int((self.cache.istate[:, K.PREFETCHED] >= 0).sum()))
+        if self.use_graphs:  # captured here, not in the run's first step
+            with torch.no_grad():
+                self._graph()
+
+    def _totals(self, counters: np.ndarray, pending: int) -> np.ndarray:
+        return np.append(counters.reshape(self.num_layers, K.N_COUNTERS).sum(axis=0), pending)
+
+    def token(self, t: int, token: int, position: int, rec, feed=None) -> None:
+        """Step t: one token at `position` in one launch, routed from row t of `feed` (a `LogitFeed`; the run
+        must have started with fed=True) or the model's router; then its records (`rec.begin` / `end`, the routing
+        it saw) and its copies added to the copy stream's counters by class (module docstring)."""
+        step, e = self.step, self.num_experts
+        if (feed is not None) != self.fed:
+            raise ValueError("a run's tokens are all fed or none (DevicePolicy.start's fed)")
+        step.set_input((token,), position, self.decoder.geometry.max_seq_len)
+        if feed is not None:  # the previous token has ended (waited for below): its graph no longer reads these
+            self.feed_np[:, :e] = feed.router_logits[t]
+            self.feed_np[:-1, e:] = feed.pregate_logits[t, 1:]
+        rec.begin(t, token, position)
+        if self.use_graphs:
+            self._graph().replay()
+            if not self.copy_in_graph:
+                self._copy_out()
+        else:
+            self._body(self.skip, self.delays, copy_out=True, fed=self.fed)
+        if self.cuda:
+            self.ev_done.record(self.stream)
+            self.ev_done.synchronize()
+        self._count(self.residency.copies.stats)
+        rec.end(t, int(step.next_np[0]))
+        routed = self.feed_np if self.fed else step.logits_np[:, 0]
+        rec.position_routing(t, routed[:, None], self.experts_host.numpy()[:, None])
+
+    def _count(self, stats) -> None:
+        n = self.num_layers * K.N_COUNTERS
+        now = self._totals(self.records_host.numpy()[:n], int(self.records_host[n]))
+        d = now - self._last
+        self._last = now
+        demand, prefetch, unused, pending = (int(d[K.C_DEMAND]), int(d[K.C_PREFETCH]), int(d[K.C_UNUSED]),
+                                             int(d[-1]))
+        stats.demand += demand
+        stats.prefetch += prefetch
+        stats.prefetch_unused += unused
+        stats.prefetch_in_time += prefetch - unused - pending  # executed for the first time this token
+        if self.skip:
+            stats.skipped += demand + prefetch
+        else:
+            stats.issued += demand + prefetch
+
+    def finish(self) -> None:
+        """After the run: the host's view made the device's again: the router's `LogicalCache` takes the device
+        cache's state, and the copy stream's slot bookkeeping (what each slot holds, which slots hold unexecuted
+        prefetches) follows the slots the device wrote, so that the next run's warm set and unused count are
+        right on either path."""
+        state = self.cache.state()
+        host = self.router.cache
+        for name in _STATE:
+            getattr(host, name)[...] = state[name]
+        copies, c = self.residency.copies, self.capacity
+        held = state["istate"][:, K.SLOT_EXPERT, :c]
+        prefetched = np.take_along_axis(state["istate"][:, K.PREFETCHED], np.maximum(held, 0), axis=1)
+        copies.synchronize()
+        copies.owner[:, :c] = held
+        copies.content[:, :c] = held
+        copies.fresh[:, :c] = (held >= 0) & (prefetched >= 0)
+        copies.queued[:] = False
+        copies.batch[:] = 0
+        copies.pending[:] = copies.fresh.any(axis=1)
