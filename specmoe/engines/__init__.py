@@ -5,7 +5,8 @@ decoder's steps through a `StepRunner` per static number of positions. Speculati
 with `specmoe.speculation.SpeculativeConfig`."""
 
 from .config import EngineConfig, RunSettings
-from .engine import Engine, build_engine, build_engine_from_checkpoint
+from .build import build_engine, build_engine_from_checkpoint
+from .engine import Engine
 from .results import DecodeResult, LogitFeed
 from .routers import BlockRouter, CacheRouter, Router
 
