@@ -13,6 +13,9 @@ Seeded random weights in bf16 drawn on the device:
 - DFlash drafter: a `DFlashDraftModel` for the target's hidden size reading --dflash-target-layers target
   layers, block --dflash-block (anchor + block - 1 masks), --dflash-layers layers, on the static runtime (one CUDA
   graph per block), fed random context features; likewise --eager and the transformers drafter.
+Each static drafter runs once per --backends entry, in the same rounds: "fused" (its layers on the target
+decoders' fused Triton kernels, checked at build time: the row's "fused" says whether the check passed) and
+"torch" (the torch ops those kernels are checked against); rows `ar_fused_k8`, `ar_torch_k8`, `dflash_fused`, ...
 A drafter block is `propose(k)` and `commit` (accepted k // 2, so the position advances by k // 2 + 1), up to the
 drafter's host synchronisation, with the stream idle at the start. Configurations run in rounds, interleaved
 (round 0 warms up and is dropped), --blocks blocks per round; each drafter is reset on a fresh prompt at the start
@@ -21,7 +24,7 @@ the cache lacks for the AR drafter, one for DFlash), the achieved bandwidth (byt
 the written KV positions / ms), and ratios to the target's ms per token with 95% intervals (paired t-test on log
 latency over rounds).
 
-    PYTHONPATH=. python3 scripts/bench_drafters.py --out runs/bench_drafters
+    PYTHONPATH=. python3 scripts/bench_drafters.py --out runs/bench_drafters --no-hf
 """
 
 from __future__ import annotations
@@ -71,7 +74,10 @@ def parse(argv):
     p.add_argument("--dflash-inter", type=int, default=6144)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--blocks", type=int, default=10)
-    p.add_argument("--eager", action="store_true", help="also the static drafters without CUDA graphs")
+    p.add_argument("--eager", action="store_true", help="also the static drafters without CUDA graphs (fused "
+                   "kernels where they pass their check)")
+    p.add_argument("--backends", nargs="+", default=["fused", "torch"], choices=["fused", "torch"],
+                   help="the static drafters' layer kernels, each a row in the same rounds")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers drafters")
     p.add_argument("--no-target", action="store_true", help="skip the target's step (no ratios)")
     p.add_argument("--model", default="olmoe-1b-7b", help="the target: a named config of specmoe.models (e.g. "
@@ -96,8 +102,8 @@ def ar_step_bytes(drafter: StaticARDrafter, position: int) -> int:
 
 def dflash_block_bytes(drafter: StaticDFlashDrafter, anchor: int) -> int:
     """Weights one DFlash block reads and its attention's KV rows (anchor + block positions per layer)."""
-    weights = bytes_of(drafter.fc, drafter.hidden_norm, drafter.norm, drafter.lm_head,
-                       *[t for layer in drafter.layers for t in layer.values()])
+    weights = bytes_of(drafter.fc, drafter.hidden_norm, drafter.norm, drafter.lm_head,  # wkv, bkv: views of wqkv
+                       *[t for layer in drafter.layers for name, t in layer.items() if name not in ("wkv", "bkv")])
     kv = 2 * len(drafter.layers) * drafter.num_kv_heads * (anchor + drafter.block_size) * drafter.head_dim
     return weights + kv * drafter.k_cache.element_size()
 
@@ -195,9 +201,10 @@ def main(argv=None) -> int:
     width = len(ids) * target.config.hidden_size
     static = dict(max_seq_len=args.max_seq_len)
     runs: dict[str, DrafterRun] = {}
-    builders = {"graphs": lambda m, cls: cls(m, target, **static)}
+    backend = {"fused": "triton", "torch": "torch"}
+    builders = {kind: lambda m, cls, b=backend[kind]: cls(m, target, backend=b, **static) for kind in args.backends}
     if args.eager:
-        builders["eager"] = lambda m, cls: cls(m, target, cuda_graphs=False, **static)
+        builders["eager"] = lambda m, cls: cls(m, target, cuda_graphs=False, backend="triton", **static)
     for kind, make in builders.items():
         df = make(df_model, StaticDFlashDrafter)
         report[f"notes_{kind}"] = {"dflash": df.notes}
@@ -253,8 +260,10 @@ def main(argv=None) -> int:
         mid = args.prompt + args.blocks * (run.k // 2 + 1) // 2
         if isinstance(run.drafter, StaticARDrafter):
             row["achieved_GBps"] = ar_step_bytes(run.drafter, mid) / step_ms / 1e6
+            row["fused"] = run.drafter.decoder.fused
         elif isinstance(run.drafter, StaticDFlashDrafter):
             row["achieved_GBps"] = dflash_block_bytes(run.drafter, mid) / step_ms / 1e6
+            row["fused"] = run.drafter.fused
         if "achieved_GBps" in row:
             row["bandwidth_fraction"] = row["achieved_GBps"] * 1e9 / bandwidth
         if target_ms and len(target_ms) == len(ms):
@@ -264,14 +273,15 @@ def main(argv=None) -> int:
         rows[name] = row
     report["rows"] = rows
     save()
-    lines = ["| configuration | ms per block | steps per block | ms per step | achieved GB/s (of peak) | block / target "
-             "step (95% CI) | step / target step (95% CI) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | layers | ms per block | steps per block | ms per step | achieved GB/s (of peak) | "
+             "block / target step (95% CI) | step / target step (95% CI) |", "|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         if name == "target_step":
-            lines.append(f"| target step ({args.model} all resident) | – | – | {row['ms_per_token']:.3f} | – | 1 | 1 |")
+            lines.append(f"| target step ({args.model} all resident) | – | – | – | {row['ms_per_token']:.3f} | – | 1 | 1 |")
             continue
         gbps = f"{row['achieved_GBps']:.0f} ({row['bandwidth_fraction']:.0%})" if "achieved_GBps" in row else "–"
-        lines.append(f"| {name} | {row['ms_per_block']:.3f} | {row['steps_per_block']:.1f} | {row['ms_per_step']:.3f} "
+        layers = {True: "fused", False: "torch"}.get(row.get("fused"), "–")
+        lines.append(f"| {name} | {layers} | {row['ms_per_block']:.3f} | {row['steps_per_block']:.1f} | {row['ms_per_step']:.3f} "
                      f"| {gbps} | {_ci(row, 'block_over_target_step')} | {_ci(row, 'step_over_target_step')} |")
     table = "\n".join(lines)
     write_text_atomic(out_dir / "bench_drafters.md", f"{report['machine']}\n\n{table}\n")

@@ -2,8 +2,10 @@
 as a CUDA graph; graph replays equal eager launches of the same step; in float32 the drafts equal the
 transformers drafters' and in bfloat16 they agree within bf16 tolerance; results never depend on when the
 host looks (a busy GPU stream before each call changes nothing); the speculative engine with the static
-drafters (graphs on both sides) commits the harness loop's tokens and is independent of copy timing. The
-shipped family's target and drafters."""
+drafters (graphs on both sides) commits the harness loop's tokens and is independent of copy timing; the
+drafters on the fused kernels (the default on CUDA) draft what the same drafters on the torch ops draft (float32:
+equal; bf16: equal except at near-ties), also for a tiny OLMo-2; the fused kernels' checks in bf16 at
+OLMo-1B-0724's shapes. The shipped family's target and drafters."""
 
 import numpy as np
 import pytest
@@ -45,6 +47,24 @@ def _features(target, tokens, layer_ids):
     return extract_context_feature(out.hidden_states, list(layer_ids))[0]
 
 
+def _fused(drafter) -> bool:
+    return drafter.decoder.fused if drafter.name == "ar" else drafter.fused
+
+
+def _agree_up_to_near_ties(runs, bf16: bool):
+    """Two drafters' runs (each block's drafts and confidences) agree: float32 equal drafts and confidences
+    within 1e-5; bf16 each block's first draft (conditioned on the same committed prefix in both) equal unless
+    a near-tie (both confidences <= 0.6, as test_graphs_equal_eager_and_the_transformers_drafter argues) and
+    its confidence within 0.05."""
+    for (a_drafts, a_conf), (b_drafts, b_conf) in zip(*runs):
+        if not bf16:
+            assert a_drafts == b_drafts
+            np.testing.assert_allclose(a_conf, b_conf, rtol=1e-4, atol=1e-5)
+            continue
+        assert abs(a_conf[0] - b_conf[0]) <= 0.05, (a_drafts[0], b_drafts[0], a_conf[0], b_conf[0])
+        assert a_drafts[0] == b_drafts[0] or max(a_conf[0], b_conf[0]) <= 0.6, (a_drafts[0], b_drafts[0])
+
+
 def _walk(name, target, drafters, prompt, blocks=12, k=8, busy=False):
     """Drive every drafter along one committed sequence (the first drafter's drafts, accepted lengths cycling
     0..k, bonus tokens off the drafts); returns each drafter's drafts and confidences per block."""
@@ -80,6 +100,7 @@ def test_graphs_equal_eager_and_the_transformers_drafter(target, prompt, name):
     assert isinstance(graphs, cls) and isinstance(_build(name, model), cls)  # "auto" on CUDA: static
     launcher = graphs._step if name == "ar" else graphs._block
     assert launcher.graph is not None and graphs.attention.kind == "split_kv", graphs.notes
+    assert _fused(graphs) and _fused(eager), graphs.notes
     runs = _walk(name, model, [graphs, eager, hf], prompt)
     for (g_drafts, g_conf), (e_drafts, e_conf) in zip(runs[0], runs[1]):  # the same kernels, replayed
         assert g_drafts == e_drafts
@@ -135,3 +156,37 @@ def test_spec_engine_with_static_drafters_on_the_gpu(prompt, name):
         again = engine.generate(prompt, new, drafter=drafter)
         assert again.tokens == result.tokens and list(again.accepted) == list(result.accepted)
     assert min(result.draft_ms) > 0
+
+
+@pytest.mark.parametrize("name", ["ar", "dflash"])
+def test_fused_kernels_draft_what_the_torch_ops_draft(target, prompt, name):
+    model, _ = target
+    fused, torch_ops = _build(name, model, runtime="static"), _build(name, model, runtime="static", backend="torch")
+    assert _fused(fused) and not _fused(torch_ops), fused.notes
+    _agree_up_to_near_ties(_walk(name, model, [fused, torch_ops], prompt), model.dtype == torch.bfloat16)
+
+
+def test_fused_kernels_on_olmo2(target, prompt, tmp_path):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    model, _ = target
+    torch.manual_seed(0)
+    config = Olmo2Config(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         pad_token_id=1, bos_token_id=0, eos_token_id=0)
+    Olmo2ForCausalLM(config).to(model.dtype).save_pretrained(tmp_path)
+    fused, torch_ops = (_build("ar", model, runtime="static", path=str(tmp_path), backend=b) for b in ("auto", "torch"))
+    assert fused.decoder.kind == "olmo2" and _fused(fused) and not _fused(torch_ops), fused.notes
+    _agree_up_to_near_ties(_walk("ar", model, [fused, torch_ops], prompt), model.dtype == torch.bfloat16)
+
+
+def test_drafter_kernel_checks_at_olmo_1b_shapes():
+    from specmoe.kernels import checks
+
+    dev = torch.device("cuda")
+    for style, prologue, post in (("layer", dict(rope_f32=True), False),
+                                  ("olmo2", dict(style="olmo2", rope_f32=True), True)):
+        checks.check_drafter_kernels(2048, 8192, (16, 16, 128), 50304, 1e-5, style, prologue, None, torch.bfloat16,
+                                     dev, post_norm=post, qk_norm=style == "olmo2")
+    checks.check_drafter_kernels(2048, 6144, (16, 4, 128), 50304, 1e-6, "olmoe", dict(head_norm=True), None,
+                                 torch.bfloat16, dev, positions=(1, 16), kv_only=True)

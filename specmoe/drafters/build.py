@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from specmoe.assets import FAMILY_MEMBERS, family_path, family_target_dirs, member_dflash_path
+from specmoe.kernels import BACKENDS
 from specmoe.speculation import Drafter
 
 from .base import ATTENTIONS, COST_MODES, RUNTIMES, DrafterError
@@ -33,7 +34,9 @@ class DrafterConfig:
     on the CPU) or "auto" (static on a CUDA device where the architecture is supported, else hf);
     max_seq_len: positions of the static cache (prompt + new tokens + one block); cuda_graphs: capture the
     static drafter's step (False: eager launches, for debugging); attention: "auto" (split-KV on CUDA with
-    Triton, else SDPA), "split_kv" or "sdpa" for the static drafter."""
+    Triton, else SDPA), "split_kv" or "sdpa" for the static drafter; backend: the static drafter's layers on the
+    fused Triton kernels ("triton"; "auto": on CUDA with Triton, each checked against its torch reference at
+    build time, the torch ops where a check fails) or on their torch references ("torch")."""
 
     name: str
     path: str | None = None
@@ -46,6 +49,7 @@ class DrafterConfig:
     max_seq_len: int = 4096
     cuda_graphs: bool = True
     attention: str = "auto"
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.name not in DRAFTERS:
@@ -68,6 +72,8 @@ class DrafterConfig:
             raise DrafterError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
         if self.attention not in ATTENTIONS:
             raise DrafterError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.backend not in BACKENDS:
+            raise DrafterError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,7 +114,8 @@ def _checkpoint(config: DrafterConfig, target) -> Path:
 
 
 def _static_options(config: DrafterConfig) -> dict:
-    return dict(max_seq_len=config.max_seq_len, cuda_graphs=config.cuda_graphs, attention=config.attention)
+    return dict(max_seq_len=config.max_seq_len, cuda_graphs=config.cuda_graphs, attention=config.attention,
+                backend=config.backend)
 
 
 def build_ar(config: DrafterConfig, target) -> Drafter:

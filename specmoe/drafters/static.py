@@ -1,5 +1,7 @@
 """What the drafters' static-cache paths share (`static_ar`, `static_dflash`): the attention choice and its
-device check, one step function launched as a CUDA graph or called eagerly, and host/device buffer pairs.
+device check, the layers' kernels (the target decoders' fused Triton kernels, `specmoe.kernels.norm_rope` and
+`greedy`, or their torch references, chosen and checked at build time), one step function launched as a CUDA
+graph or called eagerly, and host/device buffer pairs.
 
 The drafters on the GPU follow the engine's decoder (gpt-fast's style): weights taken from the transformers
 model once, a static KV cache of `max_seq_len` positions, and a step function whose every input (tokens,
@@ -12,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels import decode_attention, norm_rope, triton_available
+from specmoe.kernels import BACKENDS, decode_attention, norm_rope, triton_available
 from specmoe.kernels.checks import TOLERANCE, relative_error
+from specmoe.kernels.greedy import greedy_torch, greedy_triton
 from specmoe.kernels.split_kv import make_split_kv_workspace, split_kv_attention
 
 from .base import ATTENTIONS, DrafterError
@@ -24,19 +27,53 @@ def default_rope_theta(config) -> float:
     return norm_rope.default_rope_theta(config, "the static-cache drafter", DrafterError)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-           table_dtype: bool) -> torch.Tensor:
-    """Rotary embedding of x [D, heads, HD] at `positions` [D] (half-split convention). table_dtype: round
-    cos/sin to x's dtype first (Qwen3's rotary module) rather than computing in float32 and rounding the result
-    (OLMo's and OLMo-2's `apply_rotary_pos_emb` with float32 tables)."""
-    c = cos.index_select(0, positions).repeat(1, 2)[:, None]
-    s = sin.index_select(0, positions).repeat(1, 2)[:, None]
-    half = x.shape[-1] // 2
-    if table_dtype:
-        c, s = c.to(x.dtype), s.to(x.dtype)
-        return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
-    xf = x.float()
-    return (xf * c + torch.cat((-xf[..., half:], xf[..., :half]), dim=-1) * s).to(x.dtype)
+# -- the layers' kernels: fused (Triton, the target decoders' kernels) or their torch references ------------
+def choose_kernels(owner, backend: str, check) -> bool:
+    """Whether `owner` (a static drafter: .device, .notes) runs its layers on the fused Triton kernels: backend
+    "triton", or "auto" on CUDA with Triton, and check() (`specmoe.kernels.checks.check_drafter_kernels` at its
+    shapes) passes on the device (`specmoe.models.decoder.verified`: a failure notes why, and the torch ops run)."""
+    from specmoe.models.decoder import verified
+
+    if backend not in BACKENDS:
+        raise DrafterError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and not (owner.device.type == "cuda" and triton_available())):
+        owner.notes.append("layers: torch ops (the fused kernels' reference)")
+        return False
+    return verified(owner, "fused Triton kernels of the layers", "torch ops", check)
+
+
+def norm(fused: bool, x: torch.Tensor, weight, eps: float, style: str, residual=None) -> torch.Tensor:
+    """The norm of `style` of x (rows contiguous); with a residual: residual += x first (in place) and the sum
+    is normed (`norm_rope.rmsnorm_triton` where fused, else `rmsnorm_torch`)."""
+    if fused:
+        return norm_rope.rmsnorm_triton(x, weight, eps, torch.empty_like(x), style=style, residual=residual)
+    if residual is not None:
+        x = residual.add_(x)
+    return norm_rope.rmsnorm_torch(x, weight, eps, style=style)
+
+
+def add_norm(fused: bool, h: torch.Tensor, x: torch.Tensor, weight, eps: float, style: str) -> torch.Tensor:
+    """h += the norm of x (a post-norm's residual add, in place); returns h."""
+    if fused:
+        return norm_rope.rmsnorm_triton(x, weight, eps, None, style=style, add_to=h)
+    return h.add_(norm_rope.rmsnorm_torch(x, weight, eps, style=style))
+
+
+def prologue(fused: bool, qkv: torch.Tensor, *args, **flags) -> None:
+    """`norm_rope.qkv_prologue_triton` where fused, else `qkv_prologue_torch` (same arguments)."""
+    (norm_rope.qkv_prologue_triton if fused else norm_rope.qkv_prologue_torch)(qkv, *args, **flags)
+
+
+def swiglu(fused: bool, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [D, 2I] = [gate | up] (`norm_rope.gate_mul_*`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.empty_like(up)
+    return (norm_rope.gate_mul_triton if fused else norm_rope.gate_mul_torch)(gate, up, out, "silu")
+
+
+def greedy(fused: bool, logits: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, index=None) -> None:
+    """Greedy tokens of logits [D, V] and their probabilities into rows index, index + 1, ... (`kernels.greedy`)."""
+    (greedy_triton if fused else greedy_torch)(logits, tokens, probs, index)
 
 
 def pinned_pair(shape, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

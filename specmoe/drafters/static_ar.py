@@ -13,6 +13,13 @@ Architectures (`config.model_type`): ``olmo`` (non-parametric LayerNorm before a
 clip_qkv; OLMo-1B-0724 and the family's drafter) and ``olmo2`` (RMSNorm after attention and MLP, QK-norm
 over all heads). Anything else is a DrafterError naming what is missing.
 
+Kernels (`backend`, checked at build time as the target's decoders do): the layers run on the target decoders'
+fused Triton kernels (`specmoe.kernels.norm_rope`: OLMo's LayerNorm fused with the residual add before it,
+OLMo-2's post-norms fused with the residual add after them, the attention prologue with QK-norm, clip, rotary
+embedding and KV write in one launch, the SwiGLU product; the split-KV attention; `kernels.greedy` for the
+greedy token and its probability in one pass over the logits) or on their torch references, which are the
+same functions' torch versions (`static.norm`, `prologue`, `swiglu`, `greedy`). Projections are cuBLAS GEMMs.
+
 Drafting (`StaticARDrafter`, the `Drafter` protocol): the committed tokens live in a device buffer; one
 graph step reads its input token at the device position `pos` (the committed token there, or the draft
 the previous step wrote), writes the KV rows of `pos`, and writes the greedy token after it and the
@@ -29,12 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
+from specmoe.kernels import checks
 from specmoe.kernels.norm_rope import rope_tables
 from specmoe.speculation import advance, prompt_tokens
 
+from . import static
 from .base import DrafterError
 from .hf_autoregressive import check_vocabulary
-from .static import Launcher, WrittenAttention, chunk_attention, default_rope_theta, pinned_pair, rotate, sync
+from .static import Launcher, WrittenAttention, chunk_attention, default_rope_theta, pinned_pair, sync
 
 ARCHITECTURES = ("olmo", "olmo2")
 PREFILL_CHUNK = 256  # positions per eager prefill forward
@@ -63,22 +72,11 @@ def dense_constants(config) -> tuple[str, float, float, float | None]:
     return kind, eps, theta, getattr(config, "clip_qkv", None)
 
 
-def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """OLMo's LayerNorm without weight or bias, in float32, rounded to x's dtype."""
-    return F.layer_norm(x.float(), (x.shape[-1],), None, None, eps=eps).to(x.dtype)
-
-
-def rms_norm_olmo2(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """OLMo-2's RMSNorm: normalised in float32, times the weight, then rounded (unlike OLMoE's order)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype)
-
-
 class DenseDecoder:
     """A dense OLMo / OLMo-2 causal LM over a static KV cache [L, NKV, S, HD]: weights of a transformers
-    model, `forward(ids, first, attend)` for D positions from the device position `first`, `greedy(h)`.
-    Its shapes are `geometry` (num_experts = 0); kind, eps, rope_theta and clip_qkv are its architecture's."""
+    model, `forward(ids, first, attend)` for D positions from the device position `first`, `greedy(x, ...)`.
+    Its shapes are `geometry` (num_experts = 0); kind, eps, rope_theta and clip_qkv are its architecture's;
+    `fused`: the layers run on the fused kernels (set by `use_kernels`; False: the torch references)."""
 
     def __init__(self, model, max_seq_len: int):
         self.kind, self.eps, self.rope_theta, self.clip_qkv = dense_constants(model.config)
@@ -105,36 +103,45 @@ class DenseDecoder:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.cos, self.sin = rope_tables(c.head_dim, self.rope_theta, c.max_seq_len, self.device)
-        self.offsets = torch.arange(max(c.max_seq_len, PREFILL_CHUNK), device=self.device)
+        self.fused = False
+        self.style = "layer" if self.kind == "olmo" else "olmo2"  # the norms' (`norm_rope.NORM_STYLES`)
 
-    def _layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        c, w = self.geometry, self.layers[i]
-        d = h.shape[0]
-        x = layer_norm(h, self.eps) if self.kind == "olmo" else h
-        q, k, v = F.linear(x, w["wqkv"]).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                                                 c.num_kv_heads * c.head_dim], dim=-1)
-        if self.kind == "olmo2":
-            q, k = rms_norm_olmo2(q, w["q_norm"], self.eps), rms_norm_olmo2(k, w["k_norm"], self.eps)
-        if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q = rotate(q.reshape(d, c.num_heads, c.head_dim), self.cos, self.sin, positions, table_dtype=False)
-        k = rotate(k.reshape(d, c.num_kv_heads, c.head_dim), self.cos, self.sin, positions, table_dtype=False)
-        self.k_cache[i].index_copy_(1, positions, k.transpose(0, 1))
-        self.v_cache[i].index_copy_(1, positions, v.reshape(d, c.num_kv_heads, c.head_dim).transpose(0, 1))
+    def use_kernels(self, owner, backend: str) -> None:
+        """Run the layers on the fused kernels where `backend` asks for them and they pass their check at this
+        model's shapes on its device (`static.choose_kernels`; owner.notes says which)."""
+        c = self.geometry
+        self.fused = static.choose_kernels(owner, backend, lambda: checks.check_drafter_kernels(
+            c.hidden, c.inter, (c.num_heads, c.num_kv_heads, c.head_dim), self.lm_head.shape[0], self.eps,
+            self.style, dict(style="olmo2", rope_f32=True), self.clip_qkv, self.dtype, self.device,
+            post_norm=self.kind == "olmo2", qk_norm=self.kind == "olmo2"))
+
+    def _layer(self, i: int, h: torch.Tensor, x: torch.Tensor, first: torch.Tensor, attend) -> torch.Tensor:
+        """Layer i over the residual stream h [D, H] (updated in place) and x, its input (OLMo: h normed; OLMo-2:
+        h); returns the next layer's input (OLMo: the next norm of h, which is also the final norm)."""
+        c, w, fused, eps = self.geometry, self.layers[i], self.fused, self.eps
+        q = torch.empty(h.shape[0], c.num_heads, c.head_dim, dtype=self.dtype, device=self.device)
+        static.prologue(fused, F.linear(x, w["wqkv"]), w.get("q_norm"), w.get("k_norm"), self.cos, self.sin, first,
+                        q, self.k_cache[i], self.v_cache[i], eps, self.clip_qkv, style="olmo2", rope_f32=True)
         o = F.linear(attend(q, i), w["wo"])
-        h = h + (rms_norm_olmo2(o, w["post_attn"], self.eps) if self.kind == "olmo2" else o)
-        gate, up = F.linear(layer_norm(h, self.eps) if self.kind == "olmo" else h, w["gate_up"]).chunk(2, dim=-1)
-        m = F.linear(F.silu(gate) * up, w["down"])
-        return h + (rms_norm_olmo2(m, w["post_ff"], self.eps) if self.kind == "olmo2" else m)
+        if self.kind == "olmo":
+            x = static.norm(fused, o, None, eps, "layer", residual=h)  # h += o, normed
+        else:
+            x = static.add_norm(fused, h, o, w["post_attn"], eps, "olmo2")
+        m = F.linear(static.swiglu(fused, F.linear(x, w["gate_up"])), w["down"])
+        if self.kind == "olmo":
+            return static.norm(fused, m, None, eps, "layer", residual=h)
+        return static.add_norm(fused, h, m, w["post_ff"], eps, "olmo2")
 
     def forward(self, ids: torch.Tensor, first: torch.Tensor, attend) -> torch.Tensor:
-        """Hidden states [D, H] of tokens ids [D] at positions first [1] + 0 .. D - 1 (their KV rows written);
-        attend(q [D, NH, HD], layer) -> [D, NH * HD] over the cache."""
-        positions = first + self.offsets[:ids.shape[0]]
+        """The final norm's output [D, H] for tokens ids [D] at positions first [1] + 0 .. D - 1 (their KV rows
+        written); attend(q [D, NH, HD], layer) -> [D, NH * HD] over the cache."""
         h = self.embed.index_select(0, ids)
+        x = static.norm(self.fused, h, None, self.eps, "layer") if self.kind == "olmo" else h
         for i in range(self.geometry.num_layers):
-            h = self._layer(i, h, positions, attend)
-        return h
+            x = self._layer(i, h, x, first, attend)
+        if self.kind == "olmo2":
+            x = static.norm(self.fused, h, self.final_norm, self.eps, "olmo2")
+        return x
 
     def prefill(self, ids: torch.Tensor, start: int) -> None:
         """Eager forwards over ids [n] at positions start .. start + n - 1, PREFILL_CHUNK at a time (KV rows only)."""
@@ -144,18 +151,16 @@ class DenseDecoder:
             self.forward(chunk, first, lambda q, i, s=start + a: chunk_attention(q, self.k_cache[i],
                                                                                  self.v_cache[i], s))
 
-    def greedy(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy tokens of hidden states h [D, H] and the drafter's probability of each (float32)."""
-        x = layer_norm(h, self.eps) if self.kind == "olmo" else rms_norm_olmo2(h, self.final_norm, self.eps)
-        probs = torch.softmax(F.linear(x, self.lm_head).float(), dim=-1)
-        tokens = probs.argmax(-1)
-        return tokens, probs.gather(-1, tokens[:, None])[:, 0]
+    def greedy(self, x: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, index: torch.Tensor) -> None:
+        """Greedy tokens of the final norm's output x [D, H] and the drafter's probability of each (float32),
+        into tokens / probs at rows index [1] + 0 .. D - 1."""
+        static.greedy(self.fused, F.linear(x, self.lm_head), tokens, probs, index)
 
 
 class StaticARDrafter:
     """The ``ar`` drafter over `DenseDecoder`: one CUDA graph per drafted token on a GPU, the same step
     eagerly on the CPU (module docstring). max_seq_len: positions of the static cache (prompt, new tokens
-    and one block's drafts)."""
+    and one block's drafts); backend: the layers' kernels ("auto": fused on CUDA, checked first; module docstring)."""
 
     name = "ar"
     runtime = "static"
@@ -164,7 +169,8 @@ class StaticARDrafter:
     max_drafts = None
     fixed_cost_s = None
 
-    def __init__(self, model, target, max_seq_len: int = 4096, cuda_graphs: bool = True, attention: str = "auto"):
+    def __init__(self, model, target, max_seq_len: int = 4096, cuda_graphs: bool = True, attention: str = "auto",
+                 backend: str = "auto"):
         check_vocabulary(model, target)
         self.vocab_size = model.config.vocab_size
         dec = self.decoder = DenseDecoder(model, max_seq_len)
@@ -173,6 +179,7 @@ class StaticARDrafter:
         self.max_seq_len, self.device = s, dev
         self.attention = WrittenAttention(1, c.num_heads, c.num_kv_heads, c.head_dim, s, True, dec.dtype, dev)
         self.notes = [self.attention.choose(attention)]
+        dec.use_kernels(self, backend)
         self.ctrl_host, self.ctrl_dev = pinned_pair(2, torch.int64, dev)  # [pos, number of committed tokens]
         self.seq_host, self.seq_dev = pinned_pair(s, torch.int64, dev)  # committed tokens by position
         self.out_tok = torch.zeros(s + 1, dtype=torch.int64, device=dev)  # greedy token after position p - 1, at p
@@ -198,10 +205,8 @@ class StaticARDrafter:
         pos, committed = self.ctrl_dev[0:1], self.ctrl_dev[1:2]
         token = torch.where(pos < committed, self.seq_dev.index_select(0, pos), self.out_tok.index_select(0, pos))
         self._written = pos + 1
-        h = self.decoder.forward(token, pos, self._attend)
-        nxt, conf = self.decoder.greedy(h)
-        self.out_tok.index_copy_(0, self._written, nxt)
-        self.out_conf.index_copy_(0, self._written, conf)
+        x = self.decoder.forward(token, pos, self._attend)
+        self.decoder.greedy(x, self.out_tok, self.out_conf, self._written)
         pos.add_(1)
 
     @torch.no_grad()

@@ -17,6 +17,11 @@ transformers drafter crops them off instead); the target's LM head gives the gre
 drafter's probability of it at each of the block's positions 1 .. block_size - 1. `propose(k)` replays the
 graph once and synchronises once; `commit` appends the committed positions' features to the pending buffer
 (a device-to-device copy, no synchronisation). The prompt's features are written by eager chunks at `reset`.
+
+Kernels (`backend`, as `static_ar`'s): the layers' norms (fused with the residual add before them), the
+attention prologue (per-head q/k norms, rotary embedding, KV write; for the context rows keys and values only),
+the SwiGLU product and the greedy head run on the target decoders' fused kernels or their torch references;
+the block's attention (non-causal over the context and the block) is the split-KV kernel (`WrittenAttention`).
 """
 
 from __future__ import annotations
@@ -25,25 +30,29 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels.norm_rope import rmsnorm_torch, rope_tables
+from specmoe.kernels import checks
+from specmoe.kernels.norm_rope import rope_tables
 from specmoe.speculation import advance, prompt_tokens
 
+from . import static
 from .base import DrafterError
 from .dflash import check_fits_target
-from .static import Launcher, WrittenAttention, default_rope_theta, pinned_pair, rotate, sync
+from .static import Launcher, WrittenAttention, default_rope_theta, pinned_pair, sync
 
 CONTEXT_CHUNK = 512  # feature rows per eager write at reset
 
 
 class StaticDFlashDrafter:
     """Block drafting with a `DFlashDraftModel`'s weights and the target's embedding and LM head over a static
-    cache of `max_seq_len` positions (module docstring)."""
+    cache of `max_seq_len` positions (module docstring); backend: the layers' kernels ("auto": fused on CUDA,
+    checked first)."""
 
     name = "dflash"
     runtime = "static"
     fixed_cost_s = None
 
-    def __init__(self, model, target, max_seq_len: int = 4096, cuda_graphs: bool = True, attention: str = "auto"):
+    def __init__(self, model, target, max_seq_len: int = 4096, cuda_graphs: bool = True, attention: str = "auto",
+                 backend: str = "auto"):
         check_fits_target(model, target)
         config = model.config
         layer_types = getattr(config, "layer_types", None) or []
@@ -80,11 +89,12 @@ class StaticDFlashDrafter:
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = lambda name, i=i: params.get(f"layers.{i}.{name}")  # noqa: E731
-            kv_bias = None if p("self_attn.k_proj.bias") is None else torch.cat([p("self_attn.k_proj.bias"),
-                                                                                  p("self_attn.v_proj.bias")])
-            self.layers.append({
-                "wq": p("self_attn.q_proj.weight"), "bq": p("self_attn.q_proj.bias"),
-                "wkv": torch.cat([p("self_attn.k_proj.weight"), p("self_attn.v_proj.weight")]), "bkv": kv_bias,
+            qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            wqkv = torch.cat([p(f"{name}.weight") for name in qkv])
+            bqkv = None if p("self_attn.q_proj.bias") is None else torch.cat([p(f"{name}.bias") for name in qkv])
+            q_rows = self.num_heads * self.head_dim
+            self.layers.append({  # q, k, v in one product for the block; k, v (a view) for the context rows
+                "wqkv": wqkv, "bqkv": bqkv, "wkv": wqkv[q_rows:], "bkv": None if bqkv is None else bqkv[q_rows:],
                 "wo": p("self_attn.o_proj.weight"), "bo": p("self_attn.o_proj.bias"),
                 "q_norm": p("self_attn.q_norm.weight"), "k_norm": p("self_attn.k_norm.weight"),
                 "input_ln": p("input_layernorm.weight"), "post_ln": p("post_attention_layernorm.weight"),
@@ -98,10 +108,13 @@ class StaticDFlashDrafter:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=dev)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.cos, self.sin = rope_tables(self.head_dim, theta, s, dev)
-        self.offsets = torch.arange(max(b, CONTEXT_CHUNK), device=dev)
         self.attention = WrittenAttention(b, self.num_heads, self.num_kv_heads, self.head_dim, s, False,
                                           self.dtype, dev)
         self.notes = [self.attention.choose(attention)]
+        self.fused = static.choose_kernels(self, backend, lambda: checks.check_drafter_kernels(
+            self.hidden_size, config.intermediate_size, (self.num_heads, self.num_kv_heads, self.head_dim),
+            self.lm_head.shape[0], self.eps, "olmoe", dict(head_norm=True), None, self.dtype, dev,
+            positions=(1, b), kv_only=True))
         self.ctrl_host, self.ctrl_dev = pinned_pair(3, torch.int64, dev)  # [context length, anchor, anchor token]
         self.pending_dev = torch.zeros(b, self.feature_width, dtype=self.dtype, device=dev)
         self.block_ids = torch.full((b,), self.mask_token_id, dtype=torch.int64, device=dev)
@@ -120,40 +133,39 @@ class StaticDFlashDrafter:
     def _neutral(self) -> None:
         self.ctrl_dev.copy_(torch.tensor([0, 0, self.mask_token_id], device=self.device))
 
-    def _write_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Keys and values of context feature rows [n, n_layers * H] at `positions` [n], in every layer."""
-        ctx = rmsnorm_torch(F.linear(features, self.fc), self.hidden_norm, self.eps)
-        for i in range(len(self.layers)):
-            self._write_kv(i, ctx, positions)
+    def _write_context(self, features: torch.Tensor, first: torch.Tensor) -> None:
+        """Keys and values of context feature rows [n, n_layers * H] at positions first [1] + 0 .. n - 1, in every
+        layer (the prologue without query heads)."""
+        ctx = static.norm(self.fused, F.linear(features, self.fc), self.hidden_norm, self.eps, "olmoe")
+        q = torch.empty(ctx.shape[0], 0, self.head_dim, dtype=self.dtype, device=self.device)
+        for i, w in enumerate(self.layers):
+            self._prologue(i, F.linear(ctx, w["wkv"], w["bkv"]), first, q)
 
-    def _write_kv(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> None:
-        w, n = self.layers[i], x.shape[0]
-        k, v = F.linear(x, w["wkv"], w["bkv"]).view(n, 2, self.num_kv_heads, self.head_dim).unbind(1)
-        k = rotate(rmsnorm_torch(k, w["k_norm"], self.eps), self.cos, self.sin, positions, table_dtype=True)
-        self.k_cache[i].index_copy_(1, positions, k.transpose(0, 1))
-        self.v_cache[i].index_copy_(1, positions, v.transpose(0, 1))
+    def _prologue(self, i: int, qkv: torch.Tensor, first: torch.Tensor, q: torch.Tensor) -> None:
+        w = self.layers[i]
+        static.prologue(self.fused, qkv, w["q_norm"], w["k_norm"], self.cos, self.sin, first, q, self.k_cache[i],
+                        self.v_cache[i], self.eps, None, head_norm=True)
 
     def _block_step(self) -> None:
         """The graph body: pending context rows, then the block's forward and greedy drafts (module docstring)."""
-        b = self.block_size
+        b, fused, eps = self.block_size, self.fused, self.eps
         context, anchor, token = self.ctrl_dev[0:1], self.ctrl_dev[1:2], self.ctrl_dev[2:3]
-        self._write_context(self.pending_dev, context + self.offsets[:b])
-        positions = anchor + self.offsets[:b]
+        self._write_context(self.pending_dev, context)
         written = anchor + b
         hidden = self.embed.index_select(0, torch.cat([token, self.block_ids[1:]]))
+        x = static.norm(fused, hidden, self.layers[0]["input_ln"], eps, "olmoe")
         for i, w in enumerate(self.layers):
-            x = rmsnorm_torch(hidden, w["input_ln"], self.eps)
-            q = F.linear(x, w["wq"], w["bq"]).view(b, self.num_heads, self.head_dim)
-            q = rotate(rmsnorm_torch(q, w["q_norm"], self.eps), self.cos, self.sin, positions, table_dtype=True)
-            self._write_kv(i, x, positions)
+            q = torch.empty(b, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            self._prologue(i, F.linear(x, w["wqkv"], w["bqkv"]), anchor, q)
             att = self.attention(q, self.k_cache[i], self.v_cache[i], written)
-            hidden = hidden + F.linear(att, w["wo"], w["bo"])
-            gate, up = F.linear(rmsnorm_torch(hidden, w["post_ln"], self.eps), w["gate_up"]).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, w["down"])
-        out = rmsnorm_torch(hidden[1:], self.norm, self.eps)
-        probs = torch.softmax(F.linear(out, self.lm_head, self.lm_head_bias).float(), dim=-1)
-        self.out_tok.copy_(probs.argmax(-1))
-        self.out_conf.copy_(probs.gather(-1, self.out_tok[:, None])[:, 0])
+            x = static.norm(fused, F.linear(att, w["wo"], w["bo"]), w["post_ln"], eps, "olmoe", residual=hidden)
+            m = F.linear(static.swiglu(fused, F.linear(x, w["gate_up"])), w["down"])
+            following = self.layers[i + 1]["input_ln"] if i + 1 < len(self.layers) else self.norm
+            x = static.norm(fused, m, following, eps, "olmoe", residual=hidden)  # the next input, or the final norm
+        static.greedy(fused, F.linear(x[1:], self.lm_head, self.lm_head_bias), self.out_tok, self.out_conf)
+
+    def _position(self, p: int) -> torch.Tensor:
+        return torch.tensor([p], device=self.device)
 
     # -- the Drafter protocol --------------------------------------------------------------------------
     def _take_features(self, features, expected: int) -> torch.Tensor:
@@ -169,7 +181,7 @@ class StaticDFlashDrafter:
     def _flush(self) -> None:
         """Write the pending rows into the cache eagerly (only when more are committed than a block holds)."""
         if self.pending:
-            self._write_context(self.pending_dev[:self.pending], self.context + self.offsets[:self.pending])
+            self._write_context(self.pending_dev[:self.pending], self._position(self.context))
             self.context += self.pending
             self.pending = 0
 
@@ -183,7 +195,7 @@ class StaticDFlashDrafter:
         self.tokens, self._drafts, self.context, self.pending = tokens, [], 0, 0
         for a in range(0, features.shape[0], CONTEXT_CHUNK):
             rows = features[a:a + CONTEXT_CHUNK]
-            self._write_context(rows, a + self.offsets[:rows.shape[0]])
+            self._write_context(rows, self._position(a))
         self.context = features.shape[0]
 
     @torch.no_grad()

@@ -1,6 +1,6 @@
 """Kernels of the decode engines: slot-indexed MoE (Triton + torch; vLLM's fused_experts where installed) for one
 token and grouped for the D positions of a step (each distinct slot's expert read once), fused
-RMSNorm and attention prologue, attention over a static KV cache (a split-KV Triton kernel that reads only the
+RMSNorm and attention prologue (also the static drafters', with the greedy head of `greedy`), attention over a static KV cache (a split-KV Triton kernel that reads only the
 written positions, for one query or a causal block of D, also over MLA's latent cache; torch SDPA as the
 reference and CPU path; flash-attn where installed), and their self-checks on the device (`checks`); the MoE
 kernels' launch parameters are tuned once per device and shape and cached on disk (`tuning`)."""

@@ -228,6 +228,63 @@ def check_zero_centred_kernels(s: Geometry, rotary_dim: int, shared_inter: int, 
                    knr.gate_mul_triton(args[0], args[1], torch.empty(d, width, device=device, dtype=dtype), *args[2:]))
 
 
+def check_drafter_kernels(hidden: int, inter: int, heads: tuple[int, int, int], vocab: int, eps: float, style: str,
+                          prologue: dict, clip: float | None, dtype: torch.dtype, device: torch.device,
+                          positions=(1, 3), post_norm: bool = False, kv_only: bool = False,
+                          qk_norm: bool = True) -> None:
+    """The fused kernels of a static drafter's layers against their torch versions at its shapes, for each
+    number of positions: the norm of its `style` alone and after the residual add (the sum too), added to the
+    residual where it post-norms (`post_norm`, OLMo-2); the attention prologue with its flags (`prologue`:
+    style, head_norm, rope_f32; qk_norm False: none, OLMo-1) and heads (NH, NKV, HD), also for keys and values
+    alone (`kv_only`, DFlash's context rows); the SwiGLU product; the greedy head over `vocab` logits (the same
+    tokens, probabilities within TOLERANCE)."""
+    from . import norm_rope as knr
+    from .greedy import greedy_torch, greedy_triton
+
+    nh, nkv, hd = heads
+    g = torch.Generator(device=device).manual_seed(7)
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=g).to(dtype)  # noqa: E731
+    seq = max(positions) + 5
+    cos, sin = knr.rope_tables(hd, 10000.0, seq, device)
+    head_norm = prologue.get("head_norm", False)
+    for d in positions:
+        x, res, w = rand(d, hidden), rand(d, hidden), rand(hidden)
+        _agree(f"{style} norm kernel", knr.rmsnorm_torch(x, w, eps, style=style),
+               knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), style=style))
+        res_out = res.clone()
+        out = knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), style=style, residual=res_out)
+        _agree("residual add of the norm kernel", res + x, res_out)
+        _agree(f"{style} norm kernel after the residual add", knr.rmsnorm_torch(res + x, w, eps, style=style), out)
+        if post_norm:
+            _agree(f"{style} post-norm kernel's residual add", res + knr.rmsnorm_torch(x, w, eps, style=style),
+                   knr.rmsnorm_triton(x, w, eps, None, style=style, add_to=res.clone()))
+        for q_heads in (nh, 0) if kv_only else (nh,):
+            qkv = rand(d, (q_heads + 2 * nkv) * hd)
+            qn, kn = (rand(hd), rand(hd)) if head_norm else (rand(nh * hd), rand(nkv * hd))
+            outs = []
+            for fn in (knr.qkv_prologue_torch, knr.qkv_prologue_triton):
+                q = torch.zeros(d, q_heads, hd, device=device, dtype=dtype)
+                kc, vc = (torch.zeros(nkv, seq, hd, device=device, dtype=dtype) for _ in range(2))
+                fn(qkv, qn if qk_norm else None, kn if qk_norm else None, cos, sin,
+                   torch.tensor([seq - d], device=device), q, kc, vc, eps, clip, **prologue)
+                outs.append(torch.cat([q.flatten(), kc.flatten(), vc.flatten()]))
+            _agree(f"attention prologue kernel ({q_heads} query heads)", *outs)
+        gate_up = rand(d, 2 * inter)
+        gate, up = gate_up.chunk(2, dim=-1)
+        _agree("SwiGLU product kernel", knr.gate_mul_torch(gate, up, torch.empty_like(up), "silu"),
+               knr.gate_mul_triton(gate, up, torch.empty_like(up), "silu"))
+        logits = (torch.randn(d, vocab, device=device, generator=g) * 4).to(dtype)
+        outs = []
+        for fn in (greedy_torch, greedy_triton):
+            tokens = torch.zeros(d + 1, dtype=torch.int64, device=device)
+            probs = torch.zeros(d + 1, dtype=torch.float32, device=device)
+            fn(logits, tokens, probs, torch.ones(1, dtype=torch.int64, device=device))
+            outs.append((tokens, probs))
+        if not torch.equal(outs[0][0], outs[1][0]):
+            raise RuntimeError("the greedy head kernel's tokens differ from the torch path's")
+        _agree("greedy head kernel's probabilities", outs[0][1], outs[1][1])
+
+
 def check_grouped_moe(s: Geometry, slot_buf: torch.Tensor, dtype: torch.dtype, device: torch.device,
                       params: dict | None = None, num_positions: int = 17) -> None:
     """The grouped slot MoE kernel (D positions, each distinct slot read once) against the torch path, one

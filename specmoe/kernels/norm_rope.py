@@ -5,9 +5,14 @@ block.
 Each comes as a single Triton launch for the device and as plain torch for the CPU (and as the reference in
 tests). Fusing them matters at batch 1: transformers' eager versions are 6 to 10 kernels per RMSNorm and about
 20 for the prologue, each only a few microseconds of work, which inside a CUDA graph still costs launch gaps.
-Two norm conventions, with their rounding points: OLMoE's (normalise in float32, round to the model dtype,
-multiply by the weight) and the zero-centred one of Qwen3.5-MoE (`zero_centred`: normalise and scale by 1 + w in
-float32, round once). The prologue also takes Qwen3.5-MoE's gated attention (`head_norm`, `gated`: per-head
+Four norm styles (`NORM_STYLES`), with their rounding points: OLMoE's and Qwen3's "olmoe" (normalise in float32,
+round to the model dtype, multiply by the weight), Qwen3.5-MoE's "zero_centred" (normalise and scale by 1 + w in
+float32, round once; also `zero_centred=True`), OLMo-2's "olmo2" (normalise and scale by w in float32, round once)
+and OLMo-1's "layer" (LayerNorm without weight or bias: centre, normalise in float32, round once). A norm can
+follow a residual add (`residual`: residual += x, then the sum is normed: a pre-norm layer) or be added to the
+residual (`add_to`: residual += norm(x), OLMo-2's post-norms). The prologue's QK-norm takes the same styles
+(none for OLMo-1), and its rotary embedding rounds as transformers' OLMoE / Qwen modules (tables rounded to the
+model dtype, each product rounded) or, `rope_f32`, as OLMo's and OLMo-2's (float32 tables, rounded once). The prologue also takes Qwen3.5-MoE's gated attention (`head_norm`, `gated`: per-head
 zero-centred norms, q rows interleaved with the output gate, rotary embedding on the first rotary dims of each
 head). `gate_mul` is out = [residual +] act(g) * x, act silu or sigmoid: the SwiGLU product, the output gate of
 the gated attention and the sigmoid-gated shared expert. The first position comes from a device tensor, so the
@@ -43,13 +48,32 @@ def rope_tables(head_dim: int, theta: float, max_seq_len: int, device) -> tuple[
     return freqs.cos().to(device).contiguous(), freqs.sin().to(device).contiguous()
 
 
-def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
-    """transformers' OlmoeRMSNorm over the last dimension of x [..., N]; zero_centred: Qwen3_5MoeRMSNorm
-    (normalised in float32, scaled by 1 + w, then rounded to x's dtype)."""
+NORM_STYLES = ("olmoe", "zero_centred", "olmo2", "layer")  # module docstring; index = the kernels' STYLE
+
+
+def norm_style(zero_centred: bool, style: str) -> str:
+    """The style a call names (zero_centred=True is "zero_centred"); ValueError for an unknown one."""
+    style = "zero_centred" if zero_centred else style
+    if style not in NORM_STYLES:
+        raise ValueError(f"norm style must be one of {NORM_STYLES}, got {style!r}")
+    return style
+
+
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, zero_centred: bool = False,
+                  style: str = "olmoe") -> torch.Tensor:
+    """The norm of `style` over the last dimension of x [..., N]: "olmoe" transformers' OlmoeRMSNorm (also
+    Qwen3's), "zero_centred" Qwen3_5MoeRMSNorm (normalised in float32, scaled by 1 + w, then rounded to x's
+    dtype), "olmo2" Olmo2RMSNorm (scaled by w in float32, then rounded), "layer" OLMo's LayerNorm without
+    weight or bias (weight unused)."""
+    style = norm_style(zero_centred, style)
     h = x.float()
+    if style == "layer":
+        return F.layer_norm(h, (x.shape[-1],), None, None, eps=eps).to(x.dtype)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if zero_centred:
+    if style == "zero_centred":
         return (h * (1.0 + weight.float())).to(x.dtype)
+    if style == "olmo2":
+        return (weight * h).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
@@ -58,15 +82,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def qkv_prologue_torch(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+def qkv_prologue_torch(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
                        sin: torch.Tensor, pos: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, eps: float, clip: float | None, zero_centred: bool = False,
-                       head_norm: bool = False, gated: bool = False) -> None:
+                       head_norm: bool = False, gated: bool = False, style: str = "olmoe",
+                       rope_f32: bool = False) -> None:
     """For each of D positions pos, pos + 1, ..., pos + D - 1 (pos: [1] device tensor): split its row of
     qkv [D, (NH + 2 NKV) HD] (gated: [D, (2 NH + 2 NKV) HD], each head's q followed by its output gate, which is
-    left for the caller), QK-norm (over all heads, as OLMoE does; head_norm: per head, weights [HD]; zero_centred:
-    scale 1 + w), clip, rotary embedding on the first RD dims of each head (cos/sin tables [S, RD/2], float32;
-    RD = HD for OLMoE), write q_out [D, NH, HD] and the caches [NKV, S, HD] at the position."""
+    left for the caller), QK-norm (over all heads, as OLMoE does; head_norm: per head, weights [HD]; norm style
+    `style` or zero_centred; q_norm None: none, OLMo-1), clip, rotary embedding on the first RD dims of each head
+    (cos/sin tables [S, RD/2], float32; RD = HD for OLMoE; rope_f32: in float32, rounded once), write
+    q_out [D, NH, HD] and the caches [NKV, S, HD] at the position. NH may be 0 (keys and values only)."""
     num_pos, num_heads, head_dim = q_out.shape
     num_kv = k_cache.shape[0]
     q, k, v = qkv.split([(1 + gated) * num_heads * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
@@ -74,14 +100,21 @@ def qkv_prologue_torch(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
         q = q.view(num_pos, num_heads, 2 * head_dim)[..., :head_dim]
     if head_norm:
         q, k = q.reshape(num_pos, num_heads, head_dim), k.reshape(num_pos, num_kv, head_dim)
-    q, k = rmsnorm_torch(q, q_norm, eps, zero_centred), rmsnorm_torch(k, k_norm, eps, zero_centred)
+    if q_norm is not None:
+        style = norm_style(zero_centred, style)
+        q, k = rmsnorm_torch(q, q_norm, eps, style=style), rmsnorm_torch(k, k_norm, eps, style=style)
     if clip is not None:
         q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
     positions = pos + torch.arange(num_pos, device=pos.device)
     rd = 2 * cos.shape[1]
-    c = cos.index_select(0, positions).repeat(1, 2).to(q.dtype)[:, None]  # [D, 1, RD], as transformers' cat((f, f))
-    s = sin.index_select(0, positions).repeat(1, 2).to(q.dtype)[:, None]
-    rotate = lambda t: torch.cat([t[..., :rd] * c + rotate_half(t[..., :rd]) * s, t[..., rd:]], dim=-1)  # noqa: E731
+    c = cos.index_select(0, positions).repeat(1, 2)[:, None]  # [D, 1, RD], as transformers' cat((f, f))
+    s = sin.index_select(0, positions).repeat(1, 2)[:, None]
+    if rope_f32:
+        rotate = lambda t: torch.cat([(t[..., :rd].float() * c + rotate_half(t[..., :rd].float()) * s).to(t.dtype),  # noqa: E731
+                                      t[..., rd:]], dim=-1)
+    else:
+        c, s = c.to(q.dtype), s.to(q.dtype)
+        rotate = lambda t: torch.cat([t[..., :rd] * c + rotate_half(t[..., :rd]) * s, t[..., rd:]], dim=-1)  # noqa: E731
     q_out.copy_(rotate(q.reshape(num_pos, num_heads, head_dim)))
     k_cache.index_copy_(1, positions, rotate(k.reshape(num_pos, num_kv, head_dim)).transpose(0, 1))
     v_cache.index_copy_(1, positions, v.reshape(num_pos, num_kv, head_dim).transpose(0, 1))
@@ -101,16 +134,22 @@ def gate_mul_torch(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, act: str
 if triton is not None:
 
     @triton.jit
-    def _scaled(x, w, r, dt: tl.constexpr, ZERO_CENTRED: tl.constexpr):
-        """The normed x (rsqrt r) times its weight, rounded to dt as `rmsnorm_torch`."""
-        if ZERO_CENTRED:
+    def _scaled(x, w, r, dt: tl.constexpr, STYLE: tl.constexpr):
+        """The normed x (rsqrt r; x centred for "layer") times its weight, rounded to dt as `rmsnorm_torch` for
+        the style NORM_STYLES[STYLE]."""
+        if STYLE == 1:
             return ((x * r) * (1.0 + w)).to(dt)
+        if STYLE == 2:
+            return (w * (x * r)).to(dt)
+        if STYLE == 3:
+            return (x * r).to(dt)
         return (w * (x * r).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, ZERO_CENTRED: tl.constexpr,
-                        HAS_RESIDUAL: tl.constexpr):
-        """One program per row of x [D, N] (HAS_RESIDUAL: residual += x first, and the sum is normed)."""
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, STYLE: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, ADD_TO: tl.constexpr):
+        """One program per row of x [D, N] (HAS_RESIDUAL: residual += x first, and the sum is normed; ADD_TO:
+        out += the norm, out being the residual)."""
         dt = out_ptr.dtype.element_ty
         row = tl.program_id(0).to(tl.int64)
         x_ptr += row * N
@@ -123,29 +162,42 @@ if triton is not None:
             x = (tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32) + x).to(dt)
             tl.store(res_ptr + offs, x, mask=m)
             x = x.to(tl.float32)
+        if STYLE == 3:
+            x = tl.where(m, x - tl.sum(x, axis=0) / N, 0.0)
+            w = x  # no weight
+        else:
+            w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, _scaled(x, w, r, dt, ZERO_CENTRED), mask=m)
+        y = _scaled(x, w, r, dt, STYLE)
+        if ADD_TO:
+            y = (tl.load(out_ptr + offs, mask=m, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dt)
+        tl.store(out_ptr + offs, y, mask=m)
 
     @triton.jit
-    def _norm_rope_head(src, w_ptr, r, e, partner, sign, c, s, clip, dt: tl.constexpr, ZERO_CENTRED: tl.constexpr,
-                        HAS_CLIP: tl.constexpr):
-        """One head of q or k: normed (rsqrt r), scaled, clipped, rotated (its partner in rotate_half at
-        `partner` with `sign`; c = 1, s = 0 past the rotary dims), rounded as `qkv_prologue_torch`."""
-        y = _scaled(tl.load(src + e).to(tl.float32), tl.load(w_ptr + e).to(tl.float32), r, dt, ZERO_CENTRED)
-        yp = _scaled(tl.load(src + partner).to(tl.float32), tl.load(w_ptr + partner).to(tl.float32), r, dt,
-                     ZERO_CENTRED)
+    def _norm_rope_head(src, w_ptr, r, e, partner, sign, c, s, clip, dt: tl.constexpr, STYLE: tl.constexpr,
+                        HAS_CLIP: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_F32: tl.constexpr):
+        """One head of q or k: normed (rsqrt r) and scaled (HAS_NORM), clipped, rotated (its partner in
+        rotate_half at `partner` with `sign`; c = 1, s = 0 past the rotary dims), rounded as `qkv_prologue_torch`."""
+        if HAS_NORM:
+            y = _scaled(tl.load(src + e).to(tl.float32), tl.load(w_ptr + e).to(tl.float32), r, dt, STYLE)
+            yp = _scaled(tl.load(src + partner).to(tl.float32), tl.load(w_ptr + partner).to(tl.float32), r, dt,
+                         STYLE)
+        else:
+            y, yp = tl.load(src + e), tl.load(src + partner)
         y, yp = y.to(tl.float32), yp.to(tl.float32)
         if HAS_CLIP:
             y = tl.minimum(tl.maximum(y, -clip), clip)
             yp = tl.minimum(tl.maximum(yp, -clip), clip)
+        if ROPE_F32:
+            return (y * c + sign * yp * s).to(dt)
         return ((y * c).to(dt).to(tl.float32) + (sign * yp * s).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
     def _qkv_prologue_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                              S, eps, clip, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
                              QS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                             HAS_CLIP: tl.constexpr, ZERO_CENTRED: tl.constexpr, HEAD_NORM: tl.constexpr):
+                             HAS_CLIP: tl.constexpr, STYLE: tl.constexpr, HEAD_NORM: tl.constexpr,
+                             HAS_NORM: tl.constexpr, ROPE_F32: tl.constexpr):
         """One program per head and position: programs [0, NH) write q, [NH, NH + NKV) k, the rest v, for the
         position pos + program_id(1) (row program_id(1) of qkv and q). Head p's q starts at p QS in the row
         (QS = 2 HD where its output gate follows it)."""
@@ -161,8 +213,10 @@ if triton is not None:
         sign = tl.where(e < half, -1.0, 1.0)
         pos = tl.load(pos_ptr).to(tl.int64) + row
         ci = tl.where(e < half, e, e - half)
-        c = tl.load(cos_ptr + pos * half + ci, mask=rot, other=1.0).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + pos * half + ci, mask=rot, other=0.0).to(dt).to(tl.float32)
+        c = tl.load(cos_ptr + pos * half + ci, mask=rot, other=1.0)
+        s = tl.load(sin_ptr + pos * half + ci, mask=rot, other=0.0)
+        if not ROPE_F32:
+            c, s = c.to(dt).to(tl.float32), s.to(dt).to(tl.float32)
         if p < NH:
             src = qkv_ptr + p * QS
             if HEAD_NORM:
@@ -174,7 +228,8 @@ if triton is not None:
                 allq = tl.load(qkv_ptr + offs, mask=offs < NH * HD, other=0.0).to(tl.float32)
                 r = tl.rsqrt(tl.sum(allq * allq, axis=0) / (NH * HD) + eps)
                 w_ptr = qw_ptr + p * HD
-            out = _norm_rope_head(src, w_ptr, r, e, partner, sign, c, s, clip, dt, ZERO_CENTRED, HAS_CLIP)
+            out = _norm_rope_head(src, w_ptr, r, e, partner, sign, c, s, clip, dt, STYLE, HAS_CLIP, HAS_NORM,
+                                  ROPE_F32)
             tl.store(q_ptr + p * HD + e, out)
         elif p < NH + NKV:
             h = p - NH
@@ -189,7 +244,8 @@ if triton is not None:
                 allk = tl.load(kbase + offs, mask=offs < NKV * HD, other=0.0).to(tl.float32)
                 r = tl.rsqrt(tl.sum(allk * allk, axis=0) / (NKV * HD) + eps)
                 w_ptr = kw_ptr + h * HD
-            out = _norm_rope_head(src, w_ptr, r, e, partner, sign, c, s, clip, dt, ZERO_CENTRED, HAS_CLIP)
+            out = _norm_rope_head(src, w_ptr, r, e, partner, sign, c, s, clip, dt, STYLE, HAS_CLIP, HAS_NORM,
+                                  ROPE_F32)
             tl.store(kc_ptr + h * S * HD + pos * HD + e, out)
         else:
             h = p - NH - NKV
@@ -220,20 +276,32 @@ if triton is not None:
         tl.store(out_ptr + row * N + cols, y, mask=m)
 
 
-def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, zero_centred: bool = False,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None,
+                   zero_centred: bool = False, residual: torch.Tensor | None = None, style: str = "olmoe",
+                   add_to: torch.Tensor | None = None) -> torch.Tensor:
     """`rmsnorm_torch` over the rows of a contiguous x [..., N], written into out; with a residual (contiguous,
-    x's shape): residual += x (rounded to its dtype, as torch's add_), and out = the norm of the sum."""
+    x's shape): residual += x (rounded to its dtype, as torch's add_), and out = the norm of the sum. With
+    add_to instead of out (contiguous, x's shape): add_to += the norm (rounded as torch's add of the rounded
+    norm; a post-norm's residual add), returned."""
+    style = norm_style(zero_centred, style)
+    if (out is None) == (add_to is None) or (add_to is not None and residual is not None):
+        raise ValueError("rmsnorm_triton writes either out (after an optional residual add) or add_to")
     n = x.shape[-1]
     res = x if residual is None else residual
-    _rmsnorm_kernel[(x.numel() // n,)](x, res, weight, out, n, eps, BLOCK=triton.next_power_of_2(n),
-                                       ZERO_CENTRED=zero_centred, HAS_RESIDUAL=residual is not None, num_warps=8)
+    out = add_to if out is None else out
+    _rmsnorm_kernel[(x.numel() // n,)](x, res, x if weight is None else weight, out, n, eps,
+                                       BLOCK=triton.next_power_of_2(n), STYLE=NORM_STYLES.index(style),
+                                       HAS_RESIDUAL=residual is not None, ADD_TO=add_to is not None, num_warps=8)
     return out
 
 
 def qkv_prologue_triton(qkv, q_norm, k_norm, cos, sin, pos, q_out, k_cache, v_cache, eps, clip,
-                        zero_centred: bool = False, head_norm: bool = False, gated: bool = False) -> None:
+                        zero_centred: bool = False, head_norm: bool = False, gated: bool = False,
+                        style: str = "olmoe", rope_f32: bool = False) -> None:
     """`qkv_prologue_torch` in one launch (contiguous qkv [D, W] and q_out [D, NH, HD])."""
+    style = norm_style(zero_centred, style)
+    if style == "layer":
+        raise ValueError("the attention prologue's QK-norm cannot be a LayerNorm")
     num_pos, num_heads, head_dim = q_out.shape
     num_kv, max_seq, _ = k_cache.shape
     if head_dim & (head_dim - 1):
@@ -241,12 +309,14 @@ def qkv_prologue_triton(qkv, q_norm, k_norm, cos, sin, pos, q_out, k_cache, v_ca
     if gated and not head_norm:
         raise ValueError("the Triton attention prologue norms a gated q per head only (head_norm=True)")
     grid = (num_heads + 2 * num_kv, num_pos)
-    _qkv_prologue_kernel[grid](qkv, q_norm, k_norm, cos, sin, pos, q_out, k_cache, v_cache, max_seq, eps,
-                               0.0 if clip is None else float(clip), NH=num_heads, NKV=num_kv, HD=head_dim,
-                               RD=2 * cos.shape[1], QS=(1 + gated) * head_dim,
-                               BLOCK_Q=triton.next_power_of_2(num_heads * head_dim),
+    has_norm = q_norm is not None
+    _qkv_prologue_kernel[grid](qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, pos,
+                               q_out, k_cache, v_cache, max_seq, eps, 0.0 if clip is None else float(clip),
+                               NH=num_heads, NKV=num_kv, HD=head_dim, RD=2 * cos.shape[1], QS=(1 + gated) * head_dim,
+                               BLOCK_Q=max(16, triton.next_power_of_2(num_heads * head_dim)),
                                BLOCK_KV=triton.next_power_of_2(num_kv * head_dim), HAS_CLIP=clip is not None,
-                               ZERO_CENTRED=zero_centred, HEAD_NORM=head_norm, num_warps=4)
+                               STYLE=NORM_STYLES.index(style), HEAD_NORM=head_norm or not has_norm, HAS_NORM=has_norm,
+                               ROPE_F32=rope_f32, num_warps=4)
 
 
 def gate_mul_triton(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, act: str,
