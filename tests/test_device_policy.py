@@ -31,8 +31,17 @@ from specmoe.offload import ExpertStore
 from specmoe.routing import Calibration, preset
 
 
-def engines(name, policy_name, capacity, seq, device="cpu", **config):
-    model, adapter = load_model(name, seed=0, device=device)
+def engines(name, policy_name, capacity, seq, device="cpu", layers=None, **config):
+    if layers is None:
+        model, adapter = load_model(name, seed=0, device=device)
+    else:  # the named config cut to its first layers (the interpreter's time is per layer step)
+        import torch
+        from specmoe.models import adapter_for, named_config
+        from specmoe.models.registry import ARCHITECTURES
+        hf = named_config(name)
+        hf.num_hidden_layers = layers
+        model = ARCHITECTURES[hf.model_type].build_random(hf, 0, torch.float32, device).eval()
+        adapter = adapter_for(hf)
     store = ExpertStore.from_model(model, adapter)
     cal = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
     policy = preset(policy_name, capacity, adapter.top_k)
@@ -65,7 +74,7 @@ from specmoe.engines.results import COPY_FIELDS
 sys.path.insert(0, "tests")
 from test_device_policy import IN_TIME, LATE, POLICIES, SAME_CLASSES
 for policy_name in POLICIES:
-    dev, host, adapter = engines("olmoe-tiny", policy_name, 16, 24)
+    dev, host, adapter = engines("olmoe-tiny", policy_name, 16, 24, layers=4)
     tokens = np.random.default_rng(len(policy_name)).integers(0, adapter.vocab_size, 5)
     a = dev.teacher_forced(tokens, prompt_len=2, return_logits=True)
     b = host.teacher_forced(tokens, prompt_len=2, return_logits=True)
@@ -82,12 +91,13 @@ for policy_name in POLICIES:
 # trace-following: router and pre-gate logits (and tokens) from a synthetic source with the tiny model's L, E, K
 FEEDS = r"""
 from specmoe.engines.results import LogitFeed
-from specmoe.records.synthetic import synthetic_trace
+from specmoe.records.synthetic import SOURCES, synthetic_trace
 from specmoe.routing import RouterScoring
 
 
 def feeds(adapter, tokens, seed=0):
-    trace = synthetic_trace("olmoe-like", tokens=tokens, seed=seed)
+    source = SOURCES["olmoe-like"].replace(num_layers=adapter.num_moe_layers)  # the model's depth
+    trace = synthetic_trace(source, tokens=tokens, seed=seed)
     assert trace.router_logits.shape[1:] == (adapter.num_moe_layers, adapter.num_experts)
     assert np.abs(trace.pregate_logits[:, 0]).max() > 0  # a pre-gate row of layer 0 that routing must not read
     z, g, ids = trace.router_logits, trace.pregate_logits, trace.token_ids % adapter.vocab_size
@@ -110,7 +120,7 @@ import sys
 sys.path.insert(0, "tests")
 from test_device_policy import IN_TIME, LATE, POLICIES, SAME_CLASSES
 for policy_name in POLICIES:
-    dev, host, adapter = engines("olmoe-tiny", policy_name, 16, 24)
+    dev, host, adapter = engines("olmoe-tiny", policy_name, 16, 24, layers=4)
     own, sigmoid = feeds(adapter, 5)
     tokens = np.zeros(5, dtype=np.int64)  # the feed's tokens are fed
     for feed in (own, sigmoid) if policy_name == "psr" else (own,):
