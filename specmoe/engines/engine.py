@@ -504,10 +504,7 @@ class Engine:
                 t += 1
                 done = commit_block(tokens, new, drafts, a, greedy[a], stops) or len(new) >= max_new_tokens
         del new[max_new_tokens:]
-        if device is not None:
-            device.finish()
-        result = self._speculative_result(rec, new, displaced, blocks, prefill_ms, verify="device" if device else
-                                          "host", host_blocks_why=why)
+        result = self._speculative_result(rec, new, displaced, blocks, prefill_ms, device, why)
         result.prefill_tokens = 1  # the prefill's greedy token: committed, in no block
         return result
 
@@ -563,8 +560,13 @@ class Engine:
         return greedy, a, float(displaced[:a + 1].sum()), selected
 
     def _speculative_result(self, rec: StepRecorder, tokens: list[int], displaced: float, blocks: list,
-                            prefill_ms: float, **info) -> DecodeResult:
+                            prefill_ms: float, device, why: str | None, **info) -> DecodeResult:
+        """The run's result; device: the blocks' device path (its state handed back to the host), or None where
+        the host path ran them (why: `device_blocks`)."""
+        if device is not None:
+            device.finish()
         s = self.settings
+        info.update(verify="device" if device else "host", host_blocks_why=why)
         info = {"kernels": self.kernels, "cuda_graphs": self.graphs is not None, **info,
                 "union_used": self.union_used, "union_slots": self.block_router.union_slots,
                 "prefetch": self.block_router.config.prefetch,
@@ -643,8 +645,5 @@ class Engine:
                 bonus = int(blocks.tokens[blocks.rows[ids[i + 1], 0]]) if i + 1 < len(ids) else greedy[a]
                 new += blocks.tokens[rows[1:a + 1]].tolist() + [bonus]
                 position += a + 1
-        if device is not None:
-            device.finish()
-        return self._speculative_result(rec, new, displaced, selections, 0.0, follow=blocks.source,
-                                        verify="device" if device else "host", host_blocks_why=why)
+        return self._speculative_result(rec, new, displaced, selections, 0.0, device, why, follow=blocks.source)
 
