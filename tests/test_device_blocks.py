@@ -141,26 +141,30 @@ def test_host_path_where_the_device_blocks_do_not_apply(tiny, monkeypatch):
         EngineConfig(block_device="gpu")
 
 
-def _family_on_cuda():
+@pytest.fixture(scope="module")
+def gpu_family():
+    """The family's target on CUDA (float32) and its AR drafter, unpatched after the module."""
     from specmoe.assets import family_path
+    from specmoe.drafters import DrafterConfig, build_drafter
+    from specmoe.harness import unpatch
     from specmoe.models import load_model
 
-    return load_model(str(family_path("target")), device="cuda")
+    model, adapter = load_model(str(family_path("target")), device="cuda")
+    yield model, adapter, build_drafter(DrafterConfig("ar"), model)
+    unpatch(model)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("selector", SELECTORS)
-def test_gpu_device_blocks_verify_as_the_host_path(selector, family_text):
+def test_gpu_device_blocks_verify_as_the_host_path(selector, gpu_family, family_text):
     """One captured graph per block (k = 8 and 16): tokens, accepted lengths, selections, the pool and the copies
     and moves as the host path's, generating with the family's AR drafter and following synthetic blocks."""
-    from specmoe.drafters import DrafterConfig, build_drafter
     from specmoe.records import AcceptanceProfile, synthetic_blocks
     from specmoe.records.synthetic import synthetic_trace
 
     ns = {}
     exec(COMPARE, ns)
-    model, adapter = _family_on_cuda()
-    drafter = build_drafter(DrafterConfig("ar"), model)
+    model, adapter, drafter = gpu_family
     trace = synthetic_trace("olmoe-like", tokens=400, seed=1)
     for k in (8, 16):
         dev, host = ns["engines"](model, adapter, selector, k, 32, 48, 512, device="cuda")
@@ -177,16 +181,14 @@ def test_gpu_device_blocks_verify_as_the_host_path(selector, family_text):
 
 
 @pytest.mark.gpu
-def test_gpu_device_blocks_are_independent_of_copy_timing(family_text):
+def test_gpu_device_blocks_are_independent_of_copy_timing(gpu_family, family_text):
     """Delays before every demand copy and refill move: the same tokens, selections, pool and copies as without
     (a copy or a move not ordered before the kernels that read its slots would change the tokens); copies
-    skipped: the same first-layer selections, nothing issued."""
-    from specmoe.drafters import DrafterConfig, build_drafter
-
+    skipped (following blocks, whose selection reads recorded logits): the same selections and pool, nothing
+    issued."""
     ns = {}
     exec(COMPARE, ns)
-    model, adapter = _family_on_cuda()
-    drafter = build_drafter(DrafterConfig("ar"), model)
+    model, adapter, drafter = gpu_family
     dev, host = ns["engines"](model, adapter, "acceptmoe", 8, 32, 48, 512, device="cuda")
     gen = lambda e: e.generate(family_text[:32], 48, drafter=drafter, record=True)  # noqa: E731
     base = ns["run"](dev, gen)
@@ -198,7 +200,17 @@ def test_gpu_device_blocks_are_independent_of_copy_timing(family_text):
             np.testing.assert_array_equal(p, q)
         assert slow[2] == base[2]
     assert len(dev._device_blocks[dev.speculative].graphs) == 3  # one graph per copy setting
-    dev.configure(copy_delay=None, skip_copies=True)
-    skipped = ns["run"](dev, gen)
-    assert skipped[2]["issued"] == 0 and skipped[2]["skipped"] > 0
-    np.testing.assert_array_equal(skipped[0].block_selected[0][:, 0], base[0].block_selected[0][:, 0])
+    from specmoe.records import AcceptanceProfile, synthetic_blocks
+    from specmoe.records.synthetic import synthetic_trace
+
+    blocks = synthetic_blocks(synthetic_trace("olmoe-like", tokens=200, seed=2), 8, AcceptanceProfile.geometric(0.8))
+    fol = lambda e: e.follow(blocks, first_position=32, record=True)  # noqa: E731
+    dev.configure(copy_delay=None)
+    full = ns["run"](dev, fol)
+    dev.configure(skip_copies=True)
+    skipped = ns["run"](dev, fol)  # selection reads the blocks' recorded logits: every decision as with copies
+    assert skipped[0][0].info["verify"] == "device"
+    assert skipped[2]["issued"] == 0 and skipped[2]["skipped"] == full[2]["demand"] > 0
+    for p, q in zip(skipped[0][0].block_selected, full[0][0].block_selected, strict=True):
+        np.testing.assert_array_equal(p, q)
+    np.testing.assert_array_equal(skipped[1][0], full[1][0])  # the pool's slot table

@@ -136,8 +136,9 @@ class DeviceBlocks:
         self.step.set_input([0] * d, 0, self.decoder.geometry.max_seq_len)
         for fed in (False, True):
             self._body(skip=True, delays=None, copy_out=True, fed=fed)
-        delayed_copy(self.src[0], self.dst[0], torch.zeros_like(self.pool.demands[0]), None, 0, False,
-                     self.blocks, self.block)
+        empty = torch.zeros_like(self.pool.demands[0])
+        for src in (self.src[0], self.dst[0]):  # demand copies (from the store), moves (from the slots)
+            delayed_copy(src, self.dst[0], empty, None, 0, False, self.blocks, self.block)
         torch.cuda.synchronize()
 
     def _graph(self):
