@@ -111,6 +111,36 @@ def test_device_blocks_verify_as_the_host_path_in_the_interpreter():
         assert f"ok generate {name} " in done.stdout and f"ok follow {name} " in done.stdout, done.stdout
 
 
+# other architectures: Qwen3.5-MoE (Gated DeltaNet layers, rolled back after each block) and DeepSeek-V3 (a
+# sigmoid router with a selection bias and expert groups), with the synthetic drafter
+_OTHER = COMPARE + r"""
+import sys
+from specmoe.drafters import DrafterConfig, build_drafter
+from specmoe.models import load_model
+
+name, selector = sys.argv[1:]
+model, adapter = load_model(name, seed=0)
+model.set_experts_implementation("eager")
+drafter = build_drafter(DrafterConfig("synthetic", acceptance=0.6), model)
+prompt = np.random.default_rng(7).integers(4, adapter.vocab_size, 12).tolist()
+dev, host = engines(model, adapter, selector, 4, adapter.num_experts // 2, 8, 64)
+gen = lambda e: e.generate(prompt, 8, drafter=drafter, record=True)  # noqa
+print("ok", name, selector, same(run(dev, gen), run(host, gen)), flush=True)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("name, selector", [("qwen3.5-moe-tiny", "acceptmoe"),
+                                            ("deepseek-v3-tiny-groups", "confidence_top1")])
+def test_device_blocks_on_other_architectures_in_the_interpreter(name, selector):
+    from _device_cases import FAST_CALLS
+
+    script = f"import sys\nsys.argv = ['-', {name!r}, {selector!r}]\n" + _OTHER
+    done = run_in_interpreter(script.replace("import numpy as np\n", "import numpy as np\n" + FAST_CALLS, 1))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert f"ok {name} {selector} " in done.stdout, done.stdout
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from specmoe.models import load_model
@@ -214,3 +244,23 @@ def test_gpu_device_blocks_are_independent_of_copy_timing(gpu_family, family_tex
     for p, q in zip(skipped[0][0].block_selected, full[0][0].block_selected, strict=True):
         np.testing.assert_array_equal(p, q)
     np.testing.assert_array_equal(skipped[1][0], full[1][0])  # the pool's slot table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3.5-moe-tiny", "deepseek-v3-tiny-groups"])
+def test_gpu_device_blocks_on_other_architectures(name):
+    """Qwen3.5-MoE (recurrent state rolled back after each captured block) and DeepSeek-V3 (sigmoid router, bias,
+    groups) on CUDA: the same tokens, selections, pool and copies as the host path, every selector."""
+    from specmoe.drafters import DrafterConfig, build_drafter
+    from specmoe.models import load_model
+
+    ns = {}
+    exec(COMPARE, ns)
+    model, adapter = load_model(name, seed=0, device="cuda")
+    model.set_experts_implementation("eager")
+    drafter = build_drafter(DrafterConfig("synthetic", acceptance=0.6), model)
+    prompt = np.random.default_rng(7).integers(4, adapter.vocab_size, 24).tolist()
+    for selector in SELECTORS:
+        dev, host = ns["engines"](model, adapter, selector, 8, adapter.num_experts // 2, 32, 128, device="cuda")
+        gen = lambda e: e.generate(prompt, 32, drafter=drafter, record=True)  # noqa: E731
+        ns["same"](ns["run"](dev, gen), ns["run"](host, gen))
