@@ -21,7 +21,10 @@ selections). AR (--ar-policies, default PSR at the paper's lambda for C of E, n 
 committed sequence of the same blocks (`LogitFeed`), at C = P, at C = P + U_max (the largest C within the
 speculative engine's peak slot memory; U_max: the most union slots any block's layer used in the warm-up round)
 and at --ar-capacities, with and without copies. Every configuration runs once per round, rounds interleaved, so
-that ratios pair measurements taken at the same time. A trace of a shallower family member with the target's E
+that ratios pair measurements taken at the same time. Each speculative row runs its blocks on the device
+(`EngineConfig.block_device="on"`, row "source/selector") and on the host ("source/selector+host_blocks"), in the
+same rounds, with the ratio host / device (--block-paths; the block prefetch's rows, --prefetch > 0, run on the
+host path; a row's `verify` says which path ran, `host_blocks_why` why the host). A trace of a shallower family member with the target's E
 and K is tiled over the target's layers (`Trace.tiled`, `Calibration.tiled`).
 
 Reported per configuration: tau, copies per committed token, ms per committed token (verification, of it
