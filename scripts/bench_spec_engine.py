@@ -21,7 +21,10 @@ selections). AR (--ar-policies, default PSR at the paper's lambda for C of E, n 
 committed sequence of the same blocks (`LogitFeed`), at C = P, at C = P + U_max (the largest C within the
 speculative engine's peak slot memory; U_max: the most union slots any block's layer used in the warm-up round)
 and at --ar-capacities, with and without copies. Every configuration runs once per round, rounds interleaved, so
-that ratios pair measurements taken at the same time. A trace of a shallower family member with the target's E
+that ratios pair measurements taken at the same time. Each speculative row runs its blocks on the device
+(`EngineConfig.block_device="on"`, row "source/selector") and on the host ("source/selector+host_blocks"), in the
+same rounds, with the ratio host / device (--block-paths; the block prefetch's rows, --prefetch > 0, run on the
+host path; a row's `verify` says which path ran, `host_blocks_why` why the host). A trace of a shallower family member with the target's E
 and K is tiled over the target's layers (`Trace.tiled`, `Calibration.tiled`).
 
 Reported per configuration: tau, copies per committed token, ms per committed token (verification, of it
@@ -67,12 +70,16 @@ from specmoe.stats import unit_ratio  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
 
 
-def sd_keys(source: str, per_selector: dict, budgets: list[int]):
-    """(selector, prefetch budget, row key) of every speculative row of a source: "source/selector", with
-    "+prefetchN" when several budgets are measured."""
+def sd_keys(source: str, per_selector: dict, budgets: list[int], paths=("device",)):
+    """(selector, prefetch budget, block path, row key) of every speculative row of a source: "source/selector",
+    with "+prefetchN" when several budgets are measured and "+host_blocks" for the host path's row beside the
+    device path's (`EngineConfig.block_device`); the block prefetch runs on the host path only (one row)."""
     for name in per_selector:
         for budget in budgets:
-            yield name, budget, f"{source}/{name}" + (f"+prefetch{budget}" if len(budgets) > 1 else "")
+            key = f"{source}/{name}" + (f"+prefetch{budget}" if len(budgets) > 1 else "")
+            mine = ("host",) if budget else paths
+            for path in mine:
+                yield name, budget, path, key + ("+host_blocks" if path == "host" and len(mine) > 1 else "")
 
 
 def block_sources(args, trace, geometry) -> dict:
@@ -146,7 +153,8 @@ def spec_pass(engine: Engine, blocks, first_position: int) -> dict:
                for c in ("demand", "prefetch", "prefetch_unused")},
             "tau": tau_of(sum(r.block_committed for r in results), sum(int(r.timed.sum()) for r in results)),
             "blocks": len(block_ms),
-            "committed": committed, "union_used": max(r.info["union_used"] for r in results)}
+            "committed": committed, "union_used": max(r.info["union_used"] for r in results),
+            "verify": results[0].info["verify"], "host_blocks_why": results[0].info["host_blocks_why"]}
 
 
 def request_ratio(sd: dict, ar: dict) -> dict | None:
@@ -190,6 +198,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", type=int, nargs="+", default=[PREFETCH], help="block prefetch budgets per layer "
                     f"and block (docs/block-prefetch.md; 0: off; default {PREFETCH}); several give one SD row each, "
                     "interleaved in the same rounds (e.g. --prefetch 0 4)")
+    ap.add_argument("--block-paths", nargs="+", choices=("device", "host"), default=["device", "host"],
+                    help="verification blocks on the device (row source/selector, block_device='on') and/or on the "
+                    "host (source/selector+host_blocks, block_device='off'), in the same rounds, with the ratio host / "
+                    "device; the block prefetch (--prefetch > 0) runs on the host path only")
     ap.add_argument("--k", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--taus", type=float, nargs="+", default=[3, 5, 7])
     ap.add_argument("--selectors", nargs="+", default=["exact", "acceptmoe", "confidence_top1"])
@@ -250,13 +262,17 @@ def main(argv=None) -> int:
     for k in args.k:
         for name in args.selectors:
             for budget in args.prefetch:
-                config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union,
-                                           prefetch=budget)
-                decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
-                engines[(k, name, budget)] = Engine(decoder, unit, None, calibration, cfg, fingerprint=fingerprint,
-                                                    speculative=config)
-    report["notes"] = engines[(args.k[0], args.selectors[0], args.prefetch[0])].notes
-    report["kernels"] = {f"k={k} {name} prefetch {b}": e.kernels for (k, name, b), e in engines.items()}
+                for path in ("host",) if budget else args.block_paths:
+                    config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union,
+                                               prefetch=budget)
+                    decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
+                    engines[(k, name, budget, path)] = Engine(
+                        decoder, unit, None, calibration, EngineConfig(max_seq_len=args.max_seq_len,
+                                                                       block_device="on" if path == "device" else "off"),
+                        fingerprint=fingerprint, speculative=config)
+    first = next(iter(engines.values()))
+    report["notes"] = first.notes
+    report["kernels"] = {f"k={k} {name} prefetch {b} {path}": e.kernels for (k, name, b, path), e in engines.items()}
     report["sources"] = {n: {s: {"k": k, "blocks": b.num_blocks, "tau": b.tau, "source": b.source, "acceptance": a}
                              for s, (b, a) in per_selector.items()} for n, (k, per_selector, _) in sources.items()}
     print("sources", report["sources"], flush=True)
@@ -273,8 +289,8 @@ def main(argv=None) -> int:
     ar_engines: dict = {}
     for r in range(args.rounds + 1):
         for source, (k, per_selector, _) in sources.items():
-            for name, budget, key in sd_keys(source, per_selector, args.prefetch):
-                blocks, engine = per_selector[name][0], engines[(k, name, budget)]
+            for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths):
+                blocks, engine = per_selector[name][0], engines[(k, name, budget, path)]
                 try:
                     for skip in (False, True):
                         engine.configure(skip_copies=skip)
@@ -288,7 +304,7 @@ def main(argv=None) -> int:
                             d["request_tokens"] = res["request_tokens"]
                             d.update({x: res[x] for x in ("copies_per_token", "demand_per_token", "prefetch_per_token",
                                                           "prefetch_unused_per_token", "moves_per_token", "tau", "blocks",
-                                                          "committed")})
+                                                          "committed", "verify", "host_blocks_why")})
                 except Exception as exc:
                     report["errors"].append(f"{key} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
                 finally:
@@ -329,7 +345,7 @@ def main(argv=None) -> int:
 
     table = []
     for source, (k, per_selector, _) in sources.items():
-        for name, budget, key in sd_keys(source, per_selector, args.prefetch):
+        for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths):
             acceptance = per_selector[name][1]
             if key not in rounds:
                 continue
@@ -342,7 +358,11 @@ def main(argv=None) -> int:
                    "block_ms_p50": float(np.percentile(block_ms, 50)), "block_ms_p99": float(np.percentile(block_ms, 99)),
                    "union_used": d["union_used"], "skip_copies_per_token": s.get("copies_per_token"),
                    "demand_per_token": d["demand_per_token"], "prefetch_per_token": d["prefetch_per_token"],
-                   "prefetch_unused_per_token": d["prefetch_unused_per_token"], "prefetch": budget}
+                   "prefetch_unused_per_token": d["prefetch_unused_per_token"], "prefetch": budget,
+                   "key": key, "verify": d["verify"], "host_blocks_why": d["host_blocks_why"]}
+            host_key = key + "+host_blocks"
+            if path == "device" and rounds.get(host_key) and len(rounds[host_key]) == len(rounds[key]):
+                row["ratio_host_blocks_over_device"] = ratio_ci(rounds[host_key], rounds[key])
             fastest = None
             for (policy, c) in ar_engines:
                 ar = rounds.get(f"{source}/ar_{policy}_C{c}")
@@ -386,7 +406,8 @@ def markdown(report: dict) -> str:
              "block ms p50 / p99 | fastest AR: config, ms/token (copies) | SD / fastest AR | break-even draft ms/block |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["table"]:
-        selector = row["selector"] + (f" (prefetch {row['prefetch']})" if row.get("prefetch") else "")
+        selector = row["selector"] + (f" (prefetch {row['prefetch']})" if row.get("prefetch") else "") + \
+            (" (host blocks)" if row.get("verify") == "host" else "")
         cells = [row["source"], selector, row["acceptance"], str(row["k"]), f"{row['tau']:.2f}",
                  f"{row['copies_per_token']:.2f}",
                  f"{row['ms_per_token']:.3f}", f"{row['compute_ms_per_token']:.3f}",
@@ -413,6 +434,13 @@ def markdown(report: dict) -> str:
         lines += ["", "| source | AR config | ms/token | compute-only ms/token | copies/token |", "|---|---|---|---|---|"]
         lines += [f"| {source} | {label} | {ms:.3f} | {skip:.3f} | {copies:.2f} |"
                   for (source, label), (ms, skip, copies) in ar.items()]
+    paths = [row for row in report["table"] if "ratio_host_blocks_over_device" in row]
+    if paths:
+        lines += ["", "Verification blocks on the host / on the device (ms per committed token, same rounds):", "",
+                  "| source | selector | k | device ms/token | host / device |", "|---|---|---|---|---|"]
+        lines += [f"| {row['source']} | {row['selector']} | {row['k']} | {row['ms_per_token']:.3f} | "
+                  f"{row['ratio_host_blocks_over_device']['ratio']:.3f} ({row['ratio_host_blocks_over_device']['lo']:.3f}"
+                  f"-{row['ratio_host_blocks_over_device']['hi']:.3f}) |" for row in paths]
     if report["errors"]:
         lines += ["", "Errors:"] + [f"- {e.splitlines()[0]}" for e in report["errors"]]
     return "\n".join(lines) + "\n"

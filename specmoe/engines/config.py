@@ -37,6 +37,10 @@ class EngineConfig:
     (`specmoe.engines.device_policy`; "auto": on CUDA where it applies; "on": also on the CPU under Triton's
     interpreter, for tests; "off", the default: the host's `LogicalCache` between per-layer launches). "off"
     stays the default until the device policy's GPU tests have passed on the device; it then becomes "auto".
+    block_device: the speculative engine's verification blocks with their selection, expert pool, demand copies
+    and refill on the device, a block as one CUDA graph, also following recorded blocks
+    (`specmoe.engines.device_blocks`; "auto" / "on" / "off" as policy_device, "off" the default until its GPU
+    tests pass; the block prefetch stays on the host path).
     prefill_chunk: prompt positions per step of the autoregressive prefill (1: one at a time; the policy's
     decisions are the same either way, `Engine` module docstring). state_rollback: how a verification block's
     recurrent state (Qwen3.5-MoE's Gated DeltaNet) is rolled back: "history" (the step keeps every position's
@@ -51,6 +55,7 @@ class EngineConfig:
     tune: str | bool = "auto"
     device_routing: str = "auto"
     policy_device: str = "off"
+    block_device: str = "off"
     prefill_chunk: int = 16
     state_rollback: str = "auto"
 
@@ -63,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"device_routing must be one of {DEVICE_ROUTING}, got {self.device_routing!r}")
         if self.policy_device not in DEVICE_ROUTING:
             raise ValueError(f"policy_device must be one of {DEVICE_ROUTING}, got {self.policy_device!r}")
+        if self.block_device not in DEVICE_ROUTING:
+            raise ValueError(f"block_device must be one of {DEVICE_ROUTING}, got {self.block_device!r}")
         if self.state_rollback not in STATE_ROLLBACKS:
             raise ValueError(f"state_rollback must be one of {STATE_ROLLBACKS}, got {self.state_rollback!r}")
 

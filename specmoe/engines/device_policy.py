@@ -51,6 +51,23 @@ POLICY_DEVICE = ("auto", "on", "off")
 _STATE = ("istate", "iscalar", "fstate", "fscalar", "counters", "displaced_mass")
 
 
+def kernels_reason(option: str, choice: str, cuda: bool) -> str | None:
+    """None if a device path chosen by `choice` ("auto" / "on" / "off") of the EngineConfig field `option` can run
+    its kernels here, else why the host path runs: "off"; "auto" on the CPU; the CPU without Triton's interpreter
+    (TRITON_INTERPRET=1, for tests); no Triton."""
+    if choice == "off":
+        return f"{option}='off'"
+    if not cuda and choice == "auto":
+        return f"{option}='auto' on the CPU: the host path"
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"{option}: the device path's kernels need CUDA, or Triton's interpreter (TRITON_INTERPRET=1) on the CPU"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return f"{option}: the device path needs Triton"
+    return None
+
+
 def device_policy_reason(choice: str, cuda: bool, router, settings, feed, num_slots: int) -> str | None:
     """None if an autoregressive run with this `router` (a `CacheRouter`) on a unit of `num_slots` slots, routing
     from `feed` (a `LogitFeed`, or None: the model's own logits), runs the device policy, else why the host policy
@@ -58,23 +75,63 @@ def device_policy_reason(choice: str, cuda: bool, router, settings, feed, num_sl
     resident, a policy that then reduces to the router's own top-K, no feed) to `EngineConfig.device_routing`."""
     if router is None:
         return "no autoregressive policy"
-    if choice == "off":
-        return "policy_device='off'"
     if choice == "auto" and feed is None and router.device_reason(num_slots) is None:
         return "every expert resident and the router's own top-K: device_routing decides"
-    if not cuda and choice == "auto":
-        return "policy_device='auto' on the CPU: the host policy"
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return "the device policy's kernels need CUDA, or Triton's interpreter (TRITON_INTERPRET=1) on the CPU"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "the device policy needs Triton"
+    why = kernels_reason("policy_device", choice, cuda)
+    if why is not None:
+        return why
     if settings.cache_mode == "physical":
         return "physical-cache mode reads copy timing on the host"
     if settings.instrument:
         return "instrumented runs time each layer's host gap"
     return None
+
+
+def copy_views(residency, num_layers: int) -> tuple[list, list]:
+    """The copy kernel's word views (`expert_copy.word_view`) of each layer's store rows and slot rows; the bytes
+    of both where the two views' words differ (different alignments)."""
+    store, slots = residency.store, residency.slots
+    src = [word_view(store.layers[layer]) for layer in range(num_layers)]
+    dst = [word_view(slots.data[layer]) for layer in range(num_layers)]
+    if any(s.dtype != d.dtype for s, d in zip(src, dst)):
+        src, dst = [s.view(torch.uint8) for s in src], [d.view(torch.uint8) for d in dst]
+    return src, dst
+
+
+def copy_delays(settings, launches: int, cuda: bool) -> np.ndarray | None:
+    """A fixed delay in GPU cycles before each of a step's `launches` copy launches, drawn from
+    `RunSettings.delay_seed` when `copy_delay` is set (timing-independence tests; CUDA only), else None."""
+    from specmoe.offload.copies import CYCLES_PER_SECOND
+
+    if settings.copy_delay is None or not cuda:
+        return None
+    rng = np.random.default_rng(settings.delay_seed)
+    return (rng.uniform(*settings.copy_delay, launches) * CYCLES_PER_SECOND).astype(np.int64)
+
+
+def delayed_copy(src: torch.Tensor, dst: torch.Tensor, listing: torch.Tensor, delays, which: int, cuda: bool,
+                 blocks: int, block: int) -> None:
+    """The copy kernel on `listing` (`launch_copy`), after launch `which`'s delay where delays are set."""
+    if delays is not None and cuda:
+        torch.cuda._sleep(int(delays[which]))
+    launch_copy(src, dst, listing, blocks, block)
+
+
+def staged(shape, dtype, device, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host buffer (pinned on CUDA) that the host writes before a launch, and its device copy, which the
+    step's graph fills first (one host-to-device copy on the compute stream)."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def captured(graphs: dict, key, stream, body):
+    """The CUDA graph of `body` (no arguments) for `key`, captured on `stream` at its first use and kept in
+    `graphs`."""
+    if key not in graphs:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            body()
+        graphs[key] = graph
+    return graphs[key]
 
 
 class DevicePolicy:
@@ -102,20 +159,14 @@ class DevicePolicy:
         self.inserts = router.policy.insert_budget > 0
         device, pin = residency.device, self.cuda
         # a feed's rows of the position, laid out as the step's logits [L, 2E] (module docstring)
-        self.feed_host = torch.zeros(g.num_layers, 2 * g.num_experts, dtype=torch.float32, pin_memory=pin)
+        self.feed_host, self.feed_dev = staged((g.num_layers, 2 * g.num_experts), torch.float32, device, pin)
         self.feed_np = self.feed_host.numpy()
-        self.feed_dev = torch.zeros(self.feed_host.shape, dtype=torch.float32, device=device)
         self.experts_dev = torch.zeros(g.num_layers, g.top_k, dtype=torch.int64, device=device)
         self.experts_host = torch.zeros(self.experts_dev.shape, dtype=torch.int64, pin_memory=pin)
         n = g.num_layers * K.N_COUNTERS
         self.records_dev = torch.zeros(n + 1, dtype=torch.int64, device=device)  # counters, then prefetches pending
         self.records_host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=pin)
-        store, slots = residency.store, residency.slots
-        self.src = [word_view(store.layers[layer]) for layer in range(g.num_layers)]
-        self.dst = [word_view(slots.data[layer]) for layer in range(g.num_layers)]
-        if any(s.dtype != d.dtype for s, d in zip(self.src, self.dst)):
-            self.src = [s.view(torch.uint8) for s in self.src]
-            self.dst = [d.view(torch.uint8) for d in self.dst]
+        self.src, self.dst = copy_views(residency, g.num_layers)
         self.copy_in_graph = copy_in_graph
         self.graphs: dict = {}
         self.use_graphs = self.cuda and cuda_graphs
@@ -158,9 +209,7 @@ class DevicePolicy:
             self._copy_out()
 
     def _copy(self, layer: int, listing: torch.Tensor, delays, which: int) -> None:
-        if delays is not None and self.cuda:  # timing-independence tests: a fixed wait before this copy
-            torch.cuda._sleep(int(delays[which]))
-        launch_copy(self.src[layer], self.dst[layer], listing, self.blocks, self.block)
+        delayed_copy(self.src[layer], self.dst[layer], listing, delays, which, self.cuda, self.blocks, self.block)
 
     def _copy_out(self) -> None:
         step = self.step
@@ -186,26 +235,17 @@ class DevicePolicy:
     def _graph(self):
         """The captured token for the run's copy settings and input (captured at their first use)."""
         key = (self.skip, None if self.delays is None else tuple(self.delays), self.fed)
-        if key not in self.graphs:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream):
-                self._body(self.skip, self.delays, self.copy_in_graph, self.fed)
-            self.graphs[key] = graph
-        return self.graphs[key]
+        return captured(self.graphs, key, self.stream,
+                        lambda: self._body(self.skip, self.delays, self.copy_in_graph, self.fed))
 
     # -- a run ---------------------------------------------------------------------------------------------
     def start(self, settings, fed: bool = False) -> None:
         """A new request (after the engine's `_start`: the slots hold the warm set): the device cache at the warm
         set; the run's copy settings (skip_copies; copy_delay draws a fixed delay per copy launch from
         delay_seed, on CUDA only); fed: routing reads a logit feed (`token`'s feed)."""
-        from specmoe.offload.copies import CYCLES_PER_SECOND
-
         self.cache.reset()
         self.skip, self.fed = settings.skip_copies, fed
-        self.delays = None
-        if settings.copy_delay is not None and self.cuda:
-            rng = np.random.default_rng(settings.delay_seed)
-            self.delays = (rng.uniform(*settings.copy_delay, 2 * self.num_layers) * CYCLES_PER_SECOND).astype(np.int64)
+        self.delays = copy_delays(settings, 2 * self.num_layers, self.cuda)
         self._last = self._totals(self.cache.counters.cpu().numpy().reshape(-1),
                                   int((self.cache.istate[:, K.PREFETCHED] >= 0).sum()))
         if self.use_graphs:  # captured here, not in the run's first step

@@ -50,6 +50,7 @@ from specmoe.speculation import (EXACT, Drafter, SpeculativeConfig, accepted_len
                                  drafting_time)
 
 from .config import EngineConfig, RunSettings
+from .device_blocks import block_device_reason, held_blocks
 from .device_policy import DevicePolicy, device_policy_reason
 from .recorder import ATTENTION_DONE, COPY_CHECKS, COPY_ISSUE, MOE_START, ROUTING, WAIT_START, StepRecorder
 from .results import DecodeResult, LogitFeed, ModelFeed
@@ -112,6 +113,7 @@ class Engine:
         self._runners: dict[int, StepRunner] = {}
         self._device_policy: DevicePolicy | None = None  # the last run's
         self._device_policies: dict = {}
+        self._device_blocks: dict = {}  # the verification blocks' device paths, per speculative config
         self._make_runners()
 
     # -- configuration -------------------------------------------------------------------------------
@@ -266,6 +268,20 @@ class Engine:
         and its copies on the device (`specmoe.engines.device_policy`), else why it runs on the host."""
         return device_policy_reason(self.config.policy_device, self.cuda, self.router, self.settings, feed,
                                     self.residency.num_slots)
+
+    def device_blocks(self) -> str | None:
+        """None if the next speculative run verifies its blocks on the device (`specmoe.engines.device_blocks`),
+        else why the host path does."""
+        return block_device_reason(self.config.block_device, self.cuda, self.block_router)
+
+    def _blocks_step(self):
+        """The device path of the block router's blocks, or None where the host path runs; (it, why not)."""
+        why = self.device_blocks()
+        run = self._runners[self.block_router.config.k + 1]
+        device = None if why else held_blocks(self._device_blocks, self.decoder, run.step, self.residency,
+                                              self.block_router, self.compute, self.config.cuda_graphs,
+                                              run.copy_in_graph)
+        return device, why
 
     def _policy_step(self, feed: LogitFeed | None = None) -> DevicePolicy:
         """The device policy of the current policy, calibration, routing rule (the model's, or that of `feed`:
@@ -453,6 +469,7 @@ class Engine:
                              f"cache has {g.max_seq_len}")
         self.calibration.check(g.num_layers, g.num_experts, g.vocab_size, self.fingerprint)
         self._use_drafter(drafter)
+        device, why = self._blocks_step()  # before _start: its warm-up
         self._start(router)
         rec = StepRecorder(max_new_tokens, g.num_layers, g.num_experts, g.top_k, self.copies,
                            cuda_stream=self.compute, positions=False)
@@ -461,6 +478,8 @@ class Engine:
         with self._stream():
             started = time.perf_counter()
             first, features = self._prefill_blocks(tokens, drafter)
+            if device is not None:
+                device.start(self.settings)
             new.append(first)  # the prefill's greedy token: committed, in no block; the first block's root
             tokens.append(first)
             prefill_ms = (time.perf_counter() - started) * 1e3
@@ -474,7 +493,7 @@ class Engine:
                 drafted = drafting_time(drafter, started)
                 drafts = [int(d) for d in drafts]
                 greedy, a, d_mass, selected = self._verify(rec, t, verify, [tokens[-1]] + drafts, len(tokens) - 1,
-                                                           confidences, record)
+                                                           confidences, record, device=device)
                 displaced += d_mass
                 if record:
                     blocks.append(selected)
@@ -485,7 +504,7 @@ class Engine:
                 t += 1
                 done = commit_block(tokens, new, drafts, a, greedy[a], stops) or len(new) >= max_new_tokens
         del new[max_new_tokens:]
-        result = self._speculative_result(rec, new, displaced, blocks, prefill_ms)
+        result = self._speculative_result(rec, new, displaced, blocks, prefill_ms, device, why)
         result.prefill_tokens = 1  # the prefill's greedy token: committed, in no block
         return result
 
@@ -517,28 +536,37 @@ class Engine:
 
     def _verify(self, rec: StepRecorder, t: int, run: StepRunner, ids: list[int], root: int, confidences,
                 record: bool, feed: np.ndarray | None = None, accepted: int | None = None,
-                pregate: np.ndarray | None = None):
+                pregate: np.ndarray | None = None, device=None):
         """Step t: one verification block (root token and drafts `ids` at position `root`), its acceptance
         (greedy, or the recorded `accepted`), the commitment rates' update and the pool refill. Returns (the
         target's greedy tokens, accepted drafts, displaced mass of the committed positions, selections [D, L, K]
-        or None)."""
+        or None). device: the block's device path (`DeviceBlocks`), or None: the host path."""
         router, g, k = self.block_router, self.geometry, self.block_router.config.k
         rec.begin(t, ids[0], root)
         alpha = block_weights(router.config.selector, k, router.commit_rate, confidences)
-        displaced = np.zeros(k + 1)
-        selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
-        router.begin(run.step, router.config.selector, alpha, displaced, selected, feed, pregate)
-        self._forward(run, ids, root, router, NO_RECORD)
-        greedy = run.step.next_np[:k + 1].tolist()
+        if device is not None:
+            greedy, displaced, selected = device.verify(ids, root, alpha, feed)
+            selected = selected.copy() if record else None
+        else:
+            displaced = np.zeros(k + 1)
+            selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
+            router.begin(run.step, router.config.selector, alpha, displaced, selected, feed, pregate)
+            self._forward(run, ids, root, router, NO_RECORD)
+            greedy = run.step.next_np[:k + 1].tolist()
         a = accepted_length(ids[1:], greedy) if accepted is None else accepted
         self.decoder.rollback(run.step, a + 1)
-        router.end_step(a)
+        (router if device is None else device).end_step(a)
         rec.end(t, greedy[a], a)
         return greedy, a, float(displaced[:a + 1].sum()), selected
 
     def _speculative_result(self, rec: StepRecorder, tokens: list[int], displaced: float, blocks: list,
-                            prefill_ms: float, **info) -> DecodeResult:
+                            prefill_ms: float, device, why: str | None, **info) -> DecodeResult:
+        """The run's result; device: the blocks' device path (its state handed back to the host), or None where
+        the host path ran them (why: `device_blocks`)."""
+        if device is not None:
+            device.finish()
         s = self.settings
+        info.update(verify="device" if device else "host", host_blocks_why=why)
         info = {"kernels": self.kernels, "cuda_graphs": self.graphs is not None, **info,
                 "union_used": self.union_used, "union_slots": self.block_router.union_slots,
                 "prefetch": self.block_router.config.prefetch,
@@ -596,17 +624,20 @@ class Engine:
     def _follow_request(self, blocks: Blocks, ids: np.ndarray, position: int, draft_cost_s: float,
                         record: bool) -> DecodeResult:
         g, k = self.geometry, self.block_router.config.k
+        device, why = self._blocks_step()
         self._start(self.block_router)
         rec = StepRecorder(len(ids), g.num_layers, g.num_experts, g.top_k, self.copies, cuda_stream=self.compute,
                            positions=False)
         run, new, displaced, selections = self._runners[k + 1], [], 0.0, []
         with self._stream():
+            if device is not None:
+                device.start(self.settings, fed=True)
             for i, b in enumerate(ids):
                 rows, a = blocks.rows[b], int(blocks.accepted[b])
                 greedy, _, d_mass, selected = self._verify(rec, i, run, blocks.tokens[rows].tolist(), position,
                                                            blocks.confidences[b], record,
                                                            feed=blocks.router_logits[rows], accepted=a,
-                                                           pregate=blocks.pregate_logits[rows])
+                                                           pregate=blocks.pregate_logits[rows], device=device)
                 displaced += d_mass
                 if record:
                     selections.append(selected)
@@ -614,5 +645,5 @@ class Engine:
                 bonus = int(blocks.tokens[blocks.rows[ids[i + 1], 0]]) if i + 1 < len(ids) else greedy[a]
                 new += blocks.tokens[rows[1:a + 1]].tolist() + [bonus]
                 position += a + 1
-        return self._speculative_result(rec, new, displaced, selections, 0.0, follow=blocks.source)
+        return self._speculative_result(rec, new, displaced, selections, 0.0, device, why, follow=blocks.source)
 

@@ -519,11 +519,21 @@ def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alph
             counts = select_block_into(selector, z, pool.resident(layer), a, k, scoring, buffers, layer=layer)
             missing, slots = pool.use(layer, buffers.selected[:positions])
             route = pool.slot_table(layer)[buffers.selected[:positions]]
-            dev.select(layer, torch.tensor(z, device=device), a_dev)
             where = f"block {block} layer {layer}"
+            if layer % 2:  # as the engine calls it: logits rows of stride 2E, the step's route rows [D, 2K]
+                rows = torch.zeros(positions, 2 * num_experts, dtype=torch.float32, device=device)
+                rows[:, :num_experts] = torch.tensor(z, device=device)
+                route_out = torch.zeros(positions, 2 * k, dtype=torch.int32, device=device)
+                dev.select(layer, rows[:, :num_experts], a_dev, route_out)
+                dev.route.copy_(route_out[:, :k])
+                assert np.array_equal(route_out[:, k:].cpu().numpy(), buffers.weights[:positions].view(np.int32)), \
+                    f"{where}: the route rows' weights"
+            else:
+                dev.select(layer, torch.tensor(z, device=device), a_dev)
             got = dev.counts.cpu().numpy()
             assert tuple(got) == (*counts, 1), f"{where}: counts {got} != {counts}"
             n_eligible, n_union, n_missing = counts
+            assert int(dev.demand[0]) == n_missing, f"{where}: the demand list's count"
             for name, host, device_value in (
                     ("eligible", buffers.eligible[:n_eligible], dev.eligible[:n_eligible]),
                     ("union", buffers.union[:n_union], dev.union[:n_union]),

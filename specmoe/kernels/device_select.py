@@ -69,10 +69,10 @@ if triton is not None:
         return tl.max(tl.where(rows[:, None] == d, tile, -1), axis=0)
 
     @triton.jit
-    def _position(z_ptr, bias_ptr, d, top, norm, rows, idx, valid, E: tl.constexpr, SIGMOID: tl.constexpr):
-        """Position d's float64 logits, router probabilities (exp(z - max z), or sigmoid(z): `prob` of the
-        host), selection scores and normaliser."""
-        z = tl.load(z_ptr + d * E + idx, mask=valid, other=0.0).to(tl.float64)
+    def _position(z_ptr, ZS, bias_ptr, d, top, norm, rows, idx, valid, SIGMOID: tl.constexpr):
+        """Position d's float64 logits (row stride ZS), router probabilities (exp(z - max z), or sigmoid(z):
+        `prob` of the host), selection scores and normaliser."""
+        z = tl.load(z_ptr + d * ZS + idx, mask=valid, other=0.0).to(tl.float64)
         if SIGMOID:
             p = 1.0 / (1.0 + tl.exp(-z))
             s = p + tl.load(bias_ptr + idx, mask=valid, other=0.0)
@@ -90,14 +90,16 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _select_kernel(z_ptr, alpha_ptr, bias_ptr, fpar_ptr, pool_ptr, slot_ptr, rec_ptr, block_ptr, D,
-                       selected_ptr, weights_ptr, displaced_ptr, eligible_ptr, union_ptr, missing_ptr,
-                       missing_slots_ptr, route_ptr, counts_ptr,
+    def _select_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, pool_ptr, slot_ptr, rec_ptr, block_ptr, D,
+                       selected_ptr, weights_ptr, displaced_ptr, eligible_ptr, union_ptr, list_ptr, route_ptr, RS,
+                       counts_ptr, WEIGHTS_IN_ROUTE: tl.constexpr,
                        E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
                        BLOCK: tl.constexpr, SIGMOID: tl.constexpr, RENORMALISE: tl.constexpr,
                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                        P: tl.constexpr, U: tl.constexpr):
-        """`selection._select` + `pool._use` of one layer (its pool row, slot row and recency row)."""
+        """`selection._select` + `pool._use` of one layer (its pool row, slot row and recency row). The demand
+        list list_ptr [1 + 2E]: the count (0 if over U), the missing experts, their union slots; route rows of
+        stride RS, with the weights' float32 bits after the K slots where WEIGHTS_IN_ROUTE (the MoE's route row)."""
         rows = tl.arange(0, BLOCK_D)
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
@@ -106,12 +108,12 @@ if triton is not None:
         scale = tl.load(fpar_ptr + _F_SCALE)
 
         # the normalisers of r_d, summed over experts in index order for all positions at once
-        zt = tl.load(z_ptr + rows[:, None] * E + idx[None, :], mask=vrow[:, None] & valid[None, :],
+        zt = tl.load(z_ptr + rows[:, None] * ZS + idx[None, :], mask=vrow[:, None] & valid[None, :],
                      other=float("-inf")).to(tl.float64)
         top = tl.where(vrow, tl.max(zt, axis=1), 0.0)
         total = tl.zeros([BLOCK_D], tl.float64)
         for e in range(E):
-            col = tl.load(z_ptr + rows * E + e, mask=vrow, other=0.0).to(tl.float64)
+            col = tl.load(z_ptr + rows * ZS + e, mask=vrow, other=0.0).to(tl.float64)
             if SIGMOID:
                 total += 1.0 / (1.0 + tl.exp(-col))
             else:
@@ -125,7 +127,7 @@ if triton is not None:
         own = tl.full([BLOCK_D, BLOCK_E], -1, tl.int32)
         v = tl.zeros([BLOCK_E], tl.int32)
         for d in range(D):
-            z, p, s, nd = _position(z_ptr, bias_ptr, d, top, norm, rows, idx, valid, E, SIGMOID)
+            z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top, norm, rows, idx, valid, SIGMOID)
             rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
             own = tl.where(rows[:, None] == d, rank[None, :], own)
             v += (rank >= 0).to(tl.int32)
@@ -137,7 +139,7 @@ if triton is not None:
         if BLOCK:
             u = tl.zeros([BLOCK_E], tl.float64)
             for d in range(D):
-                z, p, s, nd = _position(z_ptr, bias_ptr, d, top, norm, rows, idx, valid, E, SIGMOID)
+                z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top, norm, rows, idx, valid, SIGMOID)
                 mine = (_row(own, rows, d) >= 0) & (in_root == 0) & valid
                 u = tl.where(mine, u + tl.load(alpha_ptr + d) * p / nd, u)
             positive = (u > 0.0) & valid
@@ -182,7 +184,7 @@ if triton is not None:
         executed = tl.full([BLOCK_D, BLOCK_E], -1, tl.int32)
         last = tl.full([BLOCK_E], -1, tl.int64)
         for d in range(D):
-            z, p, s, nd = _position(z_ptr, bias_ptr, d, top, norm, rows, idx, valid, E, SIGMOID)
+            z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top, norm, rows, idx, valid, SIGMOID)
             mine = _row(own, rows, d)
             if BLOCK:
                 top1 = tl.min(tl.where(mine == 0, idx, BLOCK_E), axis=0)
@@ -213,6 +215,8 @@ if triton is not None:
                 w = tl.where(den >= tiny, p / den * scale, q / _ordered_sum(q, sel, K) * scale)
             tl.store(selected_ptr + d * K + sel, idx.to(tl.int64), mask=sel >= 0)
             tl.store(weights_ptr + d * K + sel, w.to(tl.float32), mask=sel >= 0)
+            if WEIGHTS_IN_ROUTE:
+                tl.store(route_ptr + d * RS + K + sel, w.to(tl.float32).to(tl.int32, bitcast=True), mask=sel >= 0)
             gone = tl.where(sel >= 0, K, mine)  # own ranks not executed; executed ones moved out of 0..K-1
             tl.store(displaced_ptr + d, _ordered_sum(p, gone, K) / nd)
             executed = tl.where(rows[:, None] == d, sel[None, :], executed)
@@ -224,15 +228,16 @@ if triton is not None:
         n_missing = tl.sum(missing.to(tl.int32), axis=0)
         ok = n_missing <= U
         order = tl.cumsum(missing.to(tl.int32), axis=0) - 1
-        tl.store(missing_ptr + order, idx.to(tl.int64), mask=missing)
-        tl.store(missing_slots_ptr + order, (P + order).to(tl.int64), mask=missing)
+        tl.store(list_ptr + 1 + order, idx.to(tl.int64), mask=missing)
+        tl.store(list_ptr + 1 + E + order, (P + order).to(tl.int64), mask=missing)
+        tl.store(list_ptr, tl.where(ok, n_missing, 0).to(tl.int64))
         slot = tl.load(slot_ptr + idx, mask=valid, other=-1)
         slot = tl.where(missing & ok, P + order, slot)
         tl.store(slot_ptr + idx, slot, mask=valid)
         recency = tl.load(rec_ptr + idx, mask=valid, other=0)
         base = tl.load(block_ptr) * _POSITIONS_PER_BLOCK
         tl.store(rec_ptr + idx, tl.where(ran & ok, base + last + 1, recency), mask=valid)
-        tl.store(route_ptr + rows[:, None] * K + executed, slot[None, :].to(tl.int32),
+        tl.store(route_ptr + rows[:, None] * RS + executed, slot[None, :].to(tl.int32),
                  mask=(executed >= 0) & vrow[:, None])
         n_union = tl.sum(ran.to(tl.int32), axis=0)
         tl.store(union_ptr + tl.cumsum(ran.to(tl.int32), axis=0) - 1, idx.to(tl.int64), mask=ran)
@@ -247,10 +252,11 @@ if triton is not None:
         tl.store(counts_ptr + 3, ok.to(tl.int64))
 
     @triton.jit
-    def _refill_kernel(pool_ptr, slot_ptr, rec_ptr, warm_rank_ptr, block_ptr, moves_ptr, n_moves_ptr,
+    def _refill_kernel(pool_ptr, slot_ptr, rec_ptr, warm_rank_ptr, block_ptr, moves_ptr,
                        E: tl.constexpr, BLOCK_E: tl.constexpr, P: tl.constexpr):
         """`ExpertPool.end_block` of layer program_id(0): keep the P most recent experts, entering experts (in
-        ascending index) take the freed pool slots (ascending); moves [2, E]: their union slots, their pool slots."""
+        ascending index) take the freed pool slots (ascending); moves [L, 1 + 2E]: per layer their count, their
+        union slots, their pool slots (a copy list of `expert_copy` from the slots to the slots)."""
         layer = tl.program_id(0)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
@@ -278,14 +284,14 @@ if triton is not None:
             e = tl.min(tl.where(entering, idx, BLOCK_E), axis=0)
             free = tl.min(tl.where(leaving, slot, BLOCK_E), axis=0)
             f = tl.min(tl.where(leaving & (slot == free), idx, BLOCK_E), axis=0)
-            tl.store(moves_ptr + layer * 2 * E + i, _pick_int(slot, idx, e))
-            tl.store(moves_ptr + layer * 2 * E + E + i, free)
+            tl.store(moves_ptr + layer * (1 + 2 * E) + 1 + i, _pick_int(slot, idx, e))
+            tl.store(moves_ptr + layer * (1 + 2 * E) + 1 + E + i, free)
             new = tl.where(idx == e, free, new)
             entering = entering & (idx != e)
             leaving = leaving & (idx != f)
         tl.store(slot_ptr + row, new, mask=valid)
         tl.store(pool_ptr + row, keep.to(tl.int8), mask=valid)
-        tl.store(n_moves_ptr + layer, n.to(tl.int64))
+        tl.store(moves_ptr + layer * (1 + 2 * E), n.to(tl.int64))
         if layer == 0:
             tl.store(block_ptr, tl.load(block_ptr) + 1)
 
@@ -293,13 +299,17 @@ if triton is not None:
 class DevicePool:
     """An `ExpertPool` and the block selection over it on the device (see the module docstring).
 
-    pool: the host pool whose current state is copied (the host is untouched); selector, scoring: as
-    `select_block_into` takes them (a bool scoring: a softmax router that renormalises or not);
-    max_positions: the largest block D. Outputs (device tensors, rewritten by each `select`): selected int64
-    [D, K], weights float32 [D, K], displaced float64 [D], route int32 [D, K] (the slot of each selected
-    expert), eligible / union / missing / missing_slots int64 [E] and counts int64 [4] (n_eligible, n_union,
-    n_missing, 1, or 0 if more than U experts are missing: then the pool is unchanged, as the host's raises);
-    by `end_block`: moves int64 [L, 2, E] (each layer's union slots left, pool slots taken) and n_moves [L].
+    pool: the host pool whose current state is copied (the host is untouched; `load` copies it again);
+    selector, scoring: as `select_block_into` takes them (a bool scoring: a softmax router that renormalises or
+    not); max_positions: the largest block D. Outputs (device tensors, written by each `select` of a layer):
+    selections int64 [L, D, K] (`selected`: the layer's rows), weights float32 [D, K], displaced_rows float64
+    [L, D] (`displaced`: the layer's row), route int32 [D, K] (the slot of each selected expert, unless the
+    route rows are given), eligible / union int64 [E] and counts int64 [4] (n_eligible, n_union, n_missing, 1,
+    or 0 if more than U experts are missing: then the pool is unchanged, as the host's raises), and the layer's
+    demand list demands[layer] int64 [1 + 2E] (`demand`: the count, 0 if over U; the missing experts
+    (`missing`), their union slots (`missing_slots`): a copy list of `kernels.expert_copy`); by `end_block`:
+    move_lists int64 [L, 1 + 2E] (per layer the count, the union slots left, the pool slots taken: a copy list
+    from the slots to the slots), as moves [L, 2, E] and n_moves [L].
     """
 
     def __init__(self, pool: ExpertPool, selector: SelectorConfig, scoring: RouterScoring | bool,
@@ -310,12 +320,12 @@ class DevicePool:
             raise ValueError(f"expected a SelectorConfig, got {type(selector).__name__}")
         if isinstance(scoring, (bool, np.bool_)):
             scoring = RouterScoring("softmax", renormalise=bool(scoring))
-        E, k = pool.num_experts, pool.top_k
+        E, k, L = pool.num_experts, pool.top_k, pool.num_layers
         if E > MAX_EXPERTS:
             raise ValueError(f"at most {MAX_EXPERTS} experts, got {E}")
         check_groups(scoring.n_group, scoring.topk_group, E, k)
         self.pool, self.selector, self.scoring, self.device = pool, selector, scoring, torch.device(device)
-        self.num_layers, self.num_experts, self.top_k, self.max_positions = pool.num_layers, E, k, max_positions
+        self.num_layers, self.num_experts, self.top_k, self.max_positions = L, E, k, max_positions
 
         def put(array, dtype):
             return torch.tensor(np.ascontiguousarray(array), dtype=dtype, device=self.device)
@@ -324,52 +334,77 @@ class DevicePool:
         self.pool_mask = put(pool.pool_mask, torch.int8)
         self.warm_rank = put(pool.warm_rank, torch.int64)
         self.block = put([pool.block], torch.int64)
-        self.bias = put(scoring.bias_rows(pool.num_layers, E), torch.float64)
+        self.bias = put(scoring.bias_rows(L, E), torch.float64)
         fpar = np.zeros(N_FPARAMS)
         params = selector.kernel_params
         fpar[[F_GAMMA, F_RESCUE, F_PRUNE]] = params[1], params[2], params[3]
         fpar[[F_SCALE, F_EPS, F_TINY, F_SLACK]] = scoring.scale, 1e-20, TINY, ENTROPY_SLACK
         self.fparams = put(fpar, torch.float64)
-        self.selected = torch.zeros(max_positions, k, dtype=torch.int64, device=self.device)
+        self.selections = torch.zeros(L, max_positions, k, dtype=torch.int64, device=self.device)
         self.weights = torch.zeros(max_positions, k, dtype=torch.float32, device=self.device)
-        self.displaced = torch.zeros(max_positions, dtype=torch.float64, device=self.device)
+        self.displaced_rows = torch.zeros(L, max_positions, dtype=torch.float64, device=self.device)
         self.route = torch.zeros(max_positions, k, dtype=torch.int32, device=self.device)
-        self.sets = torch.zeros(4, E, dtype=torch.int64, device=self.device)
-        self.eligible, self.union, self.missing, self.missing_slots = self.sets
+        self.sets = torch.zeros(2, E, dtype=torch.int64, device=self.device)
+        self.eligible, self.union = self.sets
+        self.demands = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
+        self._layer_views(0)
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
-        self.moves = torch.zeros(pool.num_layers, 2, E, dtype=torch.int64, device=self.device)
-        self.n_moves = torch.zeros(pool.num_layers, dtype=torch.int64, device=self.device)
+        self.move_lists = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
+        self.moves = self.move_lists[:, 1:].view(L, 2, E)
+        self.n_moves = self.move_lists[:, 0]
         self._constants = dict(
             E=E, BLOCK_E=triton.next_power_of_2(E), BLOCK_D=triton.next_power_of_2(max_positions), K=k,
             BLOCK=int(params[0] != 0.0), SIGMOID=int(scoring.kind == "sigmoid"),
             RENORMALISE=int(bool(scoring.renormalise)), N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group,
             BLOCK_G=triton.next_power_of_2(scoring.n_group), P=pool.pool_size, U=pool.union_slots)
 
-    def select(self, layer: int, router_logits: torch.Tensor, alpha: torch.Tensor) -> None:
-        """One launch: the selection of `layer` for the block's D positions (router_logits float32 [D, E],
-        contiguous; alpha float64 [D], finite and >= 0: the host checks both, the kernel does not) and
-        `ExpertPool.use` of its executions. Once per layer and block (not checked)."""
+    def _layer_views(self, layer: int) -> None:
+        e = self.num_experts
+        self.selected, self.displaced = self.selections[layer], self.displaced_rows[layer]
+        self.demand = self.demands[layer]
+        self.missing, self.missing_slots = self.demand[1:1 + e], self.demand[1 + e:]
+
+    def load(self, pool: ExpertPool | None = None) -> None:
+        """The state of `pool` (default the one given at construction) copied into the device tensors in place
+        (captured graphs keep reading them): a request's start, or a pool the host path has stepped."""
+        pool = self.pool if pool is None else pool
+        for dst, src in ((self.slot, pool.slot), (self.recency, pool.recency), (self.pool_mask, pool.pool_mask),
+                         (self.warm_rank, pool.warm_rank), (self.block, np.array([pool.block]))):
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(src)).to(dst.dtype))
+
+    def select(self, layer: int, router_logits: torch.Tensor, alpha: torch.Tensor,
+               route_out: torch.Tensor | None = None) -> None:
+        """One launch: the selection of `layer` for the block's D positions (router_logits float32 [D, E] with
+        unit column stride, e.g. the step's logits rows; alpha float64 [D], finite and >= 0: the host checks
+        both, the kernel does not) and `ExpertPool.use` of its executions. route_out: int32 [D, 2K] contiguous
+        (the step's route rows of the layer) receives the slots and the execution weights' float32 bits; else
+        `route` gets the slots. Once per layer and block (not checked)."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
-        z = router_logits
+        z, k = router_logits, self.top_k
         if z.dtype != torch.float32 or z.dim() != 2 or not 1 <= z.shape[0] <= self.max_positions \
-                or z.shape[1] != self.num_experts or not z.is_contiguous():
-            raise ValueError(f"router logits must be contiguous float32 [D <= {self.max_positions}, "
-                             f"{self.num_experts}], got {z.dtype} {tuple(z.shape)}")
+                or z.shape[1] != self.num_experts or z.stride(1) != 1:
+            raise ValueError(f"router logits must be float32 [D <= {self.max_positions}, {self.num_experts}] with "
+                             f"unit column stride, got {z.dtype} {tuple(z.shape)} strides {z.stride()}")
         if alpha.dtype != torch.float64 or alpha.shape != (z.shape[0],):
             raise ValueError(f"alpha must be float64 [{z.shape[0]}], got {alpha.dtype} {tuple(alpha.shape)}")
+        route = self.route if route_out is None else route_out
+        if route_out is not None and (route_out.dtype != torch.int32 or route_out.shape != (z.shape[0], 2 * k)
+                                      or not route_out.is_contiguous()):
+            raise ValueError(f"route_out must be contiguous int32 [{z.shape[0]}, {2 * k}], got {route_out.dtype} "
+                             f"{tuple(route_out.shape)}")
+        self._layer_views(layer)
         _select_kernel[(1,)](
-            z, alpha, self.bias[layer], self.fparams, self.pool_mask[layer], self.slot[layer], self.recency[layer],
-            self.block, z.shape[0], self.selected, self.weights, self.displaced, self.eligible, self.union,
-            self.missing, self.missing_slots, self.route, self.counts, **self._constants, num_warps=4,
-            enable_fp_fusion=False)
+            z, z.stride(0), alpha, self.bias[layer], self.fparams, self.pool_mask[layer], self.slot[layer],
+            self.recency[layer], self.block, z.shape[0], self.selected, self.weights, self.displaced, self.eligible,
+            self.union, self.demand, route, route.stride(0), self.counts, WEIGHTS_IN_ROUTE=int(route_out is not None),
+            **self._constants, num_warps=4, enable_fp_fusion=False)
 
     def end_block(self) -> None:
-        """`ExpertPool.end_block` on the device, every layer in one launch (moves, n_moves)."""
+        """`ExpertPool.end_block` on the device, every layer in one launch (move_lists)."""
         c = self._constants
         _refill_kernel[(self.num_layers,)](self.pool_mask, self.slot, self.recency, self.warm_rank, self.block,
-                                           self.moves, self.n_moves, E=c["E"], BLOCK_E=c["BLOCK_E"], P=c["P"],
-                                           num_warps=4)
+                                           self.move_lists, E=c["E"], BLOCK_E=c["BLOCK_E"], P=c["P"], num_warps=4)
 
     def state(self) -> dict:
         """The pool's state on the host, named as `ExpertPool`'s attributes (for checks against it)."""

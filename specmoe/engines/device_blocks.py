@@ -1,0 +1,240 @@
+"""Verification blocks on the device: a block's selection, its expert pool, its demand copies and the pool refill
+decided by the device, one CUDA graph per block, no host round trip per layer (`EngineConfig.block_device`).
+
+A block of D = k + 1 positions runs, on the compute stream: the staged inputs to the device (the position
+weights alpha [D], float64; with trace-following the block's recorded router logits [L, D, E]), then per layer l
+attention, router and pre-gate of the D positions (`Decoder.attention_router`); `DevicePool.select` (the block
+selector over the pool, `select_block_into`, and `ExpertPool.use`: the missing experts take union slots; the
+selections, the route rows with their execution weights, and the layer's demand copy list written on the device:
+the host `BlockRouter.route`'s decisions bit for bit, `kernels.device_select`); the demand copy kernel
+(`kernels.expert_copy`: the missing experts from the pinned store into their union slots); and the grouped MoE
+over the route rows. Then the head, the pool refill (`DevicePool.end_block`: `ExpertPool.end_block` with its
+moves) and the moves as the copy kernel from the layer's slots to its slots (the host path's `CopyStream.move`),
+and one device-to-host copy of the greedy tokens, the selections, the displaced mass per layer and the copy and
+move counts per layer.
+
+The refill does not depend on the block's acceptance (every verified position's experts count, rejected ones
+included), so it belongs to the block's graph; the host reads the greedy tokens after it, computes the accepted
+length, rolls the decoder back and updates the commitment rates (`end_step`), which set the next block's alpha.
+
+Copy accounting is the host path's (`CopyStats`): demand = issued = the block's missing experts (skipped in
+copies-skipped mode, whose graph has no copy launches), moved = the refill's moves. The pool's counters
+(`ExpertPool.copies`, `moves`, `blocks`) are kept on the host from the same counts; the pool's state goes back to
+the host pool at the run's end (`finish`), so that the next run, on either path, starts right.
+
+Not on this path (the engine keeps the host loop, `block_device_reason`): the block prefetch
+(`SpeculativeConfig.prefetch` > 0: its physical union-slot map and prediction stay on the host), union slots too
+few for a block's worst case (U < min(E - P, D K): the host raises where a block misses more, the kernel would
+leave the pool unchanged), E > 1024, and the prompt: a speculative run's prefill stays on the host path (exact
+selection in blocks; its copies are prompt processing), and the device pool takes the host pool's state after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS
+
+from .device_policy import captured, copy_delays, copy_views, delayed_copy, kernels_reason, staged
+
+
+def block_device_reason(choice: str, cuda: bool, router) -> str | None:
+    """None if the verification blocks of `router` (a `BlockRouter`) run on the device, else why the host path
+    runs them. choice: `EngineConfig.block_device`."""
+    from specmoe.kernels.device_select import MAX_EXPERTS
+
+    if router is None:
+        return "no speculative config"
+    why = kernels_reason("block_device", choice, cuda)
+    if why is not None:
+        return why
+    config, g = router.config, router.geometry
+    if config.prefetch:
+        return f"the block prefetch (SpeculativeConfig.prefetch={config.prefetch}) runs on the host path"
+    worst = min(g.num_experts - config.pool_size, (config.k + 1) * g.top_k)
+    if router.union_slots < worst:
+        return (f"U={router.union_slots} union slots < min(E - P, (k + 1) K) = {worst}: a block could miss more "
+                "experts than fit (the host path raises there)")
+    if g.num_experts > MAX_EXPERTS:
+        return f"E={g.num_experts} > {MAX_EXPERTS} experts (the device refill's key)"
+    return None
+
+
+class DeviceBlocks:
+    """The device path of one `BlockRouter` over one decoder step of D = k + 1 positions (module docstring): the
+    device pool, the copy views, the staged alpha and feed, and one captured graph per copy setting (copies
+    skipped or not, delays) and input (the model's router or a feed). Build it before a request (its warm-up
+    writes the KV rows of positions 0 .. D - 1)."""
+
+    def __init__(self, decoder, step, residency, router, stream, cuda_graphs: bool = True,
+                 copy_in_graph: bool = True, blocks: int = COPY_BLOCKS, block: int = COPY_BLOCK):
+        from specmoe.kernels.device_select import DevicePool
+
+        g = decoder.geometry
+        self.decoder, self.step, self.residency, self.router = decoder, step, residency, router
+        self.stream, self.cuda = stream, stream is not None
+        self.num_layers, self.num_experts, self.top_k = g.num_layers, g.num_experts, g.top_k
+        d, device, pin = step.num_positions, residency.device, stream is not None
+        self.pool = DevicePool(router.pool, router.config.selector, router.scoring, d, device)
+        self.blocks, self.block = blocks, block
+        self.alpha_host, self.alpha_dev = staged((d,), torch.float64, device, pin)
+        self.feed_host, self.feed_dev = staged((g.num_layers, d, g.num_experts), torch.float32, device, pin)
+        self.counts_dev = torch.zeros(2, g.num_layers, dtype=torch.int64, device=device)  # missing, moves
+        self.counts_host = torch.zeros(self.counts_dev.shape, dtype=torch.int64, pin_memory=pin)
+        self.selections_host = torch.zeros(self.pool.selections.shape, dtype=torch.int64, pin_memory=pin)
+        self.displaced_host = torch.zeros(self.pool.displaced_rows.shape, dtype=torch.float64, pin_memory=pin)
+        self.src, self.dst = copy_views(residency, g.num_layers)
+        self.copy_in_graph = copy_in_graph
+        self.graphs: dict = {}
+        self.use_graphs = self.cuda and cuda_graphs
+        self.skip, self.delays, self.fed = False, None, False
+        if self.cuda:
+            self.ev_done = torch.cuda.Event()
+            with torch.no_grad(), torch.cuda.stream(stream):
+                self._warm_up()
+
+    # -- the block -----------------------------------------------------------------------------------------
+    def _body(self, skip: bool, delays, copy_out: bool, fed: bool = False) -> None:
+        """Every layer, the head, the refill and its moves, the records (module docstring); copied to the host at
+        the end (copy_out). fed: selection reads the staged feed, not the router's output."""
+        dec, step, pool, e = self.decoder, self.step, self.pool, self.num_experts
+        self.alpha_dev.copy_(self.alpha_host, non_blocking=True)
+        if fed:
+            self.feed_dev.copy_(self.feed_host, non_blocking=True)
+        for layer in range(self.num_layers):
+            dec.attention_router(step, layer, copy_out=False)
+            logits = self.feed_dev[layer] if fed else step.logits_dev[layer, :, :e]
+            pool.select(layer, logits, self.alpha_dev, step.route_dev[layer])
+            if not skip:
+                delayed_copy(self.src[layer], self.dst[layer], pool.demands[layer], delays, 2 * layer, self.cuda,
+                             self.blocks, self.block)
+            dec.moe(step, layer, self.residency.slots.layer(layer), copy_in=False)
+        dec.head(step, copy_out=False)
+        pool.end_block()
+        if not skip:  # the refill's moves: union slot -> pool slot, within each layer's slots
+            for layer in range(self.num_layers):
+                delayed_copy(self.dst[layer], self.dst[layer], pool.move_lists[layer], delays, 2 * layer + 1,
+                             self.cuda, self.blocks, self.block)
+        self.counts_dev[0].copy_(pool.demands[:, 0])
+        self.counts_dev[1].copy_(pool.move_lists[:, 0])
+        if copy_out:
+            self._copy_out()
+
+    def _copy_out(self) -> None:
+        self.step.copy_out_next()
+        self.selections_host.copy_(self.pool.selections, non_blocking=True)
+        self.displaced_host.copy_(self.pool.displaced_rows, non_blocking=True)
+        self.counts_host.copy_(self.counts_dev, non_blocking=True)
+
+    def _warm_up(self) -> None:
+        """Compile every kernel (two eager passes of a block without copies, the second reading the feed buffer,
+        and the copy kernel on an empty list); `start` loads the pool's state afterwards."""
+        d = self.step.num_positions
+        self.step.set_input([0] * d, 0, self.decoder.geometry.max_seq_len)
+        for fed in (False, True):
+            self._body(skip=True, delays=None, copy_out=True, fed=fed)
+        empty = torch.zeros_like(self.pool.demands[0])
+        for src in (self.src[0], self.dst[0]):  # demand copies (from the store), moves (from the slots)
+            delayed_copy(src, self.dst[0], empty, None, 0, False, self.blocks, self.block)
+        torch.cuda.synchronize()
+
+    def _graph(self):
+        key = (self.skip, None if self.delays is None else tuple(self.delays), self.fed)
+        return captured(self.graphs, key, self.stream,
+                        lambda: self._body(self.skip, self.delays, self.copy_in_graph, self.fed))
+
+    # -- a run ---------------------------------------------------------------------------------------------
+    def start(self, settings, fed: bool = False) -> None:
+        """The first verification block of a request comes next (after the engine's `_start` and, for
+        generation, the host path's prefill): the device pool takes the host pool's state; the run's copy
+        settings (skip_copies; copy_delay draws a fixed delay per copy launch from delay_seed, on CUDA only);
+        fed: selection reads recorded router logits (`verify`'s feed)."""
+        self.residency.copies.synchronize()  # the host path's copies and moves have landed
+        self.pool.load(self.router.pool)
+        self.skip, self.fed = settings.skip_copies, fed
+        self.delays = copy_delays(settings, 2 * self.num_layers, self.cuda)
+        if self.use_graphs:  # captured here, not in the run's first block
+            with torch.no_grad():
+                self._graph()
+
+    def verify(self, ids, root: int, alpha: np.ndarray, feed: np.ndarray | None = None):
+        """One block (root token and drafts `ids` at position `root`) in one launch, selection weighted by
+        `alpha` [D] and reading `feed` [D, L, E] (recorded router logits; the run must have started with
+        fed=True) or the model's router. Returns (the greedy tokens, displaced mass per position summed over
+        layers as the host sums it, selections [D, L, K])."""
+        step = self.step
+        if (feed is not None) != self.fed:
+            raise ValueError("a run's blocks are all fed or none (DeviceBlocks.start's fed)")
+        step.set_input(ids, root, self.decoder.geometry.max_seq_len)
+        self.alpha_host.numpy()[:] = alpha  # the previous block has ended: its graph no longer reads these
+        if feed is not None:
+            self.feed_host.numpy()[:] = np.asarray(feed, dtype=np.float32).transpose(1, 0, 2)
+        if self.use_graphs:
+            self._graph().replay()
+            if not self.copy_in_graph:
+                self._copy_out()
+        else:
+            self._body(self.skip, self.delays, copy_out=True, fed=self.fed)
+        if self.cuda:
+            self.ev_done.record(self.stream)
+            self.ev_done.synchronize()
+        displaced = np.zeros(step.num_positions)
+        for row in self.displaced_host.numpy():  # layer by layer, as `BlockRouter.route` adds them
+            displaced += row
+        return step.next_np.tolist(), displaced, self.selections_host.numpy().transpose(1, 0, 2)
+
+    def end_step(self, accepted: int) -> None:
+        """After the block's acceptance (as `BlockRouter.end_step`): the commitment rates, the union slots used,
+        the pool's counters and the copy stream's counts of the block (module docstring)."""
+        router, pool = self.router, self.router.pool
+        router.commit_rate.update(accepted, router.config.k)
+        missing, moves = self.counts_host.numpy()
+        router.union_used = max(router.union_used, int(missing.max()))
+        pool.copies += missing
+        pool.moves += moves
+        pool.blocks += 1
+        stats = self.residency.copies.stats
+        stats.demand += int(missing.sum())
+        if self.skip:
+            stats.skipped += int(missing.sum())
+        else:
+            stats.issued += int(missing.sum())
+        stats.moved += int(moves.sum())
+
+    def finish(self) -> None:
+        """After the run: the host pool takes the device pool's state (slot table, members, recency, block
+        number), and the copy stream's slot bookkeeping follows what the device wrote into the slots: the pool's
+        experts in their slots, the union slots unknown (a later copy never relies on them)."""
+        state, pool = self.pool.state(), self.router.pool
+        pool.slot[...], pool.pool_mask[...], pool.recency[...] = state["slot"], state["pool_mask"], state["recency"]
+        pool.block = state["block"]
+        pool.used[:] = False
+        pool._block_copies = 0
+        copies, p = self.residency.copies, pool.pool_size
+        copies.synchronize()
+        held = np.full((self.num_layers, copies.owner.shape[1]), -1, np.int64)
+        for layer in range(self.num_layers):
+            members = np.flatnonzero(pool.pool_mask[layer])
+            held[layer, pool.slot[layer, members]] = members
+        copies.owner[:, :p + pool.union_slots] = held[:, :p + pool.union_slots]
+        copies.content[:, :p + pool.union_slots] = held[:, :p + pool.union_slots]
+        copies.fresh[:] = False
+        copies.queued[:] = False
+        copies.pending[:] = False
+
+
+def held_blocks(held: dict, decoder, step, residency, router, stream, cuda_graphs: bool,
+                copy_in_graph: bool) -> DeviceBlocks:
+    """The device path of `router`'s speculative config on `step`, kept in `held` per config (a `configure` back
+    to a config used before finds its graphs); all are dropped when the step changes (new step buffers)."""
+    if any(b.step is not step for b in held.values()):
+        held.clear()
+    key = router.config
+    if key not in held:
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            held[key] = DeviceBlocks(decoder, step, residency, router, stream, cuda_graphs, copy_in_graph)
+    held[key].router = router  # the router whose host state `start`, `end_step` and `finish` use
+    return held[key]
