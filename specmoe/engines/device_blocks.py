@@ -141,11 +141,6 @@ class DeviceBlocks:
             delayed_copy(src, self.dst[0], empty, None, 0, False, self.blocks, self.block)
         torch.cuda.synchronize()
 
-    def _graph(self):
-        key = (self.skip, None if self.delays is None else tuple(self.delays), self.fed)
-        return captured(self.graphs, key, self.stream,
-                        lambda: self._body(self.skip, self.delays, self.copy_in_graph, self.fed))
-
     # -- a run ---------------------------------------------------------------------------------------------
     def start(self, settings, fed: bool = False) -> None:
         """The first verification block of a request comes next (after the engine's `_start` and, for
@@ -158,7 +153,7 @@ class DeviceBlocks:
         self.delays = copy_delays(settings, 2 * self.num_layers, self.cuda)
         if self.use_graphs:  # captured here, not in the run's first block
             with torch.no_grad():
-                self._graph()
+                captured(self)
 
     def verify(self, ids, root: int, alpha: np.ndarray, feed: np.ndarray | None = None):
         """One block (root token and drafts `ids` at position `root`) in one launch, selection weighted by
@@ -173,7 +168,7 @@ class DeviceBlocks:
         if feed is not None:
             self.feed_host.numpy()[:] = np.asarray(feed, dtype=np.float32).transpose(1, 0, 2)
         if self.use_graphs:
-            self._graph().replay()
+            captured(self).replay()
             if not self.copy_in_graph:
                 self._copy_out()
         else:

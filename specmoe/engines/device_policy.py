@@ -123,15 +123,16 @@ def staged(shape, dtype, device, pin: bool) -> tuple[torch.Tensor, torch.Tensor]
     return torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, device=device)
 
 
-def captured(graphs: dict, key, stream, body):
-    """The CUDA graph of `body` (no arguments) for `key`, captured on `stream` at its first use and kept in
-    `graphs`."""
-    if key not in graphs:
+def captured(path):
+    """The CUDA graph of a device path (`DevicePolicy`, `DeviceBlocks`) for its run's copy settings and input
+    (skip, delays, fed): its `_body`, captured on its stream at their first use and kept in its `graphs`."""
+    key = (path.skip, None if path.delays is None else tuple(path.delays), path.fed)
+    if key not in path.graphs:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            body()
-        graphs[key] = graph
-    return graphs[key]
+        with torch.cuda.graph(graph, stream=path.stream):
+            path._body(path.skip, path.delays, path.copy_in_graph, path.fed)
+        path.graphs[key] = graph
+    return path.graphs[key]
 
 
 class DevicePolicy:
@@ -232,12 +233,6 @@ class DevicePolicy:
             getattr(self.cache, name).copy_(value)
         torch.cuda.synchronize()
 
-    def _graph(self):
-        """The captured token for the run's copy settings and input (captured at their first use)."""
-        key = (self.skip, None if self.delays is None else tuple(self.delays), self.fed)
-        return captured(self.graphs, key, self.stream,
-                        lambda: self._body(self.skip, self.delays, self.copy_in_graph, self.fed))
-
     # -- a run ---------------------------------------------------------------------------------------------
     def start(self, settings, fed: bool = False) -> None:
         """A new request (after the engine's `_start`: the slots hold the warm set): the device cache at the warm
@@ -250,7 +245,7 @@ class DevicePolicy:
                                   int((self.cache.istate[:, K.PREFETCHED] >= 0).sum()))
         if self.use_graphs:  # captured here, not in the run's first step
             with torch.no_grad():
-                self._graph()
+                captured(self)
 
     def _totals(self, counters: np.ndarray, pending: int) -> np.ndarray:
         return np.append(counters.reshape(self.num_layers, K.N_COUNTERS).sum(axis=0), pending)
@@ -268,7 +263,7 @@ class DevicePolicy:
             self.feed_np[:-1, e:] = feed.pregate_logits[t, 1:]
         rec.begin(t, token, position)
         if self.use_graphs:
-            self._graph().replay()
+            captured(self).replay()
             if not self.copy_in_graph:
                 self._copy_out()
         else:

@@ -62,6 +62,10 @@ def place_union(missing: np.ndarray, prefetched: np.ndarray, pool_size: int,
     (ascending) sit in slots P, P+1, ...: returns (slot of each missing expert, bool mask of those that need a
     demand copy, union slots the layer wrote in this block). Module docstring for the rule."""
     n, m = prefetched.size, missing.size
+    if m > union_slots:  # ExpertPool.use raises before this: a block misses at most U experts
+        raise ValueError(f"{m} missing experts do not fit U={union_slots} union slots")
+    if not n:  # nothing prefetched (the default): slots P, P+1, ... as the pool gave them, every one a copy
+        return np.arange(pool_size, pool_size + m, dtype=np.int64), np.ones(m, dtype=bool), m
     at = np.searchsorted(prefetched, missing)
     hit = at < n
     hit[hit] = prefetched[at[hit]] == missing[hit]
@@ -71,8 +75,6 @@ def place_union(missing: np.ndarray, prefetched: np.ndarray, pool_size: int,
     unused = pool_size + np.flatnonzero(~np.isin(prefetched, missing[hit]))
     free = np.concatenate((np.arange(pool_size + n, pool_size + union_slots, dtype=np.int64), unused))
     count = int(demand.sum())
-    if count > free.size:  # ExpertPool.use raises before this: a block misses at most U experts
-        raise ValueError(f"{m} missing experts do not fit U={union_slots} union slots")
     slots[demand] = free[:count]
     return slots, demand, n + min(count, union_slots - n)
 
