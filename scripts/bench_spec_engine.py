@@ -22,7 +22,7 @@ committed sequence of the same blocks (`LogitFeed`), at C = P, at C = P + U_max 
 speculative engine's peak slot memory; U_max: the most union slots any block's layer used in the warm-up round)
 and at --ar-capacities, with and without copies. Every configuration runs once per round, rounds interleaved, so
 that ratios pair measurements taken at the same time. Each speculative row runs its blocks on the device
-(`EngineConfig.block_device="on"`, row "source/selector") and on the host ("source/selector+host_blocks"), in the
+(`EngineConfig.block_device="auto"`, row "source/selector") and on the host ("source/selector+host_blocks"), in the
 same rounds, with the ratio host / device (--block-paths; the block prefetch's rows, --prefetch > 0, run on the
 host path; a row's `verify` says which path ran, `host_blocks_why` why the host). A trace of a shallower family member with the target's E
 and K is tiled over the target's layers (`Trace.tiled`, `Calibration.tiled`).
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
                     f"and block (docs/block-prefetch.md; 0: off; default {PREFETCH}); several give one SD row each, "
                     "interleaved in the same rounds (e.g. --prefetch 0 4)")
     ap.add_argument("--block-paths", nargs="+", choices=("device", "host"), default=["device", "host"],
-                    help="verification blocks on the device (row source/selector, block_device='on') and/or on the "
+                    help="verification blocks on the device (row source/selector, block_device='auto') and/or on the "
                     "host (source/selector+host_blocks, block_device='off'), in the same rounds, with the ratio host / "
                     "device; the block prefetch (--prefetch > 0) runs on the host path only")
     ap.add_argument("--k", type=int, nargs="+", default=[8, 16])
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
                     decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
                     engines[(k, name, budget, path)] = Engine(
                         decoder, unit, None, calibration, EngineConfig(max_seq_len=args.max_seq_len,
-                                                                       block_device="on" if path == "device" else "off"),
+                                                                       block_device="auto" if path == "device" else "off"),
                         fingerprint=fingerprint, speculative=config)
     first = next(iter(engines.values()))
     report["notes"] = first.notes
@@ -341,8 +341,27 @@ def main(argv=None) -> int:
                 for source in sources:
                     ar_pass(engine, feeds[source][:1], args.first_position)
         report["rounds_ms"] = rounds
+        if r:  # the table and the markdown of the rounds so far (a run cut short keeps them)
+            report["ar_configs"] = [f"{policy}_C{c}" for policy, c in ar_engines]
+            report["table"] = summary_table(sources, rounds, details, list(ar_engines), args)
+            report["rounds_done"] = r
+            write_text_atomic(out_dir / "bench_spec_engine.md", markdown(report))
         save()
 
+    report["ar_configs"] = [f"{policy}_C{c}" for policy, c in ar_engines]
+    report["table"] = summary_table(sources, rounds, details, list(ar_engines), args)
+    report["total_s"] = time.time() - t0
+    save()
+    md = markdown(report)
+    write_text_atomic(out_dir / "bench_spec_engine.md", md)
+    print(md, flush=True)
+    return 0 if not report["errors"] else 1
+
+
+def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args) -> list[dict]:
+    """The report's rows from the rounds measured so far: per speculative configuration its tau, copies, ms per
+    committed token (with and without copies), the host-blocks ratio, and every AR configuration's ms with the
+    paired ratios (over rounds and over requests). Built after every round, so a run cut short keeps its table."""
     table = []
     for source, (k, per_selector, _) in sources.items():
         for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths):
@@ -364,7 +383,7 @@ def main(argv=None) -> int:
             if path == "device" and rounds.get(host_key) and len(rounds[host_key]) == len(rounds[key]):
                 row["ratio_host_blocks_over_device"] = ratio_ci(rounds[host_key], rounds[key])
             fastest = None
-            for (policy, c) in ar_engines:
+            for (policy, c) in ar_keys:
                 ar = rounds.get(f"{source}/ar_{policy}_C{c}")
                 if not ar or len(ar) != len(rounds[key]):
                     continue
@@ -382,19 +401,13 @@ def main(argv=None) -> int:
                     fastest = label
             row["fastest_ar"] = fastest
             table.append(row)
-    report["ar_configs"] = [f"{policy}_C{c}" for policy, c in ar_engines]
-    report["table"] = table
-    report["total_s"] = time.time() - t0
-    save()
-    md = markdown(report)
-    write_text_atomic(out_dir / "bench_spec_engine.md", md)
-    print(md, flush=True)
-    return 0 if not report["errors"] else 1
+    return table
 
 
 def markdown(report: dict) -> str:
     lines = [f"# Speculative engine vs AR ({report['date']})", "",
              f"{report['machine']['gpu']}; torch {report['machine']['torch']}. Command: `{report['command']}`. "
+             f"Rounds measured: {report.get('rounds_done', 0)} of {report['args']['rounds']}. "
              f"Pool P = {report['args']['pool']}, U_max = {report['union_max']} union slots used at most; AR at C = "
              + ", ".join(map(str, report["capacities"])) + f" ({', '.join(report['args']['ar_policies'])}). Expert "
              f"copy {report['copy']['stream_ms']:.3f} ms in a stream. Ratios: SD at zero drafting cost / AR with a 95% "

@@ -20,8 +20,10 @@ the config and the seed (up to the nondeterminism CUDA kernels keep).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import time
 from typing import Callable
 
@@ -214,6 +216,28 @@ class BiasBalance:
         return {"bias_min": biases.min(-1).values.tolist(), "bias_max": biases.max(-1).values.tolist()}
 
 
+@contextlib.contextmanager
+def reference_delta_rule(model):
+    """Within the context, the model's Gated DeltaNet layers run transformers' own torch implementation of the
+    chunked gated delta rule instead of the optional kernel package's (`fla`) that transformers picks when it
+    imports. Needed for training on Hopper: fla 0.6 refuses the backward of that kernel there under Triton
+    3.4-3.7.0 (it gives wrong gradients, fla issue #640). transformers binds the chosen implementation at import
+    as a module-level function wrapping its torch one (`__wrapped__`); the context swaps that name in the
+    model's modeling module and restores it on exit. Yields whether there was one to swap (no GDN: False)."""
+    module = sys.modules[type(model).__module__]
+    name = "torch_chunk_gated_delta_rule"
+    wrapped = getattr(module, name, None)
+    reference = getattr(wrapped, "__wrapped__", None)
+    if reference is None:
+        yield False
+        return
+    setattr(module, name, reference)
+    try:
+        yield True
+    finally:
+        setattr(module, name, wrapped)
+
+
 def choose_experts_implementation(model, batch: torch.Tensor, preferred: tuple[str, ...],
                                   router_logits: bool = True) -> str:
     """The first of `preferred` under which one forward and backward of `batch` runs (grads discarded);
@@ -261,7 +285,23 @@ def train_target(model, stream: np.ndarray, fc: FamilyConfig, device: torch.devi
     preferred = ("grouped_mm", "eager") if device.type == "cuda" else ("eager",)
     probe = torch.from_numpy(stream[: 2 * (fc.seq_len + 1)].astype(np.int64)).view(2, -1)[:, :-1].to(device)
     model.train()
-    impl = choose_experts_implementation(model, probe, preferred, router_logits=balance is None)
+    with contextlib.ExitStack() as restore:
+        try:
+            impl = choose_experts_implementation(model, probe, preferred, router_logits=balance is None)
+            delta_rule = None
+        except RuntimeError:  # e.g. fla's refusal above: again with the reference delta rule, if the model has one
+            if not restore.enter_context(reference_delta_rule(model)):
+                raise
+            delta_rule = "transformers' torch reference (the kernel package failed above)"
+            log(f"target: Gated DeltaNet through {delta_rule}")
+            impl = choose_experts_implementation(model, probe, preferred, router_logits=balance is None)
+        return _train_target(model, sampler, stage, fc, device, log, heldout, balance, impl, delta_rule)
+
+
+def _train_target(model, sampler: BatchSampler, stage: StageConfig, fc: FamilyConfig, device: torch.device,
+                  log: Callable[[str], None], heldout: np.ndarray | None, balance: BiasBalance | None, impl: str,
+                  delta_rule: str | None) -> dict:
+    """`train_target`'s loop, under the experts implementation and delta rule chosen there."""
     if balance is not None:
         balance.reset()
     monitor = monitor_rows(heldout, fc, device)
@@ -295,6 +335,8 @@ def train_target(model, stream: np.ndarray, fc: FamilyConfig, device: torch.devi
             log(f"target step {step}/{clock.total} loss {row['loss']:.4f} ce {row['ce']:.4f} "
                 f"aux {row['aux_loss']:.4f} lr {lr:.2e} {row['seconds']:.0f}s")
     extra = {"experts_implementation": impl}
+    if delta_rule is not None:
+        extra["gated_delta_rule"] = delta_rule
     if balance is not None:
         extra["bias_balance"] = {"rate": balance.rate, "sequence_balance_coef": balance.coef,
                                  "last_load_max_over_mean": float(balance.last_imbalance), **balance.remove()}

@@ -73,8 +73,8 @@ def test_gpu_moonlight_kernels_and_graphs_match_the_torch_path(moonlight, tokens
 
 
 def test_gpu_moonlight_psr_with_graphs_equals_without(moonlight, tokens):
-    graphs = _engine(moonlight, "psr", 32)
-    eager = _engine(moonlight, "psr", 32, cuda_graphs=False)
+    graphs = _engine(moonlight, "psr", 32, policy_device="off")  # the host policy's step graphs (the device
+    eager = _engine(moonlight, "psr", 32, cuda_graphs=False, policy_device="off")  # policy: the test below)
     assert graphs.graphs is not None and eager.graphs is None
     assert graphs.kernels["attention"] == eager.kernels["attention"] == "split_kv"
     a = graphs.teacher_forced(tokens, prompt_len=32, return_logits=True)
@@ -92,7 +92,7 @@ def test_gpu_moonlight_psr_device_policy_as_the_host_policy(moonlight, tokens):
     selections and demand / prefetch / unused copies as the host policy's (prompt steps one position at a time on
     both), from the model's own logits and following the host run's recorded logits (a feed)."""
     dev = _engine(moonlight, "psr", 32, policy_device="on")
-    host = _engine(moonlight, "psr", 32, prefill_chunk=1)
+    host = _engine(moonlight, "psr", 32, prefill_chunk=1, policy_device="off")
     same = [COPY_FIELDS.index(name) for name in ("demand", "prefetch", "prefetch_unused")]
     a = dev.teacher_forced(tokens, prompt_len=32, return_logits=True)
     b = host.teacher_forced(tokens, prompt_len=32, return_logits=True)

@@ -161,6 +161,7 @@ def test_host_path_where_the_device_blocks_do_not_apply(tiny, monkeypatch):
 
     assert engine("off").device_blocks() == "block_device='off'"
     assert "CPU" in engine("auto").device_blocks()
+    assert EngineConfig().block_device == "off"  # the default (docs/device-cache.md says why)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "interpreter" in engine("on").device_blocks()
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # only the reasons are asked: nothing runs in the interpreter
@@ -221,6 +222,7 @@ def test_gpu_device_blocks_are_independent_of_copy_timing(gpu_family, family_tex
     model, adapter, drafter = gpu_family
     dev, host = ns["engines"](model, adapter, "acceptmoe", 8, 32, 48, 512, device="cuda")
     gen = lambda e: e.generate(family_text[:32], 48, drafter=drafter, record=True)  # noqa: E731
+    ns["run"](dev, gen)  # every run below starts from the slots this request leaves (its warm copies depend on them)
     base = ns["run"](dev, gen)
     for seed in (1, 2):
         dev.configure(copy_delay=(2e-4, 1e-3), delay_seed=seed)

@@ -179,11 +179,12 @@ def test_host_policy_where_the_device_policy_does_not_apply(tiny, monkeypatch):
     model, adapter, store, cal = tiny
     tokens = np.arange(4)
     psr = preset("psr", 16, adapter.top_k)
-    default = build_engine(model, psr, cal, EngineConfig(max_seq_len=16), store=store)
-    result = default.teacher_forced(tokens)
+    off = build_engine(model, psr, cal, EngineConfig(max_seq_len=16, policy_device="off"), store=store)
+    result = off.teacher_forced(tokens)
     assert result.info["routing"] == "host" and result.info["host_policy_why"] == "policy_device='off'"
-    auto = build_engine(model, psr, cal, EngineConfig(max_seq_len=16, policy_device="auto"), store=store)
-    result = auto.teacher_forced(tokens)
+    assert EngineConfig().policy_device == "off"  # the default (docs/device-cache.md says why)
+    default = build_engine(model, psr, cal, EngineConfig(max_seq_len=16, policy_device="auto"), store=store)
+    result = default.teacher_forced(tokens)
     assert result.info["routing"] == "host" and "CPU" in result.info["host_policy_why"]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     on = build_engine(model, psr, cal, EngineConfig(max_seq_len=16, policy_device="on"), store=store)
@@ -228,6 +229,23 @@ def test_gpu_device_policy_decodes_as_the_host_policy(policy_name, capacity):
     assert dev._device_policy is held and dev._device_policy.router is dev.router
     np.testing.assert_array_equal(again.selected, a.selected)
     np.testing.assert_array_equal(again.logits, a.logits)
+
+
+@pytest.mark.gpu
+def test_gpu_device_policy_on_qwen3_5_moe_decodes_as_the_host_policy():
+    """Qwen3.5-MoE (Gated DeltaNet layers: the recurrent and convolution state advance inside the captured token;
+    a renormalised softmax router and the gated shared expert): PSR at C = 8 of 16 on the device as on the host,
+    teacher-forced and in generation, with the prompt on both paths."""
+    ns = {}
+    exec(COMPARE, ns)
+    dev, host, adapter = ns["engines"]("qwen3.5-moe-tiny", "psr", 8, 64, device="cuda")
+    tokens = np.random.default_rng(7).integers(0, adapter.vocab_size, 40)
+    a = dev.teacher_forced(tokens, prompt_len=8, return_logits=True)
+    b = host.teacher_forced(tokens, prompt_len=8, return_logits=True)
+    assert dev._device_policy.use_graphs and dev._device_policy.graphs, dev.notes
+    ns["compare"](a, b, SAME_CLASSES, IN_TIME, LATE, exact_logits=False)
+    ga, gb = dev.generate(tokens[:6], 16), host.generate(tokens[:6], 16)
+    assert ga.generated == gb.generated and ga.info["routing"] == "device_policy"
 
 
 @pytest.mark.gpu

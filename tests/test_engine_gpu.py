@@ -43,11 +43,12 @@ def calibration(exact_engine):
     return calibration_from_engine(exact_engine, windows, {"model": "olmoe-1b-7b random (device draws) seed 0"})
 
 
-@pytest.fixture(scope="module")
-def psr_engine(full, calibration):
+@pytest.fixture(scope="module", params=["auto", "off"], ids=["device_policy", "host_policy"])
+def psr_engine(full, calibration, request):
+    """C = 16 PSR as built by default (on CUDA the device policy) and with the host policy."""
     model, adapter, store = full
     return build_engine(model, preset("psr", 16, adapter.top_k, bonus=0.25), calibration,
-                        EngineConfig(max_seq_len=SEQ), store=store)
+                        EngineConfig(max_seq_len=SEQ, policy_device=request.param), store=store)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +136,7 @@ def test_gpu_greedy_generation_agrees_with_transformers(full, full_fp32, exact_e
 
 def test_gpu_selections_equal_replay(psr_engine, calibration, tokens):
     run = psr_engine.teacher_forced(tokens)
+    assert run.info["routing"] == ("host" if psr_engine.config.policy_device == "off" else "device_policy"), run.info
     trace = replay(psr_engine.policy, run.router_logits.astype(np.float64), run.pregate_logits.astype(np.float64),
                    run.input_tokens, calibration)
     np.testing.assert_array_equal(run.selected, trace.selected)

@@ -39,12 +39,12 @@ def prompt(family_text):
     return family_text[:24]
 
 
-def spec(gpu_family, selector, settings=RunSettings(), **kw):
+def spec(gpu_family, selector, settings=RunSettings(), block_device="auto", **kw):
     model, _, unit, drafter, calibration = gpu_family
     config = SpeculativeConfig(selector_preset(selector),
                                **{"k": K_DRAFTS, "pool_size": POOL, "max_new_tokens": NEW, **kw})
-    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=SEQ), settings, speculative=config,
-                          residency=unit)
+    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=SEQ, block_device=block_device),
+                          settings, speculative=config, residency=unit)
     engine.drafter = drafter
     return engine
 
@@ -86,13 +86,15 @@ def test_gpu_agrees_with_the_harness_loop(gpu_family, prompt):
     assert result.counts()["copies"] - result.copy_totals()["prefetch_unused"] == harness.copies
 
 
-def test_gpu_copy_timing_changes_no_token_or_selection(gpu_family, prompt):
-    engine = spec(gpu_family, "acceptmoe")
+@pytest.mark.parametrize("block_device", ["auto", "off"])
+def test_gpu_copy_timing_changes_no_token_or_selection(gpu_family, prompt, block_device):
+    engine = spec(gpu_family, "acceptmoe", block_device=block_device)
     runs = []
     for settings in ({"max_in_flight": 4}, {"max_in_flight": 1, "copy_delay": (0.0, 0.001), "delay_seed": 3}):
         engine.configure(**settings)
         runs.append(sd(engine, prompt, record=True))
     engine.configure(max_in_flight=2, copy_delay=None)
+    assert runs[0].info["verify"] == ("host" if block_device == "off" else "device"), runs[0].info
     assert runs[0].tokens == runs[1].tokens and runs[0].counts()["copies"] == runs[1].counts()["copies"]
     for a, b in zip(runs[0].block_selected, runs[1].block_selected, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -109,6 +109,39 @@ def test_a_few_cpu_steps_decrease_every_loss(corpus):
         assert np.mean(values[-5:]) < np.mean(values[:5]), key
 
 
+def test_a_refused_delta_rule_kernel_trains_through_the_reference_and_is_restored(corpus, monkeypatch):
+    """A Gated DeltaNet kernel that raises in training (as fla 0.6 does on Hopper under Triton < 3.7.1): the
+    target trains through transformers' torch delta rule instead, the record says so, and the modeling module's
+    function is the refusing one again afterwards."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from specmoe_train.configs import MEMBER_PRESETS
+    from specmoe_train.members import build_member
+    from specmoe_train.train import train_target
+
+    tok = AutoTokenizer.from_pretrained(str(corpus / "tokenizer"), local_files_only=True)
+    target, _ = build_member(MEMBER_PRESETS["tiny"]["qwen3_5_moe"], tok, torch.device("cpu"), torch.float32)
+    module = sys.modules[type(target).__module__]
+    reference = module.torch_chunk_gated_delta_rule.__wrapped__
+    calls = []
+
+    def refusing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("this kernel refuses here")
+
+    refusing.__wrapped__ = reference
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", refusing)
+    fc = _tiny(steps=3)
+    logs = []
+    rec = train_target(target, load_corpus(corpus)["train"], fc, torch.device("cpu"), log=logs.append)
+    assert calls and rec["steps"] == 3 and all(math.isfinite(r["ce"]) for r in rec["rows"])
+    assert rec["gated_delta_rule"].startswith("transformers' torch reference")
+    assert any("Gated DeltaNet through" in line for line in logs)
+    assert module.torch_chunk_gated_delta_rule is refusing
+
+
 def _check_crosscheck(crosscheck: dict, key: str) -> None:
     """The harness's speculative loop (incremental decoding) against the teacher-forced walk over the greedy
     continuation (`family.tau_crosscheck`). The two commit different tokens only where the target's top two

@@ -35,12 +35,13 @@ class EngineConfig:
     policy_device: with C < E (or a policy that is not the router's own top-K), run the policy's logical cache
     and its copies on the device, a token as one CUDA graph, also when routing follows a logit feed
     (`specmoe.engines.device_policy`; "auto": on CUDA where it applies; "on": also on the CPU under Triton's
-    interpreter, for tests; "off", the default: the host's `LogicalCache` between per-layer launches). "off"
-    stays the default until the device policy's GPU tests have passed on the device; it then becomes "auto".
+    interpreter, for tests; "off", the default: the host's `LogicalCache` between per-layer launches). Its GPU
+    tests pass, but it is not faster: on an H200 its one-program cache step costs more per layer than the host
+    round trip it removes (BENCHMARKS.md, "Device paths on the H200"), so the default stays "off".
     block_device: the speculative engine's verification blocks with their selection, expert pool, demand copies
     and refill on the device, a block as one CUDA graph, also following recorded blocks
-    (`specmoe.engines.device_blocks`; "auto" / "on" / "off" as policy_device, "off" the default until its GPU
-    tests pass; the block prefetch stays on the host path).
+    (`specmoe.engines.device_blocks`; "auto" / "on" / "off" as policy_device; "off" the default for the same
+    reason: no faster than the host path where measured; the block prefetch stays on the host path).
     prefill_chunk: prompt positions per step of the autoregressive prefill (1: one at a time; the policy's
     decisions are the same either way, `Engine` module docstring). state_rollback: how a verification block's
     recurrent state (Qwen3.5-MoE's Gated DeltaNet) is rolled back: "history" (the step keeps every position's
