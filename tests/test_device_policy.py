@@ -207,15 +207,20 @@ def test_host_policy_where_the_device_policy_does_not_apply(tiny, monkeypatch):
         EngineConfig(policy_device="gpu")
 
 
+# (model, policy, C): every policy kind at two capacities on OLMoE; PSR on Qwen3.5-MoE (Gated DeltaNet layers: the
+# recurrent and convolution state advance inside the captured token; a renormalised softmax router and the gated
+# shared expert)
+DECODE_CASES = [("olmoe-tiny", p, c) for c in (32, 16) for p in POLICIES] + [("qwen3.5-moe-tiny", "psr", 8)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy_name", POLICIES)
-@pytest.mark.parametrize("capacity", [32, 16])
-def test_gpu_device_policy_decodes_as_the_host_policy(policy_name, capacity):
+@pytest.mark.parametrize("name,policy_name,capacity", DECODE_CASES, ids=["-".join(map(str, c)) for c in DECODE_CASES])
+def test_gpu_device_policy_decodes_as_the_host_policy(name, policy_name, capacity):
     """One captured graph per token: tokens, selections and copies by class as the host policy's; the logits equal
     to bf16 rounding (the device's float64 exp may move an execution weight by one float32 ulp)."""
     ns = {}
     exec(COMPARE, ns)
-    dev, host, adapter = ns["engines"]("olmoe-tiny", policy_name, capacity, 64, device="cuda")
+    dev, host, adapter = ns["engines"](name, policy_name, capacity, 64, device="cuda")
     tokens = np.random.default_rng(capacity).integers(0, adapter.vocab_size, 40)
     a = dev.teacher_forced(tokens, prompt_len=8, return_logits=True)
     b = host.teacher_forced(tokens, prompt_len=8, return_logits=True)
@@ -229,23 +234,6 @@ def test_gpu_device_policy_decodes_as_the_host_policy(policy_name, capacity):
     assert dev._device_policy is held and dev._device_policy.router is dev.router
     np.testing.assert_array_equal(again.selected, a.selected)
     np.testing.assert_array_equal(again.logits, a.logits)
-
-
-@pytest.mark.gpu
-def test_gpu_device_policy_on_qwen3_5_moe_decodes_as_the_host_policy():
-    """Qwen3.5-MoE (Gated DeltaNet layers: the recurrent and convolution state advance inside the captured token;
-    a renormalised softmax router and the gated shared expert): PSR at C = 8 of 16 on the device as on the host,
-    teacher-forced and in generation, with the prompt on both paths."""
-    ns = {}
-    exec(COMPARE, ns)
-    dev, host, adapter = ns["engines"]("qwen3.5-moe-tiny", "psr", 8, 64, device="cuda")
-    tokens = np.random.default_rng(7).integers(0, adapter.vocab_size, 40)
-    a = dev.teacher_forced(tokens, prompt_len=8, return_logits=True)
-    b = host.teacher_forced(tokens, prompt_len=8, return_logits=True)
-    assert dev._device_policy.use_graphs and dev._device_policy.graphs, dev.notes
-    ns["compare"](a, b, SAME_CLASSES, IN_TIME, LATE, exact_logits=False)
-    ga, gb = dev.generate(tokens[:6], 16), host.generate(tokens[:6], 16)
-    assert ga.generated == gb.generated and ga.info["routing"] == "device_policy"
 
 
 @pytest.mark.gpu
