@@ -135,3 +135,18 @@ class StepRecorder:
                     wait[t, layer] = wait_start.elapsed_time(moe_start) * 1e3
             result.gap_us, result.wait_us = gap, wait
         return result
+
+
+class _NoRecord:
+    """The recorder of a prefill step: nothing is kept."""
+
+    @staticmethod
+    def tick(part: int = -1) -> None:
+        return None
+
+    @staticmethod
+    def gpu_mark(layer: int, which: int) -> None:
+        return None
+
+
+NO_RECORD = _NoRecord()
