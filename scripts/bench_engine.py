@@ -514,6 +514,9 @@ def main(argv=None) -> int:
                 report["errors"].append(f"hf {impl} round {r}: {exc!r}")
         print(f"round {r}:", {k: (round(v[-1], 3) if v else None) for k, v in rounds.items()}, flush=True)
         report["rounds_ms"] = rounds
+        report["rounds_done"] = r + 1  # the table and markdown of the rounds so far (a run cut short keeps them)
+        summarize(report, rounds, details, configs, engines[E], args, prefixes, hf_impls, E, K)
+        write_text_atomic(out_dir / "bench_engine.md", markdown(report))
         save()
 
     # separate passes, not part of the rounds: instrumented (host gap) and copies skipped (compute only)
@@ -541,10 +544,23 @@ def main(argv=None) -> int:
         report["sweep"] = position_sweep(engines, calib, args, K, V, report)
         save()
 
-    # summary
+    summarize(report, rounds, details, configs, engines[E], args, prefixes, hf_impls, E, K)
+    report["total_s"] = time.time() - t0
+    save()
+    md = markdown(report)
+    write_text_atomic(out_dir / "bench_engine.md", md)
+    print(md, flush=True)
+    return 0 if not report["errors"] else 1
+
+
+def summarize(report: dict, rounds: dict, details: dict, configs, resident_engine, args, prefixes, hf_impls,
+              E: int, K: int) -> None:
+    """The report's table (per configuration: ms mean / p50 / p99, copies by class, link floor, efficiency, host
+    time, and the instrumented and copies-skipped passes where they ran) and its ratios with intervals, from the
+    rounds measured so far. Called after every round, so a run cut short keeps its table."""
     copy_ms = report["copy"]["stream_ms"]
     resident_ms = float(np.mean(rounds["all_resident"])) if rounds["all_resident"] else math.nan
-    floor_bytes = weight_bytes_per_token(engines[E], args.prompt + args.tokens // 2)
+    floor_bytes = weight_bytes_per_token(resident_engine, args.prompt + args.tokens // 2)
     report["bandwidth_floor_ms"] = floor_bytes / report["bandwidth_Bps"] * 1e3
     report["bytes_per_token"] = floor_bytes
     table = {}
@@ -598,19 +614,14 @@ def main(argv=None) -> int:
     report["table"] = table
     report["ratios"] = ratios
     report["hf_ms"] = {impl: float(np.mean(rounds[f"hf_{impl}"])) for impl in hf_impls if rounds[f"hf_{impl}"]}
-    report["total_s"] = time.time() - t0
-    save()
-    md = markdown(report)
-    write_text_atomic(out_dir / "bench_engine.md", md)
-    print(md, flush=True)
-    return 0 if not report["errors"] else 1
 
 
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"# AR engine benchmark ({report['date']})", "",
              f"{m['gpu']}; torch {m['torch']} (CUDA {m['cuda']}), transformers {m['transformers']}, "
-             f"triton {m.get('triton', '-')}, Python {m['python']}. Command: `{report['command']}`.", "",
+             f"triton {m.get('triton', '-')}, Python {m['python']}. Command: `{report['command']}`. Rounds measured: "
+             f"{report.get('rounds_done', 0)} of {report['args']['rounds']}.", "",
              f"Device bandwidth (D2D copy, read+write): {report['bandwidth_Bps'] / 1e9:.0f} GB/s. Expert copy "
              f"({report['copy']['expert_MB']:.1f} MB, pinned host to device): {report['copy']['stream_ms']:.3f} ms "
              f"each in a stream ({report['copy']['stream_GBps']:.1f} GB/s), {report['copy']['alone_ms']:.3f} ms alone. "
