@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 # float64 parameters (one tensor: a Python float launch argument would be float32)
 F_BONUS, F_SCALE, F_FAST, F_SLOW, F_FAST_GAIN, F_SLOW_GAIN, F_EPS = range(7)
 N_FPARAMS = 7
+PRIOR_CHUNK = 16  # token-prior entries read per step of a priority snapshot ([BLOCK_E, 16] comparisons each)
 
 if triton is not None:
     _SLOT_EXPERT = tl.constexpr(K.SLOT_EXPERT)
@@ -132,8 +133,12 @@ if triton is not None:
         return rank
 
     @triton.jit
-    def _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU: tl.constexpr):
-        """`kernels._snapshot`: the priority snapshot of step t unless it was taken (snap == t)."""
+    def _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB,
+                  LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr):
+        """`kernels._snapshot`: the priority snapshot of step t unless it was taken (snap == t). The token's prior
+        row (at most MAXP entries, each expert at most once: `TokenPrior`) is read CHUNK entries at a time, not
+        entry by entry (a chain of dependent loads): an expert gets its one value, so the sum over the chunks is
+        the host's single addition, bit for bit."""
         if LRU:
             fresh = 1.0 + last.to(tl.float64)
         else:
@@ -143,8 +148,17 @@ if triton is not None:
             safe = tl.where(has, token, 0)
             lo = tl.load(row + safe)
             hi = tl.where(has, tl.load(row + safe + 1), lo)
-            for i in range(lo, hi):
-                fresh = tl.where(idx == tl.load(pexp_ptr + i), fresh + tl.load(pval_ptr + i), fresh)
+            add = tl.zeros_like(fresh)
+            hit = idx < 0
+            for c in tl.static_range(0, MAXP, CHUNK):
+                at = lo + c + tl.arange(0, CHUNK)
+                ok = at < hi
+                e = tl.load(pexp_ptr + at, mask=ok, other=-1)
+                v = tl.load(pval_ptr + at, mask=ok, other=0.0)
+                match = idx[:, None] == e[None, :]
+                add += tl.sum(tl.where(match, v[None, :], 0.0), axis=1)
+                hit = hit | (tl.max(match.to(tl.int32), axis=1) > 0)
+            fresh = tl.where(hit, fresh + add, fresh)
         return tl.where(snap == t, prio, fresh)
 
     @triton.jit
@@ -200,7 +214,8 @@ if triton is not None:
     def _part1(ist_ptr, isc_ptr, fst_ptr, cnt_ptr, fpar_ptr, pind_ptr, pexp_ptr, pval_ptr, bias_ptr, VOCAB,
                token, layer, g_ptr, prefetch_ptr, idx, valid,
                E: tl.constexpr, BLOCK_E: tl.constexpr, M: tl.constexpr, R: tl.constexpr, N_INS: tl.constexpr,
-               BUDGET: tl.constexpr, LRU: tl.constexpr, SIGMOID: tl.constexpr,
+               BUDGET: tl.constexpr, LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr,
+               SIGMOID: tl.constexpr,
                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
         """`kernels.part1` of `layer` (BUDGET > 0)."""
         irow = ist_ptr + layer * _N_IROWS * E + idx
@@ -210,7 +225,8 @@ if triton is not None:
         snap = tl.load(isc + _SNAP_TOKEN)
         es, se, last, prot, sel_tok, pref, sf, ss, prio = _state_rows(irow, frow, valid, E)
         pred = tl.load(irow + _PREDICTED * E, mask=valid, other=-1)
-        prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU)
+        prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU,
+                         MAXP, CHUNK)
         g, _ = _scores(g_ptr, bias_ptr, layer, valid, idx, E, SIGMOID)
         rank = _rank(g, g, valid, idx, M, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
         for r in tl.static_range(M):  # the ranking row holds positions; entries past M keep their values
@@ -245,6 +261,7 @@ if triton is not None:
     def _route(ist_ptr, isc_ptr, fst_ptr, fsc_ptr, cnt_ptr, disp_ptr, fpar_ptr, delta_ptr, pind_ptr, pexp_ptr,
                pval_ptr, bias_ptr, VOCAB, token, layer, z_ptr, experts_ptr, route_ptr, demand_ptr, idx, valid,
                E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, LRU: tl.constexpr,
+               MAXP: tl.constexpr, CHUNK: tl.constexpr,
                PROTECT: tl.constexpr, RUNNING: tl.constexpr, SIGMOID: tl.constexpr, RENORMALISE: tl.constexpr,
                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
         """`kernels.route` of `layer`: part 2, the slots and the execution weights."""
@@ -255,7 +272,8 @@ if triton is not None:
         t = tl.load(isc + _POS)
         snap = tl.load(isc + _SNAP_TOKEN)
         es, se, last, prot, sel_tok, pref, sf, ss, prio = _state_rows(irow, frow, valid, E)
-        prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU)
+        prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU,
+                         MAXP, CHUNK)
         zs, z = _scores(z_ptr, bias_ptr, layer, valid, idx, E, SIGMOID)
         zmax = tl.max(tl.where(valid, zs, float("-inf")), axis=0)
         zmin = tl.min(tl.where(valid, zs, float("inf")), axis=0)
@@ -358,7 +376,8 @@ if triton is not None:
                            experts_ptr, route_ptr, demand_ptr, prefetch_ptr,
                            E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, M: tl.constexpr,
                            R: tl.constexpr, N_INS: tl.constexpr, BUDGET: tl.constexpr, KIND: tl.constexpr,
-                           LRU: tl.constexpr, PROTECT: tl.constexpr, RUNNING: tl.constexpr, SIGMOID: tl.constexpr,
+                           LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr, PROTECT: tl.constexpr,
+                           RUNNING: tl.constexpr, SIGMOID: tl.constexpr,
                            RENORMALISE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                            BLOCK_G: tl.constexpr, DO_ROUTE: tl.constexpr, DO_PART1: tl.constexpr):
         idx = tl.arange(0, BLOCK_E)
@@ -367,11 +386,13 @@ if triton is not None:
         if DO_ROUTE:
             _route(ist_ptr, isc_ptr, fst_ptr, fsc_ptr, cnt_ptr, disp_ptr, fpar_ptr, delta_ptr, pind_ptr, pexp_ptr,
                    pval_ptr, bias_ptr, VOCAB, token, layer, z_ptr, experts_ptr, route_ptr, demand_ptr, idx, valid,
-                   E, BLOCK_E, TOP_K, KIND, LRU, PROTECT, RUNNING, SIGMOID, RENORMALISE, N_GROUP, TOPK_GROUP,
+                   E, BLOCK_E, TOP_K, KIND, LRU, MAXP, CHUNK, PROTECT, RUNNING, SIGMOID, RENORMALISE, N_GROUP,
+                   TOPK_GROUP,
                    BLOCK_G)
         if DO_PART1:
             _part1(ist_ptr, isc_ptr, fst_ptr, cnt_ptr, fpar_ptr, pind_ptr, pexp_ptr, pval_ptr, bias_ptr, VOCAB,
-                   token, layer + DO_ROUTE, g_ptr, prefetch_ptr, idx, valid, E, BLOCK_E, M, R, N_INS, BUDGET, LRU,
+                   token, layer + DO_ROUTE, g_ptr, prefetch_ptr, idx, valid, E, BLOCK_E, M, R, N_INS, BUDGET, LRU, MAXP,
+                   CHUNK,
                    SIGMOID, N_GROUP, TOPK_GROUP, BLOCK_G)
 
 
@@ -404,6 +425,8 @@ class DeviceCache:
         self.bias = put(scoring.bias_rows(num_layers, num_experts), torch.float64)
         pind, pexp, pval = cache.prior
         self.vocab = pind.shape[1] - 1
+        longest = int(np.diff(pind, axis=1).max()) if pind.size > pind.shape[0] else 0  # a prior row's entries
+        prior_block = triton.next_power_of_2(max(longest, 1))
         self.pind, self.pexp = put(pind, torch.int64), put(pexp if len(pexp) else np.zeros(1), torch.int64)
         self.pval = put(pval if len(pval) else np.zeros(1), torch.float64)
         fpar = np.zeros(N_FPARAMS)
@@ -423,7 +446,8 @@ class DeviceCache:
         self._constants = dict(
             E=num_experts, BLOCK_E=triton.next_power_of_2(num_experts), TOP_K=k, M=self.ranked, R=self.visited,
             N_INS=self.max_inserted, BUDGET=policy.insert_budget, KIND=int(cache.params[K.P_KIND]),
-            LRU=int(policy.priority == "lru"), PROTECT=policy.protect_top, RUNNING=int(policy.delta == "running"),
+            LRU=int(policy.priority == "lru"), MAXP=prior_block, CHUNK=min(prior_block, PRIOR_CHUNK),
+            PROTECT=policy.protect_top, RUNNING=int(policy.delta == "running"),
             SIGMOID=int(scoring.kind == "sigmoid"), RENORMALISE=int(bool(scoring.renormalise)),
             N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group, BLOCK_G=triton.next_power_of_2(scoring.n_group))
 
