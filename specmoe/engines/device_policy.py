@@ -2,13 +2,15 @@
 device, one CUDA graph per token, no host round trip per layer (`EngineConfig.policy_device`).
 
 Per layer l the token runs, on the compute stream: attention, router and pre-gate (`Decoder.attention_router`);
-the wait for the prefetch branch of layer l (joined here: the step below may evict a prefetched slot and
-demand-copy into it, and it rewrites the prefetch list the branch reads); `DeviceCache.step` (route of l over
-the logical cache, then part 1 of l + 1 from the pre-gate: the host `LogicalCache`'s decisions bit for bit,
-`kernels.device_cache`), writing the selection and the route row straight into the step's rows; the demand copy
-kernel (`kernels.expert_copy`: the demand list's experts from the pinned store into layer l's slots); and the
-MoE over the route row. The prefetch copy kernel of layer l + 1 runs on a side stream forked right after the
-cache step and joined at layer l + 1, so it overlaps the demand copy, the MoE of l and the attention of l + 1.
+the join of layer l's branch (below: the route may evict a prefetched slot and demand-copy into it); the fork of
+layer l + 1's branch; `DeviceCache.step` routing l over the logical cache (the host `LogicalCache`'s decisions bit
+for bit, `kernels.device_cache`), writing the selection and the route row straight into the step's rows; the
+demand copy kernel (`kernels.expert_copy`: the demand list's experts from the pinned store into layer l's slots);
+and the MoE over the route row. Layer l + 1's branch, on a side stream forked once the pre-gate logits exist and
+joined at layer l + 1, runs part 1 of l + 1 (its insertions of predicted experts, `DeviceCache.step` on the
+pre-gate) and then the prefetch copy kernel of l + 1, so both overlap the route, demand copy and MoE of l and the
+attention of l + 1. Part 1 of l + 1 and the route of l touch disjoint state (each layer's rows, counters and
+lists), so running them side by side makes the decisions of the host's order (route l, then part 1 of l + 1).
 Then the head, and one device-to-host copy of the logits, selections, next token and the copy counters.
 
 With a logit feed (trace-following, `LogitFeed`) the token's routing reads the feed, not the model's router: the
@@ -189,18 +191,19 @@ class DevicePolicy:
             self.feed_dev.copy_(self.feed_host, non_blocking=True)
         for layer in range(self.num_layers):
             dec.attention_router(step, layer, copy_out=False)
-            if self.cuda and not skip and self.inserts and layer > 0:
-                self.stream.wait_stream(self.side)  # the prefetch branch of this layer, forked at the last step
+            if self.cuda and self.inserts and layer > 0:
+                self.stream.wait_stream(self.side)  # this layer's branch (part 1, prefetch copies), forked at the last
             logits = self.feed_dev[layer] if fed else step.logits_dev[layer, 0]
-            cache.step(token, layer, logits[:e], logits[e:] if layer < last else None, self.experts_dev[layer],
-                       step.route_dev[layer, 0])
+            if self.inserts and layer < last:  # the next layer's branch, beside this layer's route and MoE
+                if self.cuda:
+                    self.side.wait_stream(self.stream)
+                with torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext():
+                    cache.step(token, layer + 1, pregate_logits=logits[e:])
+                    if not skip:
+                        self._copy(layer + 1, cache.prefetch, delays, 2 * layer + 1)
+            cache.step(token, layer, logits[:e], None, self.experts_dev[layer], step.route_dev[layer, 0])
             if not skip:
                 self._copy(layer, cache.demand, delays, 2 * layer)
-                if self.inserts and layer < last:
-                    if self.cuda:
-                        self.side.wait_stream(self.stream)
-                    with torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext():
-                        self._copy(layer + 1, cache.prefetch, delays, 2 * layer + 1)
             dec.moe(step, layer, self.residency.slots.layer(layer), copy_in=False)
         dec.head(step, copy_out=False)
         n = self.num_layers * K.N_COUNTERS
