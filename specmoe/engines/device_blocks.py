@@ -38,7 +38,7 @@ import torch
 
 from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS
 
-from .device_policy import captured, copy_delays, copy_views, delayed_copy, kernels_reason, staged
+from .device_policy import captured, copy_delays, copy_views, delayed_copy, kernels_reason, launch, staged
 
 
 def block_device_reason(choice: str, cuda: bool, router) -> str | None:
@@ -167,15 +167,7 @@ class DeviceBlocks:
         self.alpha_host.numpy()[:] = alpha  # the previous block has ended: its graph no longer reads these
         if feed is not None:
             self.feed_host.numpy()[:] = np.asarray(feed, dtype=np.float32).transpose(1, 0, 2)
-        if self.use_graphs:
-            captured(self).replay()
-            if not self.copy_in_graph:
-                self._copy_out()
-        else:
-            self._body(self.skip, self.delays, copy_out=True, fed=self.fed)
-        if self.cuda:
-            self.ev_done.record(self.stream)
-            self.ev_done.synchronize()
+        launch(self)
         displaced = np.zeros(step.num_positions)
         for row in self.displaced_host.numpy():  # layer by layer, as `BlockRouter.route` adds them
             displaced += row

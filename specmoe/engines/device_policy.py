@@ -137,6 +137,21 @@ def captured(path):
     return path.graphs[key]
 
 
+def launch(path) -> None:
+    """One step of a device path (`DevicePolicy`, `DeviceBlocks`) for its run's settings: its captured graph (and
+    the copy-out where the graph does not hold it) or, without graphs, its body run eagerly; then the host waits
+    for it."""
+    if path.use_graphs:
+        captured(path).replay()
+        if not path.copy_in_graph:
+            path._copy_out()
+    else:
+        path._body(path.skip, path.delays, copy_out=True, fed=path.fed)
+    if path.cuda:
+        path.ev_done.record(path.stream)
+        path.ev_done.synchronize()
+
+
 class DevicePolicy:
     """The device policy of one `CacheRouter` over one decoder step of D = 1 (module docstring): the device cache,
     the word views of the store and the slots, the feed's staging and device buffers, and one captured graph per
@@ -265,15 +280,7 @@ class DevicePolicy:
             self.feed_np[:, :e] = feed.router_logits[t]
             self.feed_np[:-1, e:] = feed.pregate_logits[t, 1:]
         rec.begin(t, token, position)
-        if self.use_graphs:
-            captured(self).replay()
-            if not self.copy_in_graph:
-                self._copy_out()
-        else:
-            self._body(self.skip, self.delays, copy_out=True, fed=self.fed)
-        if self.cuda:
-            self.ev_done.record(self.stream)
-            self.ev_done.synchronize()
+        launch(self)
         self._count(self.residency.copies.stats)
         rec.end(t, int(step.next_np[0]))
         routed = self.feed_np if self.fed else step.logits_np[:, 0]
