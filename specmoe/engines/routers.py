@@ -222,9 +222,10 @@ class BlockRouter:
     With a prefetch budget (`SpeculativeConfig.prefetch`), `predict(l)` runs the block's selector on the D
     positions' pre-gate logits and copies the predicted missing experts into union slots at once
     (`specmoe.verifiers.prefetch`); `route(l)` then places the real missing experts (`place_union`). The pool's
-    slot table stays logical (a block's missing experts in union slots P, P+1, ... by expert order); `physical`
-    maps each logical union slot of the current block to the slot that holds its expert, and the route rows and
-    the refill moves read it. Off (budget 0) the two are the same."""
+    slot table stays logical (a block's missing experts in union slots P, P+1, ... by expert order); in a layer
+    that prefetched, `physical` maps each logical union slot of the current block to the slot that holds its
+    expert, and the route rows and the refill moves read it. Elsewhere (and always with budget 0) the two are the
+    same: the row is the identity, and the per-layer step does no placement."""
 
     def __init__(self, config: SpeculativeConfig, calibration: Calibration, geometry: Geometry,
                  scoring: RouterScoring, copies: CopyStream):
@@ -236,7 +237,8 @@ class BlockRouter:
         self.buffers = SelectionBuffers(config.k + 1, g.num_experts, g.top_k, np.float32)
         self.predicted = SelectionBuffers(config.k + 1, g.num_experts, g.top_k, np.float32)  # the prefetch's
         p = config.pool_size
-        self.physical = np.tile(np.arange(p, p + self.union_slots, dtype=np.int64), (g.num_layers, 1))
+        self._union = np.arange(p, p + self.union_slots, dtype=np.int64)  # the identity row of `physical`
+        self.physical = np.tile(self._union, (g.num_layers, 1))
         self._slot_map = np.arange(p + self.union_slots, dtype=np.int64)  # logical slot -> physical (route rows)
         self.prefetched = [NO_PREFETCH] * g.num_layers  # this block's prefetched experts (ascending), per layer
         self.union_used = 0  # the most union slots one layer of one block used (prefetches included)
@@ -259,6 +261,7 @@ class BlockRouter:
         self.commit_rate.reset()
         self.union_used = 0
         self.prefetched = [NO_PREFETCH] * self.geometry.num_layers
+        self.physical[:] = self._union
 
     def begin(self, step: DecodeStep, selector, alpha: np.ndarray, displaced: np.ndarray | None = None,
               selected: np.ndarray | None = None, feed: np.ndarray | None = None,
@@ -282,20 +285,22 @@ class BlockRouter:
             raise ValueError(f"verification block at position {int(step.input_np[d])}: {exc}") from None
         route = step.slots_np[layer]
         route[:] = pool.slot_table(layer)[b.selected[:d]]
-        demand = NO_DEMAND
-        if missing.size:
-            p = self.config.pool_size
-            placed, copy, used = place_union(missing, self.prefetched[layer], p, self.union_slots)
-            self.physical[layer, slots - p] = placed
-            self.union_used = max(self.union_used, used)
-            if self.prefetched[layer].size:  # the route rows point where the experts physically are
-                self._slot_map[slots] = placed
+        demand, prefetched = NO_DEMAND, self.prefetched[layer]
+        if prefetched.size:  # copies started early: the experts' physical union slots (class docstring)
+            used = prefetched.size
+            if missing.size:
+                p = self.config.pool_size
+                placed, copy, used = place_union(missing, prefetched, p, self.union_slots)
+                self.physical[layer, slots - p] = placed
+                self._slot_map[slots] = placed  # the route rows point where the experts physically are
                 route[:] = self._slot_map[route]
                 self._slot_map[slots] = slots
-            if copy.any():
-                demand = (placed[copy], missing[copy].astype(np.int64))
-        elif self.prefetched[layer].size:
-            self.union_used = max(self.union_used, int(self.prefetched[layer].size))
+                if copy.any():
+                    demand = (placed[copy], missing[copy].astype(np.int64))
+            self.union_used = max(self.union_used, int(used))
+        elif missing.size:  # every missing expert a demand copy into the slot the pool gave it
+            demand = (slots.astype(np.int64), missing.astype(np.int64))
+            self.union_used = max(self.union_used, int(missing.size))
         step.weights_np[layer] = b.weights[:d]
         if self.displaced is not None:
             self.displaced += b.displaced[:d]
@@ -328,9 +333,14 @@ class BlockRouter:
         self.pool.end_block()
         p = self.config.pool_size
         for layer in range(self.geometry.num_layers):
-            if self.prefetched[layer].size:
-                self.copies.retire(layer, np.arange(p, p + self.prefetched[layer].size, dtype=np.int64))
-                self.prefetched[layer] = NO_PREFETCH
             src, dst = self.pool.refill_moves(layer)
+            prefetched = self.prefetched[layer]
+            if not prefetched.size:  # logical union slots are physical
+                if src.size:
+                    self.copies.move(layer, src, dst)
+                continue
+            self.copies.retire(layer, self._union[:prefetched.size])
             if src.size:
                 self.copies.move(layer, self.physical[layer, src - p], dst)
+            self.prefetched[layer] = NO_PREFETCH
+            self.physical[layer] = self._union
