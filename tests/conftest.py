@@ -44,6 +44,18 @@ def family():
     unpatch(model)
 
 
+@pytest.fixture(scope="module")
+def olmoe_tiny():
+    """olmoe-tiny with seeded weights (float32, CPU), its expert store and a uniform calibration."""
+    from specmoe.models import load_model
+    from specmoe.offload import ExpertStore
+    from specmoe.routing import Calibration
+
+    model, adapter = load_model("olmoe-tiny", seed=0)
+    store = ExpertStore.from_model(model, adapter)
+    return model, adapter, store, Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+
+
 @pytest.fixture(scope="session")
 def family_text():
     """Token ids of the second sequence of the family's evaluation slice (prompts are its prefixes)."""

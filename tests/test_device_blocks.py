@@ -12,8 +12,7 @@ import pytest
 from _interpreter import run_in_interpreter
 
 from specmoe.engines import EngineConfig, build_engine
-from specmoe.offload import ExpertResidency, ExpertStore
-from specmoe.routing import Calibration
+from specmoe.offload import ExpertResidency
 from specmoe.speculation import SpeculativeConfig
 from specmoe.verifiers import selector_preset
 
@@ -141,18 +140,8 @@ def test_device_blocks_on_other_architectures_in_the_interpreter(name, selector)
     assert f"ok {name} {selector} " in done.stdout, done.stdout
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from specmoe.models import load_model
-
-    model, adapter = load_model("olmoe-tiny", seed=0)
-    store = ExpertStore.from_model(model, adapter)
-    cal = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
-    return model, adapter, store, cal
-
-
-def test_host_path_where_the_device_blocks_do_not_apply(tiny, monkeypatch):
-    model, adapter, store, cal = tiny
+def test_host_path_where_the_device_blocks_do_not_apply(olmoe_tiny, monkeypatch):
+    model, adapter, store, cal = olmoe_tiny
 
     def engine(mode, **spec):
         config = SpeculativeConfig(selector_preset("acceptmoe"), k=4, pool_size=32, **spec)

@@ -12,9 +12,7 @@ from _interpreter import run_in_interpreter
 
 from specmoe.engines import EngineConfig, build_engine
 from specmoe.engines.results import COPY_FIELDS
-from specmoe.models import load_model
-from specmoe.offload import ExpertStore
-from specmoe.routing import Calibration, preset
+from specmoe.routing import preset
 
 POLICIES = ("exact_lru", "cache_prior", "psr", "spec_exec")
 # copy classes that do not depend on when copies are issued (the host path queues prefetches behind max_in_flight
@@ -167,16 +165,8 @@ def _fast_calls() -> str:
     return FAST_CALLS
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    model, adapter = load_model("olmoe-tiny", seed=0)
-    store = ExpertStore.from_model(model, adapter)
-    cal = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
-    return model, adapter, store, cal
-
-
-def test_host_policy_where_the_device_policy_does_not_apply(tiny, monkeypatch):
-    model, adapter, store, cal = tiny
+def test_host_policy_where_the_device_policy_does_not_apply(olmoe_tiny, monkeypatch):
+    model, adapter, store, cal = olmoe_tiny
     tokens = np.arange(4)
     psr = preset("psr", 16, adapter.top_k)
     off = build_engine(model, psr, cal, EngineConfig(max_seq_len=16, policy_device="off"), store=store)
