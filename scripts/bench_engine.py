@@ -512,7 +512,7 @@ def main(argv=None) -> int:
                 rounds[f"hf_{impl}"].append(time_hf_generate(model, windows[0][:16], args.hf_tokens, impl))
             except Exception as exc:
                 report["errors"].append(f"hf {impl} round {r}: {exc!r}")
-        print(f"round {r}:", {k: (round(v[-1], 3) if v else None) for k, v in rounds.items()}, flush=True)
+        print(f"round {r} ({time.time() - t0:.0f} s):", {k: (round(v[-1], 3) if v else None) for k, v in rounds.items()}, flush=True)
         report["rounds_ms"] = rounds
         report["rounds_done"] = r + 1  # the table and markdown of the rounds so far (a run cut short keeps them)
         summarize(report, rounds, details, configs, engines[E], args, prefixes, hf_impls, E, K)

@@ -279,6 +279,7 @@ def main(argv=None) -> int:
                              for s, (b, a) in per_selector.items()} for n, (k, per_selector, _) in sources.items()}
     print("sources", report["sources"], flush=True)
     report["setup_s"] = time.time() - t0
+    print(f"setup {report['setup_s']:.0f} s", flush=True)
     save()
 
     # round 0 warms every speculative configuration up and gives U_max, the most union slots a block's layer
@@ -327,7 +328,7 @@ def main(argv=None) -> int:
                     report["errors"].append(f"{key} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
                 finally:
                     engine.configure(skip_copies=False)
-            print(f"round {r} {source}:", {n: round(v[-1], 3) for n, v in rounds.items() if n.startswith(source) and v},
+            print(f"round {r} {source} ({time.time() - t0:.0f} s):", {n: round(v[-1], 3) for n, v in rounds.items() if n.startswith(source) and v},
                   flush=True)
         if r == 0:
             union_max = max(d["union_used"] for d in details.values())
