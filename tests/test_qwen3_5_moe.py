@@ -190,3 +190,59 @@ def test_qwen36_named_config():
     assert (adapter.moe_intermediate_size, adapter.shared_expert_intermediate_size) == (512, 512)
     assert 3 * config.hidden_size * config.moe_intermediate_size * 2 == pytest.approx(6.3e6, rel=0.01)
     assert (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim) == (32, 128, 128)
+
+
+
+def test_gdn_kernels_of_an_optional_package_run_on_cuda_only(tiny, monkeypatch):
+    """Where flash-linear-attention or causal-conv1d is installed transformers binds their kernels for every
+    device, and they run on CUDA tensors only. `gdn_kernels_on_cuda_only` (the adapter calls it) keeps them for
+    CUDA tensors and runs transformers' torch version elsewhere: a CPU forward gives the reference's logits with
+    kernels that refuse the CPU bound in; `__wrapped__` stays the torch version (what the trainer's fallback
+    swaps in); a second call changes nothing (later swaps are kept)."""
+    import types
+
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as real
+
+    from specmoe.models.qwen3_5_moe import GDN_FUNCTIONS, gdn_kernels_on_cuda_only
+
+    model, _, _, _, _ = tiny
+    ids = random_tokens(model.config.vocab_size, 8, seed=3)[None]
+    with torch.no_grad(), exact_routing(model):
+        reference_logits = model(input_ids=ids).logits
+    calls = []
+    module = types.SimpleNamespace()
+    for name in GDN_FUNCTIONS:
+        def kernel(*args, _name=name, **kwargs):
+            tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            calls.append(_name)
+            if not tensor.is_cuda:
+                raise RuntimeError("a CUDA-only kernel on a CPU tensor")
+            return "kernel"
+
+        kernel.__wrapped__ = getattr(real, name).__wrapped__
+        setattr(module, name, kernel)
+    with torch.no_grad(), exact_routing(model):  # bound as transformers binds them: the CPU forward fails
+        monkeypatch.setattr(real, "torch_chunk_gated_delta_rule", module.torch_chunk_gated_delta_rule)
+        with pytest.raises(RuntimeError, match="CUDA-only"):
+            model(input_ids=ids)
+    gdn_kernels_on_cuda_only(module)
+    for name in GDN_FUNCTIONS:
+        assert getattr(module, name).__wrapped__ is getattr(real, name).__wrapped__
+        monkeypatch.setattr(real, name, getattr(module, name))
+    calls.clear()
+    with torch.no_grad(), exact_routing(model):
+        logits = model(input_ids=ids).logits
+    torch.testing.assert_close(logits, reference_logits, rtol=0, atol=0)
+    assert calls == []  # the CPU never reached the kernels
+
+    class OnCuda(torch.Tensor):  # a tensor that says it is on CUDA: the kernel runs
+        @property
+        def is_cuda(self):
+            return True
+
+    x = torch.zeros(1, 4, 3).as_subclass(OnCuda)
+    assert module.causal_conv1d_update(x, torch.zeros(1, 4, 2), torch.zeros(4, 3)) == "kernel"
+    assert calls == ["causal_conv1d_update"]
+    swapped = module.causal_conv1d_fn = object()
+    gdn_kernels_on_cuda_only(module)
+    assert module.causal_conv1d_fn is swapped

@@ -11,12 +11,15 @@ to one shared expert (an MLP of width `shared_expert_intermediate_size`) scaled 
 sigmoid(w_g . h) (`mlp.shared_expert_gate`, a [1, H] linear map of the MoE input).
 
 The routed router is a subclass of transformers' class that asks the routing context for the selection, as
-OLMoE's and DeepSeek-V3's are. The Gated DeltaNet layers run in transformers' torch reference on the CPU when
-`flash-linear-attention` and `causal-conv1d` are not installed (transformers falls back to it by itself).
+OLMoE's and DeepSeek-V3's are. The Gated DeltaNet layers run in transformers' torch reference on the CPU, also
+where `flash-linear-attention` or `causal-conv1d` is installed (`gdn_kernels_on_cuda_only`): those packages'
+kernels run on CUDA tensors only, and transformers binds them for every device when it imports.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +86,42 @@ class RoutedQwen35MoeTopKRouter(Qwen3_5MoeTopKRouter):
         return routed_forward(self, super().forward, hidden_states, keep_own_order=True)
 
 
+# transformers' module-level Gated DeltaNet functions that it binds to an optional package's kernel at import
+GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update")
+
+
+def gdn_kernels_on_cuda_only(module=None) -> None:
+    """Make transformers' Gated DeltaNet functions in `module` (default: the Qwen3.5-MoE modeling module) run the
+    optional package's kernel (flash-linear-attention, causal-conv1d) on CUDA tensors and transformers' own torch
+    version on any other device. transformers picks the package's kernel for every call once the package imports,
+    and those kernels are Triton or CUDA code: without this a CPU forward (the harness, `make_bench_trace.py`) of
+    a Qwen3.5-MoE model fails on a machine with the package installed. Once per module (later swaps of these
+    names, e.g. `specmoe_train.train.reference_delta_rule`, are kept); each function's `__wrapped__` stays the
+    torch version, as transformers' own wrapper has it."""
+    if module is None:
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as module
+    if getattr(module, "_specmoe_gdn_by_device", False):
+        return
+    for name in GDN_FUNCTIONS:
+        kernel = getattr(module, name, None)
+        reference = getattr(kernel, "__wrapped__", None)
+        if reference is None:
+            continue
+        takes = inspect.signature(reference).parameters
+        any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+
+        @functools.wraps(reference)
+        def by_device(*args, _kernel=kernel, _reference=reference, _takes=takes, _any=any_keyword, **kwargs):
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if first is not None and first.is_cuda:
+                return _kernel(*args, **kwargs)
+            return _reference(*args, **(kwargs if _any else {k: v for k, v in kwargs.items() if k in _takes}))
+
+        setattr(module, name, by_device)
+    module._specmoe_gdn_by_device = True
+
+
 @dataclass(frozen=True)
 class Qwen35MoeAdapter(MoEAdapter):
     """Adapter of Qwen3_5MoeForCausalLM: every decoder layer is MoE; `mlp.gate` is the router, `mlp.experts`
@@ -101,7 +140,9 @@ class Qwen35MoeAdapter(MoEAdapter):
 
     @classmethod
     def from_config(cls, config) -> "Qwen35MoeAdapter":
-        """From a Qwen3_5MoeTextConfig, or a Qwen3_5MoeConfig (image-text) by its text_config."""
+        """From a Qwen3_5MoeTextConfig, or a Qwen3_5MoeConfig (image-text) by its text_config. Makes the
+        modeling module's Gated DeltaNet kernels CUDA-only (`gdn_kernels_on_cuda_only`)."""
+        gdn_kernels_on_cuda_only()
         model_type = config.model_type
         prefix = "model.language_model." if model_type == "qwen3_5_moe" else "model."
         config = config.get_text_config()
