@@ -100,3 +100,48 @@ def test_saved_details_recompute_the_ratios():
     for draft_ms, tag in ((0.0, "sd0"), (2.2, "sd_drafting")):
         again = request_ratio(saved[SD], saved[AR], draft_ms)
         assert np.isclose(again["ratio"], row[f"ratio_{tag}_over_ar_psr_C8_over_requests"]["ratio"])
+
+
+def test_bench_engine_configs_are_checked_before_a_model_is_built(monkeypatch, tmp_path):
+    """bench_engine's --configs: the names come from the arguments alone (`config_rows`, the named config's E and
+    K), so a typo exits with the known names before any model is built, and a known name gets past the check to
+    the model."""
+    import bench_engine
+    import pytest
+
+    class Built(Exception):
+        pass
+
+    def build(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(bench_engine, "random_model_on_device", build)
+    base = ["--out", str(tmp_path / "out"), "--model", "olmoe-tiny", "--device", "cpu", "--capacities", "16",
+            "--trace", "olmoe-like", "--trace-calibration", "olmoe-like"]
+    with pytest.raises(SystemExit) as exit_:
+        bench_engine.main(base + ["--configs", "C16_psr", "trace_C16_psrr"])
+    message = str(exit_.value)
+    assert message.startswith("unknown configurations ['trace_C16_psrr']; known: ")
+    assert "'trace_C16_psr_host_policy'" in message and "'all_resident_host_routing'" in message
+    assert not (tmp_path / "out").exists()  # nothing was set up
+    with pytest.raises(Built):  # every known name passes the check
+        bench_engine.main(base + ["--configs", "all_resident_host_routing", "C16_spec_exec", "trace_C16_psr_host_policy"])
+    # the names the rounds run, in their order: per prefix, per capacity and policy, device path then host path
+    args = SimpleNamespace(
+        capacities=[32, 16], psr_window=8, policy_paths=["device", "host"], trace=["olmoe-like:margin=0", "b.npz"],
+        trace_calibration=["olmoe-like", "b.json"])
+    rows = bench_engine.config_rows(args, 64, 8)
+    policies = ["exact_lru", "exact_prefetch", "cache_prior", "psr", "spec_exec"]
+    assert list(rows) == ["", "olmoe_like_margin_0_", "b_"]
+    assert [name for name, _, _ in rows[""]] == ["all_resident", "all_resident_host_routing"] + [
+        f"C{c}_{p}{path}" for c in (32, 16) for p in policies for path in ("", "_host_policy")]
+    assert [(name, key) for name, key, _ in rows["b_"]] == [
+        (f"b_C{c}_{p}{path}", f"{c}{path}" if path else c) for c in (32, 16) for p in policies
+        for path in ("", "_host_policy")]
+    assert rows["b_"][7][2].name == rows[""][9][2].name  # the same policy, C32 psr on the host path
+    args.trace_calibration = ["olmoe-like"]
+    with pytest.raises(SystemExit, match="one per --trace"):
+        bench_engine.config_rows(args, 64, 8)
+    args.trace_calibration, args.trace = ["a", "b"], ["a.npz", "x/a.npz"]
+    with pytest.raises(SystemExit, match="two traces are labelled 'a'"):
+        bench_engine.config_rows(args, 64, 8)
