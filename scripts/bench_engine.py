@@ -31,6 +31,8 @@ each capacity, rounds interleaved: --sweep-tokens timed tokens starting at each 
 filled with random values below it (`teacher_forced(first_position=)`: attention costs what the written
 context costs, whatever its values), with the ratio of each position's time to the first position's.
 `--max-seq-len 128 --prompt 0 --positions` (no sweep) reproduces the earlier short-cache setting.
+`--configs NAME ...` runs a subset (all_resident always); the names come from the arguments and the named config's
+E and K alone (`config_rows`), so an unknown name exits at once with the known list, before any model is built.
 
     PYTHONPATH=. python3 scripts/bench_engine.py --out runs/bench_engine
 """
@@ -410,7 +412,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-calibration", nargs="+", help="one per --trace: calibration file of the traced model (needed with --trace; for a "
                     "synthetic routing source such as olmoe-like, its name)")
     ap.add_argument("--configs", nargs="+", help="run only these configurations (names as in the table; "
-                    "all_resident is always run, efficiencies need it)")
+                    "all_resident is always run, efficiencies need it); checked before any model is built, an "
+                    "unknown name exits with the known ones")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--psr-window", type=int, default=8, help="PSR's pre-gate window w (the paper's Moonlight: 4)")
     ap.add_argument("--policy-paths", nargs="+", choices=("device", "host"), default=["device", "host"],

@@ -145,3 +145,20 @@ def test_bench_engine_configs_are_checked_before_a_model_is_built(monkeypatch, t
     args.trace_calibration, args.trace = ["a", "b"], ["a.npz", "x/a.npz"]
     with pytest.raises(SystemExit, match="two traces are labelled 'a'"):
         bench_engine.config_rows(args, 64, 8)
+
+
+def test_help_and_docs_state_the_drafting_option_and_the_early_config_check(capsys):
+    import bench_engine
+    import bench_spec_engine
+    import pytest
+
+    for script in (bench_spec_engine, bench_engine):
+        with pytest.raises(SystemExit) as exit_:
+            script.main(["--help"])
+        assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--draft-ms DRAFT_MS drafting ms per verification block" in text
+    assert "With --draft-ms MS" in text  # bench_spec_engine's docstring
+    assert "before any model is built" in text  # bench_engine's docstring and --configs
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert "`--draft-ms MS`" in (docs / "speculative.md").read_text()
