@@ -31,6 +31,8 @@ each capacity, rounds interleaved: --sweep-tokens timed tokens starting at each 
 filled with random values below it (`teacher_forced(first_position=)`: attention costs what the written
 context costs, whatever its values), with the ratio of each position's time to the first position's.
 `--max-seq-len 128 --prompt 0 --positions` (no sweep) reproduces the earlier short-cache setting.
+`--configs NAME ...` runs a subset (all_resident always); the names come from the arguments and the named config's
+E and K alone (`config_rows`), so an unknown name exits at once with the known list, before any model is built.
 
     PYTHONPATH=. python3 scripts/bench_engine.py --out runs/bench_engine
 """
@@ -55,6 +57,7 @@ from specmoe.engines import EngineConfig, build_engine
 from specmoe.engines.helpers import calibration_from_engine, random_model_on_device, weight_bytes_per_token
 from specmoe.engines.results import LogitFeed
 from specmoe.files import write_text_atomic
+from specmoe.models import adapter_for, named_config
 from specmoe.records.synthetic import is_source
 from specmoe.offload import ExpertResidency, ExpertStore
 from specmoe.routing import Calibration, preset, psr_bonus
@@ -239,6 +242,57 @@ def trace_label(spec: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in text).strip("_")
 
 
+def row_name(prefix: str, capacity: int, policy: str, host_policy: bool = False) -> str:
+    """A C < E row's name: "C32_psr", "trace_C32_psr", "C32_psr_host_policy" (the policy on the host)."""
+    return f"{prefix}C{capacity}_{policy}" + ("_host_policy" if host_policy else "")
+
+
+def trace_prefixes(args) -> list[str]:
+    """The row-name prefix of each --trace, in order: "trace_" for one trace, each trace's label (`trace_label`)
+    with several. Exits on a --trace-calibration count that is not one per trace, or two traces of one label."""
+    traces = args.trace or []
+    if len(args.trace_calibration or []) != len(traces):
+        raise SystemExit(f"--trace-calibration: one per --trace ({len(traces)}), got {len(args.trace_calibration or [])}")
+    prefixes = ["trace_" if len(traces) == 1 else trace_label(spec) + "_" for spec in traces]
+    for i, prefix in enumerate(prefixes):
+        if prefix in prefixes[:i]:
+            raise SystemExit(f"--trace: two traces are labelled {prefix[:-1]!r}")
+    return prefixes
+
+
+def config_rows(args, num_experts: int, top_k: int) -> dict[str, list]:
+    """Every configuration of the timed rounds from the arguments alone (no model): {row-name prefix: [(name,
+    engine key, policy)]}, prefix "" for the random-token rows (all-resident with device and host routing, then
+    each capacity's policies) and one per --trace (`trace_prefixes`) for its trace-following policy rows; per
+    capacity and policy (`policies`) the device path's row, then the host path's (--policy-paths). E and K are
+    the named config's (`adapter_for(named_config(...))`), so --configs is checked before a model is built."""
+    E, K = num_experts, top_k
+
+    def policy_rows(prefix: str) -> list:
+        rows = []
+        for c in args.capacities:
+            for name, pol in policies(c, E, K, args.psr_window).items():
+                if "device" in args.policy_paths:
+                    rows.append((row_name(prefix, c, name), c, pol))
+                if "host" in args.policy_paths:
+                    rows.append((row_name(prefix, c, name, host_policy=True), f"{c}_host_policy", pol))
+        return rows
+
+    rows = {"": [("all_resident", E, preset("exact_lru", E, K)),
+                 ("all_resident_host_routing", "host", preset("exact_lru", E, K))] + policy_rows("")}
+    rows.update({prefix: policy_rows(prefix) for prefix in trace_prefixes(args)})
+    return rows
+
+
+def check_configs(wanted, rows: dict) -> None:
+    """Exit with the unknown names and the known list where --configs names a configuration `config_rows` does
+    not make."""
+    known = [name for group in rows.values() for name, _, _ in group]
+    unknown = set(wanted or []) - set(known)
+    if unknown:
+        raise SystemExit(f"unknown configurations {sorted(unknown)}; known: {known}")
+
+
 def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[int, int, int, int], count: int,
                        length: int) -> dict:
     """The first `count` sequences of a recorded trace, cut to `length` tokens, as engine logit feeds (router and
@@ -299,7 +353,7 @@ def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int
                                 f"{sorted(set(args.positions) - set(positions))}")
     configs = [("all_resident", E, preset("exact_lru", E, top_k)),
                ("all_resident_host_routing", "host", preset("exact_lru", E, top_k))]
-    configs += [(f"C{c}_psr", c, psr(c, E, top_k, args.psr_window)) for c in args.capacities]
+    configs += [(row_name("", c, "psr"), c, psr(c, E, top_k, args.psr_window)) for c in args.capacities]
     with torch.no_grad():
         for i, engine in enumerate(engines.values()):  # the context below each window: random keys and values
             engine.decoder.randomize_cache(seed=i)
@@ -358,7 +412,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-calibration", nargs="+", help="one per --trace: calibration file of the traced model (needed with --trace; for a "
                     "synthetic routing source such as olmoe-like, its name)")
     ap.add_argument("--configs", nargs="+", help="run only these configurations (names as in the table; "
-                    "all_resident is always run, efficiencies need it)")
+                    "all_resident is always run, efficiencies need it); checked before any model is built, an "
+                    "unknown name exits with the known ones")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--psr-window", type=int, default=8, help="PSR's pre-gate window w (the paper's Moonlight: 4)")
     ap.add_argument("--policy-paths", nargs="+", choices=("device", "host"), default=["device", "host"],
@@ -366,6 +421,9 @@ def main(argv=None) -> int:
     ap.add_argument("--unbatched-copies", action="store_true",
                     help="issue one cudaMemcpyAsync per copy even where cudaMemcpyBatchAsync works (A/B runs)")
     args = ap.parse_args(argv)
+    geometry = adapter_for(named_config(args.model))  # E and K of the named config, no weights built
+    rows = config_rows(args, geometry.num_experts, geometry.top_k)
+    check_configs(args.configs, rows)  # a typo exits here, not after minutes of model and engine setup
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
@@ -437,43 +495,22 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(200)
     windows = [rng.integers(0, V, window) for _ in range(args.windows)]
-    configs = [("all_resident", E, preset("exact_lru", E, K)),
-               ("all_resident_host_routing", "host", preset("exact_lru", E, K))]
-
-    def policy_rows(prefix: str) -> list:
-        """(name, engine key, policy) per policy and capacity, interleaved: device path, host path, next policy."""
-        rows = []
-        for c in args.capacities:
-            for name, pol in policies(c, E, K, args.psr_window).items():
-                if "device" in args.policy_paths:
-                    rows.append((f"{prefix}C{c}_{name}", c, pol))
-                if "host" in args.policy_paths:
-                    rows.append((f"{prefix}C{c}_{name}_host_policy", f"{c}_host_policy", pol))
-        return rows
-
-    configs += policy_rows("")
     # per configuration: the calibration, the windows and the trace each window follows (None: own router)
-    setting = {name: (calib, windows, None) for name, _, _ in configs}
-    prefixes = [""]
-    if args.trace:
-        if len(args.trace_calibration or []) != len(args.trace):
-            raise SystemExit(f"--trace-calibration: one per --trace ({len(args.trace)}), got "
-                             f"{len(args.trace_calibration or [])}")
+    configs, setting, prefixes = [], {}, list(rows)
+    traces = dict(zip(prefixes[1:], zip(args.trace or [], args.trace_calibration or [])))
+    if traces:
         report["traces"] = {}
-        for spec, calibration_spec in zip(args.trace, args.trace_calibration):
-            prefix = "trace_" if len(args.trace) == 1 else trace_label(spec) + "_"
-            if prefix in prefixes:
-                raise SystemExit(f"--trace: two traces are labelled {prefix[:-1]!r}")
-            prefixes.append(prefix)
+    for prefix, group in rows.items():
+        if prefix:
+            spec, calibration_spec = traces[prefix]
             traced = load_trace_windows(spec, calibration_spec, (L, E, K, V), args.windows, window)
             report["traces"][prefix] = {"file": spec, "calibration": calibration_spec, **traced["info"]}
-            for row in policy_rows(prefix):
-                configs.append(row)
-                setting[row[0]] = (traced["calibration"], traced["windows"], traced["traces"])
+            feeds = (traced["calibration"], traced["windows"], traced["traces"])
+        else:
+            feeds = (calib, windows, None)
+        configs += group
+        setting.update({name: feeds for name, _, _ in group})
     if args.configs:
-        unknown = set(args.configs) - {name for name, _, _ in configs}
-        if unknown:
-            raise SystemExit(f"unknown configurations {sorted(unknown)}; known: {[n for n, _, _ in configs]}")
         configs = [x for x in configs if x[0] == "all_resident" or x[0] in args.configs]
     hf_impls = [] if args.no_hf else ["eager", "batched_mm"]
     rounds: dict[str, list] = {name: [] for name, _, _ in configs}
@@ -602,13 +639,13 @@ def summarize(report: dict, rounds: dict, details: dict, configs, resident_engin
     for prefix in prefixes:
         for c in args.capacities:
             for name in policies(c, E, K, args.psr_window):
-                a, b = units(f"{prefix}C{c}_{name}_host_policy"), units(f"{prefix}C{c}_{name}")
+                a, b = units(row_name(prefix, c, name, host_policy=True)), units(row_name(prefix, c, name))
                 if a and b and len(a["rounds"]) == len(b["rounds"]):
                     ratios[f"{prefix}C{c}: {name} host policy / device policy"] = window_ratio(a, b)
     for prefix in prefixes:
         for c in args.capacities:
             for base in ("exact_lru", "exact_prefetch", "cache_prior", "spec_exec"):
-                a, b = units(f"{prefix}C{c}_{base}"), units(f"{prefix}C{c}_psr")
+                a, b = units(row_name(prefix, c, base)), units(row_name(prefix, c, "psr"))
                 if a and b and len(a["rounds"]) == len(b["rounds"]):
                     ratios[f"{prefix}C{c}: {base} / psr"] = window_ratio(a, b)
     report["table"] = table

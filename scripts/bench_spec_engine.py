@@ -32,7 +32,11 @@ exposed copies = with copies - copies skipped, paired per round), p50 / p99 of t
 each AR configuration (the fastest in the table): the ratio at zero drafting cost with a 95% interval, a paired
 bootstrap over the requests (`request_ratio`; also a paired t on log latency over rounds in the json), and the break-even
 drafting time per block, tau x AR ms/token - verification ms per block (Section 7 of the paper: speculative
-decoding beats AR-PSR when drafting a block costs less than this).
+decoding beats AR-PSR when drafting a block costs less than this). With --draft-ms MS (a drafter's measured
+drafting time per block, scripts/bench_drafters.py), also ms per committed token with drafting (verification +
+MS x the measured blocks / committed tokens) and the SD / AR ratio with drafting, its interval by the same
+bootstrap (each request's SD time plus MS x its blocks). The json keeps, per configuration, the per-request times
+of every round, tokens and (SD) blocks under `details`, enough to recompute any ratio.
 
     PYTHONPATH=. python3 scripts/bench_spec_engine.py --out DIR --trace FILE --trace-calibration FILE \\
         [--records RUN_DIR/blocks/*.safetensors [--closed-loop]]
@@ -152,19 +156,46 @@ def spec_pass(engine: Engine, blocks, first_position: int) -> dict:
             **{f"{c}_per_token": sum(r.copy_totals()[c] for r in results) / committed  # the block prefetch's
                for c in ("demand", "prefetch", "prefetch_unused")},
             "tau": tau_of(sum(r.block_committed for r in results), sum(int(r.timed.sum()) for r in results)),
-            "blocks": len(block_ms),
+            "blocks": len(block_ms), "request_blocks": [len(r.ms) for r in results],
             "committed": committed, "union_used": max(r.info["union_used"] for r in results),
             "verify": results[0].info["verify"], "host_blocks_why": results[0].info["host_blocks_why"]}
 
 
-def request_ratio(sd: dict, ar: dict) -> dict | None:
+def request_ratio(sd: dict, ar: dict, draft_ms: float = 0.0) -> dict | None:
     """SD / AR ms per token with a 95% bootstrap interval over the requests (`specmoe.stats.unit_ratio`, paired by
-    request: each request's times are means over the rounds); None with fewer than two requests."""
+    request: each request's times are means over the rounds), SD's time with draft_ms of drafting per verification
+    block (each request's measured blocks, `request_blocks`); None with fewer than two requests."""
     sd_ms, ar_ms = np.mean(sd["request_ms"], axis=0), np.mean(ar["request_ms"], axis=0)
     if len(sd_ms) < 2 or len(sd_ms) != len(ar_ms):
         return None
+    if draft_ms:
+        sd_ms = sd_ms + draft_ms * np.asarray(sd["request_blocks"], dtype=float)
     r = unit_ratio(sd_ms, sd["request_tokens"], ar_ms, ar["request_tokens"])
     return {"ratio": r.estimate, "low": r.low, "high": r.high, "units": len(sd_ms), "unit": "request"}
+
+
+def drafting_per_token(sd: dict, draft_ms: float) -> float:
+    """Drafting ms per committed token of draft_ms per verification block: the measured blocks / committed tokens
+    (not 1 / tau)."""
+    return draft_ms * sd["blocks"] / sd["committed"]
+
+
+def sd_over_ar(sd_rounds: list, sd: dict, ar_rounds: list, ar: dict, draft_ms: float = 0.0) -> dict:
+    """SD / AR ms per token at draft_ms of drafting per verification block (0: verification only), over rounds
+    (`ratio_ci`, paired t, each round's SD ms per token plus the drafting per token) and over requests
+    (`request_ratio`, a paired bootstrap; None with one request). sd and ar: a configuration's details."""
+    extra = drafting_per_token(sd, draft_ms)
+    return {"rounds": ratio_ci([x + extra for x in sd_rounds], ar_rounds),
+            "requests": request_ratio(sd, ar, draft_ms)}
+
+
+def saved_details(details: dict) -> dict:
+    """Per SD and AR configuration what a later analysis needs to recompute any ratio: the per-request times of
+    every measured round (`request_ms`, [round][request]), the per-request tokens and, for SD, the per-request
+    verification blocks (`request_blocks`) with the totals; not the per-block times (their p50 / p99 are in the
+    table)."""
+    keep = ("request_ms", "request_tokens", "request_blocks", "blocks", "committed", "tau")
+    return {key: {x: d[x] for x in keep if x in d} for key, d in details.items()}
 
 
 def ar_pass(engine, feeds, first_position: int) -> dict:
@@ -205,6 +236,10 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--taus", type=float, nargs="+", default=[3, 5, 7])
     ap.add_argument("--selectors", nargs="+", default=["exact", "acceptmoe", "confidence_top1"])
+    ap.add_argument("--draft-ms", type=float, default=0.0,
+                    help="drafting ms per verification block of the drafter the SD rows stand for (e.g. 2.20, DFlash at "
+                    "Qwen3.6's geometry, scripts/bench_drafters.py; default 0: none): each SD row adds its ms per "
+                    "committed token with drafting and the SD / AR ratio with drafting, with the same interval")
     ap.add_argument("--ar-capacities", type=int, nargs="*", default=[],
                     help="AR capacities beyond C = P and C = P + U_max (e.g. the paper's 64 128 148 for Qwen3.6)")
     ap.add_argument("--ar-policies", nargs="+", default=["psr"], choices=["exact_lru", "cache_prior", "psr"],
@@ -223,6 +258,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.draft_ms < 0:
+        ap.error(f"--draft-ms must be at least 0, got {args.draft_ms}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
@@ -304,7 +341,7 @@ def main(argv=None) -> int:
                             rounds.setdefault(key + ("/skip" if skip else ""), []).append(res["ms_per_token"])
                             d["block_ms"].append(res["block_ms"])
                             d.setdefault("request_ms", []).append(res["request_ms"])
-                            d["request_tokens"] = res["request_tokens"]
+                            d["request_tokens"], d["request_blocks"] = res["request_tokens"], res["request_blocks"]
                             d.update({x: res[x] for x in ("copies_per_token", "demand_per_token", "prefetch_per_token",
                                                           "prefetch_unused_per_token", "moves_per_token", "tau", "blocks",
                                                           "committed", "verify", "host_blocks_why")})
@@ -347,6 +384,7 @@ def main(argv=None) -> int:
         if r:  # the table and the markdown of the rounds so far (a run cut short keeps them)
             report["ar_configs"] = [f"{policy}_C{c}" for policy, c in ar_engines]
             report["table"] = summary_table(sources, rounds, details, list(ar_engines), args)
+            report["details"] = saved_details(details)
             report["rounds_done"] = r
             write_text_atomic(out_dir / "bench_spec_engine.md", markdown(report))
         save()
@@ -364,6 +402,7 @@ def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args) -> 
     committed token (with and without copies), the host-blocks ratio, and every AR configuration's ms with the
     paired ratios (over rounds and over requests). Built after every round, so a run cut short keeps its table."""
     table = []
+    drafting = {"sd0": 0.0, "sd_drafting": args.draft_ms} if args.draft_ms else {"sd0": 0.0}
     for source, (k, per_selector, _) in sources.items():
         for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths):
             acceptance = per_selector[name][1]
@@ -380,6 +419,9 @@ def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args) -> 
                    "demand_per_token": d["demand_per_token"], "prefetch_per_token": d["prefetch_per_token"],
                    "prefetch_unused_per_token": d["prefetch_unused_per_token"], "prefetch": budget,
                    "key": key, "verify": d["verify"], "host_blocks_why": d["host_blocks_why"]}
+            if args.draft_ms:
+                row["draft_ms_per_block"] = args.draft_ms
+                row["ms_per_token_with_drafting"] = ms + drafting_per_token(d, args.draft_ms)
             host_key = key + "+host_blocks"
             if path == "device" and rounds.get(host_key) and len(rounds[host_key]) == len(rounds[key]):
                 row["ratio_host_blocks_over_device"] = ratio_ci(rounds[host_key], rounds[key])
@@ -394,8 +436,10 @@ def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args) -> 
                 row[f"ar_{label}_compute_ms_per_token"] = float(np.mean(rounds.get(f"{source}/ar_{label}/skip",
                                                                                   [math.nan])))
                 row[f"ar_{label}_copies_per_token"] = details[f"{source}/ar_{label}"]["copies_per_token"]
-                row[f"ratio_sd0_over_ar_{label}"] = ratio_ci(rounds[key], ar)
-                row[f"ratio_sd0_over_ar_{label}_over_requests"] = request_ratio(d, details[f"{source}/ar_{label}"])
+                for tag, draft_ms in drafting.items():  # SD at zero drafting cost, and with --draft-ms
+                    both = sd_over_ar(rounds[key], d, ar, details[f"{source}/ar_{label}"], draft_ms)
+                    row[f"ratio_{tag}_over_ar_{label}"] = both["rounds"]
+                    row[f"ratio_{tag}_over_ar_{label}_over_requests"] = both["requests"]
                 # break-even drafting ms per block: tau * AR ms/token - verification ms per block
                 row[f"break_even_draft_ms_{label}"] = d["tau"] * ar_ms - ms * d["tau"]
                 if fastest is None or ar_ms < row[f"ar_{fastest}_ms_per_token"]:
@@ -405,7 +449,18 @@ def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args) -> 
     return table
 
 
+def ratio_cell(row: dict, tag: str, label: str) -> str:
+    """A row's SD / AR ratio cell ("sd0": zero drafting, "sd_drafting": with --draft-ms): over requests where
+    there are several, else over rounds."""
+    units, rounds = row.get(f"ratio_{tag}_over_ar_{label}_over_requests"), row[f"ratio_{tag}_over_ar_{label}"]
+    return (f"{units['ratio']:.3f} ({units['low']:.3f}-{units['high']:.3f}, {units['units']} requests)" if units
+            else f"{rounds['ratio']:.3f} ({rounds['lo']:.3f}-{rounds['hi']:.3f}, rounds)")
+
+
 def markdown(report: dict) -> str:
+    draft_ms = report["args"].get("draft_ms") or 0.0
+    drafting = (f" With drafting: SD's time plus {draft_ms:g} ms (--draft-ms) per verification block measured, "
+                "the same ratio and interval." if draft_ms else "")
     lines = [f"# Speculative engine vs AR ({report['date']})", "",
              f"{report['machine']['gpu']}; torch {report['machine']['torch']}. Command: `{report['command']}`. "
              f"Rounds measured: {report.get('rounds_done', 0)} of {report['args']['rounds']}. "
@@ -414,11 +469,12 @@ def markdown(report: dict) -> str:
              f"copy {report['copy']['stream_ms']:.3f} ms in a stream. Ratios: SD at zero drafting cost / AR with a 95% "
              "interval, a paired bootstrap over the requests (`specmoe.stats.unit_ratio`; each request's times are "
              "means over the interleaved rounds), or a paired t over rounds where there is one request (unit: round); "
-             "an interval that holds 1 is within noise. Acceptance: closed-loop, the selector's own run's accepted "
-             "lengths; open-loop (exact's), exact verification's (optimistic for a lossy selector).", "",
+             f"an interval that holds 1 is within noise.{drafting} Acceptance: closed-loop, the selector's own run's "
+             "accepted lengths; open-loop (exact's), exact verification's (optimistic for a lossy selector).", "",
              "| source | selector | acceptance | k | tau | copies/token | ms/token (SD, zero drafting) | compute-only | exposed copies | "
-             "block ms p50 / p99 | fastest AR: config, ms/token (copies) | SD / fastest AR | break-even draft ms/block |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "block ms p50 / p99 | fastest AR: config, ms/token (copies) | SD / fastest AR | break-even draft ms/block |"
+             + (f" ms/token with drafting ({draft_ms:g} ms/block) | SD with drafting / fastest AR |" if draft_ms else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if draft_ms else "")]
     for row in report["table"]:
         selector = row["selector"] + (f" (prefetch {row['prefetch']})" if row.get("prefetch") else "") + \
             (" (host blocks)" if row.get("verify") == "host" else "")
@@ -428,14 +484,12 @@ def markdown(report: dict) -> str:
                  f"{row['exposed_copy_ms_per_token']:.3f}", f"{row['block_ms_p50']:.2f} / {row['block_ms_p99']:.2f}"]
         best = row.get("fastest_ar")
         if best:
-            units = row.get(f"ratio_sd0_over_ar_{best}_over_requests")
-            rounds = row[f"ratio_sd0_over_ar_{best}"]
-            ratio = (f"{units['ratio']:.3f} ({units['low']:.3f}-{units['high']:.3f}, {units['units']} requests)" if units
-                     else f"{rounds['ratio']:.3f} ({rounds['lo']:.3f}-{rounds['hi']:.3f}, rounds)")
-            cells += [f"{best}, {row[f'ar_{best}_ms_per_token']:.3f} ({row[f'ar_{best}_copies_per_token']:.2f})", ratio,
-                      f"{row[f'break_even_draft_ms_{best}']:.2f}"]
+            cells += [f"{best}, {row[f'ar_{best}_ms_per_token']:.3f} ({row[f'ar_{best}_copies_per_token']:.2f})",
+                      ratio_cell(row, "sd0", best), f"{row[f'break_even_draft_ms_{best}']:.2f}"]
         else:
             cells += ["-", "-", "-"]
+        if draft_ms:
+            cells += [f"{row['ms_per_token_with_drafting']:.3f}", ratio_cell(row, "sd_drafting", best) if best else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     ar = {}
     for row in report["table"]:

@@ -335,6 +335,7 @@ def test_each_selector_follows_its_own_runs_records(family, drafter, calibration
     np.testing.assert_array_equal(np.concatenate([r.accepted for r in results]), accepted["confidence_top1"])
     row = spec_pass(engine, per_selector["confidence_top1"][0], len(prompt))
     assert row["committed"] == int((accepted["confidence_top1"] + 1).sum())
+    assert row["request_blocks"] == [len(r.accepted) for r in results] and sum(row["request_blocks"]) == row["blocks"]
     args.closed_loop = True
     with pytest.raises(BlockSourceError, match="no block records of selector 'acceptmoe'"):
         block_sources(args, trace, geometry)

@@ -1,0 +1,164 @@
+"""The GPU benchmark scripts' bookkeeping on the CPU, without a model: bench_spec_engine's SD / AR ratios with a
+drafting time per block and the per-request details its json keeps."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from bench_spec_engine import markdown, request_ratio, saved_details, summary_table  # noqa: E402
+
+from specmoe.stats import unit_ratio  # noqa: E402
+
+SD, AR = "src/exact", "src/ar_psr_C8"
+
+
+def measured(requests: int = 3, num_rounds: int = 2):
+    """Sources, rounds and details as bench_spec_engine's main loop leaves them: one SD row and one
+    AR configuration, `requests` requests, each round's per-request times; tau deliberately unlike committed /
+    blocks, so that a drafting cost computed from tau differs from one computed from the measured blocks."""
+    rng = np.random.default_rng(0)
+    tokens = [10, 14, 8, 11][:requests]
+    blocks = [3, 4, 2, 5][:requests]
+    sources = {"src": (4, {"exact": (None, "closed-loop")}, None)}
+    rounds, sd, ar = {SD: [], AR: []}, {"block_ms": [], "request_ms": []}, {"request_ms": []}
+    for _ in range(num_rounds):
+        block_ms = [rng.uniform(1.0, 2.0, b) for b in blocks]
+        sd["block_ms"].append(np.concatenate(block_ms))
+        sd["request_ms"].append([float(x.sum()) for x in block_ms])
+        rounds[SD].append(sum(sd["request_ms"][-1]) / sum(tokens))
+        ar_ms = [float(rng.uniform(0.3, 0.4) * t) for t in tokens]
+        ar["request_ms"].append(ar_ms)
+        rounds[AR].append(sum(ar_ms) / sum(tokens))
+    sd.update(request_tokens=tokens, request_blocks=blocks, blocks=sum(blocks), committed=sum(tokens), tau=5.0,
+              union_used=2, copies_per_token=1.0, demand_per_token=1.0, prefetch_per_token=0.0,
+              prefetch_unused_per_token=0.0, moves_per_token=0.0, verify="host", host_blocks_why="test")
+    ar.update(request_tokens=tokens, copies_per_token=2.0)
+    return sources, rounds, {SD: sd, AR: ar}
+
+
+def table(draft_ms: float, requests: int = 3):
+    sources, rounds, details = measured(requests)
+    args = SimpleNamespace(prefetch=[0], block_paths=["host"], draft_ms=draft_ms)
+    return summary_table(sources, rounds, details, [("psr", 8)], args), rounds, details
+
+
+def test_drafting_adds_its_time_per_measured_block_to_each_request():
+    (row,), rounds, details = table(2.2)
+    sd, ar = details[SD], details[AR]
+    # ms per committed token with drafting: verification + 2.2 ms x measured blocks / committed tokens (not / tau)
+    assert np.isclose(row["ms_per_token_with_drafting"], np.mean(rounds[SD]) + 2.2 * 9 / 32)
+    assert row["draft_ms_per_block"] == 2.2
+    # over requests: each request's SD time (mean over rounds) plus 2.2 ms per block, the same bootstrap
+    expected = unit_ratio(np.mean(sd["request_ms"], axis=0) + 2.2 * np.array([3, 4, 2]), [10, 14, 8],
+                          np.mean(ar["request_ms"], axis=0), [10, 14, 8])
+    got = row["ratio_sd_drafting_over_ar_psr_C8_over_requests"]
+    assert np.allclose([got["ratio"], got["low"], got["high"]], [expected.estimate, expected.low, expected.high])
+    assert got["ratio"] > row["ratio_sd0_over_ar_psr_C8_over_requests"]["ratio"]
+    # over rounds: each round's SD ms per token plus the drafting per token
+    extra = 2.2 * 9 / 32
+    assert np.isclose(row["ratio_sd_drafting_over_ar_psr_C8"]["ratio"],
+                      np.exp(np.mean(np.log(np.add(rounds[SD], extra)) - np.log(rounds[AR]))))
+    # zero drafting is the same function at 0: unchanged, and no drafting fields without --draft-ms
+    (plain,), _, _ = table(0.0)
+    assert plain["ratio_sd0_over_ar_psr_C8_over_requests"] == row["ratio_sd0_over_ar_psr_C8_over_requests"]
+    zero = unit_ratio(np.mean(sd["request_ms"], axis=0), [10, 14, 8], np.mean(ar["request_ms"], axis=0), [10, 14, 8])
+    assert np.isclose(plain["ratio_sd0_over_ar_psr_C8_over_requests"]["ratio"], zero.estimate)
+    assert not any("drafting" in key for key in plain)
+    # one request: no interval over requests, the rounds' ratio with drafting
+    (single,), rounds1, _ = table(2.2, requests=1)
+    assert single["ratio_sd_drafting_over_ar_psr_C8_over_requests"] is None
+    assert np.isclose(single["ratio_sd_drafting_over_ar_psr_C8"]["ratio"],
+                      np.exp(np.mean(np.log(np.add(rounds1[SD], 2.2 * 3 / 10)) - np.log(rounds1[AR]))))
+
+
+def test_markdown_has_the_drafting_columns_only_with_draft_ms():
+    for draft_ms in (0.0, 2.2):
+        rows, _, _ = table(draft_ms)
+        report = {"date": "today", "machine": {"gpu": "cpu", "torch": "x"}, "command": "bench", "rounds_done": 2,
+                  "args": {"rounds": 2, "pool": 8, "ar_policies": ["psr"], "draft_ms": draft_ms}, "union_max": 2,
+                  "capacities": [8], "copy": {"stream_ms": 0.1}, "table": rows, "ar_configs": ["psr_C8"], "errors": []}
+        lines = markdown(report).splitlines()
+        header = next(x for x in lines if x.startswith("| source | selector"))
+        row = next(x for x in lines if x.startswith("| src |"))
+        assert ("SD with drafting / fastest AR" in header) == bool(draft_ms)
+        assert header.count("|") == row.count("|") == lines[lines.index(header) + 1].count("|")
+        if draft_ms:
+            assert f"{rows[0]['ms_per_token_with_drafting']:.3f}" in row.split("|")[-3]
+            assert "3 requests" in row.split("|")[-2]
+
+
+def test_saved_details_recompute_the_ratios():
+    (row,), _, details = table(2.2)
+    saved = json.loads(json.dumps(saved_details(details)))  # what the json keeps
+    assert set(saved[SD]) == {"request_ms", "request_tokens", "request_blocks", "blocks", "committed", "tau"}
+    assert set(saved[AR]) == {"request_ms", "request_tokens"}
+    assert np.shape(saved[SD]["request_ms"]) == (2, 3)  # [round][request]
+    for draft_ms, tag in ((0.0, "sd0"), (2.2, "sd_drafting")):
+        again = request_ratio(saved[SD], saved[AR], draft_ms)
+        assert np.isclose(again["ratio"], row[f"ratio_{tag}_over_ar_psr_C8_over_requests"]["ratio"])
+
+
+def test_bench_engine_configs_are_checked_before_a_model_is_built(monkeypatch, tmp_path):
+    """bench_engine's --configs: the names come from the arguments alone (`config_rows`, the named config's E and
+    K), so a typo exits with the known names before any model is built, and a known name gets past the check to
+    the model."""
+    import bench_engine
+    import pytest
+
+    class Built(Exception):
+        pass
+
+    def build(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(bench_engine, "random_model_on_device", build)
+    base = ["--out", str(tmp_path / "out"), "--model", "olmoe-tiny", "--device", "cpu", "--capacities", "16",
+            "--trace", "olmoe-like", "--trace-calibration", "olmoe-like"]
+    with pytest.raises(SystemExit) as exit_:
+        bench_engine.main(base + ["--configs", "C16_psr", "trace_C16_psrr"])
+    message = str(exit_.value)
+    assert message.startswith("unknown configurations ['trace_C16_psrr']; known: ")
+    assert "'trace_C16_psr_host_policy'" in message and "'all_resident_host_routing'" in message
+    assert not (tmp_path / "out").exists()  # nothing was set up
+    with pytest.raises(Built):  # every known name passes the check
+        bench_engine.main(base + ["--configs", "all_resident_host_routing", "C16_spec_exec", "trace_C16_psr_host_policy"])
+    # the names the rounds run, in their order: per prefix, per capacity and policy, device path then host path
+    args = SimpleNamespace(
+        capacities=[32, 16], psr_window=8, policy_paths=["device", "host"], trace=["olmoe-like:margin=0", "b.npz"],
+        trace_calibration=["olmoe-like", "b.json"])
+    rows = bench_engine.config_rows(args, 64, 8)
+    policies = ["exact_lru", "exact_prefetch", "cache_prior", "psr", "spec_exec"]
+    assert list(rows) == ["", "olmoe_like_margin_0_", "b_"]
+    assert [name for name, _, _ in rows[""]] == ["all_resident", "all_resident_host_routing"] + [
+        f"C{c}_{p}{path}" for c in (32, 16) for p in policies for path in ("", "_host_policy")]
+    assert [(name, key) for name, key, _ in rows["b_"]] == [
+        (f"b_C{c}_{p}{path}", f"{c}{path}" if path else c) for c in (32, 16) for p in policies
+        for path in ("", "_host_policy")]
+    assert rows["b_"][7][2].name == rows[""][9][2].name  # the same policy, C32 psr on the host path
+    args.trace_calibration = ["olmoe-like"]
+    with pytest.raises(SystemExit, match="one per --trace"):
+        bench_engine.config_rows(args, 64, 8)
+    args.trace_calibration, args.trace = ["a", "b"], ["a.npz", "x/a.npz"]
+    with pytest.raises(SystemExit, match="two traces are labelled 'a'"):
+        bench_engine.config_rows(args, 64, 8)
+
+
+def test_help_and_docs_state_the_drafting_option_and_the_early_config_check(capsys):
+    import bench_engine
+    import bench_spec_engine
+    import pytest
+
+    for script in (bench_spec_engine, bench_engine):
+        with pytest.raises(SystemExit) as exit_:
+            script.main(["--help"])
+        assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--draft-ms DRAFT_MS drafting ms per verification block" in text
+    assert "With --draft-ms MS" in text  # bench_spec_engine's docstring
+    assert "before any model is built" in text  # bench_engine's docstring and --configs
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert "`--draft-ms MS`" in (docs / "speculative.md").read_text()
