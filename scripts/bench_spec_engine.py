@@ -27,6 +27,15 @@ same rounds, with the ratio host / device (--block-paths; the block prefetch's r
 host path; a row's `verify` says which path ran, `host_blocks_why` why the host). A trace of a shallower family member with the target's E
 and K is tiled over the target's layers (`Trace.tiled`, `Calibration.tiled`).
 
+Several traces (`--trace A B --trace-calibration a b`, e.g. the family's trace and olmoe-like): one model setup
+and every trace's sources in the same interleaved rounds, so that SD-vs-AR rows on both routing sources are paired
+in time. Each trace has its own calibration, and so its own set of SD and AR engines (all on the one unit), its own
+U_max and AR capacities (`union_max`, `capacities`: dicts per trace label in the json, each value followed by its
+label in the markdown); every source name is prefixed with the trace's label and "_" as bench_engine names its
+rows (`trace_label`: a file's stem, or a source spec's name and parameters, e.g.
+"olmoe_like_margin_0_synthetic_tau5_k8"). One trace: names unprefixed ("synthetic_tau5_k8"). --records belong to
+the first trace (give the family's trace first).
+
 Reported per configuration: tau, copies per committed token, ms per committed token (verification, of it
 exposed copies = with copies - copies skipped, paired per round), p50 / p99 of the block time, and against
 each AR configuration (the fastest in the table): the ratio at zero drafting cost with a 95% interval, a paired
@@ -38,8 +47,8 @@ MS x the measured blocks / committed tokens) and the SD / AR ratio with drafting
 bootstrap (each request's SD time plus MS x its blocks). The json keeps, per configuration, the per-request times
 of every round, tokens and (SD) blocks under `details`, enough to recompute any ratio.
 
-    PYTHONPATH=. python3 scripts/bench_spec_engine.py --out DIR --trace FILE --trace-calibration FILE \\
-        [--records RUN_DIR/blocks/*.safetensors [--closed-loop]]
+    PYTHONPATH=. python3 scripts/bench_spec_engine.py --out DIR --trace FILE [olmoe-like] \\
+        --trace-calibration FILE [olmoe-like] [--records RUN_DIR/blocks/*.safetensors [--closed-loop]]
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import measure_bandwidth, measure_copy_ms, ratio_ci  # noqa: E402
+from bench_engine import measure_bandwidth, measure_copy_ms, ratio_ci, trace_label, trace_prefixes  # noqa: E402
 
 from specmoe.engines import Engine, EngineConfig, LogitFeed, build_engine  # noqa: E402
 from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
@@ -86,22 +95,33 @@ def sd_keys(source: str, per_selector: dict, budgets: list[int], paths=("device"
                 yield name, budget, path, key + ("+host_blocks" if path == "host" and len(mine) > 1 else "")
 
 
-def block_sources(args, trace, geometry) -> dict:
+def source_prefixes(args) -> list[str]:
+    """The source-name prefix of each --trace, in order: none with one trace ("synthetic_tau5_k8"), with several
+    bench_engine's row-name prefix (`trace_prefixes`: the trace's label and "_", so "olmoe_like_margin_0_" +
+    "synthetic_tau5_k8"). Exits on a --trace-calibration count that is not one per trace, or two traces of one
+    label."""
+    prefixes = trace_prefixes(args)
+    return prefixes if len(prefixes) > 1 else [""]
+
+
+def block_sources(args, trace, geometry, prefix: str = "", records: bool = True) -> dict:
     """name -> (k, {selector: (Blocks, acceptance)}, the blocks AR follows): synthetic blocks over the trace at
     each tau and k, the records cut to each k and, with records, synthetic blocks at each selector's own
     accepted-length histogram. Each selector follows its own run's records where they exist (closed loop,
     `records_per_selector`); otherwise exact's, labelled open loop (with --closed-loop: an error, and the tau
     sources, whose acceptance is one profile for every selector, keep exact only). AR follows the committed
-    sequence of exact's blocks (of the first selector's where exact is not run)."""
+    sequence of exact's blocks (of the first selector's where exact is not run). Every name starts with `prefix`
+    (`source_prefixes`); records=False leaves --records out (they belong to the first trace)."""
     num_layers, num_experts, top_k = geometry
     selectors = list(args.selectors)
-    loaded = [BlockRecords.load(path, num_layers, num_experts, top_k) for path in args.records or []]
+    paths = (args.records or []) if records else []
+    loaded = [BlockRecords.load(path, num_layers, num_experts, top_k) for path in paths]
     matched = records_per_selector(loaded, selectors, require_own=args.closed_loop) if loaded else {}
     sources = {}
 
     def add(name, k, per_selector):
         reference = per_selector.get("exact", next(iter(per_selector.values())))[0]
-        sources[name] = (k, per_selector, reference)
+        sources[prefix + name] = (k, per_selector, reference)
 
     for k in args.k:
         for tau in args.taus:
@@ -215,12 +235,15 @@ def ar_pass(engine, feeds, first_position: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--trace", required=True, help="routing trace of a family target (make_bench_trace.py) or a "
-                    "synthetic routing source (olmoe-like, docs/routing-source.md); a "
-                    "shallower trace with the target's E and K is tiled over its layers (`Trace.tiled`)")
-    ap.add_argument("--trace-calibration", required=True, help="calibration of the traced model (a synthetic "
-                    "source: its name)")
-    ap.add_argument("--records", nargs="*", help="block record files of the family (specmoe sd --records)")
+    ap.add_argument("--trace", required=True, nargs="+", help="routing traces of a family target "
+                    "(make_bench_trace.py) and/or synthetic routing sources (olmoe-like, docs/routing-source.md); a "
+                    "shallower trace with the target's E and K is tiled over its layers (`Trace.tiled`). Several: "
+                    "every trace's sources in the same rounds, each source name prefixed with its trace's label "
+                    "(bench_engine's `trace_label`, e.g. olmoe_like_margin_0_synthetic_tau5_k8); one: names unprefixed")
+    ap.add_argument("--trace-calibration", required=True, nargs="+", help="one per --trace, in order: calibration "
+                    "of the traced model (a synthetic source: its spec)")
+    ap.add_argument("--records", nargs="*", help="block record files of the family (specmoe sd --records); with "
+                    "several --trace they belong to the first (give the family's trace first)")
     ap.add_argument("--closed-loop", action="store_true",
                     help="every selector follows block records of its own run (an error where a selector has none); "
                     "without it a selector without records follows exact's, labelled open-loop")
@@ -256,6 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    prefixes = source_prefixes(args)  # exits on a calibration count or a label clash before any model is built
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.draft_ms < 0:
@@ -279,39 +303,52 @@ def main(argv=None) -> int:
     report["bandwidth_Bps"] = measure_bandwidth(args.device, 2 * 1024**3 if args.device == "cuda" else 64 * 1024**2)
     report["copy"] = measure_copy_ms(store, args.device)
     L, E, K = adapter.num_moe_layers, adapter.num_experts, adapter.top_k
-    calibration = read_calibration(args.trace_calibration)
-    trace = read_trace(args.trace, num_experts=E, top_k=K)
-    calibration.check(trace.num_layers, E)
-    trace, calibration = trace.tiled(L), calibration.tiled(L)
-    report["trace"] = {"model": trace.model, "tiled_from_layers": trace.info.get("tiled_from_layers")}
-    sources = block_sources(args, trace, (L, E, K))
-    for name, (k, per_selector, reference) in list(sources.items()):  # only the embeddings read the tokens
-        if max(b.tokens.max() for b, _ in per_selector.values()) >= adapter.vocab_size:
-            from dataclasses import replace
+    # per --trace: its calibration and its sources, named with the trace's prefix (`source_prefixes`)
+    traces, sources, trace_of = {}, {}, {}
+    for i, (prefix, spec, calibration_spec) in enumerate(zip(prefixes, args.trace, args.trace_calibration)):
+        calibration = read_calibration(calibration_spec)
+        trace = read_trace(spec, num_experts=E, top_k=K)
+        calibration.check(trace.num_layers, E)
+        trace, calibration = trace.tiled(L), calibration.tiled(L)
+        info = {"model": trace.model, "tiled_from_layers": trace.info.get("tiled_from_layers")}
+        if len(prefixes) == 1:
+            report["trace"] = info
+        else:
+            report.setdefault("traces", {})[trace_label(spec)] = {"trace": spec, "calibration": calibration_spec,
+                                                                  "prefix": prefix, **info}
+        traces[prefix] = {"label": trace_label(spec), "trace": trace, "calibration": calibration}
+        for name, (k, per_selector, reference) in block_sources(args, trace, (L, E, K), prefix, i == 0).items():
+            if max(b.tokens.max() for b, _ in per_selector.values()) >= adapter.vocab_size:
+                from dataclasses import replace  # only the embeddings read the tokens
 
-            def wrapped(b):
-                return replace(b, tokens=b.tokens % adapter.vocab_size)
+                def wrapped(b):
+                    return replace(b, tokens=b.tokens % adapter.vocab_size)
 
-            sources[name] = (k, {s: (wrapped(b), a) for s, (b, a) in per_selector.items()}, wrapped(reference))
-            report["errors"].append(f"{name}: tokens beyond the target's vocabulary taken modulo {adapter.vocab_size}")
+                per_selector, reference = {s: (wrapped(b), a) for s, (b, a) in per_selector.items()}, wrapped(reference)
+                report["errors"].append(f"{name}: tokens beyond the target's vocabulary taken modulo "
+                                        f"{adapter.vocab_size}")
+            sources[name], trace_of[name] = (k, per_selector, reference), prefix
     unit = ExpertResidency(store, E, args.device)  # one unit for every engine, used alternately
     cfg = EngineConfig(max_seq_len=args.max_seq_len)
     fingerprint = adapter_for(model.config).fingerprint(model)
-    engines = {}
-    for k in args.k:
-        for name in args.selectors:
-            for budget in args.prefetch:
-                for path in ("host",) if budget else args.block_paths:
-                    config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union,
-                                               prefetch=budget)
-                    decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
-                    engines[(k, name, budget, path)] = Engine(
-                        decoder, unit, None, calibration, EngineConfig(max_seq_len=args.max_seq_len,
-                                                                       block_device="auto" if path == "device" else "off"),
-                        fingerprint=fingerprint, speculative=config)
+    engines = {}  # one set per trace, with the trace's calibration
+    for prefix, t in traces.items():
+        for k in args.k:
+            for name in args.selectors:
+                for budget in args.prefetch:
+                    for path in ("host",) if budget else args.block_paths:
+                        config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool,
+                                                   union_slots=args.union, prefetch=budget)
+                        decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
+                        block_device = "auto" if path == "device" else "off"
+                        engines[(prefix, k, name, budget, path)] = Engine(
+                            decoder, unit, None, t["calibration"],
+                            EngineConfig(max_seq_len=args.max_seq_len, block_device=block_device),
+                            fingerprint=fingerprint, speculative=config)
     first = next(iter(engines.values()))
     report["notes"] = first.notes
-    report["kernels"] = {f"k={k} {name} prefetch {b} {path}": e.kernels for (k, name, b, path), e in engines.items()}
+    report["kernels"] = {f"{prefix}k={k} {name} prefetch {b} {path}": e.kernels
+                         for (prefix, k, name, b, path), e in engines.items()}
     report["sources"] = {n: {s: {"k": k, "blocks": b.num_blocks, "tau": b.tau, "source": b.source, "acceptance": a}
                              for s, (b, a) in per_selector.items()} for n, (k, per_selector, _) in sources.items()}
     print("sources", report["sources"], flush=True)
@@ -319,24 +356,27 @@ def main(argv=None) -> int:
     print(f"setup {report['setup_s']:.0f} s", flush=True)
     save()
 
-    # round 0 warms every speculative configuration up and gives U_max, the most union slots a block's layer
-    # used; then rounds 1..R run every configuration, speculative and AR, interleaved, so that round r of each
-    # is measured at the same time (paired)
-    feeds = {source: committed_feeds(reference, trace.fingerprint or None)
+    # round 0 warms every speculative configuration up and gives each trace's U_max, the most union slots a block's
+    # layer used on its sources; then rounds 1..R run every configuration of every trace, speculative and AR,
+    # interleaved, so that round r of each is measured at the same time (paired)
+    feeds = {source: committed_feeds(reference, traces[trace_of[source]]["trace"].fingerprint or None)
              for source, (_, _, reference) in sources.items()}
     rounds: dict[str, list] = {}
     details: dict[str, dict] = {}
-    ar_engines: dict = {}
+    ar_engines: dict = {}  # (trace prefix, policy, C) -> AR engine with the trace's calibration
+    union_max: dict[str, int] = {}
     for r in range(args.rounds + 1):
         for source, (k, per_selector, _) in sources.items():
+            prefix = trace_of[source]
             for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths):
-                blocks, engine = per_selector[name][0], engines[(k, name, budget, path)]
+                blocks, engine = per_selector[name][0], engines[(prefix, k, name, budget, path)]
                 try:
                     for skip in (False, True):
                         engine.configure(skip_copies=skip)
                         res = spec_pass(engine, blocks, args.first_position)
                         d = details.setdefault(key + ("/skip" if skip else ""), {"block_ms": []})
                         d["union_used"] = max(d.get("union_used", 0), res["union_used"])
+                        union_max[prefix] = max(union_max.get(prefix, 0), res["union_used"])
                         if r:
                             rounds.setdefault(key + ("/skip" if skip else ""), []).append(res["ms_per_token"])
                             d["block_ms"].append(res["block_ms"])
@@ -351,7 +391,9 @@ def main(argv=None) -> int:
                     engine.configure(skip_copies=False)
             if r == 0:
                 continue
-            for (policy, c), engine in ar_engines.items():
+            for (owner, policy, c), engine in ar_engines.items():
+                if owner != prefix:
+                    continue
                 key = f"{source}/ar_{policy}_C{c}"
                 try:
                     for skip in (False, True):
@@ -365,25 +407,32 @@ def main(argv=None) -> int:
                     report["errors"].append(f"{key} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
                 finally:
                     engine.configure(skip_copies=False)
-            print(f"round {r} {source} ({time.time() - t0:.0f} s):", {n: round(v[-1], 3) for n, v in rounds.items() if n.startswith(source) and v},
-                  flush=True)
-        if r == 0:
-            union_max = max(d["union_used"] for d in details.values())
-            capacities = sorted({args.pool, min(E, args.pool + union_max), *args.ar_capacities})
-            report["union_max"], report["capacities"] = union_max, capacities
-            for c in capacities:
-                for policy in args.ar_policies:
-                    extra = {"bonus": psr_bonus(c, E), "insert_budget": 1} if policy == "psr" else \
-                        {"bonus": 0.2} if policy == "cache_prior" else {}
-                    ar_engines[(policy, c)] = build_engine(model, preset(policy, c, K, **extra), calibration, cfg,
-                                                           residency=unit)
-            for (policy, c), engine in ar_engines.items():  # warm-up of the AR engines, untimed
+            print(f"round {r} {source} ({time.time() - t0:.0f} s):",
+                  {n: round(v[-1], 3) for n, v in rounds.items() if n.startswith(source + "/") and v}, flush=True)
+        if r == 0:  # per trace: U_max, the AR capacities P, P + U_max and --ar-capacities, its AR engines
+            capacities = {prefix: sorted({args.pool, min(E, args.pool + union_max.get(prefix, 0)), *args.ar_capacities})
+                          for prefix in traces}
+            for prefix, t in traces.items():
+                for c in capacities[prefix]:
+                    for policy in args.ar_policies:
+                        extra = {"bonus": psr_bonus(c, E), "insert_budget": 1} if policy == "psr" else \
+                            {"bonus": 0.2} if policy == "cache_prior" else {}
+                        ar_engines[(prefix, policy, c)] = build_engine(model, preset(policy, c, K, **extra),
+                                                                       t["calibration"], cfg, residency=unit)
+            if len(traces) == 1:
+                report["union_max"], report["capacities"] = union_max.get("", 0), capacities[""]
+            else:
+                report["union_max"] = {t["label"]: union_max.get(p, 0) for p, t in traces.items()}
+                report["capacities"] = {t["label"]: capacities[p] for p, t in traces.items()}
+            for (prefix, policy, c), engine in ar_engines.items():  # warm-up of the AR engines, untimed
                 for source in sources:
-                    ar_pass(engine, feeds[source][:1], args.first_position)
+                    if trace_of[source] == prefix:
+                        ar_pass(engine, feeds[source][:1], args.first_position)
         report["rounds_ms"] = rounds
         if r:  # the table and the markdown of the rounds so far (a run cut short keeps them)
-            report["ar_configs"] = [f"{policy}_C{c}" for policy, c in ar_engines]
-            report["table"] = summary_table(sources, rounds, details, list(ar_engines), args)
+            ar_keys = list(dict.fromkeys((policy, c) for _, policy, c in ar_engines))  # of every trace
+            report["ar_configs"] = [f"{policy}_C{c}" for policy, c in ar_keys]
+            report["table"] = summary_table(sources, rounds, details, ar_keys, args)
             report["details"] = saved_details(details)
             report["rounds_done"] = r
             write_text_atomic(out_dir / "bench_spec_engine.md", markdown(report))
@@ -457,6 +506,14 @@ def ratio_cell(row: dict, tag: str, label: str) -> str:
             else f"{rounds['ratio']:.3f} ({rounds['lo']:.3f}-{rounds['hi']:.3f}, rounds)")
 
 
+def per_trace(value, show) -> str:
+    """A header value of the report (`union_max`, `capacities`): shown as is with one trace, with several (a dict
+    per trace label) each trace's followed by its label."""
+    if isinstance(value, dict):
+        return "; ".join(f"{show(v)} ({label})" for label, v in value.items())
+    return show(value)
+
+
 def markdown(report: dict) -> str:
     draft_ms = report["args"].get("draft_ms") or 0.0
     drafting = (f" With drafting: SD's time plus {draft_ms:g} ms (--draft-ms) per verification block measured, "
@@ -464,8 +521,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Speculative engine vs AR ({report['date']})", "",
              f"{report['machine']['gpu']}; torch {report['machine']['torch']}. Command: `{report['command']}`. "
              f"Rounds measured: {report.get('rounds_done', 0)} of {report['args']['rounds']}. "
-             f"Pool P = {report['args']['pool']}, U_max = {report['union_max']} union slots used at most; AR at C = "
-             + ", ".join(map(str, report["capacities"])) + f" ({', '.join(report['args']['ar_policies'])}). Expert "
+             f"Pool P = {report['args']['pool']}, U_max = {per_trace(report['union_max'], str)} union slots used at "
+             f"most; AR at C = {per_trace(report['capacities'], lambda c: ', '.join(map(str, c)))} "
+             f"({', '.join(report['args']['ar_policies'])}). Expert "
              f"copy {report['copy']['stream_ms']:.3f} ms in a stream. Ratios: SD at zero drafting cost / AR with a 95% "
              "interval, a paired bootstrap over the requests (`specmoe.stats.unit_ratio`; each request's times are "
              "means over the interleaved rounds), or a paired t over rounds where there is one request (unit: round); "

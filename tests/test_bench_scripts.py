@@ -1,5 +1,6 @@
-"""The GPU benchmark scripts' bookkeeping on the CPU, without a model: bench_spec_engine's SD / AR ratios with a
-drafting time per block and the per-request details its json keeps."""
+"""The GPU benchmark scripts' bookkeeping on the CPU: bench_spec_engine's SD / AR ratios with a drafting time per
+block and the per-request details its json keeps (without a model), and its rows per --trace (olmoe-tiny, the
+timed passes stood in for)."""
 
 import json
 import sys
@@ -162,3 +163,89 @@ def test_help_and_docs_state_the_drafting_option_and_the_early_config_check(caps
     assert "before any model is built" in text  # bench_engine's docstring and --configs
     docs = Path(__file__).resolve().parents[1] / "docs"
     assert "`--draft-ms MS`" in (docs / "speculative.md").read_text()
+
+
+def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkeypatch, tmp_path):
+    """bench_spec_engine with two --trace: every source name carries its trace's label (bench_engine's
+    `trace_label`), each trace's SD and AR engines have its own calibration and follow its own blocks and committed
+    tokens, U_max and the AR capacities are per trace; with one trace the names are unprefixed. The passes are
+    stand-ins that record what they were given (no timing)."""
+    import bench_spec_engine
+    import pytest
+
+    from specmoe.records.synthetic import synthetic_calibration, synthetic_trace
+
+    files = {}
+    for i, label in enumerate(("family_trace", "olmoe_like")):
+        trace = synthetic_trace("olmoe-like", 1024, seed=i)
+        calibration = synthetic_calibration("olmoe-like", tokens=1024, seed=10 + i, name=label)
+        files[label] = (str(trace.save(tmp_path / f"{label}.safetensors")),
+                        str(calibration.save(tmp_path / f"{label}.json")),
+                        {row.tobytes() for row in trace.router_logits.astype(np.float32)})
+    union_used = {"family_trace": 3, "olmoe_like": 5}
+    calls = []
+
+    def owner(engine):  # the trace whose calibration the engine has
+        return engine.calibration.provenance["model"].removeprefix("synthetic routing source ")
+
+    def spec_pass(engine, blocks, first_position):
+        calls.append(("sd", owner(engine), blocks.router_logits[blocks.rows.ravel()]))
+        return {"ms_per_token": 1.0, "block_ms": np.ones(2), "request_ms": [1.0, 1.0], "request_tokens": [3, 3],
+                "request_blocks": [1, 1], "copies_per_token": 1.0, "moves_per_token": 0.0, "demand_per_token": 1.0,
+                "prefetch_per_token": 0.0, "prefetch_unused_per_token": 0.0, "tau": 3.0, "blocks": 2, "committed": 6,
+                "union_used": union_used[owner(engine)], "verify": "host", "host_blocks_why": "test"}
+
+    def ar_pass(engine, feeds, first_position):
+        calls.append(("ar", owner(engine), np.concatenate([f.router_logits for f in feeds])))
+        return {"ms_per_token": 0.5, "copies_per_token": 2.0, "p99": 1.0, "request_ms": [0.5, 0.5],
+                "request_tokens": [3, 3]}
+
+    monkeypatch.setattr(bench_spec_engine, "spec_pass", spec_pass)
+    monkeypatch.setattr(bench_spec_engine, "ar_pass", ar_pass)
+    monkeypatch.setattr(bench_spec_engine, "measure_bandwidth", lambda *a: 1.0)
+    monkeypatch.setattr(bench_spec_engine, "measure_copy_ms", lambda *a: {"stream_ms": 0.1})
+    base = ["--model", "olmoe-tiny", "--device", "cpu", "--pool", "8", "--k", "4", "--taus", "3",
+            "--selectors", "exact", "--ar-policies", "exact_lru", "--rounds", "1", "--max-blocks", "2",
+            "--first-position", "8", "--max-seq-len", "64", "--block-paths", "host", "--prefetch", "0"]
+
+    def run(labels):
+        out = tmp_path / "_".join(labels)
+        calls.clear()
+        bench_spec_engine.main(base + ["--out", str(out), "--trace", *(files[x][0] for x in labels),
+                                       "--trace-calibration", *(files[x][1] for x in labels)])
+        return json.loads((out / "bench_spec_engine.json").read_text()), (out / "bench_spec_engine.md").read_text()
+
+    report, md = run(["family_trace", "olmoe_like"])
+    assert [row["source"] for row in report["table"]] == ["family_trace_synthetic_tau3_k4",
+                                                          "olmoe_like_synthetic_tau3_k4"]
+    assert report["union_max"] == union_used
+    assert report["capacities"] == {"family_trace": [8, 11], "olmoe_like": [8, 13]}
+    assert "U_max = 3 (family_trace); 5 (olmoe_like)" in md
+    assert "AR at C = 8, 11 (family_trace); 8, 13 (olmoe_like)" in md
+    assert sorted(key for key in report["rounds_ms"] if "/ar_" in key and not key.endswith("/skip")) == [
+        "family_trace_synthetic_tau3_k4/ar_exact_lru_C11", "family_trace_synthetic_tau3_k4/ar_exact_lru_C8",
+        "olmoe_like_synthetic_tau3_k4/ar_exact_lru_C13", "olmoe_like_synthetic_tau3_k4/ar_exact_lru_C8"]
+    for row in report["table"]:  # each SD row against its own trace's AR rows
+        mine = report["capacities"][row["source"].removesuffix("_synthetic_tau3_k4")]
+        assert sorted(int(k.split("_C")[1].split("_")[0]) for k in row if k.endswith("_ms_per_token")
+                      and k.startswith("ar_") and "compute" not in k) == mine
+    assert {(kind, name) for kind, name, _ in calls} == {(kind, name) for kind in ("sd", "ar") for name in files}
+    for kind, name, rows in calls:  # every pass follows the rows of the trace whose calibration its engine has
+        assert all(row.tobytes() in files[name][2] for row in rows), (kind, name)
+    assert set(report["traces"]) == set(files) and report["traces"]["olmoe_like"]["prefix"] == "olmoe_like_"
+
+    report, md = run(["family_trace"])  # one trace: the names and the header as before
+    assert [row["source"] for row in report["table"]] == ["synthetic_tau3_k4"]
+    assert report["table"][0]["key"] == "synthetic_tau3_k4/exact"
+    assert "synthetic_tau3_k4/ar_exact_lru_C11" in report["rounds_ms"]
+    assert report["union_max"] == 3 and report["capacities"] == [8, 11] and "traces" not in report
+    assert "U_max = 3 union slots used at most; AR at C = 8, 11 (exact_lru)" in md
+
+    with pytest.raises(SystemExit, match="one per --trace"):  # before any model is built
+        bench_spec_engine.main(base + ["--out", str(tmp_path / "bad"), "--trace", files["family_trace"][0],
+                                       files["olmoe_like"][0], "--trace-calibration", files["family_trace"][1]])
+    with pytest.raises(SystemExit, match="two traces are labelled 'olmoe_like'"):
+        bench_spec_engine.main(base + ["--out", str(tmp_path / "bad"), "--trace", "olmoe-like",
+                                       files["olmoe_like"][0], "--trace-calibration", "olmoe-like",
+                                       files["olmoe_like"][1]])
+    assert not (tmp_path / "bad").exists()
