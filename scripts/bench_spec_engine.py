@@ -290,7 +290,7 @@ def main(argv=None) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": {"gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                           "python": platform.python_version(), "torch": torch.__version__},
-              "args": vars(args), "errors": []}
+              "args": vars(args), "errors": [], "warnings": []}
 
     def save():
         write_text_atomic(out_dir / "bench_spec_engine.json", json.dumps(report, indent=1, default=float))
@@ -325,8 +325,8 @@ def main(argv=None) -> int:
                     return replace(b, tokens=b.tokens % adapter.vocab_size)
 
                 per_selector, reference = {s: (wrapped(b), a) for s, (b, a) in per_selector.items()}, wrapped(reference)
-                report["errors"].append(f"{name}: tokens beyond the target's vocabulary taken modulo "
-                                        f"{adapter.vocab_size}")
+                report["warnings"].append(f"{name}: tokens beyond the target's vocabulary taken modulo "
+                                          f"{adapter.vocab_size}")
             sources[name], trace_of[name] = (k, per_selector, reference), prefix
     unit = ExpertResidency(store, E, args.device)  # one unit for every engine, used alternately
     cfg = EngineConfig(max_seq_len=args.max_seq_len)
@@ -567,6 +567,8 @@ def markdown(report: dict) -> str:
         lines += [f"| {row['source']} | {row['selector']} | {row['k']} | {row['ms_per_token']:.3f} | "
                   f"{row['ratio_host_blocks_over_device']['ratio']:.3f} ({row['ratio_host_blocks_over_device']['lo']:.3f}"
                   f"-{row['ratio_host_blocks_over_device']['hi']:.3f}) |" for row in paths]
+    if report.get("warnings"):
+        lines += ["", "Notes:"] + [f"- {w}" for w in report["warnings"]]
     if report["errors"]:
         lines += ["", "Errors:"] + [f"- {e.splitlines()[0]}" for e in report["errors"]]
     return "\n".join(lines) + "\n"

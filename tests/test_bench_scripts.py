@@ -211,8 +211,11 @@ def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkey
     def run(labels):
         out = tmp_path / "_".join(labels)
         calls.clear()
-        bench_spec_engine.main(base + ["--out", str(out), "--trace", *(files[x][0] for x in labels),
-                                       "--trace-calibration", *(files[x][1] for x in labels)])
+        rc = bench_spec_engine.main(base + ["--out", str(out), "--trace", *(files[x][0] for x in labels),
+                                            "--trace-calibration", *(files[x][1] for x in labels)])
+        report = json.loads((out / "bench_spec_engine.json").read_text())
+        # the source's tokens beyond the tiny target's vocabulary are a note, not an error that fails the run
+        assert rc == 0 and not report["errors"] and any("modulo" in w for w in report["warnings"])
         return json.loads((out / "bench_spec_engine.json").read_text()), (out / "bench_spec_engine.md").read_text()
 
     report, md = run(["family_trace", "olmoe_like"])
