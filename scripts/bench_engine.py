@@ -636,21 +636,34 @@ def summarize(report: dict, rounds: dict, details: dict, configs, resident_engin
     for impl in hf_impls:
         if rounds[f"hf_{impl}"] and rounds["all_resident"]:
             ratios[f"hf_{impl} / engine all-resident"] = ratio_ci(rounds[f"hf_{impl}"], rounds["all_resident"])
-    for prefix in prefixes:
-        for c in args.capacities:
-            for name in policies(c, E, K, args.psr_window):
-                a, b = units(row_name(prefix, c, name, host_policy=True)), units(row_name(prefix, c, name))
-                if a and b and len(a["rounds"]) == len(b["rounds"]):
-                    ratios[f"{prefix}C{c}: {name} host policy / device policy"] = window_ratio(a, b)
-    for prefix in prefixes:
-        for c in args.capacities:
-            for base in ("exact_lru", "exact_prefetch", "cache_prior", "spec_exec"):
-                a, b = units(row_name(prefix, c, base)), units(row_name(prefix, c, "psr"))
-                if a and b and len(a["rounds"]) == len(b["rounds"]):
-                    ratios[f"{prefix}C{c}: {base} / psr"] = window_ratio(a, b)
+    ratios.update(policy_ratios(units, prefixes, args.capacities, list(policies(E, E, K))))
     report["table"] = table
     report["ratios"] = ratios
     report["hf_ms"] = {impl: float(np.mean(rounds[f"hf_{impl}"])) for impl in hf_impls if rounds[f"hf_{impl}"]}
+
+
+def policy_ratios(units, prefixes: list[str], capacities: list[int], names: list[str]) -> dict:
+    """The C < E rows' ratios (`window_ratio`) per row prefix and capacity: each policy's host path over its device
+    path, and each policy over PSR on each path (the host path's keys end in "(host policy)"), wherever both rows
+    ran with the same rounds. units(name): a row's `window_ratio` input, None where it did not run."""
+    ratios = {}
+
+    def add(key, a, b):
+        if a and b and len(a["rounds"]) == len(b["rounds"]):
+            ratios[key] = window_ratio(a, b)
+
+    for prefix in prefixes:
+        for c in capacities:
+            for name in names:
+                add(f"{prefix}C{c}: {name} host policy / device policy",
+                    units(row_name(prefix, c, name, host_policy=True)), units(row_name(prefix, c, name)))
+    for prefix in prefixes:
+        for c in capacities:
+            for host_policy in (False, True):
+                for base in (n for n in names if n != "psr"):
+                    add(f"{prefix}C{c}: {base} / psr" + (" (host policy)" if host_policy else ""),
+                        units(row_name(prefix, c, base, host_policy)), units(row_name(prefix, c, "psr", host_policy)))
+    return ratios
 
 
 def markdown(report: dict) -> str:

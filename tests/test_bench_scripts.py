@@ -252,3 +252,27 @@ def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkey
                                        files["olmoe_like"][0], "--trace-calibration", "olmoe-like",
                                        files["olmoe_like"][1]])
     assert not (tmp_path / "bad").exists()
+
+
+def test_policy_ratios_on_the_path_that_ran():
+    """bench_engine's C < E ratios: each policy over PSR on the device path and on the host path (the engine's
+    default, so often the only one run), and host over device where both ran; the values are `window_ratio`'s."""
+    from bench_engine import policy_ratios, window_ratio
+
+    rng = np.random.default_rng(1)
+
+    def made(scale):
+        windows = [list(rng.uniform(0.9, 1.1, 3) * scale * 64) for _ in range(2)]
+        return {"rounds": [float(np.sum(w)) / 192 for w in windows], "windows": windows, "tokens": [64, 64, 64]}
+
+    names = ["exact_lru", "cache_prior", "psr"]
+    host_only = {f"trace_C32_{n}_host_policy": made(s) for n, s in zip(names, (3.0, 1.2, 1.0))}
+    ratios = policy_ratios(host_only.get, ["", "trace_"], [32], names)
+    assert set(ratios) == {"trace_C32: exact_lru / psr (host policy)", "trace_C32: cache_prior / psr (host policy)"}
+    assert ratios["trace_C32: cache_prior / psr (host policy)"] == window_ratio(
+        host_only["trace_C32_cache_prior_host_policy"], host_only["trace_C32_psr_host_policy"])
+    both = {**host_only, "trace_C32_cache_prior": made(1.5), "trace_C32_psr": made(1.4)}
+    ratios = policy_ratios(both.get, ["trace_"], [32], names)
+    assert {"trace_C32: cache_prior / psr", "trace_C32: cache_prior host policy / device policy",
+            "trace_C32: psr host policy / device policy"} <= set(ratios)
+    assert ratios["trace_C32: cache_prior / psr"]["ratio"] != ratios["trace_C32: cache_prior / psr (host policy)"]["ratio"]
