@@ -31,6 +31,8 @@ each capacity, rounds interleaved: --sweep-tokens timed tokens starting at each 
 filled with random values below it (`teacher_forced(first_position=)`: attention costs what the written
 context costs, whatever its values), with the ratio of each position's time to the first position's.
 `--max-seq-len 128 --prompt 0 --positions` (no sweep) reproduces the earlier short-cache setting.
+`--first-position P` puts the timed windows at positions P onwards over random keys and values below them (attention
+at a real context length; routing unchanged).
 `--configs NAME ...` runs a subset (all_resident always); the names come from the arguments and the named config's
 E and K alone (`config_rows`), so an unknown name exits at once with the known list, before any model is built.
 
@@ -393,6 +395,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="timed tokens per teacher-forced window")
     ap.add_argument("--prompt", type=int, default=256, help="untimed prompt tokens before each window's timed ones")
     ap.add_argument("--max-seq-len", type=int, default=4096, help="positions of the static KV cache")
+    ap.add_argument("--first-position", type=int, default=0,
+                    help="the timed windows (prompt and tokens) sit at positions from this one, over a KV cache of "
+                    "seeded random values below it (attention at that context; routing is unchanged: each window "
+                    "starts from the warm set and follows its trace or router), e.g. 2048")
     ap.add_argument("--attention", default="auto", help="EngineConfig.attention: auto, split_kv, sdpa, flash_attn")
     ap.add_argument("--positions", type=int, nargs="*", default=[100, 500, 1000, 2000, 4000],
                     help="decode positions of the sweep (none: no sweep)")
@@ -424,6 +430,11 @@ def main(argv=None) -> int:
     geometry = adapter_for(named_config(args.model))  # E and K of the named config, no weights built
     rows = config_rows(args, geometry.num_experts, geometry.top_k)
     check_configs(args.configs, rows)  # a typo exits here, not after minutes of model and engine setup
+    window = args.prompt + args.tokens  # positions per teacher-forced window
+    end = args.first_position + window
+    if args.first_position < 0 or end > args.max_seq_len:
+        raise SystemExit(f"--first-position + --prompt + --tokens = {end} positions do not fit --max-seq-len "
+                         f"{args.max_seq_len} (or --first-position is negative)")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
@@ -453,9 +464,6 @@ def main(argv=None) -> int:
     print("bandwidth GB/s", report["bandwidth_Bps"] / 1e9, "copy", report["copy"], flush=True)
     save()
 
-    window = args.prompt + args.tokens
-    if window > args.max_seq_len:
-        raise SystemExit(f"--prompt + --tokens = {window} positions do not fit --max-seq-len {args.max_seq_len}")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
     cfg = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention)  # the defaults (host policy)
     # the C < E rows' device path, asked for explicitly (EngineConfig.policy_device's default is "off")
@@ -516,11 +524,16 @@ def main(argv=None) -> int:
     rounds: dict[str, list] = {name: [] for name, _, _ in configs}
     rounds.update({f"hf_{impl}": [] for impl in hf_impls})
     details: dict[str, dict] = {}
+    if args.first_position:
+        with torch.no_grad():  # the context below the windows: random keys and values (never overwritten below it)
+            for i, engine in enumerate(engines.values()):
+                engine.decoder.randomize_cache(seed=i)
     for name, c, pol in configs:  # warm-up (first calls, compilation): not timed
         try:
             cal, wins, tr = setting[name]
             engines[c].configure(policy=pol, calibration=cal)
-            engines[c].teacher_forced(wins[0][: args.warmup_tokens], feed=None if tr is None else tr[0])  # noqa
+            engines[c].teacher_forced(wins[0][: args.warmup_tokens], feed=None if tr is None else tr[0],  # noqa
+                                      first_position=args.first_position)
         except Exception as exc:
             report["errors"].append(f"{name} warm-up: {exc!r}\n{traceback.format_exc()[-1500:]}")
     for r in range(args.rounds):
@@ -529,7 +542,7 @@ def main(argv=None) -> int:
                 engine = engines[c]
                 cal, wins, tr = setting[name]
                 engine.configure(policy=pol, calibration=cal, instrument=False, skip_copies=False)
-                res = run_windows(engine, wins, trace=tr, prompt=args.prompt)
+                res = run_windows(engine, wins, trace=tr, prompt=args.prompt, first_position=args.first_position)
                 rounds[name].append(float(res["ms_tokens"].mean()))
                 d = details.setdefault(name, {"ms_tokens": [], "policy": pol.name, "capacity": c, "windows": [],
                                               "tokens": res["window_tokens"],
@@ -564,13 +577,15 @@ def main(argv=None) -> int:
         try:
             cal, wins, tr = setting[name]
             engine.configure(policy=pol, calibration=cal, instrument=True, skip_copies=False)
-            inst = run_windows(engine, wins[:1], trace=None if tr is None else tr[:1], prompt=args.prompt)
+            inst = run_windows(engine, wins[:1], trace=None if tr is None else tr[:1], prompt=args.prompt,
+                               first_position=args.first_position)
             details[name]["instrumented"] = {k: inst[k] for k in ("gpu_gap_us_per_layer",
                                              "gap_without_wait_us_per_layer", "exposed_wait_ms_per_token",
                                              "host_us_per_layer") if k in inst}
             details[name]["instrumented"]["ms_mean"] = float(inst["ms_tokens"].mean())
             engine.configure(instrument=False, skip_copies=True)
-            skip = run_windows(engine, wins, trace=details[name]["trace"], prompt=args.prompt)
+            skip = run_windows(engine, wins, trace=details[name]["trace"], prompt=args.prompt,
+                               first_position=args.first_position)
             details[name]["copies_skipped_ms"] = float(skip["ms_tokens"].mean())
         except Exception as exc:
             report["errors"].append(f"{name} extra passes: {exc!r}\n{traceback.format_exc()[-1500:]}")
@@ -597,7 +612,7 @@ def summarize(report: dict, rounds: dict, details: dict, configs, resident_engin
     rounds measured so far. Called after every round, so a run cut short keeps its table."""
     copy_ms = report["copy"]["stream_ms"]
     resident_ms = float(np.mean(rounds["all_resident"])) if rounds["all_resident"] else math.nan
-    floor_bytes = weight_bytes_per_token(resident_engine, args.prompt + args.tokens // 2)
+    floor_bytes = weight_bytes_per_token(resident_engine, args.first_position + args.prompt + args.tokens // 2)
     report["bandwidth_floor_ms"] = floor_bytes / report["bandwidth_Bps"] * 1e3
     report["bytes_per_token"] = floor_bytes
     table = {}

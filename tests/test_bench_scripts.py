@@ -276,3 +276,37 @@ def test_policy_ratios_on_the_path_that_ran():
     assert {"trace_C32: cache_prior / psr", "trace_C32: cache_prior host policy / device policy",
             "trace_C32: psr host policy / device policy"} <= set(ratios)
     assert ratios["trace_C32: cache_prior / psr"]["ratio"] != ratios["trace_C32: cache_prior / psr (host policy)"]["ratio"]
+
+
+def test_bench_engine_times_windows_at_the_first_position(monkeypatch, tmp_path):
+    """bench_engine --first-position: a window that does not fit the KV cache exits before any model is built;
+    otherwise every timed window (warm-up, rounds, extra passes) sits at that position over a randomised cache."""
+    import bench_engine
+    import pytest
+
+    from specmoe.models import olmoe_decode
+
+    base = ["--out", str(tmp_path / "out"), "--model", "olmoe-tiny", "--device", "cpu", "--capacities", "16",
+            "--configs", "C16_cache_prior_host_policy", "--policy-paths", "host", "--rounds", "1", "--windows", "1",
+            "--prompt", "2", "--tokens", "3", "--max-seq-len", "64", "--positions", "--no-hf", "--calib-windows", "1",
+            "--warmup-tokens", "2"]
+    with pytest.raises(SystemExit, match="do not fit --max-seq-len 64"):
+        bench_engine.main(base + ["--first-position", "60"])
+    assert not (tmp_path / "out").exists()
+
+    positions, randomized = [], []
+    run_windows = bench_engine.run_windows
+
+    def recording(engine, windows, trace=None, prompt=0, first_position=0):
+        positions.append(first_position)
+        return run_windows(engine, windows, trace, prompt, first_position)
+
+    monkeypatch.setattr(bench_engine, "run_windows", recording)
+    original = olmoe_decode.OlmoeDecoder.randomize_cache
+    monkeypatch.setattr(olmoe_decode.OlmoeDecoder, "randomize_cache",
+                        lambda self, seed: (randomized.append(seed), original(self, seed))[1])
+    bench_engine.main(base + ["--first-position", "40"])
+    report = json.loads((tmp_path / "out" / "bench_engine.json").read_text())
+    assert report["rounds_done"] == 1 and not report["errors"], report["errors"]
+    assert positions and set(positions) == {40}  # rounds, the instrumented and the copies-skipped passes
+    assert randomized  # the context below the windows holds random keys and values
