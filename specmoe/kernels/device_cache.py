@@ -51,11 +51,12 @@ PRIOR_CHUNK = 16  # token-prior entries read per step of a priority snapshot ([B
 
 
 def launch_shape(num_experts: int) -> tuple[int, int]:
-    """(num_warps, RANK_J) of the cache step at E experts: one warp and whole [BLOCK_E, BLOCK_E] comparison tiles
-    up to 64 experts; beyond, four warps and tiles of 64 experts j at a time (`device_rank`). A first choice, not
-    tuned on a GPU: `DeviceCache.num_warps` / `rank_chunk` may be set before a step (each pair compiles once)."""
+    """(num_warps, RANK_J) of the cache step at E experts: whole [BLOCK_E, BLOCK_E] comparison tiles
+    (`device_rank.rank_chunk`) on one warp up to 64 experts, four at 128, eight at 256 (the fewest spills that
+    ptxas reported for sm_90; not timed on a GPU). `DeviceCache.num_warps` / `rank_chunk` may be set before a
+    step, for tuning (each pair compiles once)."""
     block_e = triton.next_power_of_2(num_experts)
-    return (1 if block_e <= 64 else 4), rank_chunk(block_e)
+    return (1 if block_e <= 64 else 4 if block_e <= 128 else 8), rank_chunk(block_e)
 
 if triton is not None:
     _SLOT_EXPERT = tl.constexpr(K.SLOT_EXPERT)
