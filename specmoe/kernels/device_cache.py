@@ -19,6 +19,12 @@ experts [K] int64 (S, best first); route [2K] int32 (their slots, then the float
 weights as the host writes them into a float32 row, as the engines' are); demand [1 + 2K] int64 (count d, the d experts, their d slots);
 prefetch [1 + 2N] int64 (count, experts, slots of part 1's insertions; N = min(n, w, E)).
 
+The program keeps the dependent chain short (docs/device-cache.md, "How it mirrors the host"): every ranking is one
+reduction of a pairwise comparison tile (`device_rank`); the demand insertions' victims are one ranking of the
+residents outside S matched to the demand experts by number; part 1 visits its window in order, one integer
+reduction a visit; the priority snapshot is computed only where it was not taken; the float64 sums the host adds
+in order go through a per-layer scratch row and are added in that order.
+
 Arithmetic follows the host's: float64 statistics and scores, multiplications and additions in the host's order
 (launched without FMA contraction), float constants read from a float64 tensor (Triton would round a Python
 float argument to float32), ties broken as the host breaks them. What is not bitwise: the softmax normaliser of
