@@ -31,13 +31,15 @@ CASES = [
 # lanes in every ranking); C = K + 1, where the demand victims run out of unprotected residents and fall back to
 # protected ones; LRU priorities with many ties (the warm experts all have priority 0, experts inserted at one
 # token share theirs), decided by the index; windows larger than the budget, where an insertion's victim is a
-# window expert not visited yet (evicted, then inserted again or left out).
+# window expert not visited yet (evicted, then inserted again or left out); expert groups that are not a power
+# of two.
 EDGE_CASES = [
     ("psr_e60", "psr", {"insert_budget": 2}, 60, 12, "softmax", 8, 2),
     ("exact_e60_sigmoid", "exact_a", {"insert_budget": 2, "window": 4}, 60, 16, "sigmoid", 6, 2),
     ("psr_c9", "psr", {"insert_budget": 2}, 64, 9, "softmax", 10, 2),
     ("psr_lru_ties", "psr", {"priority": "lru", "insert_budget": 3, "window": 12}, 48, 12, "softmax", 8, 2),
     ("psr_window", "psr", {"insert_budget": 4, "window": 16}, 64, 10, "softmax", 8, 3),
+    ("psr_e48_groups", "psr", {}, 48, 16, "sigmoid_groups", 6, 2),  # groups of 6: the pairwise group rule
 ]
 
 
@@ -65,7 +67,7 @@ for i, (name, base, overrides, E, C, scoring, T, L) in enumerate(CASES + EDGE_CA
                                     g, tokens, "cpu", sequences=2)
         print("ok", "chunked_" + name, totals, flush=True)
 """
-CHUNKED = ("psr_sigmoid_groups", "psr_e60")  # also run with rankings in chunks
+CHUNKED = ("psr_sigmoid_groups", "psr_e60", "psr_e48_groups")  # also run with rankings in chunks
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

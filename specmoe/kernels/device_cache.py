@@ -42,7 +42,7 @@ import torch
 from specmoe.routing import LogicalCache, RouterScoring
 from specmoe.routing import kernels as K
 
-from .device_rank import _best, _count_ahead, _match, _pick_int, _rank, rank_chunk  # noqa: F401 (device_select)
+from .device_rank import rank_chunk
 
 try:
     import triton
@@ -65,6 +65,8 @@ def launch_shape(num_experts: int) -> tuple[int, int]:
     return (1 if block_e <= 64 else 4 if block_e <= 128 else 8), rank_chunk(block_e)
 
 if triton is not None:
+    from .device_rank import _count_ahead, _match, _rank
+
     _SLOT_EXPERT = tl.constexpr(K.SLOT_EXPERT)
     _EXPERT_SLOT = tl.constexpr(K.EXPERT_SLOT)
     _LAST_USE = tl.constexpr(K.LAST_USE)

@@ -75,7 +75,35 @@ if triton is not None:
     def _kept(score, valid, idx, E: tl.constexpr, BLOCK_E: tl.constexpr, N_GROUP: tl.constexpr,
               TOPK_GROUP: tl.constexpr, RANK_J: tl.constexpr):
         """The experts of the TOPK_GROUP best groups (`kernels.keep_groups`): a group of E // N_GROUP consecutive
-        experts scores the sum of its two best scores; groups rank by that score, ties to the lower group."""
+        experts scores the sum of its two best scores; groups rank by that score, ties to the lower group. Where E
+        and N_GROUP are powers of two, by a tile of groups (`_kept_blocked`), otherwise over pairs of experts."""
+        if (E == BLOCK_E) and (N_GROUP & (N_GROUP - 1) == 0):
+            keep = _kept_blocked(score, idx, E, N_GROUP, TOPK_GROUP)
+        else:
+            keep = _kept_pairs(score, valid, idx, E, BLOCK_E, N_GROUP, TOPK_GROUP, RANK_J)
+        return keep
+
+    @triton.jit
+    def _kept_blocked(score, idx, E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
+        """`_kept` where E and N_GROUP are powers of two: the experts as an [N_GROUP, E // N_GROUP] tile, each group
+        ranked inside itself ([N_GROUP, size, size] comparisons) and the groups among themselves."""
+        size: tl.constexpr = E // N_GROUP
+        s2 = tl.reshape(score, [N_GROUP, size])
+        i2 = tl.reshape(idx, [N_GROUP, size])
+        si, sj, ii, ij = s2[:, :, None], s2[:, None, :], i2[:, :, None], i2[:, None, :]
+        place = tl.sum(((sj > si) | ((sj == si) & (ij < ii))).to(tl.int32), axis=2)
+        gs = tl.sum(tl.where(place < 2, s2, 0.0), axis=1)  # best + second best, and exact zeros
+        if size < 2:
+            gs = tl.full([N_GROUP], float("-inf"), tl.float64)  # the host's best2 stays -inf
+        g = tl.arange(0, N_GROUP)
+        ahead = (gs[None, :] > gs[:, None]) | ((gs[None, :] == gs[:, None]) & (g[None, :] < g[:, None]))
+        kept = (tl.sum(ahead.to(tl.int32), axis=1) < TOPK_GROUP).to(tl.int32)
+        return tl.reshape(tl.broadcast_to(kept[:, None], [N_GROUP, size]), [E]) != 0
+
+    @triton.jit
+    def _kept_pairs(score, valid, idx, E: tl.constexpr, BLOCK_E: tl.constexpr, N_GROUP: tl.constexpr,
+                    TOPK_GROUP: tl.constexpr, RANK_J: tl.constexpr):
+        """`_kept` for any E and N_GROUP, by pairwise comparison over all experts."""
         size = E // N_GROUP
         member = valid & (idx < N_GROUP * size)
         grp = tl.where(member, idx // size, N_GROUP)
