@@ -119,3 +119,17 @@ def test_gpu_device_cache_equals_host_cache(case, num_experts, capacity):
     calibration, z, g, tokens = device_cache_case(num_layers, num_experts, 160, seed=capacity + num_experts)
     check_device_cache(preset(base, capacity, 8, **overrides), scoring_of(scoring, num_layers, num_experts),
                        calibration, z, g, tokens, "cuda", sequences=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in CASES + EDGE_CASES if c[0] in CHUNKED], ids=lambda c: c[0])
+def test_gpu_device_cache_with_chunked_rankings(case, monkeypatch):
+    """The rankings over gathered chunks of 64 experts j (the path of E > 256) at E = 256, C = 32."""
+    import specmoe.kernels.device_cache as dc
+    from specmoe.kernels.checks import check_device_cache, device_cache_case
+
+    monkeypatch.setattr(dc, "launch_shape", lambda num_experts: (8, 64))
+    name, base, overrides, _, _, scoring, _, _ = case
+    calibration, z, g, tokens = device_cache_case(4, 256, 160, seed=7)
+    check_device_cache(preset(base, 32, 8, **overrides), scoring_of(scoring, 4, 256), calibration, z, g, tokens,
+                       "cuda", sequences=2)
