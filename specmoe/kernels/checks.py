@@ -401,8 +401,12 @@ def check_device_cache(policy, scoring, calibration, router_logits: np.ndarray, 
     reset between them). At every (position, layer) the selections, slots, execution weights (float32 bits),
     demand and prefetch lists must be equal, and after every step the whole state (integer and float64 arrays,
     counters) bit for bit; the displaced mass within 1e-12 relative. Raises AssertionError at the first
-    difference; returns the host's `totals()`."""
+    difference; returns the host's `totals()` and two counts of the host's events that the device reaches by
+    other paths than the host's loops: "protected_victims", demand insertions whose victim was protected
+    (every resident outside S was), and "window_victims", part 1's insertions whose victim was an expert of the
+    window not visited yet."""
     from specmoe.routing import EngineScoring, LogicalCache
+    from specmoe.routing import kernels as K
 
     from .device_cache import DeviceCache
 
@@ -417,6 +421,8 @@ def check_device_cache(policy, scoring, calibration, router_logits: np.ndarray, 
     selected, slots = np.empty(k, np.int64), np.empty(k, np.int64)
     weights, logged = np.empty(k, np.float32), np.empty(num_experts, np.float32)
     cut = {round(i * num_positions / sequences) for i in range(1, sequences)}
+    events = {"protected_victims": 0, "window_victims": 0}
+    slot_row, prot_row, pred_row, pos = K.EXPERT_SLOT, K.PROTECTED, K.PREDICTED, K.POS
     for t in range(num_positions):
         if t in cut:
             host.reset()
@@ -424,13 +430,23 @@ def check_device_cache(policy, scoring, calibration, router_logits: np.ndarray, 
         token = int(tokens[t])
         for layer in range(num_layers):
             where = f"position {t}, layer {layer}"
+            step_t = host.iscalar[layer, pos]
             d = host.route(layer, router_logits[t, layer], token, engine_scoring, logged, selected, slots, weights)
+            # a protected victim: protected at this step, not resident after it (part 1 never evicts one)
+            events["protected_victims"] += int(np.sum((host.istate[layer, prot_row] == step_t)
+                                                      & (host.istate[layer, slot_row] < 0)))
             inserted = np.zeros(0, np.int64)
             nxt = layer + 1 < num_layers
             if nxt and policy.insert_budget > 0:
                 g = pregate_logits[t, layer + 1]
                 g = g.astype(np.float64) if scoring.kind == "softmax" else scoring.selection_scores(g, layer + 1)
+                before = host.istate[layer + 1, slot_row].copy()
                 inserted = host.insert_predicted(layer + 1, g, token).copy()
+                # a window expert resident before part 1 and evicted by it (left out, or inserted again later)
+                window = host.istate[layer + 1, pred_row, :min(policy.window, num_experts)]
+                after = host.istate[layer + 1, slot_row, window]
+                moved = (after < 0) | (after != before[window])
+                events["window_victims"] += int(np.sum((before[window] >= 0) & moved))
             dev.step(tok_dev[t:t + 1], layer, z_dev[t, layer], g_dev[t, layer + 1] if nxt else None)
             experts, route = dev.experts.cpu().numpy(), dev.route.cpu().numpy()
             demand, prefetch = dev.demand.cpu().numpy(), dev.prefetch.cpu().numpy()
@@ -451,7 +467,7 @@ def check_device_cache(policy, scoring, calibration, router_logits: np.ndarray, 
                 a, b = state[name], getattr(host, name)
                 assert np.array_equal(a.view(np.int64), b.view(np.int64)), (where, name, np.argwhere(a != b)[:5])
             np.testing.assert_allclose(state["displaced_mass"], host.displaced_mass, rtol=1e-12, atol=1e-300)
-    return host.totals()
+    return {**host.totals(), **events}
 
 
 def device_cache_case(num_layers: int, num_experts: int, num_positions: int, seed: int = 0, vocab: int = 20):
