@@ -310,3 +310,25 @@ def test_bench_engine_times_windows_at_the_first_position(monkeypatch, tmp_path)
     assert report["rounds_done"] == 1 and not report["errors"], report["errors"]
     assert positions and set(positions) == {40}  # rounds, the instrumented and the copies-skipped passes
     assert randomized  # the context below the windows holds random keys and values
+
+
+def test_bench_device_cache_builds_its_cases_and_times_the_host_step(tmp_path):
+    """bench_device_cache without CUDA: each geometry's case fits its policy (C < E, logits [T, L, E]), the host step's
+    time is measured, another version of the kernel module loads from a file, and main() refuses to run without a
+    CUDA device in one line."""
+    import bench_device_cache as bench
+    import pytest
+
+    for geometry, (layers, experts, top_k, capacity, _) in bench.GEOMETRIES.items():
+        policy, scoring, calibration, z, g, tokens = bench.case(geometry, "psr", 2, 0.3)
+        assert (policy.capacity, policy.top_k) == (capacity, top_k) and z.shape == g.shape == (2, layers, experts)
+        assert calibration.warm_ranking.shape == (layers, experts) and len(tokens) == 2
+    policy, scoring, calibration, z, g, tokens = bench.case("olmoe-1b-7b", "cache_prior", 2, 0.1)
+    assert bench.host_step_us(policy, scoring, calibration, z, g, tokens, repeats=1) > 0
+    import specmoe.kernels.device_cache as current
+
+    other = bench.load_module(current.__file__)
+    assert other is not current and hasattr(other, "DeviceCache")
+    if not bench.torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device and Triton"):
+            bench.main(["--out", str(tmp_path / "x.json")])
