@@ -27,19 +27,18 @@ CASES = [
     ("psr_sigmoid_groups", "psr", {}, 64, 32, "sigmoid_groups", 6, 2),
     ("psr_e256", "psr", {}, 256, 64, "softmax_renorm", 3, 2),
 ]
-# Cases for the kernel's parallel paths (the interpreter asserts that each happens): E not a power of two (masked
-# lanes in every ranking); C = K + 1, where the demand victims run out of unprotected residents and fall back to
-# protected ones; LRU priorities with many ties (the warm experts all have priority 0, experts inserted at one
-# token share theirs), decided by the index; windows larger than the budget, where an insertion's victim is a
-# window expert not visited yet (evicted, then inserted again or left out); expert groups that are not a power
-# of two.
+# Edge cases of the cache step (the interpreter asserts that each happens): E not a power of two (masked lanes);
+# C = K + 1, where the demand victims run out of unprotected residents and fall back to protected ones; LRU
+# priorities with many ties (the warm experts all have priority 0, experts inserted at one token share theirs),
+# decided by the index; windows larger than the budget, where an insertion's victim is a window expert not visited
+# yet (evicted, then inserted again or left out); expert groups of a size that is not a power of two.
 EDGE_CASES = [
     ("psr_e60", "psr", {"insert_budget": 2}, 60, 12, "softmax", 8, 2),
     ("exact_e60_sigmoid", "exact_a", {"insert_budget": 2, "window": 4}, 60, 16, "sigmoid", 6, 2),
     ("psr_c9", "psr", {"insert_budget": 2}, 64, 9, "softmax", 10, 2),
     ("psr_lru_ties", "psr", {"priority": "lru", "insert_budget": 3, "window": 12}, 48, 12, "softmax", 8, 2),
     ("psr_window", "psr", {"insert_budget": 4, "window": 16}, 64, 10, "softmax", 8, 3),
-    ("psr_e48_groups", "psr", {}, 48, 16, "sigmoid_groups", 6, 2),  # groups of 6: the pairwise group rule
+    ("psr_e48_groups", "psr", {}, 48, 16, "sigmoid_groups", 6, 2),  # groups of 6
 ]
 
 
@@ -50,7 +49,7 @@ def scoring_of(name: str, num_layers: int, num_experts: int, seed: int = 0) -> R
 _CHECK = FAST_CALLS + r"""
 import sys
 sys.path.insert(0, "tests")
-from test_device_cache import CASES, CHUNKED, EDGE_CASES, scoring_of
+from test_device_cache import CASES, EDGE_CASES, scoring_of
 from specmoe.kernels.checks import check_device_cache, device_cache_case
 from specmoe.routing import preset
 for i, (name, base, overrides, E, C, scoring, T, L) in enumerate(CASES + EDGE_CASES):
@@ -58,16 +57,7 @@ for i, (name, base, overrides, E, C, scoring, T, L) in enumerate(CASES + EDGE_CA
     totals = check_device_cache(preset(base, C, 8, **overrides), scoring_of(scoring, L, E, i), calibration, z, g,
                                 tokens, "cpu", sequences=2)
     print("ok", name, totals, flush=True)
-import specmoe.kernels.device_cache as dc
-dc.launch_shape = lambda num_experts: (1, 16)  # rankings over gathered chunks of 16 experts j (BLOCK_E > 256)
-for i, (name, base, overrides, E, C, scoring, T, L) in enumerate(CASES + EDGE_CASES):
-    if name in CHUNKED:
-        calibration, z, g, tokens = device_cache_case(L, E, T, seed=i)
-        totals = check_device_cache(preset(base, C, 8, **overrides), scoring_of(scoring, L, E, i), calibration, z,
-                                    g, tokens, "cpu", sequences=2)
-        print("ok", "chunked_" + name, totals, flush=True)
 """
-CHUNKED = ("psr_sigmoid_groups", "psr_e60", "psr_e48_groups")  # also run with rankings in chunks
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -79,8 +69,7 @@ def test_device_cache_equals_host_cache_in_the_interpreter():
         if line.startswith("ok "):
             _, name, rest = line.split(" ", 2)
             totals[name] = ast.literal_eval(rest)
-    assert sorted(totals) == sorted([c[0] for c in CASES + EDGE_CASES] + ["chunked_" + c for c in CHUNKED]), \
-        done.stdout
+    assert sorted(totals) == sorted(c[0] for c in CASES + EDGE_CASES), done.stdout
     # every copy class occurs somewhere: the cases exercise demand and prefetch insertions and unused prefetches
     assert totals["psr"]["unused"] > 0
     for name in ("psr_e60", "exact_e60_sigmoid", "psr_c9", "psr_lru_ties", "psr_window"):
@@ -119,17 +108,3 @@ def test_gpu_device_cache_equals_host_cache(case, num_experts, capacity):
     calibration, z, g, tokens = device_cache_case(num_layers, num_experts, 160, seed=capacity + num_experts)
     check_device_cache(preset(base, capacity, 8, **overrides), scoring_of(scoring, num_layers, num_experts),
                        calibration, z, g, tokens, "cuda", sequences=2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in CASES + EDGE_CASES if c[0] in CHUNKED], ids=lambda c: c[0])
-def test_gpu_device_cache_with_chunked_rankings(case, monkeypatch):
-    """The rankings over gathered chunks of 64 experts j (the path of E > 256) at E = 256, C = 32."""
-    import specmoe.kernels.device_cache as dc
-    from specmoe.kernels.checks import check_device_cache, device_cache_case
-
-    monkeypatch.setattr(dc, "launch_shape", lambda num_experts: (8, 64))
-    name, base, overrides, _, _, scoring, _, _ = case
-    calibration, z, g, tokens = device_cache_case(4, 256, 160, seed=7)
-    check_device_cache(preset(base, 32, 8, **overrides), scoring_of(scoring, 4, 256), calibration, z, g, tokens,
-                       "cuda", sequences=2)

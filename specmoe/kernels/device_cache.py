@@ -19,12 +19,6 @@ experts [K] int64 (S, best first); route [2K] int32 (their slots, then the float
 weights as the host writes them into a float32 row, as the engines' are); demand [1 + 2K] int64 (count d, the d experts, their d slots);
 prefetch [1 + 2N] int64 (count, experts, slots of part 1's insertions; N = min(n, w, E)).
 
-The program keeps the dependent chain short (docs/device-cache.md, "How it mirrors the host"): every ranking is one
-reduction of a pairwise comparison tile (`device_rank`); the demand insertions' victims are one ranking of the
-residents outside S matched to the demand experts by number; part 1 visits its window in order, one integer
-reduction a visit; the priority snapshot is computed only where it was not taken; the float64 sums the host adds
-in order go through a per-layer scratch row and are added in that order.
-
 Arithmetic follows the host's: float64 statistics and scores, multiplications and additions in the host's order
 (launched without FMA contraction), float constants read from a float64 tensor (Triton would round a Python
 float argument to float32), ties broken as the host breaks them. What is not bitwise: the softmax normaliser of
@@ -42,8 +36,6 @@ import torch
 from specmoe.routing import LogicalCache, RouterScoring
 from specmoe.routing import kernels as K
 
-from .device_rank import rank_chunk
-
 try:
     import triton
     import triton.language as tl
@@ -55,18 +47,7 @@ F_BONUS, F_SCALE, F_FAST, F_SLOW, F_FAST_GAIN, F_SLOW_GAIN, F_EPS = range(7)
 N_FPARAMS = 7
 PRIOR_CHUNK = 16  # token-prior entries read per step of a priority snapshot ([BLOCK_E, 16] comparisons each)
 
-
-def launch_shape(num_experts: int) -> tuple[int, int]:
-    """(num_warps, RANK_J) of the cache step at E experts: whole [BLOCK_E, BLOCK_E] comparison tiles
-    (`device_rank.rank_chunk`) on one warp up to 64 experts, four at 128, eight at 256 (the fewest spills that
-    ptxas reported for sm_90; not timed on a GPU). `DeviceCache.num_warps` / `rank_chunk` may be set before a
-    step, for tuning (each pair compiles once)."""
-    block_e = triton.next_power_of_2(num_experts)
-    return (1 if block_e <= 64 else 4 if block_e <= 128 else 8), rank_chunk(block_e)
-
 if triton is not None:
-    from .device_rank import _count_ahead, _match, _rank
-
     _SLOT_EXPERT = tl.constexpr(K.SLOT_EXPERT)
     _EXPERT_SLOT = tl.constexpr(K.EXPERT_SLOT)
     _LAST_USE = tl.constexpr(K.LAST_USE)
@@ -101,34 +82,108 @@ if triton is not None:
     _F_EPS = tl.constexpr(F_EPS)
 
     @triton.jit
+    def _pick_int(vec, idx, i):
+        """vec[i] of an integer vector."""
+        return tl.sum(tl.where(idx == i, vec, 0), axis=0)
+
+    @triton.jit
+    def _best(score, raw, avail, idx, BLOCK_E: tl.constexpr):
+        """The expert ranking first among `avail` by (score, then raw, then lower index): `kernels._ahead`."""
+        best = tl.max(tl.where(avail, score, float("-inf")), axis=0)
+        tie = avail & (score == best)
+        best_raw = tl.max(tl.where(tie, raw, float("-inf")), axis=0)
+        return tl.min(tl.where(tie & (raw == best_raw), idx, BLOCK_E), axis=0)
+
+    @triton.jit
+    def _kept(score, valid, idx, E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+              BLOCK_G: tl.constexpr):
+        """The experts of the TOPK_GROUP best groups (`kernels.keep_groups`): a group scores the sum of its two
+        best scores, ties to the lower group."""
+        size = E // N_GROUP
+        groups = tl.arange(0, BLOCK_G)
+        group_score = tl.full([BLOCK_G], float("-inf"), tl.float64)
+        for grp in tl.static_range(N_GROUP):
+            member = valid & ((idx // size) == grp)
+            best1 = tl.max(tl.where(member, score, float("-inf")), axis=0)
+            first = tl.min(tl.where(member & (score == best1), idx, E), axis=0)
+            best2 = tl.max(tl.where(member & (idx != first), score, float("-inf")), axis=0)
+            group_score = tl.where(groups == grp, best1 + best2, group_score)
+        kept = tl.zeros([BLOCK_G], tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            open_score = tl.where((kept == 0) & (groups < N_GROUP), group_score, float("-inf"))
+            best = tl.max(open_score, axis=0)
+            pick = tl.min(tl.where((open_score == best) & (kept == 0) & (groups < N_GROUP), groups, BLOCK_G), axis=0)
+            kept = tl.where(groups == pick, 1, kept)
+        keep = idx < 0
+        for grp in tl.static_range(N_GROUP):
+            keep = keep | (((idx // size) == grp) & (tl.sum(tl.where(groups == grp, kept, 0), axis=0) > 0))
+        return keep
+
+    @triton.jit
+    def _rank(score, raw, valid, idx, COUNT: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
+              N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+        """`kernels._rank_groups`: rank[e] = the position (0 .. COUNT-1) of expert e among the COUNT best by
+        (score, raw, -index) inside the kept groups, then the others by (raw, -index); -1 past COUNT."""
+        if N_GROUP > 1 and TOPK_GROUP < N_GROUP:
+            score = tl.where(_kept(score, valid, idx, E, N_GROUP, TOPK_GROUP, BLOCK_G), score, float("-inf"))
+        rank = tl.full([BLOCK_E], -1, tl.int32)
+        for j in tl.static_range(COUNT):
+            pick = _best(score, raw, valid & (rank < 0), idx, BLOCK_E)
+            rank = tl.where(idx == pick, j, rank)
+        return rank
+
+    @triton.jit
     def _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB,
                   LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr):
-        """`kernels._snapshot`: the priority snapshot of step t, computed only where it was not taken (snap != t).
-        The token's prior row (at most MAXP entries, each expert at most once: `TokenPrior`) is read CHUNK entries
-        at a time, not entry by entry (a chain of dependent loads): an expert gets its one value, so the sum over
-        the chunks is the host's single addition, bit for bit."""
-        if snap != t:
-            if LRU:
-                prio = 1.0 + last.to(tl.float64)
-            else:
-                fresh = sf + ss
-                row = pind_ptr + layer * (VOCAB + 1)
-                has = (token >= 0) & (token < VOCAB)
-                safe = tl.where(has, token, 0)
-                lo = tl.load(row + safe)
-                hi = tl.where(has, tl.load(row + safe + 1), lo)
-                add = tl.zeros_like(fresh)
-                hit = idx < 0
-                for c in tl.static_range(0, MAXP, CHUNK):
-                    at = lo + c + tl.arange(0, CHUNK)
-                    ok = at < hi
-                    e = tl.load(pexp_ptr + at, mask=ok, other=-1)
-                    v = tl.load(pval_ptr + at, mask=ok, other=0.0)
-                    match = idx[:, None] == e[None, :]
-                    add += tl.sum(tl.where(match, v[None, :], 0.0), axis=1)
-                    hit = hit | (tl.max(match.to(tl.int32), axis=1) > 0)
-                prio = tl.where(hit, fresh + add, fresh)
-        return prio
+        """`kernels._snapshot`: the priority snapshot of step t unless it was taken (snap == t). The token's prior
+        row (at most MAXP entries, each expert at most once: `TokenPrior`) is read CHUNK entries at a time, not
+        entry by entry (a chain of dependent loads): an expert gets its one value, so the sum over the chunks is
+        the host's single addition, bit for bit."""
+        if LRU:
+            fresh = 1.0 + last.to(tl.float64)
+        else:
+            fresh = sf + ss
+            row = pind_ptr + layer * (VOCAB + 1)
+            has = (token >= 0) & (token < VOCAB)
+            safe = tl.where(has, token, 0)
+            lo = tl.load(row + safe)
+            hi = tl.where(has, tl.load(row + safe + 1), lo)
+            add = tl.zeros_like(fresh)
+            hit = idx < 0
+            for c in tl.static_range(0, MAXP, CHUNK):
+                at = lo + c + tl.arange(0, CHUNK)
+                ok = at < hi
+                e = tl.load(pexp_ptr + at, mask=ok, other=-1)
+                v = tl.load(pval_ptr + at, mask=ok, other=0.0)
+                match = idx[:, None] == e[None, :]
+                add += tl.sum(tl.where(match, v[None, :], 0.0), axis=1)
+                hit = hit | (tl.max(match.to(tl.int32), axis=1) > 0)
+            fresh = tl.where(hit, fresh + add, fresh)
+        return tl.where(snap == t, prio, fresh)
+
+    @triton.jit
+    def _victim(es, sel_tok, prot, prio, t, spare_protected, idx, BLOCK_E: tl.constexpr):
+        """`kernels._victim`: the resident expert of lowest priority outside S (and B if spare_protected), ties
+        to the lower index; BLOCK_E if none."""
+        cand = (es >= 0) & (sel_tok != t) & ((prot != t) | (spare_protected == 0))
+        low = tl.min(tl.where(cand, prio, float("inf")), axis=0)
+        return tl.min(tl.where(cand & (prio == low), idx, BLOCK_E), axis=0)
+
+    @triton.jit
+    def _insert(do, e, victim, t, prefetched, es, se, last, pref, unused, idx):
+        """`kernels._insert` where `do`: `e` takes the slot of `victim` (its PREFETCHED entry becomes
+        `prefetched`: t for a prefetch, -1 for a demand insertion); an unexecuted prefetched victim is unused."""
+        at_victim = do & (idx == victim)
+        unused += (do & (_pick_int(pref, idx, victim) >= 0)).to(tl.int64)
+        slot = _pick_int(es, idx, victim)
+        es = tl.where(at_victim, -1, es)
+        pref = tl.where(at_victim, -1, pref)
+        se = tl.where(do & (idx == slot), e, se)
+        at_e = do & (idx == e)
+        es = tl.where(at_e, slot, es)
+        last = tl.where(at_e, t, last)
+        pref = tl.where(at_e, prefetched, pref)
+        return es, se, last, pref, unused, slot
 
     @triton.jit
     def _scores(x_ptr, bias_ptr, layer, valid, idx, E: tl.constexpr, SIGMOID: tl.constexpr):
@@ -156,65 +211,38 @@ if triton is not None:
         return es, se, last, prot, sel_tok, pref, sf, ss, prio
 
     @triton.jit
-    def _part1(ist_ptr, isc_ptr, fst_ptr, cnt_ptr, pind_ptr, pexp_ptr, pval_ptr, bias_ptr, iscr_ptr, VOCAB,
+    def _part1(ist_ptr, isc_ptr, fst_ptr, cnt_ptr, fpar_ptr, pind_ptr, pexp_ptr, pval_ptr, bias_ptr, VOCAB,
                token, layer, g_ptr, prefetch_ptr, idx, valid,
                E: tl.constexpr, BLOCK_E: tl.constexpr, M: tl.constexpr, R: tl.constexpr, N_INS: tl.constexpr,
                BUDGET: tl.constexpr, LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr,
-               SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, RANK_J: tl.constexpr):
-        """`kernels.part1` of `layer` (BUDGET > 0). The window is visited in rank order as on the host, each visit
-        one reduction: the victims come from one pool ordered once by (priority, index) (resident, outside S and
-        B when the visits start), taken in that order; a pool expert is out of it once evicted (its order is at
-        most the last victim's) or once visited (a resident window expert visited is protected), so a visit's
-        victim is the least pool order above the last victim's among the experts not yet visited. A window
-        expert is resident at its visit unless it was a victim before; the window experts resident at the end
-        are exactly those the host protected (resident at their visit, or inserted)."""
+               SIGMOID: tl.constexpr,
+               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+        """`kernels.part1` of `layer` (BUDGET > 0)."""
         irow = ist_ptr + layer * _N_IROWS * E + idx
         frow = fst_ptr + layer * _N_FROWS * E + idx
         isc = isc_ptr + layer * _N_ISCALARS
         t = tl.load(isc + _POS)
         snap = tl.load(isc + _SNAP_TOKEN)
         es, se, last, prot, sel_tok, pref, sf, ss, prio = _state_rows(irow, frow, valid, E)
+        pred = tl.load(irow + _PREDICTED * E, mask=valid, other=-1)
         prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU,
                          MAXP, CHUNK)
         g, _ = _scores(g_ptr, bias_ptr, layer, valid, idx, E, SIGMOID)
-        rank = _rank(g, g, valid, idx, M, E, BLOCK_E, N_GROUP, TOPK_GROUP, RANK_J)
-        # the ranking row's first M positions (the entries past M keep their values)
-        tl.store(ist_ptr + (layer * _N_IROWS + _PREDICTED) * E + rank, idx.to(tl.int64), mask=rank >= 0)
-        window = (rank >= 0) & (rank < R)
-        pool = (es >= 0) & (sel_tok != t) & (prot != t)
-        order = tl.where(pool, _count_ahead(-prio, tl.zeros_like(prio), -idx, pool, BLOCK_E, RANK_J), BLOCK_E)
-        order = order.to(tl.int64)
-        # what a visit reads of window rank r (its expert, pool order and residency), through this layer's row of
-        # the scratch: the visits' scalars are loads, not reductions
-        srow = iscr_ptr + layer * R
-        tl.store(srow + rank, (order * BLOCK_E + idx) * 2 + (es >= 0).to(tl.int64), mask=window)
-        tl.debug_barrier()
-        victim_key = ((order * BLOCK_E + es) * BLOCK_E + idx) * 2 + (pref >= 0).to(tl.int64)  # order, slot, expert
-        none = 2 * BLOCK_E * BLOCK_E * BLOCK_E
-        visit = tl.where(window, rank, R)
-        past = tl.full([], -1, tl.int64)  # the pool order of the last victim
+        rank = _rank(g, g, valid, idx, M, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
+        for r in tl.static_range(M):  # the ranking row holds positions; entries past M keep their values
+            pred = tl.where(idx == r, tl.sum(tl.where(rank == r, idx, 0), axis=0).to(tl.int64), pred)
         new = tl.zeros([], tl.int64)
         unused = tl.zeros([], tl.int64)
         for r in tl.static_range(R):
-            info = tl.load(srow + r, volatile=True)
-            e = (info // 2) % BLOCK_E
-            resident = ((info % 2) == 1) & (info // (2 * BLOCK_E) > past)
-            v = tl.min(tl.where(pool & (order > past) & (visit >= r), victim_key, none), axis=0)
-            do = (resident == 0) & (new < BUDGET) & (v < none)
-            victim = (v // 2) % BLOCK_E
-            slot = (v // (2 * BLOCK_E)) % BLOCK_E
-            past = tl.where(do, v // (2 * BLOCK_E * BLOCK_E), past)
-            unused += (do & ((v % 2) == 1)).to(tl.int64)
+            e = _pick_int(pred, idx, r)
+            resident = _pick_int(es, idx, e) >= 0
+            victim = _victim(es, sel_tok, prot, prio, t, 1, idx, BLOCK_E)
+            do = (_pick_int(es, idx, e) < 0) & (new < BUDGET) & (victim < BLOCK_E)
+            es, se, last, pref, unused, slot = _insert(do, e, victim, t, t, es, se, last, pref, unused, idx)
+            prot = tl.where((idx == e) & (resident | do), t, prot)
             tl.store(prefetch_ptr + 1 + new, e, mask=do)
             tl.store(prefetch_ptr + 1 + N_INS + new, slot, mask=do)
-            at_victim = do & (idx == victim)
-            at_e = do & (idx == e)
-            es = tl.where(at_victim, -1, tl.where(at_e, slot, es))
-            pref = tl.where(at_victim, -1, tl.where(at_e, t, pref))
-            last = tl.where(at_e, t, last)
-            se = tl.where(do & (idx == slot), e, se)
             new += do.to(tl.int64)
-        prot = tl.where(window & (es >= 0), t, prot)
         tl.store(prefetch_ptr, new)
         tl.store(isc + _SNAP_TOKEN, t)
         tl.store(isc + _PRED_TOKEN, t)
@@ -223,6 +251,7 @@ if triton is not None:
         tl.store(irow + _LAST_USE * E, last, mask=valid)
         tl.store(irow + _PROTECTED * E, prot, mask=valid)
         tl.store(irow + _PREFETCHED * E, pref, mask=valid)
+        tl.store(irow + _PREDICTED * E, pred, mask=valid)
         tl.store(frow + _PRIORITY * E, prio, mask=valid)
         cnt = cnt_ptr + layer * _N_COUNTERS
         tl.store(cnt + _C_PREFETCH, tl.load(cnt + _C_PREFETCH) + new)
@@ -230,16 +259,12 @@ if triton is not None:
 
     @triton.jit
     def _route(ist_ptr, isc_ptr, fst_ptr, fsc_ptr, cnt_ptr, disp_ptr, fpar_ptr, delta_ptr, pind_ptr, pexp_ptr,
-               pval_ptr, bias_ptr, fscr_ptr, VOCAB, token, layer, z_ptr, experts_ptr, route_ptr, demand_ptr, idx,
-               valid, E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-               KIND: tl.constexpr, LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr,
+               pval_ptr, bias_ptr, VOCAB, token, layer, z_ptr, experts_ptr, route_ptr, demand_ptr, idx, valid,
+               E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, LRU: tl.constexpr,
+               MAXP: tl.constexpr, CHUNK: tl.constexpr,
                PROTECT: tl.constexpr, RUNNING: tl.constexpr, SIGMOID: tl.constexpr, RENORMALISE: tl.constexpr,
-               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, RANK_J: tl.constexpr):
-        """`kernels.route` of `layer`: part 2, the slots and the execution weights. The demand loop's victims are
-        one ranking: the host takes, per demand expert in index order, the least (priority, index) resident
-        outside S and B, then (none left) outside S; the snapshot does not change inside the loop and an inserted
-        expert is in S, so its victims are, in order, the first d of the residents outside S ranked by (protected
-        or not, priority, index), and demand number r takes victim number r."""
+               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+        """`kernels.route` of `layer`: part 2, the slots and the execution weights."""
         irow = ist_ptr + layer * _N_IROWS * E + idx
         frow = fst_ptr + layer * _N_FROWS * E + idx
         isc = isc_ptr + layer * _N_ISCALARS
@@ -257,13 +282,14 @@ if triton is not None:
         tl.store(fsc + _RANGE_SUM, range_sum)
         tl.store(fsc + _RANGE_COUNT, range_count)
 
-        own = _rank(zs, zs, valid, idx, TOP_K, E, BLOCK_E, N_GROUP, TOPK_GROUP, RANK_J)
+        own = _rank(zs, zs, valid, idx, TOP_K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
         if KIND == 0:  # exact
             sel = own
         elif KIND == 3:  # spec_exec: the pre-gate's top-K where part 1 ran for this token
-            ks = tl.arange(0, BLOCK_K)
-            first = tl.load(ist_ptr + (layer * _N_IROWS + _PREDICTED) * E + ks, mask=ks < TOP_K, other=-1)
-            predicted = tl.max(tl.where(first[None, :] == idx[:, None], ks[None, :], -1), axis=1)
+            pred = tl.load(irow + _PREDICTED * E, mask=valid, other=-1)
+            predicted = tl.full([BLOCK_E], -1, tl.int32)
+            for j in tl.static_range(TOP_K):
+                predicted = tl.where(idx == _pick_int(pred, idx, j), j, predicted)
             sel = tl.where(tl.load(isc + _PRED_TOKEN) == t, predicted, own)
         else:  # cache_prior, psr: the bonus to resident experts (and the router's own top-J)
             if RUNNING:
@@ -272,27 +298,27 @@ if triton is not None:
                 scale = tl.load(fpar_ptr + _F_BONUS) * tl.load(delta_ptr + layer)
             boosted = (es >= 0) | ((own >= 0) & (own < PROTECT))
             biased = tl.where(boosted, zs + scale, zs)
-            sel = _rank(biased, zs, valid, idx, TOP_K, E, BLOCK_E, N_GROUP, TOPK_GROUP, RANK_J)
+            sel = _rank(biased, zs, valid, idx, TOP_K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
         chosen = sel >= 0
         sel_tok = tl.where(chosen, t, sel_tok)
 
-        # demand insertions, in expert index order, and their victims
-        needed = chosen & (es < 0)
-        outside = (es >= 0) & (sel_tok != t)
-        victim_no = _count_ahead(tl.where(prot == t, -1.0, 0.0), -prio, -idx, outside, BLOCK_E, RANK_J)
-        demand_no = tl.cumsum(needed.to(tl.int32), axis=0) - needed.to(tl.int32)
-        d = tl.sum(needed.to(tl.int32), axis=0)
-        slot = _match(demand_no, victim_no, es.to(tl.int32), outside, BLOCK_E, RANK_J)  # of each demand expert
-        evicted = outside & (victim_no < d)
-        unused = tl.sum((evicted & (pref >= 0)).to(tl.int64), axis=0)
-        taker = _match(idx, slot, idx, needed, BLOCK_E, RANK_J)  # slot -> the demand expert taking it
-        se = tl.where(taker >= 0, taker.to(tl.int64), se)
-        es = tl.where(evicted, -1, tl.where(needed, slot.to(tl.int64), es))
-        pref = tl.where(evicted | chosen, -1, pref)
+        # demand insertions, in expert index order
+        d = tl.zeros([], tl.int64)
+        unused = tl.zeros([], tl.int64)
+        done = idx < 0
+        for _ in tl.static_range(TOP_K):
+            e = tl.min(tl.where(chosen & (done == 0), idx, BLOCK_E), axis=0)
+            done = done | (idx == e)
+            need = _pick_int(es, idx, e) < 0
+            victim = _victim(es, sel_tok, prot, prio, t, 1, idx, BLOCK_E)
+            victim = tl.where(victim < BLOCK_E, victim, _victim(es, sel_tok, prot, prio, t, 0, idx, BLOCK_E))
+            es, se, last, pref, unused, slot = _insert(need, e, victim, t, -1, es, se, last, pref, unused, idx)
+            tl.store(demand_ptr + 1 + d, e.to(tl.int64), mask=need)
+            tl.store(demand_ptr + 1 + TOP_K + d, slot, mask=need)
+            d += need.to(tl.int64)
+        tl.store(demand_ptr, d)
+        pref = tl.where(chosen, -1, pref)
         last = tl.where(chosen, t, last)
-        tl.store(demand_ptr + 1 + demand_no, idx.to(tl.int64), mask=needed)
-        tl.store(demand_ptr + 1 + TOP_K + demand_no, slot.to(tl.int64), mask=needed)
-        tl.store(demand_ptr, d.to(tl.int64))
 
         # statistics of the router's own top-K; what the policy displaced from it
         mine = own >= 0
@@ -301,28 +327,13 @@ if triton is not None:
         sf = tl.where(mine, sf + tl.load(fpar_ptr + _F_FAST_GAIN), sf)
         ss = tl.where(mine, ss + tl.load(fpar_ptr + _F_SLOW_GAIN), ss)
         p = tl.where(valid, tl.exp(zs - zmax), 0.0)
-        norm = tl.sum(p, axis=0)
-        gone = mine & (sel < 0)
-        replaced = tl.sum(gone.to(tl.int64), axis=0)
-
-        # execution weights (`kernels.execution_weights`) from the raw logits
-        if SIGMOID:
-            w = 1.0 / (1.0 + tl.exp(-z))
-        else:
-            w = p / norm  # softmax: z is zs, p its exp(z - zmax)
-        # the float64 sums the host adds in order (the weights over S in its order, the displaced mass over the
-        # router's top-K in its order, adding 0.0 for an executed expert: exact): K values each, through this
-        # layer's row of the scratch, added in order
-        srow = fscr_ptr + layer * 2 * TOP_K
-        tl.store(srow + sel, w, mask=chosen)
-        tl.store(srow + TOP_K + own, tl.where(gone, p, 0.0), mask=mine)
-        tl.debug_barrier()
-        total = tl.zeros([], tl.float64)
         displaced = tl.zeros([], tl.float64)
-        for j in tl.static_range(TOP_K):
-            total += tl.load(srow + j, volatile=True)
-            displaced += tl.load(srow + TOP_K + j, volatile=True)
-        displaced = tl.where(replaced > 0, displaced / norm, displaced)
+        replaced = tl.zeros([], tl.int64)
+        for j in tl.static_range(TOP_K):  # in the router's order, as the host adds
+            gone = (own == j) & (sel < 0)
+            displaced += tl.max(tl.where(gone, p, 0.0), axis=0)
+            replaced += tl.sum(gone.to(tl.int64), axis=0)
+        displaced = tl.where(replaced > 0, displaced / tl.sum(p, axis=0), displaced)
         tl.store(disp_ptr + layer, tl.load(disp_ptr + layer) + displaced)
         cnt = cnt_ptr + layer * _N_COUNTERS
         tl.store(cnt + _C_TOKENS, tl.load(cnt + _C_TOKENS) + 1)
@@ -340,6 +351,15 @@ if triton is not None:
         tl.store(frow + _S_SLOW * E, ss, mask=valid)
         tl.store(frow + _PRIORITY * E, prio, mask=valid)
 
+        # execution weights (`kernels.execution_weights`) from the raw logits, summed over S in its order
+        if SIGMOID:
+            w = 1.0 / (1.0 + tl.exp(-z))
+        else:
+            q = tl.where(valid, tl.exp(z - zmax), 0.0)  # softmax: z is zs
+            w = q / tl.sum(q, axis=0)
+        total = tl.zeros([], tl.float64)
+        for j in tl.static_range(TOP_K):
+            total += tl.max(tl.where(sel == j, w, float("-inf")), axis=0)
         if SIGMOID:
             total += tl.load(fpar_ptr + _F_EPS)
         w = w.to(tl.float32).to(tl.float64)  # the host stores the probability in the float32 row first
@@ -352,26 +372,28 @@ if triton is not None:
 
     @triton.jit
     def _cache_step_kernel(ist_ptr, isc_ptr, fst_ptr, fsc_ptr, cnt_ptr, disp_ptr, fpar_ptr, delta_ptr, bias_ptr,
-                           pind_ptr, pexp_ptr, pval_ptr, fscr_ptr, iscr_ptr, VOCAB, token_ptr, layer, z_ptr, g_ptr,
+                           pind_ptr, pexp_ptr, pval_ptr, VOCAB, token_ptr, layer, z_ptr, g_ptr,
                            experts_ptr, route_ptr, demand_ptr, prefetch_ptr,
-                           E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                           M: tl.constexpr, R: tl.constexpr, N_INS: tl.constexpr, BUDGET: tl.constexpr,
-                           KIND: tl.constexpr, LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr,
-                           PROTECT: tl.constexpr, RUNNING: tl.constexpr, SIGMOID: tl.constexpr,
+                           E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, M: tl.constexpr,
+                           R: tl.constexpr, N_INS: tl.constexpr, BUDGET: tl.constexpr, KIND: tl.constexpr,
+                           LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr, PROTECT: tl.constexpr,
+                           RUNNING: tl.constexpr, SIGMOID: tl.constexpr,
                            RENORMALISE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                           RANK_J: tl.constexpr, DO_ROUTE: tl.constexpr, DO_PART1: tl.constexpr):
+                           BLOCK_G: tl.constexpr, DO_ROUTE: tl.constexpr, DO_PART1: tl.constexpr):
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
         token = tl.load(token_ptr)
         if DO_ROUTE:
             _route(ist_ptr, isc_ptr, fst_ptr, fsc_ptr, cnt_ptr, disp_ptr, fpar_ptr, delta_ptr, pind_ptr, pexp_ptr,
-                   pval_ptr, bias_ptr, fscr_ptr, VOCAB, token, layer, z_ptr, experts_ptr, route_ptr, demand_ptr, idx,
-                   valid, E, BLOCK_E, TOP_K, BLOCK_K, KIND, LRU, MAXP, CHUNK, PROTECT, RUNNING, SIGMOID,
-                   RENORMALISE, N_GROUP, TOPK_GROUP, RANK_J)
+                   pval_ptr, bias_ptr, VOCAB, token, layer, z_ptr, experts_ptr, route_ptr, demand_ptr, idx, valid,
+                   E, BLOCK_E, TOP_K, KIND, LRU, MAXP, CHUNK, PROTECT, RUNNING, SIGMOID, RENORMALISE, N_GROUP,
+                   TOPK_GROUP,
+                   BLOCK_G)
         if DO_PART1:
-            _part1(ist_ptr, isc_ptr, fst_ptr, cnt_ptr, pind_ptr, pexp_ptr, pval_ptr, bias_ptr, iscr_ptr, VOCAB,
-                   token, layer + DO_ROUTE, g_ptr, prefetch_ptr, idx, valid, E, BLOCK_E, M, R, N_INS, BUDGET, LRU,
-                   MAXP, CHUNK, SIGMOID, N_GROUP, TOPK_GROUP, RANK_J)
+            _part1(ist_ptr, isc_ptr, fst_ptr, cnt_ptr, fpar_ptr, pind_ptr, pexp_ptr, pval_ptr, bias_ptr, VOCAB,
+                   token, layer + DO_ROUTE, g_ptr, prefetch_ptr, idx, valid, E, BLOCK_E, M, R, N_INS, BUDGET, LRU, MAXP,
+                   CHUNK,
+                   SIGMOID, N_GROUP, TOPK_GROUP, BLOCK_G)
 
 
 class DeviceCache:
@@ -421,17 +443,13 @@ class DeviceCache:
         self.demand = torch.zeros(1 + 2 * k, dtype=torch.int64, device=self.device)
         self.prefetch = torch.zeros(1 + 2 * self.max_inserted, dtype=torch.int64, device=self.device)
         self._dummy = torch.zeros(num_experts, dtype=torch.float32, device=self.device)
-        self._fscratch = torch.zeros(num_layers, 2 * k, dtype=torch.float64, device=self.device)
-        self._iscratch = torch.zeros(num_layers, max(self.visited, 1), dtype=torch.int64, device=self.device)
-        block_e = triton.next_power_of_2(num_experts)
-        self.num_warps, self.rank_chunk = launch_shape(num_experts)  # read at every launch: settable, for tuning
         self._constants = dict(
-            E=num_experts, BLOCK_E=block_e, TOP_K=k, BLOCK_K=triton.next_power_of_2(k), M=self.ranked,
-            R=self.visited, N_INS=self.max_inserted, BUDGET=policy.insert_budget, KIND=int(cache.params[K.P_KIND]),
+            E=num_experts, BLOCK_E=triton.next_power_of_2(num_experts), TOP_K=k, M=self.ranked, R=self.visited,
+            N_INS=self.max_inserted, BUDGET=policy.insert_budget, KIND=int(cache.params[K.P_KIND]),
             LRU=int(policy.priority == "lru"), MAXP=prior_block, CHUNK=min(prior_block, PRIOR_CHUNK),
             PROTECT=policy.protect_top, RUNNING=int(policy.delta == "running"),
             SIGMOID=int(scoring.kind == "sigmoid"), RENORMALISE=int(bool(scoring.renormalise)),
-            N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group)
+            N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group, BLOCK_G=triton.next_power_of_2(scoring.n_group))
 
     def step(self, token: torch.Tensor, layer: int, router_logits: torch.Tensor | None = None,
              pregate_logits: torch.Tensor | None = None, experts_out: torch.Tensor | None = None,
@@ -462,10 +480,9 @@ class DeviceCache:
         g = pregate_logits if do_part1 else self._dummy
         _cache_step_kernel[(1,)](
             self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.displaced_mass, self.fparams,
-            self.delta, self.bias, self.pind, self.pexp, self.pval, self._fscratch, self._iscratch, self.vocab,
-            token, layer, z, g, experts_out, route_out, self.demand, self.prefetch, **self._constants,
-            RANK_J=self.rank_chunk, DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=self.num_warps,
-            enable_fp_fusion=False)
+            self.delta, self.bias, self.pind, self.pexp, self.pval, self.vocab, token, layer, z, g,
+            experts_out, route_out, self.demand, self.prefetch, **self._constants,
+            DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=1, enable_fp_fusion=False)
 
     def reset(self) -> None:
         """`LogicalCache.reset` on the device: unexecuted prefetches count as unused, then R_l = the warm set in

@@ -47,7 +47,7 @@ MAX_EXPERTS = 1024  # the refill's recency key holds the expert index in 10 bits
 if triton is not None:
     import triton.language as tl
 
-    from .device_rank import _best, _pick_int, _rank, rank_chunk
+    from .device_cache import _best, _pick_int, _rank
 
     _F_GAMMA = tl.constexpr(F_GAMMA)
     _F_RESCUE = tl.constexpr(F_RESCUE)
@@ -95,7 +95,7 @@ if triton is not None:
                        counts_ptr, WEIGHTS_IN_ROUTE: tl.constexpr,
                        E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
                        BLOCK: tl.constexpr, SIGMOID: tl.constexpr, RENORMALISE: tl.constexpr,
-                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, RANK_J: tl.constexpr,
+                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                        P: tl.constexpr, U: tl.constexpr):
         """`selection._select` + `pool._use` of one layer (its pool row, slot row and recency row). The demand
         list list_ptr [1 + 2E]: the count (0 if over U), the missing experts, their union slots; route rows of
@@ -128,7 +128,7 @@ if triton is not None:
         v = tl.zeros([BLOCK_E], tl.int32)
         for d in range(D):
             z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top, norm, rows, idx, valid, SIGMOID)
-            rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, RANK_J)
+            rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
             own = tl.where(rows[:, None] == d, rank[None, :], own)
             v += (rank >= 0).to(tl.int32)
         in_root = _row(own, rows, 0) >= 0
@@ -356,7 +356,7 @@ class DevicePool:
             E=E, BLOCK_E=triton.next_power_of_2(E), BLOCK_D=triton.next_power_of_2(max_positions), K=k,
             BLOCK=int(params[0] != 0.0), SIGMOID=int(scoring.kind == "sigmoid"),
             RENORMALISE=int(bool(scoring.renormalise)), N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group,
-            RANK_J=rank_chunk(triton.next_power_of_2(E)), P=pool.pool_size, U=pool.union_slots)
+            BLOCK_G=triton.next_power_of_2(scoring.n_group), P=pool.pool_size, U=pool.union_slots)
 
     def _layer_views(self, layer: int) -> None:
         e = self.num_experts
