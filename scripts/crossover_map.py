@@ -21,10 +21,15 @@ hide part of a copy); they were measured on random routing (AR) and on the famil
 operating point each, and are assumed to hold over the whole grid.
 
     python3 scripts/crossover_map.py [--out runs/crossover] [--tokens 2048] [--capacities 32,16]
+        [--measured runs/map/bench_engine.json ...] [--table runs/crossover/crossover.csv]
 
 Writes crossover.csv (one row per point and C) and crossover_C{C}.png (per C: which method wins in copies and
 in the proxy, panels over skew and margin, persistence against pre-gate noise; the olmoe-like point starred,
-the family's nearest point by its measured statistics circled, by its copies squared). See docs/crossover.md.
+the family's nearest point by its measured statistics circled, by its copies squared). `--measured` places on
+the proxy's panels the Cache-Prior / PSR ratios that `scripts/bench_engine.py` measured following synthetic
+sources (its json files; the cells framed, the measured ratio under the proxy's) and writes them to
+crossover_measured.csv; `--table` plots an earlier run's crossover.csv instead of replaying the grid again. See
+docs/crossover.md.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
+import re
 import time
 from pathlib import Path
 
@@ -39,7 +46,7 @@ import numpy as np
 import pandas as pd
 
 from specmoe.records import AcceptanceProfile, synthetic_blocks
-from specmoe.records.synthetic import SOURCES, synthetic_calibration, synthetic_trace
+from specmoe.records.synthetic import SOURCES, parse_source, synthetic_calibration, synthetic_trace
 from specmoe.routing.statistics import replay_policies, routing_stats
 
 AXES = ("persistence", "pregate_noise", "skew", "margin")
@@ -160,9 +167,46 @@ def crossover_map(grid: dict = GRID, capacities=(32, 16), progress: bool = False
     return latency_proxy(pd.DataFrame(rows))
 
 
-def plot(table: pd.DataFrame, capacity: int, path: Path) -> None:
+def measured_points(paths) -> pd.DataFrame:
+    """Cache-Prior / PSR as `scripts/bench_engine.py` measured it (host policy rows) following synthetic sources:
+    one row per source and C of each bench_engine.json in `paths` with both rows (the source's parameters, C,
+    both ms/token, the ratio and its 95% interval over windows, the file). Recorded traces (the family) are no
+    point of the map and are left out."""
+    rows = []
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        for prefix, trace in report.get("traces", {}).items():
+            parsed = parse_source(trace.get("file", ""))
+            if parsed is None:
+                continue
+            params = parsed[0]
+            for key, ratio in report.get("ratios", {}).items():
+                found = re.fullmatch(rf"{re.escape(prefix)}C(\d+): cache_prior / psr \(host policy\)", key)
+                if not found:
+                    continue
+                c = int(found.group(1))
+                ms = {p: report["table"][f"{prefix}C{c}_{p}_host_policy"]["ms_mean"] for p in ("cache_prior", "psr")}
+                rows.append({**{a: getattr(params, a) for a in AXES}, "C": c, "cache_prior_ms": ms["cache_prior"],
+                             "psr_ms": ms["psr"], "measured_ratio": ratio["ratio"], "lo": ratio["lo"],
+                             "hi": ratio["hi"], "over": ratio.get("over"), "file": str(path)})
+    return pd.DataFrame(rows, columns=[*AXES, "C", "cache_prior_ms", "psr_ms", "measured_ratio", "lo", "hi", "over",
+                                       "file"])
+
+
+def _measured_at(measured: pd.DataFrame | None, row, capacity: int) -> list[float]:
+    """The measured Cache-Prior / PSR ratios at a map row's point and C."""
+    if measured is None or measured.empty:
+        return []
+    here = measured[(measured.C == capacity) & np.logical_and.reduce(
+        [np.isclose(measured[a].to_numpy(float), float(row[a])) for a in AXES])]
+    return list(here.measured_ratio)
+
+
+def plot(table: pd.DataFrame, capacity: int, path: Path, measured: pd.DataFrame | None = None) -> None:
     """Winners at C = capacity: a row of panels over skew per (margin, copies | proxy); each panel persistence
-    (x) against pre-gate noise (y), the cell coloured by the winner and labelled with Cache-Prior / PSR."""
+    (x) against pre-gate noise (y), the cell coloured by the winner and labelled with Cache-Prior / PSR; on the
+    proxy's panels, a point with `measured` ratios (`measured_points`) is framed and shows them ("m", the range
+    where several runs measured it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,7 +227,13 @@ def plot(table: pd.DataFrame, capacity: int, path: Path) -> None:
         for _, row in part.iterrows():
             x, y = xs.index(row.persistence), ys.index(row.pregate_noise)
             ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, color=COLOURS[row[f"win_{what}"]], alpha=0.75))
-            ax.text(x, y, f"{row[f'cache_prior_over_psr_{what}']:.2f}", ha="center", va="center", fontsize=7)
+            seen = _measured_at(measured, row, capacity) if what == "ms" else []
+            ax.text(x, y + (0.15 if seen else 0), f"{row[f'cache_prior_over_psr_{what}']:.2f}", ha="center",
+                    va="center", fontsize=7)
+            if seen:
+                ax.add_patch(plt.Rectangle((x - 0.47, y - 0.47), 0.94, 0.94, fill=False, lw=1.6, ec="k"))
+                text = f"m {min(seen):.2f}" + (f"-{max(seen):.2f}" if max(seen) - min(seen) >= 0.005 else "")
+                ax.text(x, y - 0.2, text, ha="center", va="center", fontsize=6, fontweight="bold")
             here = tuple(row[a] for a in AXES)
             if here == tuple(getattr(olmoe, a) for a in AXES):
                 ax.plot(x + 0.3, y + 0.3, "*", color="k", ms=9)
@@ -206,8 +256,11 @@ def plot(table: pd.DataFrame, capacity: int, path: Path) -> None:
                 plt.Line2D([], [], marker="s", mfc="none", mec="k", ls="", label="family: nearest C=32 copies")]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False)
     fig.suptitle(f"Which method wins at C = {capacity} of 64 experts, OLMoE geometry (CPU replay)\n'proxy ms': a "
-                 "latency proxy from H200 figures, not a measurement; cell text: Cache-Prior / PSR", fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+                 "latency proxy from H200 figures, not a measurement; cell text: Cache-Prior / PSR"
+                 + ("\nframed: Cache-Prior / PSR measured on the H200, full-size OLMoE (m)" if measured is not None
+                    and not measured.empty else ""),
+                 fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.93 if measured is not None and not measured.empty else 0.95))
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
@@ -216,7 +269,7 @@ def _values(text: str) -> tuple[float, ...]:
     return tuple(float(v) for v in text.split(","))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/crossover", help="output directory (csv and png)")
     for axis in AXES:
@@ -227,17 +280,30 @@ def main() -> None:
     parser.add_argument("--calibration-tokens", type=int, default=8192, help="held-out calibration draw (8192)")
     parser.add_argument("--tau", type=float, default=5.0, help="SD blocks' tau (geometric acceptance; default 5)")
     parser.add_argument("-k", type=int, default=8, help="SD drafts per block (default 8)")
-    args = parser.parse_args()
+    parser.add_argument("--measured", nargs="*", default=[],
+                        help="bench_engine.json files of runs following synthetic sources: their Cache-Prior / PSR "
+                        "ratios on the map (and crossover_measured.csv)")
+    parser.add_argument("--table", help="plot this crossover.csv (an earlier run's) instead of replaying the grid")
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     grid = {a: _values(getattr(args, a)) for a in AXES}
     capacities = tuple(int(c) for c in _values(args.capacities))
     start = time.perf_counter()
-    table = crossover_map(grid, capacities, progress=True, tokens=args.tokens,
-                          calibration_tokens=args.calibration_tokens, k=args.k, tau=args.tau)
-    table.to_csv(out / "crossover.csv", index=False, float_format="%.4g")
+    if args.table:
+        table = pd.read_csv(args.table)
+        capacities = tuple(c for c in capacities if c in set(table.C))
+    else:
+        table = crossover_map(grid, capacities, progress=True, tokens=args.tokens,
+                              calibration_tokens=args.calibration_tokens, k=args.k, tau=args.tau)
+        table.to_csv(out / "crossover.csv", index=False, float_format="%.4g")
+    measured = measured_points(args.measured) if args.measured else None
+    if measured is not None:
+        measured.to_csv(out / "crossover_measured.csv", index=False, float_format="%.4g")
+        print(f"{len(measured)} measured points:")
+        print(measured.drop(columns=["file"]).to_string(index=False))
     for capacity in capacities:
-        plot(table, capacity, out / f"crossover_C{capacity}.png")
+        plot(table, capacity, out / f"crossover_C{capacity}.png", measured)
     print(f"{len(table)} rows in {time.perf_counter() - start:.0f} s")
     for how, row in family_points(table).items():
         print(f"the family's nearest grid point by {how}: " + ", ".join(f"{a} {row[a]:g}" for a in AXES))
@@ -248,7 +314,8 @@ def main() -> None:
             part = table[table.C == capacity]
             print(f"C = {capacity}: wins in copies", part.win_copies.value_counts().to_dict(),
                   "; in the proxy", part.win_ms.value_counts().to_dict())
-    print(f"wrote {out / 'crossover.csv'} and {', '.join(f'crossover_C{c}.png' for c in capacities)}")
+    written = ([] if args.table else ["crossover.csv"]) + ([] if measured is None else ["crossover_measured.csv"])
+    print(f"wrote in {out}: {', '.join(written + [f'crossover_C{c}.png' for c in capacities])}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ source's parameters say they should."""
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -46,3 +47,36 @@ def test_latency_proxy_prices_copies_with_the_quoted_h200_figures(table):
     row = table.iloc[0]
     assert row.exact_lru_ms == pytest.approx(H200["all_resident_ms"] + row.exact_lru * per_copy_ms("exact_lru", 32))
     assert per_copy_ms("exact_lru", 32) == pytest.approx((12.69 - 1.76) / 44.9)
+
+
+def test_measured_ratios_are_placed_on_their_points(table, tmp_path):
+    """--measured: bench_engine.json rows that followed a synthetic source land on that source's point of the map
+    (a recorded trace does not); --table replots an earlier csv with them, without replaying the grid."""
+    import json
+
+    from crossover_map import _measured_at, main, measured_points
+
+    table.to_csv(tmp_path / "crossover.csv", index=False)
+    spec = "olmoe-like:tokens=8192,persistence=0.85,pregate_noise=0.3"
+    report = {"traces": {"olmoe_like_persistence_0_85_pregate_noise_0_3_": {"file": spec},
+                         "family_trace_": {"file": "/runs/family_trace.safetensors"}},
+              "ratios": {}, "table": {}}
+    for prefix, ratio in (("olmoe_like_persistence_0_85_pregate_noise_0_3_", 1.25), ("family_trace_", 0.75)):
+        report["ratios"][f"{prefix}C32: cache_prior / psr (host policy)"] = {"ratio": ratio, "lo": ratio - 0.01,
+                                                                             "hi": ratio + 0.01, "over": "6 windows"}
+        report["ratios"][f"{prefix}C32: exact_lru / psr (host policy)"] = {"ratio": 2.0, "lo": 1.9, "hi": 2.1}
+        for policy, ms in (("cache_prior", 5.0 * ratio), ("psr", 5.0)):
+            report["table"][f"{prefix}C32_{policy}_host_policy"] = {"ms_mean": ms}
+    (tmp_path / "bench_engine.json").write_text(json.dumps(report))
+    measured = measured_points([tmp_path / "bench_engine.json"])
+    assert len(measured) == 1  # the family's trace is no point of the map
+    row = measured.iloc[0]
+    assert tuple(row[["persistence", "pregate_noise", "skew", "margin", "C"]]) == (0.85, 0.3, 0.6, 0.5, 32)
+    assert (row.measured_ratio, row.cache_prior_ms, row.psr_ms) == (1.25, 6.25, 5.0)
+    at = {(r.persistence, r.pregate_noise): _measured_at(measured, r, 32) for _, r in table.iterrows()}
+    assert at == {(0.3, 0.3): [], (0.3, 1.0): [], (0.85, 0.3): [1.25], (0.85, 1.0): []}
+    out = tmp_path / "out"
+    main(["--out", str(out), "--table", str(tmp_path / "crossover.csv"), "--capacities", "32",
+          "--measured", str(tmp_path / "bench_engine.json")])
+    assert (out / "crossover_C32.png").stat().st_size > 0 and not (out / "crossover.csv").exists()
+    assert len(pd.read_csv(out / "crossover_measured.csv")) == 1
