@@ -584,8 +584,10 @@ def main(argv=None) -> int:
                                              "host_us_per_layer") if k in inst}
             details[name]["instrumented"]["ms_mean"] = float(inst["ms_tokens"].mean())
             engine.configure(instrument=False, skip_copies=True)
-            skip = run_windows(engine, wins, trace=details[name]["trace"], prompt=args.prompt,
-                               first_position=args.first_position)
+            # the routing the rounds recorded, so that the same copies are skipped; every expert resident there
+            # are none, and a recorded feed would move its routing to the host: it follows its own input
+            feed = tr if c == E else details[name]["trace"]
+            skip = run_windows(engine, wins, trace=feed, prompt=args.prompt, first_position=args.first_position)
             details[name]["copies_skipped_ms"] = float(skip["ms_tokens"].mean())
         except Exception as exc:
             report["errors"].append(f"{name} extra passes: {exc!r}\n{traceback.format_exc()[-1500:]}")

@@ -297,8 +297,11 @@ def test_bench_engine_times_windows_at_the_first_position(monkeypatch, tmp_path)
     positions, randomized = [], []
     run_windows = bench_engine.run_windows
 
+    feeds = []  # (capacity, skip_copies, followed a feed) of each pass
+
     def recording(engine, windows, trace=None, prompt=0, first_position=0):
         positions.append(first_position)
+        feeds.append((engine.policy.capacity, engine.settings.skip_copies, trace is not None))
         return run_windows(engine, windows, trace, prompt, first_position)
 
     monkeypatch.setattr(bench_engine, "run_windows", recording)
@@ -310,6 +313,10 @@ def test_bench_engine_times_windows_at_the_first_position(monkeypatch, tmp_path)
     assert report["rounds_done"] == 1 and not report["errors"], report["errors"]
     assert positions and set(positions) == {40}  # rounds, the instrumented and the copies-skipped passes
     assert randomized  # the context below the windows holds random keys and values
+    # the compute-only pass follows the recorded routing where copies are skipped (C < E), and its own router with
+    # every expert resident (a feed would route on the host there)
+    skipped = {capacity: fed for capacity, skip, fed in feeds if skip}
+    assert skipped == {16: True, max(skipped): False} and max(skipped) > 16, feeds
 
 
 def test_bench_device_cache_builds_its_cases_and_times_the_host_step(tmp_path):
