@@ -339,3 +339,21 @@ def test_bench_device_cache_builds_its_cases_and_times_the_host_step(tmp_path):
     if not bench.torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device and Triton"):
             bench.main(["--out", str(tmp_path / "x.json")])
+
+
+def test_bench_expert_copy_grid_and_refusal_without_cuda(tmp_path):
+    """bench_expert_copy: the copy engine first, then every kernel launch shape once, the kernel's default shape
+    always among them; rates in GB/s; without CUDA it stops in one line."""
+    import bench_expert_copy as bench
+    import pytest
+
+    from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS
+
+    grid = bench.configs([4, 8], [1024, 4096, 1024])
+    assert grid[0] == ("engine", 0, 0) and len(grid) == len(set(grid)) == 1 + 4 + int(
+        (COPY_BLOCKS, COPY_BLOCK) not in {(4, 1024), (8, 1024), (4, 4096), (8, 4096)})
+    assert ("kernel", COPY_BLOCKS, COPY_BLOCK) in bench.configs([64], [8192])
+    assert bench.gb_per_s(12_582_912, 0.231) == pytest.approx(54.47, abs=0.01)
+    if not bench.torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs one"):
+            bench.main(["--out", str(tmp_path / "x.json")])
