@@ -67,7 +67,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import measure_bandwidth, measure_copy_ms, ratio_ci, trace_label, trace_prefixes  # noqa: E402
+from bench_engine import (measure_bandwidth, measure_copy_ms, policies, ratio_ci, trace_label,  # noqa: E402
+                          trace_prefixes)
 
 from specmoe.engines import Engine, EngineConfig, LogitFeed, build_engine  # noqa: E402
 from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
@@ -77,7 +78,6 @@ from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.records import (CLOSED_LOOP, AcceptanceProfile, BlockRecords, blocks_from_records,  # noqa: E402
                              open_loop, records_per_selector, synthetic_blocks)
 from specmoe.records.synthetic import read_calibration, read_trace  # noqa: E402
-from specmoe.routing import preset, psr_bonus  # noqa: E402
 from specmoe.speculation import PREFETCH, SpeculativeConfig, tau as tau_of  # noqa: E402
 from specmoe.stats import unit_ratio  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
@@ -415,9 +415,7 @@ def main(argv=None) -> int:
             for prefix, t in traces.items():
                 for c in capacities[prefix]:
                     for policy in args.ar_policies:
-                        extra = {"bonus": psr_bonus(c, E), "insert_budget": 1} if policy == "psr" else \
-                            {"bonus": 0.2} if policy == "cache_prior" else {}
-                        ar_engines[(prefix, policy, c)] = build_engine(model, preset(policy, c, K, **extra),
+                        ar_engines[(prefix, policy, c)] = build_engine(model, policies(c, E, K)[policy],
                                                                        t["calibration"], cfg, residency=unit)
             if len(traces) == 1:
                 report["union_max"], report["capacities"] = union_max.get("", 0), capacities[""]
