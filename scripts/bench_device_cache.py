@@ -61,14 +61,10 @@ def load_module(path: str | None):
 
 
 def case(geometry: str, policy_name: str, tokens: int, density: float):
+    """The policy, scoring and inputs of a geometry (`device_cache_case`, a token prior of `density`)."""
     num_layers, num_experts, top_k, capacity, kind = GEOMETRIES[geometry]
-    calibration, z, g, toks = device_cache_case(num_layers, num_experts, tokens, seed=1, vocab=64)
-    if density > 0.1:  # a denser token prior: more entries per row (the A priority reads a row per step)
-        from specmoe.routing.calibration import TokenPrior
-        rng = np.random.default_rng(2)
-        shape = (num_layers, 64, num_experts)
-        dense = np.where(rng.random(shape) < density, np.round(rng.random(shape) * 4) / 4, 0.0)
-        calibration = type(calibration)(calibration.warm_ranking, TokenPrior.from_dense(dense), calibration.delta)
+    calibration, z, g, toks = device_cache_case(num_layers, num_experts, tokens, seed=1, vocab=64,
+                                                prior_density=density)
     policy = preset(policy_name, capacity, top_k)
     return policy, scoring_of(kind, num_layers, num_experts), calibration, z, g, toks
 

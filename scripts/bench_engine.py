@@ -344,6 +344,14 @@ def run_windows(engine, windows, trace=None, prompt: int = 0, first_position: in
     return out
 
 
+def randomize_caches(engines: dict) -> None:
+    """Each engine's KV cache (and recurrent state) filled with seeded random values (`randomize_cache`): the
+    context below positions timed from `first_position` on."""
+    with torch.no_grad():
+        for i, engine in enumerate(engines.values()):
+            engine.decoder.randomize_cache(seed=i)
+
+
 def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int, report: dict) -> dict:
     """Decode time by position: all-resident and PSR at each capacity, --sweep-tokens timed tokens from each
     position over a KV cache of random values, rounds interleaved; ratios to the first position (paired t on log
@@ -356,9 +364,7 @@ def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int
     configs = [("all_resident", E, preset("exact_lru", E, top_k)),
                ("all_resident_host_routing", "host", preset("exact_lru", E, top_k))]
     configs += [(row_name("", c, "psr"), c, psr(c, E, top_k, args.psr_window)) for c in args.capacities]
-    with torch.no_grad():
-        for i, engine in enumerate(engines.values()):  # the context below each window: random keys and values
-            engine.decoder.randomize_cache(seed=i)
+    randomize_caches(engines)  # the context below each window: random keys and values
     rng = np.random.default_rng(300)
     tokens = rng.integers(0, vocab_size, args.sweep_tokens)
     rounds = {(name, p): [] for name, _, _ in configs for p in positions}
@@ -524,10 +530,8 @@ def main(argv=None) -> int:
     rounds: dict[str, list] = {name: [] for name, _, _ in configs}
     rounds.update({f"hf_{impl}": [] for impl in hf_impls})
     details: dict[str, dict] = {}
-    if args.first_position:
-        with torch.no_grad():  # the context below the windows: random keys and values (never overwritten below it)
-            for i, engine in enumerate(engines.values()):
-                engine.decoder.randomize_cache(seed=i)
+    if args.first_position:  # the context below the windows: random keys and values (never overwritten below it)
+        randomize_caches(engines)
     for name, c, pol in configs:  # warm-up (first calls, compilation): not timed
         try:
             cal, wins, tr = setting[name]

@@ -54,7 +54,9 @@ of every round, tokens and (SD) blocks under `details`, enough to recompute any 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import itertools
 import json
 import math
 import platform
@@ -319,10 +321,8 @@ def main(argv=None) -> int:
         traces[prefix] = {"label": trace_label(spec), "trace": trace, "calibration": calibration}
         for name, (k, per_selector, reference) in block_sources(args, trace, (L, E, K), prefix, i == 0).items():
             if max(b.tokens.max() for b, _ in per_selector.values()) >= adapter.vocab_size:
-                from dataclasses import replace  # only the embeddings read the tokens
-
-                def wrapped(b):
-                    return replace(b, tokens=b.tokens % adapter.vocab_size)
+                def wrapped(b):  # only the embeddings read the tokens
+                    return dataclasses.replace(b, tokens=b.tokens % adapter.vocab_size)
 
                 per_selector, reference = {s: (wrapped(b), a) for s, (b, a) in per_selector.items()}, wrapped(reference)
                 report["warnings"].append(f"{name}: tokens beyond the target's vocabulary taken modulo "
@@ -332,19 +332,16 @@ def main(argv=None) -> int:
     cfg = EngineConfig(max_seq_len=args.max_seq_len)
     fingerprint = adapter_for(model.config).fingerprint(model)
     engines = {}  # one set per trace, with the trace's calibration
-    for prefix, t in traces.items():
-        for k in args.k:
-            for name in args.selectors:
-                for budget in args.prefetch:
-                    for path in ("host",) if budget else args.block_paths:
-                        config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool,
-                                                   union_slots=args.union, prefetch=budget)
-                        decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
-                        block_device = "auto" if path == "device" else "off"
-                        engines[(prefix, k, name, budget, path)] = Engine(
-                            decoder, unit, None, t["calibration"],
-                            EngineConfig(max_seq_len=args.max_seq_len, block_device=block_device),
-                            fingerprint=fingerprint, speculative=config)
+    for prefix, k, name, budget in itertools.product(traces, args.k, args.selectors, args.prefetch):
+        for path in ("host",) if budget else args.block_paths:
+            config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union,
+                                       prefetch=budget)
+            decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
+            block_device = "auto" if path == "device" else "off"
+            engines[(prefix, k, name, budget, path)] = Engine(
+                decoder, unit, None, traces[prefix]["calibration"],
+                EngineConfig(max_seq_len=args.max_seq_len, block_device=block_device),
+                fingerprint=fingerprint, speculative=config)
     first = next(iter(engines.values()))
     report["notes"] = first.notes
     report["kernels"] = {f"{prefix}k={k} {name} prefetch {b} {path}": e.kernels

@@ -470,9 +470,11 @@ def check_device_cache(policy, scoring, calibration, router_logits: np.ndarray, 
     return {**host.totals(), **events}
 
 
-def device_cache_case(num_layers: int, num_experts: int, num_positions: int, seed: int = 0, vocab: int = 20):
-    """Inputs for `check_device_cache`: a calibration with a random warm ranking, a sparse token prior on a
-    coarse grid (ties of the A priority) and random deltas; router and pre-gate logits [T, L, E] float32 that
+def device_cache_case(num_layers: int, num_experts: int, num_positions: int, seed: int = 0, vocab: int = 20,
+                      prior_density: float = 0.1):
+    """Inputs for `check_device_cache`: a calibration with a random warm ranking, a sparse token prior (a
+    `prior_density` share of its (layer, token, expert) entries set) on a coarse grid (ties of the A priority) and
+    random deltas; router and pre-gate logits [T, L, E] float32 that
     recur over positions (a layer prefers some experts, so the cache hits and misses), rounded to bfloat16 on a
     grid of 1/4 (many exact ties, +-0 included); tokens [T] (some outside the prior's vocabulary)."""
     from specmoe.routing import Calibration
@@ -480,7 +482,7 @@ def device_cache_case(num_layers: int, num_experts: int, num_positions: int, see
 
     rng = np.random.default_rng(seed)
     shape = (num_layers, vocab, num_experts)
-    dense = np.where(rng.random(shape) < 0.1, np.round(rng.random(shape) * 4) / 4, 0.0)
+    dense = np.where(rng.random(shape) < prior_density, np.round(rng.random(shape) * 4) / 4, 0.0)
     calibration = Calibration(np.stack([rng.permutation(num_experts) for _ in range(num_layers)]),
                               TokenPrior.from_dense(dense), rng.uniform(2.0, 4.0, num_layers))
     base = rng.normal(0.0, 1.5, (num_layers, num_experts))
