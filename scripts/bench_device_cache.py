@@ -28,7 +28,7 @@ import torch
 
 from specmoe.files import write_text_atomic
 from specmoe.kernels.checks import device_cache_case
-from specmoe.routing import EngineScoring, LogicalCache, RouterScoring, preset
+from specmoe.routing import PRESETS, EngineScoring, LogicalCache, RouterScoring, preset
 
 # name: (layers, experts, top-K, capacity, scoring): the paper's three architectures at full size
 GEOMETRIES = {
@@ -160,12 +160,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="json results file")
     parser.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(PRESETS))
     parser.add_argument("--tokens", type=int, default=16, help="tokens per graph")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--prior-density", type=float, default=0.1)
     parser.add_argument("--module", help="also time this version of specmoe/kernels/device_cache.py")
     args = parser.parse_args(argv)
+    if args.tokens < 1 or args.rounds < 1:
+        parser.error(f"--tokens and --rounds must be at least 1, got {args.tokens} and {args.rounds}")
+    if not 0 <= args.prior_density <= 1:
+        parser.error(f"--prior-density must lie in [0, 1], got {args.prior_density}")
     if not torch.cuda.is_available() or triton is None:
         raise SystemExit("bench_device_cache times CUDA graphs of Triton kernels: it needs a CUDA device and Triton")
     modules = {"current": load_module(None)}

@@ -38,6 +38,20 @@ def label(method: str, programs: int, words: int) -> str:
     return "copy engine" if method == "engine" else f"kernel {programs} x {words}"
 
 
+def check_args(parser, args) -> None:
+    """One-line errors (exit 2) for sizes the copies cannot take."""
+    if not args.expert_mb > 0:
+        parser.error(f"--expert-mb must be positive, got {args.expert_mb}")
+    for name in ("experts", "programs", "words"):
+        if min(getattr(args, name)) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if any(w & (w - 1) for w in args.words):
+        parser.error(f"--words must be powers of two (a chunk is one Triton block), got {args.words}")
+    for name in ("gemm", "beside_repeats", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+
 def gb_per_s(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
@@ -54,6 +68,7 @@ def main(argv=None) -> None:
                         help="the largest list copied this many times beside the GEMM (about the GEMM's time)")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
+    check_args(parser, args)
     if not torch.cuda.is_available():
         raise SystemExit("bench_expert_copy times copies into a CUDA device: it needs one")
     device = torch.device("cuda")

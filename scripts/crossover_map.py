@@ -174,8 +174,13 @@ def measured_points(paths) -> pd.DataFrame:
     point of the map and are left out."""
     rows = []
     for path in paths:
-        report = json.loads(Path(path).read_text())
-        for prefix, trace in report.get("traces", {}).items():
+        try:
+            report = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a readable bench_engine.json ({exc})") from None
+        if not isinstance(report, dict) or not {"traces", "ratios", "table"} <= set(report):
+            raise ValueError(f"{path}: not a bench_engine.json of a run with --trace (no traces, ratios or table)")
+        for prefix, trace in report["traces"].items():
             parsed = parse_source(trace.get("file", ""))
             if parsed is None:
                 continue
@@ -285,6 +290,12 @@ def main(argv=None) -> None:
                         "ratios on the map (and crossover_measured.csv)")
     parser.add_argument("--table", help="plot this crossover.csv (an earlier run's) instead of replaying the grid")
     args = parser.parse_args(argv)
+    try:
+        measured = measured_points(args.measured) if args.measured else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.table and not Path(args.table).is_file():
+        parser.error(f"--table {args.table}: no such file (a crossover.csv of an earlier run)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     grid = {a: _values(getattr(args, a)) for a in AXES}
@@ -297,7 +308,6 @@ def main(argv=None) -> None:
         table = crossover_map(grid, capacities, progress=True, tokens=args.tokens,
                               calibration_tokens=args.calibration_tokens, k=args.k, tau=args.tau)
         table.to_csv(out / "crossover.csv", index=False, float_format="%.4g")
-    measured = measured_points(args.measured) if args.measured else None
     if measured is not None:
         measured.to_csv(out / "crossover_measured.csv", index=False, float_format="%.4g")
         print(f"{len(measured)} measured points:")

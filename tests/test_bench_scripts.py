@@ -357,3 +357,23 @@ def test_bench_expert_copy_grid_and_refusal_without_cuda(tmp_path):
     if not bench.torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs one"):
             bench.main(["--out", str(tmp_path / "x.json")])
+
+
+def test_new_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path, capsys):
+    """bench_expert_copy and bench_device_cache: a size the run cannot take exits with status 2 and a line naming
+    the option, before any device work."""
+    import bench_device_cache
+    import bench_expert_copy
+    import pytest
+
+    out = ["--out", str(tmp_path / "x.json")]
+    for main, extra, option in ((bench_expert_copy.main, ["--words", "1000"], "--words must be powers of two"),
+                                (bench_expert_copy.main, ["--programs", "0"], "--programs must be at least 1"),
+                                (bench_expert_copy.main, ["--expert-mb", "0"], "--expert-mb must be positive"),
+                                (bench_device_cache.main, ["--tokens", "0"], "--tokens and --rounds"),
+                                (bench_device_cache.main, ["--prior-density", "2"], "--prior-density must lie"),
+                                (bench_device_cache.main, ["--policies", "psrr"], "invalid choice: 'psrr'")):
+        with pytest.raises(SystemExit) as exit_:
+            main(out + extra)
+        assert exit_.value.code == 2 and option in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -80,3 +80,18 @@ def test_measured_ratios_are_placed_on_their_points(table, tmp_path):
           "--measured", str(tmp_path / "bench_engine.json")])
     assert (out / "crossover_C32.png").stat().st_size > 0 and not (out / "crossover.csv").exists()
     assert len(pd.read_csv(out / "crossover_measured.csv")) == 1
+
+
+def test_bad_measured_or_table_files_exit_in_one_line(tmp_path, capsys):
+    """--measured with a missing file or a json that is not bench_engine's, and --table without a file, exit with
+    status 2 and the file's name, before any replay."""
+    from crossover_map import main
+
+    (tmp_path / "other.json").write_text('{"rounds_ms": {}}')
+    for extra, message in ((["--measured", str(tmp_path / "none.json")], "none.json: not a readable"),
+                           (["--measured", str(tmp_path / "other.json")], "other.json: not a bench_engine.json"),
+                           (["--table", str(tmp_path / "none.csv")], "none.csv: no such file")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--out", str(tmp_path / "out")] + extra)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
