@@ -267,8 +267,10 @@ def main(argv=None) -> int:
                     "committed token with drafting and the SD / AR ratio with drafting, with the same interval")
     ap.add_argument("--ar-capacities", type=int, nargs="*", default=[],
                     help="AR capacities beyond C = P and C = P + U_max (e.g. the paper's 64 128 148 for Qwen3.6)")
-    ap.add_argument("--ar-policies", nargs="+", default=["psr"], choices=["exact_lru", "cache_prior", "psr"],
-                    help="AR policies at each capacity (PSR at the paper's lambda for C of E, n = 1)")
+    ap.add_argument("--ar-policies", nargs="+", default=["psr"],
+                    choices=["exact_lru", "exact_prefetch", "cache_prior", "psr"],
+                    help="AR policies at each capacity (bench_engine's `policies`: PSR at the paper's lambda for C of "
+                    "E, n = 1; exact_prefetch is PSR with lambda 0)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-blocks", type=int, default=None, help="blocks per source (default: all)")
     ap.add_argument("--blocks-per-request", type=int, default=None,
