@@ -10,7 +10,9 @@ compute, without the device-to-host round trip the host path also pays per layer
 
 Inputs are `checks.device_cache_case`'s (logits on a bfloat16 grid that recur over positions, a sparse token prior
 with `--prior-density` of its entries set). `--module FILE` also times another version of the kernel module (e.g.
-the file before a change), in the same rounds, so that the two compare on one machine.
+the file before a change), in the same rounds, so that the two compare on one machine; `--warps 1 4` times the
+current kernel launched on each number of warps (default: `default_warps` of the geometry's E), also in the same
+rounds (labels "current" for the default, "w1", "w4", ... for the others).
 
     PYTHONPATH=. python3 scripts/bench_device_cache.py --out runs/dcache.json [--module old_device_cache.py]
 """
@@ -91,8 +93,9 @@ def time_graph(graph: torch.cuda.CUDAGraph) -> float:
     return start.elapsed_time(end) * 1e3  # µs
 
 
-def device_graphs(module, policy, scoring, calibration, z, g, toks):
-    """Graphs of `tokens` tokens: both launches per layer, the route alone, part 1 alone."""
+def device_graphs(module, policy, scoring, calibration, z, g, toks, warps=None):
+    """Graphs of `tokens` tokens: both launches per layer, the route alone, part 1 alone (the kernel on `warps`
+    warps; None: the module's default)."""
     num_positions, num_layers, _ = z.shape
     host = LogicalCache(policy, calibration, num_layers, z.shape[2], groups=scoring.groups)
     host.reset()
@@ -100,7 +103,7 @@ def device_graphs(module, policy, scoring, calibration, z, g, toks):
     tok_dev = torch.tensor(np.asarray(toks, np.int64), device="cuda")
     graphs = {}
     for part in ("both", "route", "part1"):
-        dev = module.DeviceCache(host, scoring, "cuda")
+        dev = module.DeviceCache(host, scoring, "cuda", **({} if warps is None else {"warps": warps}))
         inserts = policy.insert_budget > 0
 
         def launches(dev=dev, part=part):
@@ -156,6 +159,14 @@ def host_step_us(policy, scoring, calibration, z, g, toks, repeats: int = 3) -> 
     return best
 
 
+def warps_both_us(row: dict, label: str) -> float:
+    """A row's route + part 1 time on the warps of `label` ("w4"): the current kernel's own where they are its
+    default (timed once, as "current"), NaN where not timed."""
+    if label == f"w{row['current_warps']}":
+        return row["current_both_us"]
+    return row.get(f"{label}_both_us", float("nan"))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="json results file")
@@ -165,6 +176,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--prior-density", type=float, default=0.1)
     parser.add_argument("--module", help="also time this version of specmoe/kernels/device_cache.py")
+    parser.add_argument("--warps", type=int, nargs="*", default=[], choices=(1, 2, 4, 8),
+                        help="also time the current kernel on these numbers of warps")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.rounds < 1:
         parser.error(f"--tokens and --rounds must be at least 1, got {args.tokens} and {args.rounds}")
@@ -172,9 +185,10 @@ def main(argv=None) -> None:
         parser.error(f"--prior-density must lie in [0, 1], got {args.prior_density}")
     if not torch.cuda.is_available() or triton is None:
         raise SystemExit("bench_device_cache times CUDA graphs of Triton kernels: it needs a CUDA device and Triton")
-    modules = {"current": load_module(None)}
+    current = load_module(None)
+    modules = {"current": (current, None)}
     if args.module:
-        modules["other"] = load_module(args.module)
+        modules["other"] = (load_module(args.module), None)
     rows = []
     for geometry in args.geometries:
         num_layers = GEOMETRIES[geometry][0]
@@ -182,15 +196,18 @@ def main(argv=None) -> None:
         floor = floor_graph(steps)
         for name in args.policies:
             policy, scoring, calibration, z, g, toks = case(geometry, name, args.tokens, args.prior_density)
-            graphs = {label: device_graphs(m, policy, scoring, calibration, z, g, toks)
-                      for label, m in modules.items()}
+            variants = dict(modules)
+            default = current.default_warps(GEOMETRIES[geometry][1])
+            variants.update({f"w{w}": (current, w) for w in args.warps if w != default})
+            graphs = {label: device_graphs(m, policy, scoring, calibration, z, g, toks, warps)
+                      for label, (m, warps) in variants.items()}
             times = {(label, part): [] for label in graphs for part in graphs[label]}
             times[("floor", "both")] = []
             for _ in range(args.rounds):  # interleaved: every graph once per round
                 for (label, part), acc in times.items():
                     acc.append(time_graph(floor if label == "floor" else graphs[label][part]) / steps)
             row = dict(geometry=geometry, policy=name, layers=num_layers, experts=GEOMETRIES[geometry][1],
-                       capacity=policy.capacity, tokens=args.tokens, rounds=args.rounds,
+                       capacity=policy.capacity, tokens=args.tokens, rounds=args.rounds, current_warps=default,
                        host_us=host_step_us(policy, scoring, calibration, z, g, toks))
             for (label, part), acc in times.items():
                 row[f"{label}_{part}_us"] = float(np.median(acc))
@@ -200,12 +217,15 @@ def main(argv=None) -> None:
             print(json.dumps(row), flush=True)
             write_text_atomic(args.out, json.dumps(dict(machine=platform.node(), gpu=torch.cuda.get_device_name(),
                                                         torch=torch.__version__, rows=rows), indent=1))
-    head = ["geometry", "policy", "current both", "route", "part 1", "other both", "floor", "host"]
+    extra = [f"w{w}" for w in sorted(set(args.warps))]
+    head = ["geometry", "policy", "current warps", "current both", "route", "part 1", "other both"] + \
+        [f"{label} both" for label in extra] + ["floor", "host"]
     print("| " + " | ".join(head) + " |")
     for r in rows:
-        cells = [r["geometry"], r["policy"], f"{r['current_both_us']:.1f}", f"{r['current_route_us']:.1f}",
-                 f"{r['current_part1_us']:.1f}", f"{r.get('other_both_us', float('nan')):.1f}",
-                 f"{r['floor_both_us']:.1f}", f"{r['host_us']:.1f}"]
+        cells = [r["geometry"], r["policy"], str(r["current_warps"]), f"{r['current_both_us']:.1f}",
+                 f"{r['current_route_us']:.1f}", f"{r['current_part1_us']:.1f}",
+                 f"{r.get('other_both_us', float('nan')):.1f}"] + \
+            [f"{warps_both_us(r, label):.1f}" for label in extra] + [f"{r['floor_both_us']:.1f}", f"{r['host_us']:.1f}"]
         print("| " + " | ".join(cells) + " |")
 
 

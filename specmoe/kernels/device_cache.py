@@ -47,6 +47,16 @@ F_BONUS, F_SCALE, F_FAST, F_SLOW, F_FAST_GAIN, F_SLOW_GAIN, F_EPS = range(7)
 N_FPARAMS = 7
 PRIOR_CHUNK = 16  # token-prior entries read per step of a priority snapshot ([BLOCK_E, 16] comparisons each)
 
+
+def default_warps(num_experts: int) -> int:
+    """Warps of the cache step's one program: one per 64 experts, so that a thread holds two entries of each [E]
+    vector at every E. The step is a chain of reductions over such vectors: one warp reduces with shuffles alone,
+    but at E = 256 each of its threads walks 8 float64 entries per reduction (one warp: 45 µs per layer on the
+    H200 at E = 256 against 12 at E = 64; BENCHMARKS.md has the warps compared)."""
+    block = 1 << max(num_experts - 1, 0).bit_length()  # BLOCK_E, the vectors' length (a power of two)
+    return max(1, min(8, block // 64))
+
+
 if triton is not None:
     _SLOT_EXPERT = tl.constexpr(K.SLOT_EXPERT)
     _EXPERT_SLOT = tl.constexpr(K.EXPERT_SLOT)
@@ -400,11 +410,12 @@ class DeviceCache:
     """The state of a `LogicalCache` on `device` and the launch that runs its per-layer steps there.
 
     Built from a host cache (its current state is copied; the host cache is left alone) and the model's
-    `RouterScoring` (whose groups must be the cache's). `step` writes the outputs named in the module docstring
-    into this object's tensors (`experts`, `route`, `demand`, `prefetch`), so that a CUDA graph can capture it.
+    `RouterScoring` (whose groups must be the cache's); `warps`: the launch's warps (default `default_warps`).
+    `step` writes the outputs named in the module docstring into this object's tensors (`experts`, `route`,
+    `demand`, `prefetch`), so that a CUDA graph can capture it.
     """
 
-    def __init__(self, cache: LogicalCache, scoring: RouterScoring, device):
+    def __init__(self, cache: LogicalCache, scoring: RouterScoring, device, warps: int | None = None):
         if triton is None:
             raise RuntimeError("the device cache needs Triton")
         policy, num_layers, num_experts = cache.policy, cache.num_layers, cache.num_experts
@@ -413,6 +424,9 @@ class DeviceCache:
                              f"{(int(cache.params[K.P_GROUPS]), int(cache.params[K.P_TOPK_GROUP]))}")
         self.policy, self.scoring, self.device = policy, scoring, torch.device(device)
         self.num_layers, self.num_experts = num_layers, num_experts
+        self.warps = default_warps(num_experts) if warps is None else warps
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"the cache step runs on 1, 2, 4 or 8 warps, got {warps}")
 
         def put(array, dtype):
             return torch.tensor(np.ascontiguousarray(array), dtype=dtype, device=self.device)  # a copy, on the CPU too
@@ -482,7 +496,7 @@ class DeviceCache:
             self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.displaced_mass, self.fparams,
             self.delta, self.bias, self.pind, self.pexp, self.pval, self.vocab, token, layer, z, g,
             experts_out, route_out, self.demand, self.prefetch, **self._constants,
-            DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=1, enable_fp_fusion=False)
+            DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=self.warps, enable_fp_fusion=False)
 
     def reset(self) -> None:
         """`LogicalCache.reset` on the device: unexecuted prefetches count as unused, then R_l = the warm set in

@@ -10,8 +10,11 @@ captures into a CUDA graph.
 
 On CUDA the source is the pinned host store read through unified virtual addressing: the GPU loads the host
 rows over the link itself (no copy engine, no host call per copy). The grid is small on purpose: the programs
-occupy SMs that the token's other kernels would use (measured on the H200 beforehand: 8 thread blocks read
-pinned memory at 51 GB/s, and 32 blocks slowed a concurrent bf16 GEMM by 22%); `blocks` is a launch parameter.
+occupy SMs that the token's other kernels would use; `blocks` and `block` are launch parameters. The default,
+32 programs of 1024 words, is `scripts/bench_expert_copy.py`'s choice on the H200 (BENCHMARKS.md): one 12.6 MB
+expert at 45.7 GB/s (the copy engine 40.9, the earlier 8 x 1024 38.6), four at 50.1 (copy engine 54.2), 36.0
+beside a bf16 GEMM that it slowed by 0.6%; fewer programs are slower, more or longer chunks no faster and cost
+the GEMM up to 7.5%.
 
 Rows are copied as words of the widest integer type that divides a row's bytes (int64 for every real model),
 so a bf16 row and an FP8 row (its float8 weights followed by their float32 block scales, `kernels.fp8`) are
@@ -28,8 +31,8 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-COPY_BLOCKS = 8  # programs per launch (module docstring)
-COPY_BLOCK = 1024  # words per program and chunk (8 KiB of int64): not tuned
+COPY_BLOCKS = 32  # programs per launch (module docstring: measured)
+COPY_BLOCK = 1024  # words per program and chunk (8 KiB of int64)
 
 if triton is not None:
 
