@@ -167,44 +167,142 @@ def crossover_map(grid: dict = GRID, capacities=(32, 16), progress: bool = False
     return latency_proxy(pd.DataFrame(rows))
 
 
-def measured_points(paths) -> pd.DataFrame:
-    """Cache-Prior / PSR as `scripts/bench_engine.py` measured it (host policy rows) following synthetic sources:
-    one row per source and C of each bench_engine.json in `paths` with both rows (the source's parameters, C,
-    both ms/token, the ratio and its 95% interval over windows, the file). Recorded traces (the family) are no
-    point of the map and are left out."""
+MEASURED = ("cache_prior", "psr", "exact_prefetch", "sd_block")  # the methods a measured point can carry
+MEASURED_COLUMNS = [*AXES, "C", *(f"{m}_ms" for m in MEASURED), "measured_ratio", "lo", "hi", "over", "sd_over_ar",
+                    "sd_lo", "sd_hi", "sd_config", "winner", "clear", "file"]
+
+
+def _read_report(path) -> dict:
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable bench_engine.json or bench_spec_engine.json ({exc})") from None
+    if not isinstance(report, dict) or "traces" not in report or "table" not in report \
+            or not ("ratios" in report or "ar_configs" in report):
+        raise ValueError(f"{path}: not a bench_engine.json or bench_spec_engine.json of a run with --trace "
+                         "(no traces, table, ratios or ar_configs)")
+    return report
+
+
+def _point(trace: dict):
+    """A run's trace entry as a map point's parameters (a synthetic source spec), or None (a recorded trace)."""
+    parsed = parse_source(trace.get("file") or trace.get("trace") or "")
+    return None if parsed is None else {a: getattr(parsed[0], a) for a in AXES}
+
+
+def _engine_points(report: dict, path) -> list[dict]:
+    """bench_engine.json: per synthetic source and C with both host-policy rows, Cache-Prior / PSR with its
+    interval over windows (exact with prefetch's ms where the run has its row)."""
     rows = []
-    for path in paths:
-        try:
-            report = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: not a readable bench_engine.json ({exc})") from None
-        if not isinstance(report, dict) or not {"traces", "ratios", "table"} <= set(report):
-            raise ValueError(f"{path}: not a bench_engine.json of a run with --trace (no traces, ratios or table)")
-        for prefix, trace in report["traces"].items():
-            parsed = parse_source(trace.get("file", ""))
-            if parsed is None:
+    for prefix, trace in report["traces"].items():
+        params = _point(trace)
+        if params is None:
+            continue
+        for key, ratio in report.get("ratios", {}).items():
+            found = re.fullmatch(rf"{re.escape(prefix)}C(\d+): cache_prior / psr \(host policy\)", key)
+            if not found:
                 continue
-            params = parsed[0]
-            for key, ratio in report.get("ratios", {}).items():
-                found = re.fullmatch(rf"{re.escape(prefix)}C(\d+): cache_prior / psr \(host policy\)", key)
-                if not found:
-                    continue
-                c = int(found.group(1))
-                ms = {p: report["table"][f"{prefix}C{c}_{p}_host_policy"]["ms_mean"] for p in ("cache_prior", "psr")}
-                rows.append({**{a: getattr(params, a) for a in AXES}, "C": c, "cache_prior_ms": ms["cache_prior"],
-                             "psr_ms": ms["psr"], "measured_ratio": ratio["ratio"], "lo": ratio["lo"],
-                             "hi": ratio["hi"], "over": ratio.get("over"), "file": str(path)})
-    return pd.DataFrame(rows, columns=[*AXES, "C", "cache_prior_ms", "psr_ms", "measured_ratio", "lo", "hi", "over",
-                                       "file"])
+            c = int(found.group(1))
+            ms = {p: report["table"].get(f"{prefix}C{c}_{p}_host_policy", {}).get("ms_mean", np.nan)
+                  for p in ("cache_prior", "psr", "exact_prefetch")}
+            rows.append({**params, "C": c, **{f"{p}_ms": v for p, v in ms.items()}, "measured_ratio": ratio["ratio"],
+                         "lo": ratio["lo"], "hi": ratio["hi"], "over": ratio.get("over"), "file": str(path)})
+    return rows
 
 
-def _measured_at(measured: pd.DataFrame | None, row, capacity: int) -> list[float]:
-    """The measured Cache-Prior / PSR ratios at a map row's point and C."""
+def _spec_points(report: dict, path) -> list[dict]:
+    """bench_spec_engine.json: per synthetic source and acceptmoe row, the map's configuration measured: AR at
+    C = P (Cache-Prior, PSR, exact with prefetch, those the run has) and SD with pool P, its time with the run's
+    drafting (--draft-ms); Cache-Prior / PSR and SD / the fastest of those ARs with 95% intervals over the
+    requests (bench_spec_engine's `request_ratio`)."""
+    from bench_spec_engine import request_ratio
+
+    pool, draft_ms = report["args"]["pool"], report["args"].get("draft_ms") or 0.0
+    rows = []
+    for row in report["table"]:
+        # the row's trace: the longest prefix of its source name ("olmoe_like_skew_1_" is also a prefix of
+        # "olmoe_like_skew_1_margin_0_...")
+        trace = max((t for t in report["traces"].values() if row["source"].startswith(t["prefix"])),
+                    key=lambda t: len(t["prefix"]), default=None)
+        params = None if trace is None else _point(trace)
+        if params is None or row["selector"] != "acceptmoe" or row.get("prefetch"):
+            continue
+        ar = {p: row.get(f"ar_{p}_C{pool}_ms_per_token", np.nan) for p in ("cache_prior", "psr", "exact_prefetch")}
+        sd_ms = row["ms_per_token_with_drafting"] if draft_ms else row["ms_per_token"]
+        details = {p: report["details"].get(f"{row['source']}/ar_{p}_C{pool}") for p in ("cache_prior", "psr")}
+        cp_psr = request_ratio(details["cache_prior"], details["psr"]) if all(details.values()) else None
+        best = min((p for p in ar if np.isfinite(ar[p])), key=ar.get, default=None)
+        sd = row.get(f"ratio_sd{'_drafting' if draft_ms else '0'}_over_ar_{best}_C{pool}_over_requests") or {}
+        rows.append({**params, "C": pool, **{f"{p}_ms": v for p, v in ar.items()}, "sd_block_ms": sd_ms,
+                     "measured_ratio": cp_psr["ratio"] if cp_psr else ar["cache_prior"] / ar["psr"],
+                     "lo": cp_psr["low"] if cp_psr else np.nan, "hi": cp_psr["high"] if cp_psr else np.nan,
+                     "over": f"{cp_psr['units']} requests" if cp_psr else None,
+                     "sd_over_ar": sd.get("ratio", np.nan), "sd_lo": sd.get("low", np.nan),
+                     "sd_hi": sd.get("high", np.nan),
+                     "sd_config": f"acceptmoe k {row['k']}, tau {row['tau']:.2f}, P {pool}, drafting "
+                                  f"{draft_ms:g} ms/block", "file": str(path)})
+    return rows
+
+
+def _winner(row) -> tuple[str, object]:
+    """The fastest measured method at a point, and whether its lead over the next is outside the 95% interval
+    (True / False; None where the two have no interval between them)."""
+    ms = {m: row[f"{m}_ms"] for m in MEASURED if np.isfinite(row[f"{m}_ms"])}
+    first, second = sorted(ms, key=ms.get)[:2]
+    pair = {first, second}
+    if pair == {"cache_prior", "psr"}:
+        lo, hi = row["lo"], row["hi"]
+    elif "sd_block" in pair:
+        lo, hi = row["sd_lo"], row["sd_hi"]
+    else:
+        return first, None
+    return first, (None if not (np.isfinite(lo) and np.isfinite(hi)) else bool(hi < 1 or lo > 1))
+
+
+def measured_points(paths) -> pd.DataFrame:
+    """Latency measured on the engine at points of the map, one row per synthetic source and C (recorded traces,
+    e.g. the family, are no point of the map and are left out), from each file in `paths`:
+    - a `scripts/bench_engine.json` with --trace: Cache-Prior and PSR on the host policy (and exact with prefetch
+      where the run has it), Cache-Prior / PSR with its interval over windows;
+    - a `scripts/bench_spec_engine.json` with --trace: AR at C = P and acceptmoe SD with pool P (`_spec_points`);
+    - a crossover_measured.csv of an earlier run (its rows as they are).
+    Each row carries the fastest measured method (`winner`) and whether its lead is outside the interval
+    (`clear`)."""
+    rows, frames = [], []
+    for path in paths:
+        if str(path).endswith(".csv"):
+            try:
+                frame = pd.read_csv(path)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{path}: not a readable crossover_measured.csv ({exc})") from None
+            if not {*AXES, "C", "cache_prior_ms", "psr_ms", "measured_ratio"} <= set(frame.columns):
+                raise ValueError(f"{path}: not a crossover_measured.csv (its columns: {list(frame.columns)})")
+            frames.append(frame.reindex(columns=MEASURED_COLUMNS))
+            continue
+        report = _read_report(path)
+        rows += _spec_points(report, path) if "ar_configs" in report else _engine_points(report, path)
+    measured = pd.concat(frames + [pd.DataFrame(rows, columns=MEASURED_COLUMNS)], ignore_index=True)
+    measured = measured.astype({f"{m}_ms": float for m in MEASURED} | {c: float for c in ("sd_lo", "sd_hi", "lo",
+                                                                                           "hi", "sd_over_ar")})
+    if len(measured):
+        winners = [_winner(r) for _, r in measured.iterrows()]
+        measured["winner"] = [w for w, _ in winners]
+        measured["clear"] = pd.array([c for _, c in winners], dtype="boolean")
+    return measured
+
+
+def _measured_at(measured: pd.DataFrame | None, row, capacity: int) -> pd.DataFrame:
+    """The measured rows (`measured_points`) at a map row's point and C."""
     if measured is None or measured.empty:
-        return []
-    here = measured[(measured.C == capacity) & np.logical_and.reduce(
+        return pd.DataFrame(columns=MEASURED_COLUMNS)
+    return measured[(measured.C == capacity) & np.logical_and.reduce(
         [np.isclose(measured[a].to_numpy(float), float(row[a])) for a in AXES])]
-    return list(here.measured_ratio)
+
+
+def _span(values, digits: int = 2) -> str:
+    """"1.11" or "1.09-1.13": one value, or the range of several runs'."""
+    lo, hi = min(values), max(values)
+    return f"{lo:.{digits}f}" + (f"-{hi:.{digits}f}" if hi - lo >= 0.5 * 10 ** -digits else "")
 
 
 def plot(table: pd.DataFrame, capacity: int, path: Path, measured: pd.DataFrame | None = None) -> None:
@@ -232,13 +330,19 @@ def plot(table: pd.DataFrame, capacity: int, path: Path, measured: pd.DataFrame 
         for _, row in part.iterrows():
             x, y = xs.index(row.persistence), ys.index(row.pregate_noise)
             ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, color=COLOURS[row[f"win_{what}"]], alpha=0.75))
-            seen = _measured_at(measured, row, capacity) if what == "ms" else []
-            ax.text(x, y + (0.15 if seen else 0), f"{row[f'cache_prior_over_psr_{what}']:.2f}", ha="center",
+            seen = _measured_at(measured if what == "ms" else None, row, capacity)
+            ax.text(x, y + (0.22 if len(seen) else 0), f"{row[f'cache_prior_over_psr_{what}']:.2f}", ha="center",
                     va="center", fontsize=7)
-            if seen:
-                ax.add_patch(plt.Rectangle((x - 0.47, y - 0.47), 0.94, 0.94, fill=False, lw=1.6, ec="k"))
-                text = f"m {min(seen):.2f}" + (f"-{max(seen):.2f}" if max(seen) - min(seen) >= 0.005 else "")
-                ax.text(x, y - 0.2, text, ha="center", va="center", fontsize=6, fontweight="bold")
+            if len(seen):
+                winners = set(seen.winner)
+                edge = COLOURS[winners.pop()] if len(winners) == 1 else "k"
+                style = "--" if (seen["clear"] == False).any() else "-"  # noqa: E712 (a nullable boolean column)
+                ax.add_patch(plt.Rectangle((x - 0.47, y - 0.47), 0.94, 0.94, fill=False, lw=2.2, ec=edge, ls=style))
+                text = f"m {_span(seen.measured_ratio)}"
+                sd = seen.sd_over_ar.dropna()
+                if len(sd):
+                    text += f"\nSD/AR {_span(sd)}"
+                ax.text(x, y - 0.17, text, ha="center", va="center", fontsize=5.5, fontweight="bold")
             here = tuple(row[a] for a in AXES)
             if here == tuple(getattr(olmoe, a) for a in AXES):
                 ax.plot(x + 0.3, y + 0.3, "*", color="k", ms=9)
@@ -262,11 +366,12 @@ def plot(table: pd.DataFrame, capacity: int, path: Path, measured: pd.DataFrame 
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False)
     fig.suptitle(f"Which method wins at C = {capacity} of 64 experts, OLMoE geometry (CPU replay)\n'proxy ms': a "
                  "latency proxy from H200 figures, not a measurement; cell text: Cache-Prior / PSR"
-                 + ("\nframed: Cache-Prior / PSR measured on the H200, full-size OLMoE (m)" if measured is not None
-                    and not measured.empty else ""),
+                 + ("\nframed: measured on the H200, full-size OLMoE; frame colour: the fastest measured (dashed: "
+                    "within\nthe 95% interval of the next); m: Cache-Prior / PSR; SD/AR: SD with drafting / the "
+                    "fastest AR" if measured is not None and not measured.empty else ""),
                  fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.93 if measured is not None and not measured.empty else 0.95))
-    fig.savefig(path, dpi=80)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.91 if measured is not None and not measured.empty else 0.95))
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 

@@ -73,13 +73,72 @@ def test_measured_ratios_are_placed_on_their_points(table, tmp_path):
     row = measured.iloc[0]
     assert tuple(row[["persistence", "pregate_noise", "skew", "margin", "C"]]) == (0.85, 0.3, 0.6, 0.5, 32)
     assert (row.measured_ratio, row.cache_prior_ms, row.psr_ms) == (1.25, 6.25, 5.0)
-    at = {(r.persistence, r.pregate_noise): _measured_at(measured, r, 32) for _, r in table.iterrows()}
+    at = {(r.persistence, r.pregate_noise): list(_measured_at(measured, r, 32).measured_ratio)
+          for _, r in table.iterrows()}
     assert at == {(0.3, 0.3): [], (0.3, 1.0): [], (0.85, 0.3): [1.25], (0.85, 1.0): []}
     out = tmp_path / "out"
     main(["--out", str(out), "--table", str(tmp_path / "crossover.csv"), "--capacities", "32",
           "--measured", str(tmp_path / "bench_engine.json")])
     assert (out / "crossover_C32.png").stat().st_size > 0 and not (out / "crossover.csv").exists()
     assert len(pd.read_csv(out / "crossover_measured.csv")) == 1
+
+
+def spec_report(draft_ms: float = 1.684) -> dict:
+    """A bench_spec_engine.json of two synthetic sources whose labels nest (skew 1 and skew 1, margin 0) and the
+    family's trace: AR at C = P = 32 and acceptmoe SD, 4 requests of 2 rounds."""
+    traces = {"olmoe_like_skew_1": {"trace": "olmoe-like:tokens=8192,skew=1", "prefix": "olmoe_like_skew_1_"},
+              "olmoe_like_skew_1_margin_0": {"trace": "olmoe-like:tokens=8192,skew=1,margin=0",
+                                             "prefix": "olmoe_like_skew_1_margin_0_"},
+              "family_trace": {"trace": "/runs/family_trace.safetensors", "prefix": "family_trace_"}}
+    table, details = [], {}
+    tokens = [10, 12, 8, 10]
+    points = (("olmoe_like_skew_1_", 2.4, 0.9, False), ("olmoe_like_skew_1_margin_0_", 2.0, 1.5, True),
+              ("family_trace_", 2.2, 1.0, True))
+    for prefix, cp, sd, clear in points:  # Cache-Prior's ms per token, SD / Cache-Prior, interval excludes 1
+        source = prefix + "synthetic_tau5_k8"
+        ms = {"cache_prior": cp, "psr": 3.0, "exact_prefetch": 4.5}
+        row = {"source": source, "selector": "acceptmoe", "k": 8, "tau": 4.47, "prefetch": 0,
+               "ms_per_token": 2.0, "ms_per_token_with_drafting": 2.0 + draft_ms / 4.47}
+        for policy, value in ms.items():
+            row[f"ar_{policy}_C32_ms_per_token"] = value
+            # per request: the policy's ms per token times the request's tokens, +-5% apart by request
+            details[f"{source}/ar_{policy}_C32"] = {"request_tokens": tokens, "request_ms": [
+                [value * n * (1 + 0.05 * (-1) ** i) for i, n in enumerate(tokens)]] * 2}
+        spread = (0.6, 1.6) if not clear else (sd - 0.02, sd + 0.02)
+        row["ratio_sd_drafting_over_ar_cache_prior_C32_over_requests"] = {"ratio": sd, "low": spread[0],
+                                                                         "high": spread[1]}
+        table.append(row)
+        table.append({**row, "selector": "exact"})
+    return {"args": {"pool": 32, "draft_ms": draft_ms}, "traces": traces, "table": table, "details": details,
+            "ar_configs": ["cache_prior_C32", "psr_C32", "exact_prefetch_C32"]}
+
+
+def test_speculative_runs_and_earlier_csvs_are_measured_points(tmp_path):
+    """--measured takes bench_spec_engine.json (AR at C = P and acceptmoe SD with its drafting, each row on its own
+    source's point even where source labels nest; the family's trace left out) and an earlier
+    crossover_measured.csv; the fastest measured method is the winner, marked unclear where the interval against
+    the next holds 1."""
+    import json
+
+    from crossover_map import measured_points
+
+    (tmp_path / "spec.json").write_text(json.dumps(spec_report()))
+    measured = measured_points([tmp_path / "spec.json"])
+    assert len(measured) == 2 and set(measured["skew"]) == {1.0} and sorted(measured.margin) == [0.0, 0.5]
+    by_margin = measured.set_index("margin")
+    low, high = by_margin.loc[0.5], by_margin.loc[0.0]
+    assert (low.cache_prior_ms, low.psr_ms, low.exact_prefetch_ms) == (2.4, 3.0, 4.5)
+    assert low.sd_block_ms == pytest.approx(2.0 + 1.684 / 4.47) and low.C == 32
+    assert low.measured_ratio == pytest.approx(0.8) and low.lo < 0.8 < low.hi and low.over == "4 requests"
+    # skew 1, margin 0.5: SD (2.38 ms) ahead of Cache-Prior (2.4) inside an interval holding 1; margin 0:
+    # Cache-Prior (2.0) ahead of SD (2.38), SD / AR 1.5 (1.48-1.52)
+    assert (low.winner, bool(low.clear)) == ("sd_block", False) and low.sd_over_ar == 0.9
+    assert (high.winner, bool(high.clear)) == ("cache_prior", True) and high.sd_lo == pytest.approx(1.48)
+    measured.to_csv(tmp_path / "earlier.csv", index=False)
+    again = measured_points([tmp_path / "earlier.csv", tmp_path / "spec.json"])
+    assert len(again) == 4 and list(again.winner) == list(measured.winner) * 2
+    pd.testing.assert_frame_equal(again.iloc[:2].drop(columns="file"), again.iloc[2:].reset_index(drop=True).drop(
+        columns="file"), check_dtype=False)
 
 
 def test_bad_measured_or_table_files_exit_in_one_line(tmp_path, capsys):
