@@ -17,8 +17,8 @@ The latency proxy (not a measurement) prices those copies with H200 figures of f
 BENCHMARKS.md (`H200`, below): AR ms/token = all-resident ms + copies x the policy's measured ms per copy above
 the all-resident time; SD ms per committed token = (verification compute per block + drafting per block) / tau
 + copies x the measured exposed ms per copy. The per-copy costs carry each policy's overlap (PSR's prefetches
-hide part of a copy); they were measured on random routing (AR) and on the family's routing (SD), at one
-operating point each, and are assumed to hold over the whole grid.
+hide part of a copy); they were measured on random routing (AR, at short context) and at three cells of this
+map (SD, its own configuration at 2k context, pooled), and are assumed to hold over the whole grid.
 
     python3 scripts/crossover_map.py [--out runs/crossover] [--tokens 2048] [--capacities 32,16]
         [--measured runs/map/bench_engine.json ...] [--table runs/crossover/crossover.csv]
@@ -61,17 +61,19 @@ COLOURS = {"exact_lru": "#999999", "cache_prior": "#1f77b4", "psr": "#d62728", "
 
 # H200, full-size OLMoE-1B-7B, bf16, quoted from BENCHMARKS.md. AR: section "AR offloading engine (issue 3)"
 # (2026-11-29, random routing, 3 rounds): all-resident ms, and per policy and C (ms/token, transferred copies per
-# token); per-copy cost = (ms - all-resident) / copies. SD: section "Trace-following: synthetic blocks ..."
-# (2026-12-01), row synthetic_tau5_k8 acceptmoe (tau 4.47; compute-only 0.77 and exposed copies 2.12 ms per
-# committed token at 6.8 copies); drafting: the DFlash drafter's 1.684 ms per block ("Drafters against the
-# target's step").
+# token); per-copy cost = (ms - all-resident) / copies. SD: section "Block-selected SD and exact with prefetch at
+# three cells of the map" (2026-12-02): the map's configuration (acceptmoe, P = 32, k = 8, blocks at position
+# 2048), pooled over its three cells (537 committed tokens in 120 blocks, tau 4.475: compute-only 1.208 and
+# exposed copies 2.696 ms per committed token at 8.555 copies; those three cells are in-sample); drafting: the
+# DFlash drafter's 1.684 ms per block ("Drafters against the target's step"). The SD price before it came from a
+# run at position 256 with P = 24 (3.44 ms of verification per block against 5.41 at 2k context).
 H200 = {
     "all_resident_ms": 1.76,
     "ar": {32: {"exact_lru": (12.69, 44.9), "exact_prefetch": (10.74, 45.3), "cache_prior": (4.52, 10.9),
                 "psr": (3.92, 15.4)},
            16: {"exact_lru": (20.86, 80.4), "exact_prefetch": (18.68, 80.6), "cache_prior": (10.15, 34.2),
                 "psr": (7.33, 30.7)}},
-    "sd": {"tau": 4.47, "compute_ms_per_token": 0.77, "exposed_ms_per_token": 2.12, "copies_per_token": 6.8,
+    "sd": {"tau": 4.475, "compute_ms_per_token": 1.208, "exposed_ms_per_token": 2.696, "copies_per_token": 8.555,
            "draft_ms_per_block": 1.684},
 }
 
