@@ -336,6 +336,10 @@ def test_bench_device_cache_builds_its_cases_and_times_the_host_step(tmp_path):
 
     other = bench.load_module(current.__file__)
     assert other is not current and hasattr(other, "DeviceCache")
+    # the table's warps columns: the default's own row is "current", others their own, untimed NaN
+    row = {"current_warps": 4, "current_both_us": 29.0, "w1_both_us": 45.7}
+    assert (bench.warps_both_us(row, "w4"), bench.warps_both_us(row, "w1")) == (29.0, 45.7)
+    assert bench.np.isnan(bench.warps_both_us(row, "w8"))
     if not bench.torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device and Triton"):
             bench.main(["--out", str(tmp_path / "x.json")])
@@ -372,7 +376,8 @@ def test_new_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path, capsys):
                                 (bench_expert_copy.main, ["--expert-mb", "0"], "--expert-mb must be positive"),
                                 (bench_device_cache.main, ["--tokens", "0"], "--tokens and --rounds"),
                                 (bench_device_cache.main, ["--prior-density", "2"], "--prior-density must lie"),
-                                (bench_device_cache.main, ["--policies", "psrr"], "invalid choice: 'psrr'")):
+                                (bench_device_cache.main, ["--policies", "psrr"], "invalid choice: 'psrr'"),
+                                (bench_device_cache.main, ["--warps", "3"], "invalid choice: 3")):
         with pytest.raises(SystemExit) as exit_:
             main(out + extra)
         assert exit_.value.code == 2 and option in capsys.readouterr().err

@@ -87,6 +87,23 @@ def test_device_cache_refuses_other_groups_than_the_cache():
         DeviceCache(cache, RouterScoring("sigmoid", n_group=8, topk_group=3), "cpu")
 
 
+def test_cache_step_warps_grow_with_the_expert_row():
+    """One warp per 64 entries of the padded expert row (two entries per thread), 1 to 8; a DeviceCache takes
+    another count of 1, 2, 4 or 8 and refuses the rest in one line."""
+    from specmoe.kernels.device_cache import default_warps
+
+    assert [default_warps(e) for e in (8, 48, 60, 64, 65, 128, 256, 384, 1024)] == [1, 1, 1, 1, 2, 2, 4, 8, 8]
+    if importlib.util.find_spec("triton") is None:
+        return
+    from specmoe.kernels.device_cache import DeviceCache
+
+    cache = LogicalCache(preset("psr", 16, 8), Calibration.uniform(2, 64, 10), 2, 64)
+    assert DeviceCache(cache, RouterScoring("softmax"), "cpu").warps == 1
+    assert DeviceCache(cache, RouterScoring("softmax"), "cpu", warps=4).warps == 4
+    with pytest.raises(ValueError, match="1, 2, 4 or 8 warps, got 3"):
+        DeviceCache(cache, RouterScoring("softmax"), "cpu", warps=3)
+
+
 # (E, C) of the long CUDA runs, taken in turn by the cases: every policy kind at both E, every C at both E
 _GPU_GEOMETRIES = [(64, 16), (256, 32), (64, 64), (256, 16), (64, 32), (256, 64)]
 
