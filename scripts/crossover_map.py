@@ -26,10 +26,11 @@ map (SD, its own configuration at 2k context, pooled), and are assumed to hold o
 Writes crossover.csv (one row per point and C) and crossover_C{C}.png (per C: which method wins in copies and
 in the proxy, panels over skew and margin, persistence against pre-gate noise; the olmoe-like point starred,
 the family's nearest point by its measured statistics circled, by its copies squared). `--measured` places on
-the proxy's panels the Cache-Prior / PSR ratios that `scripts/bench_engine.py` measured following synthetic
-sources (its json files; the cells framed, the measured ratio under the proxy's) and writes them to
-crossover_measured.csv; `--table` plots an earlier run's crossover.csv instead of replaying the grid again. See
-docs/crossover.md.
+the proxy's panels what the engine measured following synthetic sources (`scripts/bench_engine.py` and
+`scripts/bench_spec_engine.py` json files, or an earlier crossover_measured.csv; `measured_points`): each cell
+framed in the fastest measured method's colour, the measured Cache-Prior / PSR (and SD / AR) under the proxy's;
+it writes them to crossover_measured.csv; `--table` plots an earlier run's crossover.csv instead of replaying the
+grid again. See docs/crossover.md.
 """
 
 from __future__ import annotations
@@ -393,8 +394,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tau", type=float, default=5.0, help="SD blocks' tau (geometric acceptance; default 5)")
     parser.add_argument("-k", type=int, default=8, help="SD drafts per block (default 8)")
     parser.add_argument("--measured", nargs="*", default=[],
-                        help="bench_engine.json files of runs following synthetic sources: their Cache-Prior / PSR "
-                        "ratios on the map (and crossover_measured.csv)")
+                        help="bench_engine.json and bench_spec_engine.json files of runs following synthetic sources, "
+                        "or an earlier crossover_measured.csv: their measured points on the map (and in "
+                        "crossover_measured.csv)")
     parser.add_argument("--table", help="plot this crossover.csv (an earlier run's) instead of replaying the grid")
     args = parser.parse_args(argv)
     try:
