@@ -285,8 +285,8 @@ def measured_points(paths) -> pd.DataFrame:
         report = _read_report(path)
         rows += _spec_points(report, path) if "ar_configs" in report else _engine_points(report, path)
     measured = pd.concat(frames + [pd.DataFrame(rows, columns=MEASURED_COLUMNS)], ignore_index=True)
-    measured = measured.astype({f"{m}_ms": float for m in MEASURED} | {c: float for c in ("sd_lo", "sd_hi", "lo",
-                                                                                           "hi", "sd_over_ar")})
+    floats = [f"{m}_ms" for m in MEASURED] + ["measured_ratio", "lo", "hi", "sd_over_ar", "sd_lo", "sd_hi"]
+    measured = measured.astype(dict.fromkeys(floats, float))
     if len(measured):
         winners = [_winner(r) for _, r in measured.iterrows()]
         measured["winner"] = [w for w, _ in winners]

@@ -154,3 +154,15 @@ def test_bad_measured_or_table_files_exit_in_one_line(tmp_path, capsys):
             main(["--out", str(tmp_path / "out")] + extra)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_csv_that_is_not_a_measured_points_file_exits_in_one_line(tmp_path, capsys):
+    """--measured with a csv lacking the measured points' columns (e.g. the grid's crossover.csv) exits with status
+    2 and the file's name, before any replay."""
+    from crossover_map import main
+
+    pd.DataFrame({"C": [32], "psr": [14.7]}).to_csv(tmp_path / "grid.csv", index=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path / "out"), "--measured", str(tmp_path / "grid.csv")])
+    assert exit_.value.code == 2 and "grid.csv: not a crossover_measured.csv" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -36,9 +36,9 @@ class EngineConfig:
     and its copies on the device, a token as one CUDA graph, also when routing follows a logit feed
     (`specmoe.engines.device_policy`; "auto": on CUDA where it applies; "on": also on the CPU under Triton's
     interpreter, for tests; "off", the default: the host's `LogicalCache` between per-layer launches). Its GPU
-    tests pass, but it is not faster on an H200, so the default stays "off": at E = 256 its one-program cache
-    step costs more per layer than the host round trip it removes; at E = 64 it costs less, but its copy kernel
-    takes 0.42 ms per demand copy against the copy engine's 0.23 (docs/device-cache.md, "Where the time goes").
+    tests pass; the default stays "off" because on an H200 it is faster only for some policies: on full-size
+    OLMoE at C = 32 it is 3% faster than the host policy for Cache-Prior and 18% slower for PSR, and at E = 256
+    its cache step costs more per layer than the host's (docs/device-cache.md, "Where the time goes").
     block_device: the speculative engine's verification blocks with their selection, expert pool, demand copies
     and refill on the device, a block as one CUDA graph, also following recorded blocks
     (`specmoe.engines.device_blocks`; "auto" / "on" / "off" as policy_device; "off" the default for the same
