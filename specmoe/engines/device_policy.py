@@ -159,6 +159,8 @@ class DevicePolicy:
     the rule routing applies (`CacheRouter.feed_rule`; default the model's). Build it before a request (its
     warm-up writes the KV rows of position 0)."""
 
+    branch = True  # layer l + 1's part 1 and prefetch copies on a side stream (False: in line, on the compute stream)
+
     def __init__(self, decoder, step, residency, router, stream, cuda_graphs: bool = True,
                  copy_in_graph: bool = True, blocks: int = COPY_BLOCKS, block: int = COPY_BLOCK, scoring=None):
         from specmoe.kernels.device_cache import DeviceCache
@@ -206,13 +208,14 @@ class DevicePolicy:
             self.feed_dev.copy_(self.feed_host, non_blocking=True)
         for layer in range(self.num_layers):
             dec.attention_router(step, layer, copy_out=False)
-            if self.cuda and self.inserts and layer > 0:
+            branch = self.cuda and self.branch
+            if branch and self.inserts and layer > 0:
                 self.stream.wait_stream(self.side)  # this layer's branch (part 1, prefetch copies), forked at the last
             logits = self.feed_dev[layer] if fed else step.logits_dev[layer, 0]
             if self.inserts and layer < last:  # the next layer's branch, beside this layer's route and MoE
-                if self.cuda:
+                if branch:
                     self.side.wait_stream(self.stream)
-                with torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext():
+                with torch.cuda.stream(self.side) if branch else contextlib.nullcontext():
                     cache.step(token, layer + 1, pregate_logits=logits[e:])
                     if not skip:
                         self._copy(layer + 1, cache.prefetch, delays, 2 * layer + 1)
