@@ -13,10 +13,7 @@ Configurations run in one process, rounds interleaved (A B C ... A B C ...):
   lambda 0.3 (C=32) / 0.25 (C=16) n=1, speculative execution; each with the policy on the device (`C32_psr`,
   `EngineConfig(policy_device="on")`: the logical cache and its copy kernels in one graph per token,
   `specmoe.engines.device_policy`) and on the host (`C32_psr_host_policy`, `policy_device="off"`: a host
-  round trip per layer), in the same rounds, with the ratio host policy / device policy (--policy-paths); with
-  --policy-paths ... copy_engine also the device policy with its prefetch copies issued on the copy engine by a
-  host thread (`C32_psr_copy_engine`, `EngineConfig(prefetch_copies="copy_engine")`, policies that prefetch), with
-  the ratios copy kernel / copy engine and host policy / copy engine;
+  round trip per layer), in the same rounds, with the ratio host policy / device policy (--policy-paths);
 - with --trace (a `specmoe trace` of a trained model with the same L, E, K, or a synthetic routing source) and
   --trace-calibration, the same policies again, on both paths, following the trace's router and pre-gate logits
   and tokens (realistic copy patterns on the full-size random weights): rows `trace_C32_psr` and
@@ -247,13 +244,9 @@ def trace_label(spec: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in text).strip("_")
 
 
-PATH_SUFFIX = {"device": "", "host": "_host_policy", "copy_engine": "_copy_engine"}  # --policy-paths
-
-
-def row_name(prefix: str, capacity: int, policy: str, path: str = "device") -> str:
-    """A C < E row's name: "C32_psr", "trace_C32_psr", "C32_psr_host_policy" (the policy on the host),
-    "C32_psr_copy_engine" (the device policy with its prefetches on the copy engine)."""
-    return f"{prefix}C{capacity}_{policy}" + PATH_SUFFIX[path]
+def row_name(prefix: str, capacity: int, policy: str, host_policy: bool = False) -> str:
+    """A C < E row's name: "C32_psr", "trace_C32_psr", "C32_psr_host_policy" (the policy on the host)."""
+    return f"{prefix}C{capacity}_{policy}" + ("_host_policy" if host_policy else "")
 
 
 def trace_prefixes(args) -> list[str]:
@@ -281,10 +274,10 @@ def config_rows(args, num_experts: int, top_k: int) -> dict[str, list]:
         rows = []
         for c in args.capacities:
             for name, pol in policies(c, E, K, args.psr_window).items():
-                for path in args.policy_paths:
-                    if path == "copy_engine" and pol.insert_budget == 0:
-                        continue  # no prefetches: the device row's
-                    rows.append((row_name(prefix, c, name, path), c if path == "device" else f"{c}{PATH_SUFFIX[path]}", pol))
+                if "device" in args.policy_paths:
+                    rows.append((row_name(prefix, c, name), c, pol))
+                if "host" in args.policy_paths:
+                    rows.append((row_name(prefix, c, name, host_policy=True), f"{c}_host_policy", pol))
         return rows
 
     rows = {"": [("all_resident", E, preset("exact_lru", E, K)),
@@ -435,10 +428,8 @@ def main(argv=None) -> int:
                     "unknown name exits with the known ones")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--psr-window", type=int, default=8, help="PSR's pre-gate window w (the paper's Moonlight: 4)")
-    ap.add_argument("--policy-paths", nargs="+", choices=tuple(PATH_SUFFIX), default=["device", "host"],
-                    help="C < E rows with the policy on the device (C32_psr), on the host (C32_psr_host_policy), and/or "
-                    "on the device with its prefetch copies on the copy engine (C32_psr_copy_engine; policies that "
-                    "prefetch)")
+    ap.add_argument("--policy-paths", nargs="+", choices=("device", "host"), default=["device", "host"],
+                    help="C < E rows with the policy on the device (C32_psr) and/or on the host (C32_psr_host_policy)")
     ap.add_argument("--unbatched-copies", action="store_true",
                     help="issue one cudaMemcpyAsync per copy even where cudaMemcpyBatchAsync works (A/B runs)")
     args = ap.parse_args(argv)
@@ -498,11 +489,6 @@ def main(argv=None) -> int:
                 model, preset("exact_lru", c, K), calib, EngineConfig(max_seq_len=args.max_seq_len,
                                                                       attention=args.attention, policy_device="off"),
                 residency=unit)
-        if "copy_engine" in args.policy_paths:  # the device policy with its prefetches on the copy engine
-            engines[f"{c}_copy_engine"] = build_engine(
-                model, preset("exact_lru", c, K), calib, EngineConfig(
-                    max_seq_len=args.max_seq_len, attention=args.attention, policy_device="on",
-                    prefetch_copies="copy_engine"), residency=unit)
     engines["host"] = build_engine(model, preset("exact_lru", E, K), calib,  # all resident, routed on the host
                                    EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention,
                                                 device_routing="off"), residency=unit)
@@ -691,18 +677,13 @@ def policy_ratios(units, prefixes: list[str], capacities: list[int], names: list
         for c in capacities:
             for name in names:
                 add(f"{prefix}C{c}: {name} host policy / device policy",
-                    units(row_name(prefix, c, name, "host")), units(row_name(prefix, c, name)))
-                add(f"{prefix}C{c}: {name} copy kernel / copy engine (device policy)",
-                    units(row_name(prefix, c, name)), units(row_name(prefix, c, name, "copy_engine")))
-                add(f"{prefix}C{c}: {name} host policy / copy engine (device policy)",
-                    units(row_name(prefix, c, name, "host")), units(row_name(prefix, c, name, "copy_engine")))
+                    units(row_name(prefix, c, name, host_policy=True)), units(row_name(prefix, c, name)))
     for prefix in prefixes:
         for c in capacities:
             for host_policy in (False, True):
                 for base in (n for n in names if n != "psr"):
                     add(f"{prefix}C{c}: {base} / psr" + (" (host policy)" if host_policy else ""),
-                        units(row_name(prefix, c, base, "host" if host_policy else "device")),
-                        units(row_name(prefix, c, "psr", "host" if host_policy else "device")))
+                        units(row_name(prefix, c, base, host_policy)), units(row_name(prefix, c, "psr", host_policy)))
     return ratios
 
 

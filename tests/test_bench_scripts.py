@@ -140,13 +140,6 @@ def test_bench_engine_configs_are_checked_before_a_model_is_built(monkeypatch, t
         (f"b_C{c}_{p}{path}", f"{c}{path}" if path else c) for c in (32, 16) for p in policies
         for path in ("", "_host_policy")]
     assert rows["b_"][7][2].name == rows[""][9][2].name  # the same policy, C32 psr on the host path
-    # the copy engine's rows: only the policies that prefetch (exact_prefetch, psr, spec_exec), on their own engine
-    args.policy_paths = ["device", "copy_engine"]
-    rows = bench_engine.config_rows(args, 64, 8)
-    engine_rows = [(name, key) for name, key, _ in rows[""] if name.endswith("_copy_engine")]
-    assert engine_rows == [(f"C{c}_{p}_copy_engine", f"{c}_copy_engine") for c in (32, 16)
-                           for p in ("exact_prefetch", "psr", "spec_exec")]
-    args.policy_paths = ["device", "host"]
     args.trace_calibration = ["olmoe-like"]
     with pytest.raises(SystemExit, match="one per --trace"):
         bench_engine.config_rows(args, 64, 8)

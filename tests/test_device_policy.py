@@ -83,15 +83,6 @@ for policy_name in POLICIES:
         compare(ga, gb, SAME_CLASSES, IN_TIME, LATE)
         assert ga.generated == gb.generated
     print("ok", policy_name, totals, flush=True)
-# prefetches by the copy engine (`prefetch_issuer`; on the CPU the posted lists are copied in line)
-dev, host, adapter = engines("olmoe-tiny", "psr", 16, 24, layers=4, prefetch_copies="copy_engine")
-tokens = np.random.default_rng(3).integers(0, adapter.vocab_size, 5)
-a = dev.teacher_forced(tokens, prompt_len=2, return_logits=True)
-b = host.teacher_forced(tokens, prompt_len=2, return_logits=True)
-compare(a, b, SAME_CLASSES, IN_TIME, LATE)
-assert a.info["prefetch_copies"] == "copy_engine" and b.info["prefetch_copies"] == "host", (a.info, b.info)
-assert dev._device_policy.issuer is not None and dev._device_policy.issuer._thread is None  # in line on the CPU
-print("ok copy_engine", a.copy_totals(timed_only=False), flush=True)
 """
 
 
@@ -162,11 +153,10 @@ def test_device_policy_follows_a_feed_as_the_host_policy_in_the_interpreter():
 def test_device_policy_decodes_as_the_host_policy_in_the_interpreter():
     done = run_in_interpreter(_CHECK.replace("import numpy as np\n", "import numpy as np\n" + _fast_calls(), 1))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    for name in POLICIES + ("copy_engine",):
+    for name in POLICIES:
         assert f"ok {name} " in done.stdout, done.stdout
-    for name in ("psr", "copy_engine"):
-        totals = done.stdout.split(f"ok {name} ")[1].split("\n")[0]
-        assert "'demand': 0," not in totals and "'prefetch': 0," not in totals  # both copy kinds ran
+    psr = done.stdout.split("ok psr ")[1].split("\n")[0]
+    assert "'demand': 0," not in psr and "'prefetch': 0," not in psr  # both copy kinds ran
 
 
 def _fast_calls() -> str:
@@ -205,30 +195,22 @@ def test_host_policy_where_the_device_policy_does_not_apply(olmoe_tiny, monkeypa
     assert "device_routing decides" not in resident.device_policy(feed=LogitFeed.of(result))
     with pytest.raises(ValueError, match="policy_device"):
         EngineConfig(policy_device="gpu")
-    with pytest.raises(ValueError, match="prefetch_copies must be one of"):
-        EngineConfig(prefetch_copies="dma")
-    assert EngineConfig().prefetch_copies == "kernel"
 
 
 # (model, policy, C): every policy kind at two capacities on OLMoE; PSR on Qwen3.5-MoE (Gated DeltaNet layers: the
 # recurrent and convolution state advance inside the captured token; a renormalised softmax router and the gated
 # shared expert)
-# and the policies that insert with their prefetches on the copy engine (`prefetch_issuer`'s host thread)
-DECODE_CASES = ([("olmoe-tiny", p, c, "kernel") for c in (32, 16) for p in POLICIES]
-                + [("qwen3.5-moe-tiny", "psr", 8, "kernel")]
-                + [("olmoe-tiny", p, c, "copy_engine") for c in (32, 16) for p in ("psr", "spec_exec")]
-                + [("qwen3.5-moe-tiny", "psr", 8, "copy_engine")])
+DECODE_CASES = [("olmoe-tiny", p, c) for c in (32, 16) for p in POLICIES] + [("qwen3.5-moe-tiny", "psr", 8)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,policy_name,capacity,prefetch", DECODE_CASES,
-                         ids=["-".join(map(str, c)) for c in DECODE_CASES])
-def test_gpu_device_policy_decodes_as_the_host_policy(name, policy_name, capacity, prefetch):
+@pytest.mark.parametrize("name,policy_name,capacity", DECODE_CASES, ids=["-".join(map(str, c)) for c in DECODE_CASES])
+def test_gpu_device_policy_decodes_as_the_host_policy(name, policy_name, capacity):
     """One captured graph per token: tokens, selections and copies by class as the host policy's; the logits equal
     to bf16 rounding (the device's float64 exp may move an execution weight by one float32 ulp)."""
     ns = {}
     exec(COMPARE, ns)
-    dev, host, adapter = ns["engines"](name, policy_name, capacity, 64, device="cuda", prefetch_copies=prefetch)
+    dev, host, adapter = ns["engines"](name, policy_name, capacity, 64, device="cuda")
     tokens = np.random.default_rng(capacity).integers(0, adapter.vocab_size, 40)
     a = dev.teacher_forced(tokens, prompt_len=8, return_logits=True)
     b = host.teacher_forced(tokens, prompt_len=8, return_logits=True)
@@ -236,9 +218,6 @@ def test_gpu_device_policy_decodes_as_the_host_policy(name, policy_name, capacit
     ns["compare"](a, b, SAME_CLASSES, IN_TIME, LATE, exact_logits=False)
     ga, gb = dev.generate(tokens[:6], 16), host.generate(tokens[:6], 16)
     assert ga.generated == gb.generated and ga.info["routing"] == "device_policy"
-    assert ga.info["prefetch_copies"] == prefetch
-    if prefetch == "copy_engine":  # the host thread served every token of both runs
-        assert dev._device_policy.issuer._thread is not None and dev._device_policy.issuer.seq >= 40
     held = dev._device_policy
     dev.configure(policy=dev.policy)  # a new router of the same policy: the device policy and its graph are kept
     again = dev.teacher_forced(tokens, prompt_len=8, return_logits=True)
@@ -271,15 +250,13 @@ def test_gpu_device_policy_follows_a_feed_as_the_host_policy(policy_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", ["kernel", "copy_engine"])
-def test_gpu_device_policy_is_independent_of_copy_timing(prefetch):
-    """Delays before every demand and prefetch copy (the prefetch branch, or the copy engine's prefetches, made
-    slower than the layer they overlap): the same tokens, selections, copies by class and logits bit for bit as
-    without delays; prefetches not awaited before their layer would leave stale slots and change the logits.
-    Copies skipped: the same selections."""
+def test_gpu_device_policy_is_independent_of_copy_timing():
+    """Delays before every demand and prefetch copy (the prefetch branch made slower than the layer it overlaps):
+    the same tokens, selections, copies by class and logits bit for bit as without delays; a branch not joined
+    before its layer would compute on stale slots and change the logits. Copies skipped: the same selections."""
     ns = {}
     exec(COMPARE, ns)
-    dev, _, adapter = ns["engines"]("olmoe-tiny", "psr", 16, 64, device="cuda", prefetch_copies=prefetch)
+    dev, _, adapter = ns["engines"]("olmoe-tiny", "psr", 16, 64, device="cuda")
     tokens = np.random.default_rng(7).integers(0, adapter.vocab_size, 32)
     base = dev.teacher_forced(tokens, prompt_len=4, return_logits=True)
     for seed in (1, 2):
@@ -296,31 +273,3 @@ def test_gpu_device_policy_is_independent_of_copy_timing(prefetch):
     np.testing.assert_array_equal(skipped.selected[0, 0], base.selected[0, 0])  # later layers read stale slots
     assert skipped.copies[:, COPY_FIELDS.index("issued")].sum() == 0
     assert skipped.copies[:, COPY_FIELDS.index("skipped")].sum() > 0
-
-
-@pytest.mark.gpu
-def test_gpu_copy_engine_prefetches_fail_loudly(monkeypatch):
-    """A host thread that fails to issue a layer's prefetches: the device's wait gives up after AWAIT_LIMIT polls
-    and the token raises the thread's error, rather than hanging or computing on stale slots; the engine then
-    runs again once the thread works."""
-    from specmoe.kernels import expert_copy
-
-    monkeypatch.setattr(expert_copy, "AWAIT_LIMIT", 20000)  # read when the graph is captured
-    ns = {}
-    exec(COMPARE, ns)
-    dev, _, adapter = ns["engines"]("olmoe-tiny", "psr", 16, 64, device="cuda", prefetch_copies="copy_engine")
-    tokens = np.random.default_rng(7).integers(0, adapter.vocab_size, 24)
-    base = dev.teacher_forced(tokens, prompt_len=4)
-    issuer = dev._device_policy.issuer
-    real = issuer._issue
-
-    def broken(layer, seq):
-        raise OSError("no copy for you")
-
-    monkeypatch.setattr(issuer, "_issue", broken)
-    with pytest.raises(RuntimeError, match="no copy for you"):
-        dev.teacher_forced(tokens, prompt_len=4)
-    monkeypatch.setattr(issuer, "_issue", real)
-    again = dev.teacher_forced(tokens, prompt_len=4)
-    np.testing.assert_array_equal(again.selected, base.selected)
-    np.testing.assert_array_equal(again.output_tokens, base.output_tokens)

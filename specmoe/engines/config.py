@@ -16,7 +16,6 @@ from specmoe.routing import validate
 CACHE_MODES = ("logical", "physical")
 DEVICE_ROUTING = ("auto", "on", "off")
 STATE_ROLLBACKS = ("auto", "history", "recompute")
-PREFETCH_COPIES = ("kernel", "copy_engine")
 
 
 @dataclass(frozen=True)
@@ -44,10 +43,6 @@ class EngineConfig:
     and refill on the device, a block as one CUDA graph, also following recorded blocks
     (`specmoe.engines.device_blocks`; "auto" / "on" / "off" as policy_device; "off" the default for the same
     reason: no faster than the host path where measured; the block prefetch stays on the host path).
-    prefetch_copies: how the device policy's prefetch copies go out: "kernel" (the copy kernel, on the token's
-    side branch, no host) or "copy_engine" (a host thread issues them on the copy stream from the lists the
-    token's graph writes, a layer ahead; `specmoe.engines.prefetch_issuer`); demand copies always go by the
-    kernel (they are known only at the layer's route). Decisions are the same either way.
     prefill_chunk: prompt positions per step of the autoregressive prefill (1: one at a time; the policy's
     decisions are the same either way, `Engine` module docstring). state_rollback: how a verification block's
     recurrent state (Qwen3.5-MoE's Gated DeltaNet) is rolled back: "history" (the step keeps every position's
@@ -63,7 +58,6 @@ class EngineConfig:
     device_routing: str = "auto"
     policy_device: str = "off"
     block_device: str = "off"
-    prefetch_copies: str = "kernel"
     prefill_chunk: int = 16
     state_rollback: str = "auto"
 
@@ -78,8 +72,6 @@ class EngineConfig:
             raise ValueError(f"policy_device must be one of {DEVICE_ROUTING}, got {self.policy_device!r}")
         if self.block_device not in DEVICE_ROUTING:
             raise ValueError(f"block_device must be one of {DEVICE_ROUTING}, got {self.block_device!r}")
-        if self.prefetch_copies not in PREFETCH_COPIES:
-            raise ValueError(f"prefetch_copies must be one of {PREFETCH_COPIES}, got {self.prefetch_copies!r}")
         if self.state_rollback not in STATE_ROLLBACKS:
             raise ValueError(f"state_rollback must be one of {STATE_ROLLBACKS}, got {self.state_rollback!r}")
 

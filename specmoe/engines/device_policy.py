@@ -45,11 +45,9 @@ import os
 import numpy as np
 import torch
 
-from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS, await_copies, launch_copy, word_view
+from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS, launch_copy, word_view
 from specmoe.routing import LogicalCache
 from specmoe.routing import kernels as K
-
-from .prefetch_issuer import PrefetchIssuer, listed_layers
 
 POLICY_DEVICE = ("auto", "on", "off")
 _STATE = ("istate", "iscalar", "fstate", "fscalar", "counters", "displaced_mass")
@@ -139,19 +137,15 @@ def captured(path):
     return path.graphs[key]
 
 
-def launch(path, started=None) -> None:
+def launch(path) -> None:
     """One step of a device path (`DevicePolicy`, `DeviceBlocks`) for its run's settings: its captured graph (and
     the copy-out where the graph does not hold it) or, without graphs, its body run eagerly; then the host waits
-    for it. started: called once the step is launched (before the wait; before the eager body)."""
+    for it."""
     if path.use_graphs:
         captured(path).replay()
-        if started is not None:
-            started()
         if not path.copy_in_graph:
             path._copy_out()
     else:
-        if started is not None:
-            started()
         path._body(path.skip, path.delays, copy_out=True, fed=path.fed)
     if path.cuda:
         path.ev_done.record(path.stream)
@@ -168,8 +162,7 @@ class DevicePolicy:
     branch = True  # layer l + 1's part 1 and prefetch copies on a side stream (False: in line, on the compute stream)
 
     def __init__(self, decoder, step, residency, router, stream, cuda_graphs: bool = True,
-                 copy_in_graph: bool = True, blocks: int = COPY_BLOCKS, block: int = COPY_BLOCK, scoring=None,
-                 prefetch: str = "kernel"):
+                 copy_in_graph: bool = True, blocks: int = COPY_BLOCKS, block: int = COPY_BLOCK, scoring=None):
         from specmoe.kernels.device_cache import DeviceCache
 
         g = decoder.geometry
@@ -184,10 +177,6 @@ class DevicePolicy:
         host.reset()  # the state a run starts from (`reset` on the device gives it again)
         self.cache = DeviceCache(host, self.scoring, residency.device)
         self.inserts = router.policy.insert_budget > 0
-        self.prefetch = prefetch  # EngineConfig.prefetch_copies
-        # copy-engine prefetches: a host thread issues them from the lists the token posts (`prefetch_issuer`)
-        self.issuer = PrefetchIssuer(residency.copies, g.num_layers, self.cache.max_inserted, residency.device,
-                                     stream is not None) if prefetch == "copy_engine" and self.inserts else None
         device, pin = residency.device, self.cuda
         # a feed's rows of the position, laid out as the step's logits [L, 2E] (module docstring)
         self.feed_host, self.feed_dev = staged((g.num_layers, 2 * g.num_experts), torch.float32, device, pin)
@@ -195,9 +184,8 @@ class DevicePolicy:
         self.experts_dev = torch.zeros(g.num_layers, g.top_k, dtype=torch.int64, device=device)
         self.experts_host = torch.zeros(self.experts_dev.shape, dtype=torch.int64, pin_memory=pin)
         n = g.num_layers * K.N_COUNTERS
-        # the counters, the prefetches pending, whether a wait for copy-engine prefetches gave up
-        self.records_dev = torch.zeros(n + 2, dtype=torch.int64, device=device)
-        self.records_host = torch.zeros(n + 2, dtype=torch.int64, pin_memory=pin)
+        self.records_dev = torch.zeros(n + 1, dtype=torch.int64, device=device)  # counters, then prefetches pending
+        self.records_host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=pin)
         self.src, self.dst = copy_views(residency, g.num_layers)
         self.copy_in_graph = copy_in_graph
         self.graphs: dict = {}
@@ -216,27 +204,20 @@ class DevicePolicy:
         routing reads the feed's rows (staged in `feed_host` before the launch), not the router's output."""
         dec, step, cache, e, last = self.decoder, self.step, self.cache, self.num_experts, self.num_layers - 1
         token = step.input_dev[:1]
-        issuer = None if skip else self.issuer
         if fed:
             self.feed_dev.copy_(self.feed_host, non_blocking=True)
-        if issuer is not None:
-            issuer.start_token()
         for layer in range(self.num_layers):
             dec.attention_router(step, layer, copy_out=False)
             branch = self.cuda and self.branch
             if branch and self.inserts and layer > 0:
                 self.stream.wait_stream(self.side)  # this layer's branch (part 1, prefetch copies), forked at the last
-            if issuer is not None and layer > 0:
-                issuer.hold(layer, cache.prefetch)  # its copy-engine prefetches have landed
             logits = self.feed_dev[layer] if fed else step.logits_dev[layer, 0]
             if self.inserts and layer < last:  # the next layer's branch, beside this layer's route and MoE
                 if branch:
                     self.side.wait_stream(self.stream)
                 with torch.cuda.stream(self.side) if branch else contextlib.nullcontext():
                     cache.step(token, layer + 1, pregate_logits=logits[e:])
-                    if issuer is not None:
-                        issuer.post(layer + 1, cache.prefetch)
-                    elif not skip:
+                    if not skip:
                         self._copy(layer + 1, cache.prefetch, delays, 2 * layer + 1)
             cache.step(token, layer, logits[:e], None, self.experts_dev[layer], step.route_dev[layer, 0])
             if not skip:
@@ -245,9 +226,7 @@ class DevicePolicy:
         dec.head(step, copy_out=False)
         n = self.num_layers * K.N_COUNTERS
         self.records_dev[:n].copy_(cache.counters.view(-1))
-        self.records_dev[n:n + 1].copy_((cache.istate[:, K.PREFETCHED] >= 0).sum().view(1))
-        if issuer is not None:
-            self.records_dev[n + 1:].copy_(issuer.status)
+        self.records_dev[n:].copy_((cache.istate[:, K.PREFETCHED] >= 0).sum().view(1))
         if copy_out:
             self._copy_out()
 
@@ -271,9 +250,6 @@ class DevicePolicy:
         for listing in (self.cache.demand, self.cache.prefetch):
             empty = torch.zeros_like(listing)
             launch_copy(self.src[0], self.dst[0], empty, self.blocks, self.block)
-        if self.issuer is not None:
-            issuer = self.issuer
-            await_copies(torch.zeros_like(self.cache.prefetch), issuer.flags[:1], issuer.seq_dev, issuer.status)
         for name, value in saved.items():
             getattr(self.cache, name).copy_(value)
         torch.cuda.synchronize()
@@ -307,12 +283,7 @@ class DevicePolicy:
             self.feed_np[:, :e] = feed.router_logits[t]
             self.feed_np[:-1, e:] = feed.pregate_logits[t, 1:]
         rec.begin(t, token, position)
-        issuer = None if self.skip else self.issuer
-        if issuer is not None:
-            issuer.begin(listed_layers(self.num_layers, self.inserts), self.delays)
-        launch(self, None if issuer is None else issuer.go)
-        if issuer is not None:
-            issuer.end(gave_up=bool(self.records_host[-1]))
+        launch(self)
         self._count(self.residency.copies.stats)
         rec.end(t, int(step.next_np[0]))
         routed = self.feed_np if self.fed else step.logits_np[:, 0]

@@ -278,8 +278,7 @@ class Engine(SpeculativeSteps):
         if key not in held or held[key].router.calibration is not router.calibration:
             with torch.no_grad(), self._stream():
                 held[key] = DevicePolicy(self.decoder, step, self.residency, router, self.compute,
-                                         self.config.cuda_graphs, self.runner.copy_in_graph, scoring=rule,
-                                         prefetch=self.config.prefetch_copies)
+                                         self.config.cuda_graphs, self.runner.copy_in_graph, scoring=rule)
         held[key].router = router  # the router whose host state `finish` updates
         self._device_policy = held[key]
         return held[key]
@@ -372,7 +371,6 @@ class Engine(SpeculativeSteps):
         info = {"policy": router.policy.name, "warm_copies": warm, **self.kernels,
                 "routing": "device" if host_routing is None else "device_policy" if on_device else "host",
                 "host_routing_why": host_routing, "host_policy_why": host_policy,
-                "prefetch_copies": on_device.prefetch if on_device is not None else "host" if host_routing else None,
                 "fingerprint": self.fingerprint if feed is None else feed.fingerprint,
                 "cuda_graphs": self.graphs is not None, "cache_mode": s.cache_mode, "max_in_flight": s.max_in_flight,
                 "skip_copies": s.skip_copies, "feed": feed is not None, "notes": list(self.notes)}

@@ -53,17 +53,6 @@ if triton is not None:
                 words = tl.load(src + at, mask=inside, eviction_policy="evict_first")
                 tl.store(dst + at, words, mask=inside)
 
-    @triton.jit
-    def _await_copies_kernel(list_ptr, flag_ptr, seq_ptr, status_ptr, LIMIT: tl.constexpr):
-        n = tl.load(list_ptr)
-        if n > 0:
-            seq = tl.load(seq_ptr)
-            spins = 0
-            while (tl.load(flag_ptr, volatile=True) != seq) & (spins < LIMIT):
-                spins += 1
-            if spins >= LIMIT:
-                tl.store(status_ptr, 1)
-
 
 def word_view(rows: torch.Tensor) -> torch.Tensor:
     """rows [N, W] (contiguous) as [N, W'] words of the widest of int64 / int32 / int16 / uint8 that divides a
@@ -92,22 +81,6 @@ def check_copy_args(store_rows: torch.Tensor, slot_rows: torch.Tensor, listing: 
                          f"{listing.dtype} {tuple(listing.shape)} on {listing.device}")
     if slot_rows.is_cuda and store_rows.device != slot_rows.device and not store_rows.is_pinned():
         raise ValueError("the copy kernel reads the store through unified addressing: the host store must be pinned")
-
-
-
-AWAIT_LIMIT = 1 << 24  # polls before `await_copies` gives up (a few seconds): a host that never answers
-
-
-def await_copies(listing: torch.Tensor, flag: torch.Tensor, seq: torch.Tensor, status: torch.Tensor,
-                 limit: int | None = None) -> None:
-    """Hold the stream until copies another party issues for `listing` have landed: where the list's count is not
-    0, one program polls `flag` (int64 [1], device memory, written on the copy stream after the copies) until it
-    equals `seq` (int64 [1], the token's number); after `limit` polls it gives up and sets `status` (int32 [1]) to
-    1, so that a host that never answers costs a few seconds and an error, not a hang (limit: `AWAIT_LIMIT`, read
-    at the call). Captures into a CUDA graph (the wait is on the device; `engines.prefetch_issuer` is the other
-    party)."""
-    limit = AWAIT_LIMIT if limit is None else limit
-    _await_copies_kernel[(1,)](listing, flag, seq, status, LIMIT=limit, num_warps=1)
 
 
 def copy_experts(store_rows: torch.Tensor, slot_rows: torch.Tensor, listing: torch.Tensor,

@@ -482,25 +482,6 @@ class CopyStream:
         self.done_batch = max(self.done_batch, batch)
         self.wait_s += time.perf_counter() - start
 
-    def copy_raw(self, layer: int, slots: list[int], experts: list[int], delay: int | None = None) -> None:
-        """Copy `experts` of `layer` into `slots` on the copy stream (CUDA) or at once (CPU), outside this stream's
-        bookkeeping: for a caller that keeps its own (the device policy's copy-engine prefetches,
-        `engines.prefetch_issuer`, whose `DevicePolicy.finish` hands the slots' contents back). delay: GPU cycles
-        to sleep on the stream before the copies (timing-independence tests)."""
-        if not self.cuda:
-            for slot, expert in zip(slots, experts):
-                self._dst[layer][slot].copy_(self._src[layer][expert])
-            return
-        if delay is not None:
-            with torch.cuda.stream(self.stream):
-                torch.cuda._sleep(int(delay))
-        if self.runtime is not None:
-            self.runtime.copy_many(layer, slots, experts)
-            return
-        with torch.cuda.stream(self.stream):
-            for slot, expert in zip(slots, experts):
-                self._dst[layer][slot].copy_(self._src[layer][expert], non_blocking=True)
-
     def reset_to(self, warm: np.ndarray) -> int:
         """Sequence start: unexecuted prefetches count as unused, the queue is dropped, and the warm set
         warm [L, c] is copied into the first c slots where they do not hold it yet (always, also in
