@@ -1,0 +1,109 @@
+"""Where the device policy's token time goes: full-size OLMoE (seeded random weights on the
+GPU), C = 32, routing following the olmoe-like source (4 windows of 96 tokens from position 2048 over a random KV
+cache). Times, in 5 interleaved rounds (medians of the per-round means, ms per token), the device policy with
+Cache-Prior, with PSR (part 1 of the next layer and its prefetch copies on a side stream, `DevicePolicy.branch`),
+and with PSR in line (`DevicePolicy.branch = False`), each with copies skipped and with copies; then a
+torch.profiler kernel table of 8 tokens of each (copies skipped), and for Cache-Prior and PSR the GPU operations
+(name, stream, start, duration) as $OUT/kernels_NAME.json.gz, from which the cache step's time per launch and
+stream is read (`_cache_step_kernel`: on the compute stream the routes, on the side stream PSR's part 1).
+
+    OUT=runs/profile PYTHONPATH=. python3 scripts/profile_device_policy.py
+"""
+import gzip
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, "scripts")
+from bench_engine import load_trace_windows, policies, randomize_caches  # noqa: E402
+
+from specmoe.engines import EngineConfig, build_engine  # noqa: E402
+from specmoe.engines.device_policy import DevicePolicy  # noqa: E402
+from specmoe.engines.helpers import random_model_on_device  # noqa: E402
+from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
+from specmoe.routing import preset  # noqa: E402
+
+OUT = os.environ.get("OUT", "/tmp/prof")
+t0 = time.time()
+model, adapter = random_model_on_device("olmoe-1b-7b", 0, torch.bfloat16, "cuda")
+store = ExpertStore.from_model(model, adapter)
+L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
+unit = ExpertResidency(store, E, "cuda")
+traced = load_trace_windows("olmoe-like:tokens=8192", "olmoe-like", (L, E, K, V), 4, 96)
+cal, wins, feeds = traced["calibration"], traced["windows"], traced["traces"]
+engine = build_engine(model, preset("exact_lru", 32, K), cal, EngineConfig(max_seq_len=4096, policy_device="on"),
+                      residency=unit)
+randomize_caches({0: engine})
+pols = policies(32, E, K)
+print("setup", round(time.time() - t0), "s", flush=True)
+
+
+def run(name, skip):
+    pol = pols["psr" if name.startswith("psr") else "cache_prior"]
+    branch = name != "psr_inline"
+    if DevicePolicy.branch != branch:
+        DevicePolicy.branch = branch
+        engine._device_policies.clear()
+    engine.configure(policy=pol, calibration=cal, skip_copies=skip)
+    ms = []
+    for w, f in zip(wins, feeds):
+        r = engine.teacher_forced(w, feed=f, first_position=2048)
+        ms.append(r.ms[r.timed])
+        assert r.info["routing"] == "device_policy", r.info
+    return float(np.concatenate(ms).mean())
+
+
+names = ["cp", "psr", "psr_inline"]
+res = {f"{n}_{s}": [] for n in names for s in ("skip", "copies")}
+for n in names:  # warm-up
+    run(n, True)
+    run(n, False)
+for r in range(5):
+    for n in names:
+        for s in ("skip", "copies"):
+            res[f"{n}_{s}"].append(run(n, s == "skip"))
+    print("round", r, {k: round(v[-1], 3) for k, v in res.items()}, flush=True)
+summary = {k: float(np.median(v)) for k, v in res.items()}
+print("medians", summary, flush=True)
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+tables = {}
+for n in names:
+    for s in ("skip",):
+        run(n, True)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            pol = pols["psr" if n.startswith("psr") else "cache_prior"]
+            r = engine.teacher_forced(wins[0][:8], feed=feeds[0], first_position=2048)
+        table = prof.key_averages()
+        tables[n] = table.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+        print(f"== {n} ms {r.ms.mean():.3f}\n", tables[n], flush=True)
+        if n in ("psr", "cp"):
+            path = f"{OUT}/trace_{n}.json"
+            prof.export_chrome_trace(path)
+            # keep the GPU kernels only, compactly: name, stream, start, dur
+            ev = json.load(open(path))
+            ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+            ks = [(e.get("name"), e.get("tid"), e.get("ts"), e.get("dur")) for e in ev
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+            with gzip.open(f"{OUT}/kernels_{n}.json.gz", "wt") as fh:
+                json.dump(ks, fh)
+            os.remove(path)
+            ks.sort(key=lambda x: x[2])
+            busy = sum(k[3] for k in ks)
+            span = ks[-1][2] + ks[-1][3] - ks[0][2]
+            print(f"{n}: {len(ks)} GPU ops, busy {busy / 1e3:.2f} ms over a span of {span / 1e3:.2f} ms", flush=True)
+            steps: dict = {}  # the cache step's launches per stream (compute: routes; side: PSR's part 1)
+            for name, stream, _, dur in ks:
+                if name == "_cache_step_kernel":
+                    steps.setdefault(stream, []).append(dur)
+            for stream, durs in steps.items():
+                print(f"{n}: cache step on stream {stream}: {len(durs)} launches, median {np.median(durs):.1f} us, "
+                      f"p10 {np.percentile(durs, 10):.1f}, p90 {np.percentile(durs, 90):.1f}", flush=True)
+json.dump({"rounds": res, "medians": summary}, open(f"{OUT}/profile_psr.json", "w"), indent=1)
+open(f"{OUT}/tables.txt", "w").write("\n\n".join(f"== {k}\n{v}" for k, v in tables.items()))
+print("done", round(time.time() - t0), "s")
