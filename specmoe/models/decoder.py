@@ -277,6 +277,23 @@ def checkpoint_source(path):
     return config, weight
 
 
+class Sourced:
+    """The two ways to build a decoder whose constructor is `(config, weight, max_seq_len, device, dtype)`: from a
+    transformers model (`model_source`) or a local checkpoint (`checkpoint_source`, routed experts never read); a
+    decoder whose checkpoint names weights differently overrides `from_checkpoint`."""
+
+    @classmethod
+    def from_model(cls, model, max_seq_len: int):
+        """From a transformers model of this architecture, on its device and in its dtype."""
+        config, weight, device, dtype = model_source(model)
+        return cls(config, weight, max_seq_len, device, dtype)
+
+    @classmethod
+    def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype):
+        """Read config.json and the weights but the routed experts of a local checkpoint."""
+        return cls(*checkpoint_source(path), max_seq_len, device, dtype)
+
+
 class FeatureCapture:
     """The hidden states a drafter reads (DFlash), captured inside a decoder's steps: the shared part of
     `Decoder.capture_features` / `features`. A decoder sets `feature_layers = ()` and `_feature_slots = {}` at

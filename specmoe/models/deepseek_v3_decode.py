@@ -61,7 +61,7 @@ from specmoe.kernels.split_kv import split_kv_latent_attention
 from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
-from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
+from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params,
                       residual_work, routed_moe, use_slot_moe, verified)
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
@@ -96,7 +96,7 @@ def _check_config(config) -> None:
                                f"{config.first_k_dense_replace}, num_hidden_layers={config.num_hidden_layers})")
 
 
-class DeepseekV3Decoder(FeatureCapture):
+class DeepseekV3Decoder(Sourced, FeatureCapture):
     """DeepSeek-V3 (MLA, dense first layers, shared experts) without the routed experts, over a static latent
     KV cache; see the module docstring."""
 
@@ -165,18 +165,6 @@ class DeepseekV3Decoder(FeatureCapture):
         self._steps: dict[int, DecodeStep] = {}
         self.feature_layers, self._feature_slots = (), {}  # capture_features (decoder layer ids)
         self._feature_layer_count = self.num_decoder_layers
-
-    @classmethod
-    def from_model(cls, model, max_seq_len: int) -> "DeepseekV3Decoder":
-        """From a transformers DeepseekV3ForCausalLM, on its device and in its dtype."""
-        config, weight, device, dtype = model_source(model)
-        return cls(config, weight, max_seq_len, device, dtype)
-
-    @classmethod
-    def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "DeepseekV3Decoder":
-        """Read config.json and the weights but the routed experts of a local checkpoint (dense layers, shared
-        experts, routers and their selection bias included)."""
-        return cls(*checkpoint_source(path), max_seq_len, device, dtype)
 
     # -- kernels ---------------------------------------------------------------------------------------
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:

@@ -24,7 +24,7 @@ from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, 
                              decode_attention_flash, load_flash_attn, load_fused_experts, make_grouped_workspace,
                              make_split_kv_workspace, norm_rope, split_kv_attention, triton_available)
 
-from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
+from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params,
                       residual_work, routed_moe, split_kv_check, tune_slot_moe, use_grouped_moe, verified)
 from .olmoe import OlmoeAdapter
 
@@ -38,7 +38,7 @@ def _layer_keys(i: int) -> dict[str, str]:
             "router": p + "mlp.gate.weight"}
 
 
-class OlmoeDecoder(FeatureCapture):
+class OlmoeDecoder(Sourced, FeatureCapture):
     """OLMoE without the routed experts, over a static KV cache; see the module docstring."""
 
     state_rollback = None  # every state is indexed by position (`Decoder.state_rollback`)
@@ -83,17 +83,6 @@ class OlmoeDecoder(FeatureCapture):
         self._steps: dict[int, DecodeStep] = {}
         self.feature_layers, self._feature_slots = (), {}  # capture_features
         self._feature_layer_count = self.geometry.num_layers
-
-    @classmethod
-    def from_model(cls, model, max_seq_len: int) -> "OlmoeDecoder":
-        """From a transformers OlmoeForCausalLM, on its device and in its dtype."""
-        config, weight, device, dtype = model_source(model)
-        return cls(config, weight, max_seq_len, device, dtype)
-
-    @classmethod
-    def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "OlmoeDecoder":
-        """Read config.json and the non-expert weights of a local checkpoint (experts are not read)."""
-        return cls(*checkpoint_source(path), max_seq_len, device, dtype)
 
     # -- kernels ---------------------------------------------------------------------------------------
     def use_kernels(self, backend: str, attention: str, moe: str, slot_buf: torch.Tensor, tune="auto") -> dict:

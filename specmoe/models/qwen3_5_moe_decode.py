@@ -69,7 +69,7 @@ from specmoe.kernels.gdn import (fla_missing, gated_rmsnorm, gated_rmsnorm_trito
                                  gdn_prologue_triton, gdn_recurrence, load_fla)
 
 from .adapter import ModelSourceError
-from .decoder import (DecodeStep, FeatureCapture, checkpoint_source, choose_grouped_params, model_source,
+from .decoder import (DecodeStep, FeatureCapture, Sourced, checkpoint_source, choose_grouped_params,
                       residual_work, routed_moe, split_kv_check, use_slot_moe, verified)
 from .qwen3_5_moe import Qwen35MoeAdapter
 
@@ -113,7 +113,7 @@ def check_linear_into(rows: int, cols: int, dtype: torch.dtype, device: torch.de
         raise RuntimeError(f"the router GEMM into float32 differs from F.linear: relative error {err:.3g}")
 
 
-class Qwen35MoeDecoder(FeatureCapture):
+class Qwen35MoeDecoder(Sourced, FeatureCapture):
     """Qwen3.5-MoE (Gated DeltaNet and gated attention, gated shared expert) without the routed experts; see the
     module docstring."""
 
@@ -202,11 +202,6 @@ class Qwen35MoeDecoder(FeatureCapture):
         self.feature_layers, self._feature_slots = (), {}  # capture_features
         self._feature_layer_count = num_layers
 
-    @classmethod
-    def from_model(cls, model, max_seq_len: int) -> "Qwen35MoeDecoder":
-        """From a transformers Qwen3_5MoeForCausalLM, on its device and in its dtype."""
-        config, weight, device, dtype = model_source(model)
-        return cls(config, weight, max_seq_len, device, dtype)
 
     @classmethod
     def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "Qwen35MoeDecoder":
