@@ -36,6 +36,10 @@ rows (`trace_label`: a file's stem, or a source spec's name and parameters, e.g.
 "olmoe_like_margin_0_synthetic_tau5_k8"). One trace: names unprefixed ("synthetic_tau5_k8"). --records belong to
 the first trace (give the family's trace first).
 
+With --timeline, after the rounds, one instrumented pass per speculative configuration (host path) gives the
+per-block timeline (`DecodeResult.timeline`: drafting, selection, copy issue and checks, exposed copy wait, other
+GPU idle time, compute; ms per block and per committed token), json "timeline" and a markdown table.
+
 Reported per configuration: tau, copies per committed token, ms per committed token (verification, of it
 exposed copies = with copies - copies skipped, paired per round), p50 / p99 of the block time, and against
 each AR configuration (the fastest in the table): the ratio at zero drafting cost with a 95% interval, a paired
@@ -183,6 +187,28 @@ def spec_pass(engine: Engine, blocks, first_position: int) -> dict:
             "verify": results[0].info["verify"], "host_blocks_why": results[0].info["host_blocks_why"]}
 
 
+TIMELINE_PARTS = ("draft", "selection", "copy_issue", "copy_checks", "copy_wait", "idle_other", "compute", "step")
+
+
+def timeline_pass(engine: Engine, blocks, first_position: int, draft_ms: float) -> dict:
+    """One instrumented pass (`RunSettings.instrument`: the host path, GPU events around each layer's gap) over
+    the blocks: the mean per-block timeline (`DecodeResult.timeline`, ms) over every request's blocks, drafting
+    charged at draft_ms per block, and per committed token."""
+    engine.configure(instrument=True)
+    try:
+        results = engine.follow(blocks, first_position=first_position, draft_cost_s=draft_ms / 1e3)
+    finally:
+        engine.configure(instrument=False)
+    lines = [r.timeline() for r in results]
+    weights = [int(r.timed.sum()) for r in results]
+    committed = sum(r.block_committed for r in results)
+    out = {part: float(np.average([line[part] for line in lines], weights=weights)) for part in TIMELINE_PARTS}
+    out["per_token"] = {part: float(sum(line["per_token"][part] * r.block_committed
+                                        for line, r in zip(lines, results))) / committed for part in TIMELINE_PARTS}
+    out["verify"] = results[0].info["verify"]
+    return out
+
+
 def request_ratio(sd: dict, ar: dict, draft_ms: float = 0.0) -> dict | None:
     """SD / AR ms per token with a 95% bootstrap interval over the requests (`specmoe.stats.unit_ratio`, paired by
     request: each request's times are means over the rounds), SD's time with draft_ms of drafting per verification
@@ -272,6 +298,10 @@ def main(argv=None) -> int:
                     help="AR policies at each capacity (bench_engine's `policies`: PSR at the paper's lambda for C of "
                     "E, n = 1; exact_prefetch is PSR with lambda 0)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--timeline", action="store_true",
+                    help="after the rounds, one instrumented pass per speculative configuration: the per-block "
+                    "timeline (drafting at --draft-ms, selection, copy issue and checks, exposed copy wait, other GPU "
+                    "idle time, compute), on the host path (instrumented runs verify there)")
     ap.add_argument("--max-blocks", type=int, default=None, help="blocks per source (default: all)")
     ap.add_argument("--blocks-per-request", type=int, default=None,
                     help="synthetic blocks per trace sequence (request), so that a short run keeps every request "
@@ -435,6 +465,19 @@ def main(argv=None) -> int:
             write_text_atomic(out_dir / "bench_spec_engine.md", markdown(report))
         save()
 
+    if args.timeline:  # after the rounds, not part of them: the instrumented host path of each configuration
+        report["timeline"] = {}
+        for source, (k, per_selector, _) in sources.items():
+            for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths):
+                if path == "device" and "host" in args.block_paths and not budget:
+                    continue  # an instrumented run takes the host path: its host row says it
+                engine = engines[(trace_of[source], k, name, budget, path)]
+                try:
+                    report["timeline"][key] = timeline_pass(engine, per_selector[name][0], args.first_position,
+                                                            args.draft_ms)
+                except Exception as exc:
+                    report["errors"].append(f"{key} timeline: {exc!r}\n{traceback.format_exc()[-1500:]}")
+        save()
     report["total_s"] = time.time() - t0  # the table and markdown are the last round's
     save()
     md = markdown(report)
@@ -564,6 +607,14 @@ def markdown(report: dict) -> str:
         lines += [f"| {row['source']} | {row['selector']} | {row['k']} | {row['ms_per_token']:.3f} | "
                   f"{row['ratio_host_blocks_over_device']['ratio']:.3f} ({row['ratio_host_blocks_over_device']['lo']:.3f}"
                   f"-{row['ratio_host_blocks_over_device']['hi']:.3f}) |" for row in paths]
+    if report.get("timeline"):
+        lines += ["", "Per-block timeline (--timeline: one instrumented pass on the host path, after the rounds; ms per "
+                  "verification block, drafting at --draft-ms; idle other: the GPU's idle time between a layer's two "
+                  "graphs less the copy wait and the host parts; compute: the block less that idle time):", "",
+                  "| configuration | " + " | ".join(TIMELINE_PARTS) + " | step ms per committed token |",
+                  "|---|" + "---|" * (len(TIMELINE_PARTS) + 1)]
+        lines += [f"| {key} | " + " | ".join(f"{line[part]:.3f}" for part in TIMELINE_PARTS)
+                  + f" | {line['per_token']['step']:.3f} |" for key, line in report["timeline"].items()]
     if report.get("warnings"):
         lines += ["", "Notes:"] + [f"- {w}" for w in report["warnings"]]
     if report["errors"]:

@@ -237,12 +237,22 @@ def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkey
         assert all(row.tobytes() in files[name][2] for row in rows), (kind, name)
     assert set(report["traces"]) == set(files) and report["traces"]["olmoe_like"]["prefix"] == "olmoe_like_"
 
+    timelines = []
+
+    def timeline_pass(engine, blocks, first_position, draft_ms):
+        timelines.append((owner(engine), draft_ms))
+        return {**dict.fromkeys(bench_spec_engine.TIMELINE_PARTS, 0.5), "per_token": {"step": 0.25}, "verify": "host"}
+
+    monkeypatch.setattr(bench_spec_engine, "timeline_pass", timeline_pass)
+    base += ["--timeline", "--draft-ms", "1.5"]
     report, md = run(["family_trace"])  # one trace: the names and the header as before
     assert [row["source"] for row in report["table"]] == ["synthetic_tau3_k4"]
     assert report["table"][0]["key"] == "synthetic_tau3_k4/exact"
     assert "synthetic_tau3_k4/ar_exact_lru_C11" in report["rounds_ms"]
     assert report["union_max"] == 3 and report["capacities"] == [8, 11] and "traces" not in report
     assert "U_max = 3 union slots used at most; AR at C = 8, 11 (exact_lru)" in md
+    assert timelines == [("family_trace", 1.5)] and list(report["timeline"]) == ["synthetic_tau3_k4/exact"]
+    assert "Per-block timeline" in md and "| synthetic_tau3_k4/exact | 0.500 |" in md
 
     with pytest.raises(SystemExit, match="one per --trace"):  # before any model is built
         bench_spec_engine.main(base + ["--out", str(tmp_path / "bad"), "--trace", files["family_trace"][0],
@@ -382,3 +392,37 @@ def test_new_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path, capsys):
             main(out + extra)
         assert exit_.value.code == 2 and option in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_timeline_pass_on_the_cpu():
+    """bench_spec_engine.timeline_pass on a real engine (olmoe-tiny on the CPU, synthetic blocks over the
+    olmoe-like source): the instrumented pass's per-block parts add up to the block, drafting is the charged time,
+    the per-token figures are per committed token, and the engine is left uninstrumented."""
+    import dataclasses
+
+    import bench_spec_engine
+    import pytest
+
+    from specmoe.engines import EngineConfig, build_engine
+    from specmoe.models import load_model
+    from specmoe.records import AcceptanceProfile, synthetic_blocks
+    from specmoe.records.synthetic import SOURCES, synthetic_trace
+    from specmoe.routing import Calibration
+    from specmoe.speculation import SpeculativeConfig
+    from specmoe.verifiers import selector_preset
+
+    model, adapter = load_model("olmoe-tiny", seed=0)
+    source = SOURCES["olmoe-like"].replace(num_layers=adapter.num_moe_layers)
+    trace = synthetic_trace(source, tokens=64, seed=1)
+    blocks = synthetic_blocks(trace, 3, AcceptanceProfile.geometric(0.6), seed=2, max_blocks=6)
+    blocks = dataclasses.replace(blocks, tokens=blocks.tokens % adapter.vocab_size)  # only the embeddings read them
+    calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=64),
+                          speculative=SpeculativeConfig(selector_preset("acceptmoe"), k=3, pool_size=8))
+    line = bench_spec_engine.timeline_pass(engine, blocks, 4, draft_ms=2.0)
+    assert not engine.settings.instrument and line["verify"] == "host"
+    assert line["draft"] == pytest.approx(2.0) and line["selection"] > 0
+    parts = ("selection", "copy_issue", "copy_checks", "copy_wait", "compute")
+    assert sum(line[p] for p in parts) == pytest.approx(line["step"], rel=1e-9)
+    tau = blocks.tau
+    assert line["per_token"]["draft"] == pytest.approx(2.0 / tau, rel=1e-6)

@@ -341,3 +341,38 @@ def test_each_selector_follows_its_own_runs_records(family, drafter, calibration
         block_sources(args, trace, geometry)
     args.selectors = ["exact", "confidence_top1"]
     assert set(block_sources(args, trace, geometry)[f"synthetic_tau2_k{K_DRAFTS}"][1]) == {"exact"}
+
+
+def test_a_block_timeline_says_where_its_time_goes(family, drafter, calibration, residency, prompt, monkeypatch):
+    """`DecodeResult.timeline` of a speculative run: drafting, the block's selection and copy handling on the host,
+    the exposed copy wait and the rest (compute), per block and per committed token; the parts of a block add up
+    to its wall time. Copy delays show up as copy wait, not as selection; an instrumented run takes the host path
+    (the per-layer GPU gaps are instrumented GPU runs' only)."""
+    engine = spec(family, drafter, calibration, residency)
+    base = sd(engine, prompt)
+    line = base.summary()["timeline_ms"]
+    assert line["draft"] > 0 and line["selection"] > 0 and line["step"] > 0
+    parts = ("selection", "copy_issue", "copy_checks", "copy_wait", "compute")
+    assert sum(line[p] for p in parts) == pytest.approx(line["step"], rel=1e-9)
+    assert np.isnan(line["idle_other"])  # the CPU has no GPU gaps
+    blocks = int(base.timed.sum())
+    assert line["per_token"]["step"] == pytest.approx(line["step"] * blocks / base.block_committed)
+    engine.configure(copy_delay=(0.002, 0.004), delay_seed=3)
+    slow = sd(engine, prompt)
+    assert slow.tokens == base.tokens
+    waited = slow.timeline()
+    assert waited["copy_wait"] > line["copy_wait"] + 1.0  # ms: the delays are waited for, in the copy wait
+    assert sum(waited[p] for p in parts) == pytest.approx(waited["step"], rel=1e-9)
+    engine.configure(copy_delay=None, instrument=True)
+    assert sd(engine, prompt).tokens == base.tokens
+    engine.configure(instrument=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # only the reasons are asked: nothing runs in the interpreter
+    config = SpeculativeConfig(selector_preset("acceptmoe"), k=K_DRAFTS, pool_size=POOL, max_new_tokens=NEW)
+    on = build_engine(family[0], None, calibration, EngineConfig(max_seq_len=SEQ, block_device="on"),
+                      speculative=config, residency=residency)
+    assert on.device_blocks() is None
+    on.configure(instrument=True)
+    assert "instrumented" in on.device_blocks()  # instrumented runs verify on the host path
+    ar = build_engine(family[0], preset("psr", 32, family[1].top_k), calibration, EngineConfig(max_seq_len=SEQ),
+                      residency=residency)
+    assert "timeline_ms" not in ar.generate(prompt, 4).summary()  # autoregressive runs: summary's own figures

@@ -41,9 +41,10 @@ from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS
 from .device_policy import captured, copy_delays, copy_views, delayed_copy, kernels_reason, launch, staged
 
 
-def block_device_reason(choice: str, cuda: bool, router) -> str | None:
+def block_device_reason(choice: str, cuda: bool, router, settings=None) -> str | None:
     """None if the verification blocks of `router` (a `BlockRouter`) run on the device, else why the host path
-    runs them. choice: `EngineConfig.block_device`."""
+    runs them. choice: `EngineConfig.block_device`; settings: the run's `RunSettings` (instrumented runs time each
+    layer on the host path)."""
     from specmoe.kernels.device_select import MAX_EXPERTS
 
     if router is None:
@@ -51,6 +52,8 @@ def block_device_reason(choice: str, cuda: bool, router) -> str | None:
     why = kernels_reason("block_device", choice, cuda)
     if why is not None:
         return why
+    if settings is not None and settings.instrument:
+        return "instrumented runs time each layer's host gap"
     config, g = router.config, router.geometry
     if config.prefetch:
         return f"the block prefetch (SpeculativeConfig.prefetch={config.prefetch}) runs on the host path"

@@ -254,7 +254,7 @@ class Engine(SpeculativeSteps):
     def device_blocks(self) -> str | None:
         """None if the next speculative run verifies its blocks on the device (`specmoe.engines.device_blocks`),
         else why the host path does."""
-        return block_device_reason(self.config.block_device, self.cuda, self.block_router)
+        return block_device_reason(self.config.block_device, self.cuda, self.block_router, self.settings)
 
     def _blocks_step(self):
         """The device path of the block router's blocks, or None where the host path runs; (it, why not)."""

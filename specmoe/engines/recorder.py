@@ -120,7 +120,7 @@ class StepRecorder:
             ms=self.ms[:n], copies=self.copy_counts[:n], timed=np.arange(n) >= timed_from, roots=self.roots[:n],
             accepted=self.accepted[:n], draft_ms=self.draft_ms[:n], host_us=host_parts.sum(axis=1),
             num_layers=self.num_layers, k=k, wait_ms=self.wait_ms[:n] if seen else None,
-            host_parts_us=host_parts if self.positions else None,
+            host_parts_us=host_parts,
             input_tokens=self.inputs[:p], output_tokens=self.outputs[:p].copy(), selected=self.selected[:p],
             router_logits=self.router_logits[:p], pregate_logits=self.pregate_logits[:p],
             logits=None if logits is None else logits[:n], unused_at_end=int(self.copies.fresh.sum()), info=info,

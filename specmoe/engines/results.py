@@ -114,6 +114,39 @@ class DecodeResult:
                 "verify_s": float(self.ms[timed].sum()) / 1e3, "prefill_s": self.prefill_ms / 1e3,
                 "kl_sum": 0.0, "excess_nll_sum": 0.0, "positions": 0}
 
+    def timeline(self) -> dict:
+        """Where a timed step's time goes, ms per step (per verification block for a speculative run), means over
+        the timed steps: "draft" (drafting charged to the step), "step" (its wall time), and the step split into
+        "selection" (host time choosing the experts: routing, or a block's selection and pool use), "copy_issue"
+        and "copy_checks" (host time issuing and checking copies), "copy_wait" (exposed copy wait: measured on the
+        CPU; the GPU's wait events with instrumentation), "idle_other" (the GPU's other idle time between each
+        layer's two graphs: the logits' round trip and launches; instrumented GPU runs, else NaN) and "compute"
+        (the rest: on the GPU the step's time less its idle gaps, on the CPU less host time and copy wait);
+        "per_token": each of these summed over the timed steps, divided by the tokens they committed."""
+        timed = self.timed
+        n = int(timed.sum())
+        if n == 0:
+            return {}
+        parts = (self.host_parts_us[timed] if self.host_parts_us is not None
+                 else np.zeros((n, len(HOST_PARTS)))) / 1e3
+        step = self.ms[timed]
+        rows = {"draft": self.draft_ms[timed], "step": step, "selection": parts[:, 0], "copy_issue": parts[:, 1],
+                "copy_checks": parts[:, 2]}
+        host = parts.sum(axis=1)
+        if self.gap_us is not None:
+            gap = np.nan_to_num(self.gap_us[timed]).sum(axis=1) / 1e3
+            rows["copy_wait"] = np.nan_to_num(self.wait_us[timed]).sum(axis=1) / 1e3
+            rows["idle_other"] = gap - rows["copy_wait"] - host
+            rows["compute"] = step - gap
+        else:
+            rows["copy_wait"] = self.wait_ms[timed] if self.wait_ms is not None else np.full(n, np.nan)
+            rows["idle_other"] = np.full(n, np.nan)
+            rows["compute"] = step - host - np.nan_to_num(rows["copy_wait"])
+        out = {name: float(v.mean()) for name, v in rows.items()}
+        committed = max(self.block_committed, 1)
+        out["per_token"] = {name: float(v.sum()) / committed for name, v in rows.items()}
+        return out
+
     def summary(self) -> dict:
         """Means over the timed steps: ms (mean, p50, p99), copies per step by class, host time per layer,
         exposed copy wait; and per committed token: tau, copies, drafting and verification ms."""
@@ -142,6 +175,8 @@ class DecodeResult:
             out["gpu_gap_us_per_layer_p50"] = float(np.median(gap))
             out["exposed_wait_ms_per_token"] = float(wait.sum(axis=1).mean() / 1000.0)
             out["gap_without_wait_us_per_layer"] = float((gap - wait).mean())
+        if self.k > 0:
+            out["timeline_ms"] = self.timeline()
         return out
 
 

@@ -53,7 +53,7 @@ class SpeculativeSteps:
         device, why = self._blocks_step()  # before _start: its warm-up
         self._start(router)
         rec = StepRecorder(max_new_tokens, g.num_layers, g.num_experts, g.top_k, self.copies,
-                           cuda_stream=self.compute, positions=False)
+                           self.settings.instrument, cuda_stream=self.compute, positions=False)
         new, displaced, blocks = [], 0.0, []
         verify = self._runners[k + 1]
         with self._stream():
@@ -132,7 +132,7 @@ class SpeculativeSteps:
             displaced = np.zeros(k + 1)
             selected = np.empty((k + 1, g.num_layers, g.top_k), np.int64) if record else None
             router.begin(run.step, router.config.selector, alpha, displaced, selected, feed, pregate)
-            self._forward(run, ids, root, router, NO_RECORD)
+            self._forward(run, ids, root, router, rec)  # the block's host time by part (and GPU gaps, instrumented)
             greedy = run.step.next_np[:k + 1].tolist()
         a = accepted_length(ids[1:], greedy) if accepted is None else accepted
         self.decoder.rollback(run.step, a + 1)
@@ -207,8 +207,8 @@ class SpeculativeSteps:
         g, k = self.geometry, self.block_router.config.k
         device, why = self._blocks_step()
         self._start(self.block_router)
-        rec = StepRecorder(len(ids), g.num_layers, g.num_experts, g.top_k, self.copies, cuda_stream=self.compute,
-                           positions=False)
+        rec = StepRecorder(len(ids), g.num_layers, g.num_experts, g.top_k, self.copies, self.settings.instrument,
+                           cuda_stream=self.compute, positions=False)
         run, new, displaced, selections = self._runners[k + 1], [], 0.0, []
         with self._stream():
             if device is not None:
