@@ -235,11 +235,15 @@ def verdict(ratio: float, low: float, high: float) -> str:
 
 
 # -- plots ------------------------------------------------------------------------------------------------------
-def _save(fig, path: Path) -> None:
+def _save(fig, path: Path) -> bool:
+    """Write `fig` as a png at `path` (atomically) and close it; False (nothing written) for no figure."""
     import matplotlib.pyplot as plt
 
+    if fig is None:
+        return False
     write_file_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
+    return True
 
 
 def _key(fig, configs, labels) -> None:
@@ -314,14 +318,6 @@ def cdf_figure(table: pd.DataFrame):
     return fig
 
 
-def _plot_cdf(table: pd.DataFrame, path: Path) -> bool:
-    fig = cdf_figure(table)
-    if fig is None:
-        return False
-    _save(fig, path)
-    return True
-
-
 COPY_CLASSES = {"demand_per_token": "demand", "prefetch_in_time_per_token": "prefetch in time",
                 "prefetch_late_per_token": "prefetch late", "unused_per_token": "prefetch unused",
                 "moves_per_token": "pool moves (device to device)"}
@@ -378,14 +374,6 @@ def copies_figure(c: pd.DataFrame):
     fig.tight_layout()
     _key(fig, c["config"], c["label"])
     return fig
-
-
-def _plot_copies(c: pd.DataFrame, path: Path) -> bool:
-    fig = copies_figure(c)
-    if fig is None:
-        return False
-    _save(fig, path)
-    return True
 
 
 # -- the report -------------------------------------------------------------------------------------------------
@@ -522,7 +510,7 @@ def _write_report(out: Path, run_dir: Path, table, manifest: dict, comparison) -
                   "Every committed token's latency (`token_ms`): an AR step's time; a speculative block's drafting + "
                   "verification time divided by the tokens it commits, given to each of them.", "",
                   _markdown(pd.DataFrame(rows)), ""]
-        if _plot_cdf(table, out / "latency_cdf.png"):
+        if _save(cdf_figure(table), out / "latency_cdf.png"):
             lines += ["![latency CDF](latency_cdf.png)", ""]
             written.append("latency_cdf.png")
     copies = _copy_classes(m)
@@ -534,7 +522,7 @@ def _write_report(out: Path, run_dir: Path, table, manifest: dict, comparison) -
                   "The harness and the replay count logical copies (no timing: in time / late unknown); the "
                   "speculative pool's copies are all demand copies into union slots, its refill moves stay on the "
                   "device.", "", _markdown(shown), ""]
-        if _plot_copies(copies, out / "copies.png"):
+        if _save(copies_figure(copies), out / "copies.png"):
             lines += ["![copies](copies.png)", ""]
             written.append("copies.png")
     if comparison is not None:
