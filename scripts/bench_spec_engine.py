@@ -36,6 +36,10 @@ rows (`trace_label`: a file's stem, or a source spec's name and parameters, e.g.
 "olmoe_like_margin_0_synthetic_tau5_k8"). One trace: names unprefixed ("synthetic_tau5_k8"). --records belong to
 the first trace (give the family's trace first).
 
+Each round also times the target's decode step with every expert resident (the engine's default, `TARGET_TOKENS`
+teacher-forced tokens at --first-position): each speculative configuration's compute-only block time is reported
+in target steps ("block_compute_over_target_step", paired over rounds; the paper's 1.7-1.8 at k = 16).
+
 With --timeline, after the rounds, one instrumented pass per speculative configuration (host path) gives the
 per-block timeline (`DecodeResult.timeline`: drafting, selection, copy issue and checks, exposed copy wait, other
 GPU idle time, compute; ms per block and per committed token), json "timeline" and a markdown table.
@@ -84,6 +88,7 @@ from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.records import (CLOSED_LOOP, AcceptanceProfile, BlockRecords, blocks_from_records,  # noqa: E402
                              open_loop, records_per_selector, synthetic_blocks)
 from specmoe.records.synthetic import read_calibration, read_trace  # noqa: E402
+from specmoe.routing import Calibration, preset  # noqa: E402
 from specmoe.speculation import PREFETCH, SpeculativeConfig, tau as tau_of  # noqa: E402
 from specmoe.stats import unit_ratio  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
@@ -246,6 +251,16 @@ def saved_details(details: dict) -> dict:
     return {key: {x: d[x] for x in keep if x in d} for key, d in details.items()}
 
 
+TARGET_TOKENS = 32  # timed tokens of the target step per round
+
+
+def target_pass(engine, tokens: np.ndarray, first_position: int) -> dict:
+    """The target's decode step with every expert resident (the engine's default, one CUDA graph per token on a
+    GPU): ms per token over `tokens` at `first_position`, the unit a verification block's compute is counted in."""
+    r = engine.teacher_forced(tokens, first_position=first_position)
+    return {"ms_per_token": float(r.ms[r.timed].mean()), "routing": r.info["routing"]}
+
+
 def ar_pass(engine, feeds, first_position: int) -> dict:
     ms, copies, tokens, request_ms, request_tokens = [], 0.0, 0, [], []
     for feed in feeds:
@@ -374,6 +389,10 @@ def main(argv=None) -> int:
                 decoder, unit, None, traces[prefix]["calibration"],
                 EngineConfig(max_seq_len=args.max_seq_len, block_device=block_device),
                 fingerprint=fingerprint, speculative=config)
+    # the target step, every expert resident: the unit of "block compute in target steps"
+    target = build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, adapter.vocab_size), cfg,
+                          residency=unit)
+    target_tokens = np.random.default_rng(args.seed).integers(0, adapter.vocab_size, TARGET_TOKENS)
     first = next(iter(engines.values()))
     report["notes"] = first.notes
     report["kernels"] = {f"{prefix}k={k} {name} prefetch {b} {path}": e.kernels
@@ -395,6 +414,13 @@ def main(argv=None) -> int:
     ar_engines: dict = {}  # (trace prefix, policy, C) -> AR engine with the trace's calibration
     union_max: dict[str, int] = {}
     for r in range(args.rounds + 1):
+        try:
+            step = target_pass(target, target_tokens, args.first_position)
+            report["target_routing"] = step["routing"]
+            if r:
+                rounds.setdefault("target_step", []).append(step["ms_per_token"])
+        except Exception as exc:
+            report["errors"].append(f"target step round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
         for source, (k, per_selector, _) in sources.items():
             prefix = trace_of[source]
             for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths):
@@ -511,6 +537,11 @@ def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args) -> 
             if args.draft_ms:
                 row["draft_ms_per_block"] = args.draft_ms
                 row["ms_per_token_with_drafting"] = ms + drafting_per_token(d, args.draft_ms)
+            target = rounds.get("target_step")
+            if s.get("block_ms") and target and len(s["block_ms"]) == len(target):  # compute in target steps
+                per_round = [float(np.mean(b)) for b in s["block_ms"]]
+                row["compute_ms_per_block"] = float(np.mean(per_round))
+                row["block_compute_over_target_step"] = ratio_ci(per_round, target)
             host_key = key + "+host_blocks"
             if path == "device" and rounds.get(host_key) and len(rounds[host_key]) == len(rounds[key]):
                 row["ratio_host_blocks_over_device"] = ratio_ci(rounds[host_key], rounds[key])
@@ -607,6 +638,15 @@ def markdown(report: dict) -> str:
         lines += [f"| {row['source']} | {row['selector']} | {row['k']} | {row['ms_per_token']:.3f} | "
                   f"{row['ratio_host_blocks_over_device']['ratio']:.3f} ({row['ratio_host_blocks_over_device']['lo']:.3f}"
                   f"-{row['ratio_host_blocks_over_device']['hi']:.3f}) |" for row in paths]
+    steps = [row for row in report["table"] if "block_compute_over_target_step" in row]
+    if steps:
+        target = float(np.mean(report["rounds_ms"]["target_step"]))
+        lines += ["", f"Verification blocks' compute (copies skipped) in target steps (the target's all-resident decode "
+                  f"step, {report.get('target_routing', '?')} routing: {target:.3f} ms; 95% interval over rounds):", "",
+                  "| configuration | k | compute ms per block | block / target step |", "|---|---|---|---|"]
+        lines += [f"| {row['key']} | {row['k']} | {row['compute_ms_per_block']:.3f} | "
+                  f"{row['block_compute_over_target_step']['ratio']:.2f} ({row['block_compute_over_target_step']['lo']:.2f}"
+                  f"-{row['block_compute_over_target_step']['hi']:.2f}) |" for row in steps]
     if report.get("timeline"):
         lines += ["", "Per-block timeline (--timeline: one instrumented pass on the host path, after the rounds; ms per "
                   "verification block, drafting at --draft-ms; idle other: the GPU's idle time between a layer's two "

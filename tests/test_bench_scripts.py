@@ -202,6 +202,7 @@ def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkey
 
     monkeypatch.setattr(bench_spec_engine, "spec_pass", spec_pass)
     monkeypatch.setattr(bench_spec_engine, "ar_pass", ar_pass)
+    monkeypatch.setattr(bench_spec_engine, "target_pass", lambda *a: {"ms_per_token": 0.25, "routing": "device"})
     monkeypatch.setattr(bench_spec_engine, "measure_bandwidth", lambda *a: 1.0)
     monkeypatch.setattr(bench_spec_engine, "measure_copy_ms", lambda *a: {"stream_ms": 0.1})
     base = ["--model", "olmoe-tiny", "--device", "cpu", "--pool", "8", "--k", "4", "--taus", "3",
@@ -252,6 +253,10 @@ def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkey
     assert report["union_max"] == 3 and report["capacities"] == [8, 11] and "traces" not in report
     assert "U_max = 3 union slots used at most; AR at C = 8, 11 (exact_lru)" in md
     assert timelines == [("family_trace", 1.5)] and list(report["timeline"]) == ["synthetic_tau3_k4/exact"]
+    # each round's target step: a block's compute (copies skipped: the stand-in's 1 ms blocks) in target steps
+    assert report["rounds_ms"]["target_step"] == [0.25]
+    assert report["table"][0]["block_compute_over_target_step"]["ratio"] == pytest.approx(4.0)
+    assert "in target steps" in md and "| synthetic_tau3_k4/exact | 4 | 1.000 | 4.00 (" in md
     assert "Per-block timeline" in md and "| synthetic_tau3_k4/exact | 0.500 |" in md
 
     with pytest.raises(SystemExit, match="one per --trace"):  # before any model is built
@@ -426,3 +431,10 @@ def test_timeline_pass_on_the_cpu():
     assert sum(line[p] for p in parts) == pytest.approx(line["step"], rel=1e-9)
     tau = blocks.tau
     assert line["per_token"]["draft"] == pytest.approx(2.0 / tau, rel=1e-6)
+    # the target step the bench counts a block's compute in: the engine's all-resident default
+    from specmoe.routing import preset
+
+    target = build_engine(model, preset("exact_lru", adapter.num_experts, adapter.top_k), calibration,
+                          EngineConfig(max_seq_len=64))
+    step = bench_spec_engine.target_pass(target, np.arange(8) % adapter.vocab_size, 4)
+    assert step["ms_per_token"] > 0 and step["routing"] == "host"  # the CPU: no device routing
