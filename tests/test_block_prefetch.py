@@ -235,6 +235,8 @@ def test_replay_sd_reports_the_prefetch(tmp_path, capsys):
                                                                     "exact_block_copies"])
         assert row[f"{name}_prefetch4_demand"] < row[f"{name}_prefetch0_demand"]
         assert row[f"{name}_prefetch0_unused"] == 0 and row[f"{name}_prefetch4_unused"] > 0
+        # the union slots the preset needed (sizes SpeculativeConfig.union_slots), without prefetch: its rows' peak
+        assert 0 < row[f"{name}_union_peak"] == row[f"{name}_prefetch0_union_peak"] <= 64 - row["C"]
     assert main(args + ["--prefetch", "-1", "--out", str(tmp_path / "bad")]) == 2
     assert "--prefetch" in capsys.readouterr().err
 

@@ -232,6 +232,16 @@ def test_trace_following_equals_the_cpu_replay_of_the_recorded_blocks(family, dr
             n = min(len(committed), len(r.tokens) - 1)
             assert r.tokens[:n] == committed[:n]
     engine.configure(copy_delay=None, max_in_flight=2)
+    # union slots sized by measurement: the replay's peak is the engine's, and U = that peak (at least K) runs
+    # these blocks as U = E - P does, with P + U slots per layer
+    peak = expected.extra["union_peak"]
+    assert max(r.info["union_used"] for r in results) == peak > 0
+    sized = spec(family, drafter, calibration, residency, union_slots=max(peak, adapter.top_k))
+    again = sized.follow(blocks, first_position=len(prompt), record=True)
+    assert [r.tokens for r in again] == [r.tokens for r in results]
+    for a, b in zip(again, results):
+        for x, y in zip(a.block_selected, b.block_selected, strict=True):
+            np.testing.assert_array_equal(x, y)
     with pytest.raises(ValueError, match="drafts"):
         spec(family, drafter, calibration, residency, k=K_DRAFTS + 1).follow(blocks)
     with pytest.raises(ValueError, match="do not fit the static KV cache"):

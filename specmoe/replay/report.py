@@ -15,7 +15,11 @@ For one source of blocks (`Blocks`) and a capacity C (= the pool's P for every m
 - with prefetch budgets (`--prefetch`), exact and each selector's preset with the block prefetch
   (`specmoe.verifiers.prefetch`) at each budget: demand copies (those left on the critical path), prefetches,
   their hits and unused ones per committed token, and the peak union slots (rows `prefetch_<selector>`; summary
-  columns `<selector>_prefetch<n>_demand` / `_unused`, with `<selector>_prefetch0_demand` = all copies).
+  columns `<selector>_prefetch<n>_demand` / `_unused`, with `<selector>_prefetch0_demand` = all copies);
+- per block-selection row, `union_peak`: the most union slots one layer of one block needed (its missing experts
+  beside the pool of P), and in the summary `exact_union_peak` / `<selector>_union_peak` for the presets: the U
+  that sizes `SpeculativeConfig(union_slots=...)` by measurement (at least K; the engine's peak slot memory is then
+  P + U per layer instead of E).
 """
 
 from __future__ import annotations
@@ -65,16 +69,19 @@ def sweep(blocks: Blocks, calibration: Calibration, capacity: int, *, lambdas=LA
                 bonus=lam, n=n)
     if not any(lam == bonus and n == 1 for lam in lambdas for n in budgets):
         add(replay_rollback(psr, blocks, calibration), "rollback", bonus=bonus, n=1)
-    add(replay_block_selection(selector_preset("exact"), blocks, calibration, capacity), "block_exact")
+    exact = replay_block_selection(selector_preset("exact"), blocks, calibration, capacity)
+    add(exact, "block_exact", union_peak=exact.extra["union_peak"])
     for name in selectors:
         base = selector_preset(name)
         for gamma in gammas:
             for prune in prune_budgets:
                 config = selector_preset(name, gamma=gamma, prune_budget=prune)
-                add(replay_block_selection(config, blocks, calibration, capacity), f"block_{name}", gamma=gamma,
-                    prune=prune, preset=False)
-        add(replay_block_selection(base, blocks, calibration, capacity, counterfactual=counterfactual),
-            f"block_{name}", gamma=base.gamma, prune=base.prune_budget, preset=True)
+                result = replay_block_selection(config, blocks, calibration, capacity)
+                add(result, f"block_{name}", gamma=gamma, prune=prune, preset=False,
+                    union_peak=result.extra["union_peak"])
+        result = replay_block_selection(base, blocks, calibration, capacity, counterfactual=counterfactual)
+        add(result, f"block_{name}", gamma=base.gamma, prune=base.prune_budget, preset=True,
+            union_peak=result.extra["union_peak"])
     for name in ("exact", *selectors) if prefetch else ():
         for n in sorted({0, *prefetch}):
             result = replay_block_selection(selector_preset(name), blocks, calibration, capacity, prefetch=n)
@@ -122,7 +129,8 @@ def summarize(table: pd.DataFrame) -> dict:
                "rollback_psr_copies": float(same.copies_per_token),
                "rollback_psr_displaced": float(same.displaced_per_token_layer),
                "rollback_over_ar_psr": float(same.copies_per_token / ar.copies_per_token),
-               "exact_block_copies": float(table[table.method == "block_exact"].iloc[0].copies_per_token)}
+               "exact_block_copies": float(table[table.method == "block_exact"].iloc[0].copies_per_token),
+               "exact_union_peak": int(table[table.method == "block_exact"].iloc[0].union_peak)}
     for method in sorted(m for m in table.method.unique() if m.startswith("block_") and m != "block_exact"):
         points = table[table.method == method]
         name = method[len("block_"):]
@@ -143,6 +151,7 @@ def summarize(table: pd.DataFrame) -> dict:
             f"{name}_ratio_max": max(ratios) if ratios else float("nan"),
             f"{name}_changed": float(chosen.changed_fraction),
             f"{name}_changed_drafts": float(chosen.changed_fraction_drafts),
+            f"{name}_union_peak": int(chosen.union_peak),
         })
     for method in sorted(m for m in table.method.unique() if m.startswith("prefetch_")):
         name = method[len("prefetch_"):]
