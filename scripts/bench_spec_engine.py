@@ -206,10 +206,9 @@ def timeline_pass(engine: Engine, blocks, first_position: int, draft_ms: float) 
         engine.configure(instrument=False)
     lines = [r.timeline() for r in results]
     weights = [int(r.timed.sum()) for r in results]
-    committed = sum(r.block_committed for r in results)
     out = {part: float(np.average([line[part] for line in lines], weights=weights)) for part in TIMELINE_PARTS}
-    out["per_token"] = {part: float(sum(line["per_token"][part] * r.block_committed
-                                        for line, r in zip(lines, results))) / committed for part in TIMELINE_PARTS}
+    per_block = sum(weights) / sum(r.block_committed for r in results)  # blocks per committed token
+    out["per_token"] = {part: out[part] * per_block for part in TIMELINE_PARTS}
     out["verify"] = results[0].info["verify"]
     return out
 

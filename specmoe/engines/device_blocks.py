@@ -41,7 +41,7 @@ from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS
 from .device_policy import captured, copy_delays, copy_views, delayed_copy, kernels_reason, launch, staged
 
 
-def block_device_reason(choice: str, cuda: bool, router, settings=None) -> str | None:
+def block_device_reason(choice: str, cuda: bool, router, settings) -> str | None:
     """None if the verification blocks of `router` (a `BlockRouter`) run on the device, else why the host path
     runs them. choice: `EngineConfig.block_device`; settings: the run's `RunSettings` (instrumented runs time each
     layer on the host path)."""
@@ -52,7 +52,7 @@ def block_device_reason(choice: str, cuda: bool, router, settings=None) -> str |
     why = kernels_reason("block_device", choice, cuda)
     if why is not None:
         return why
-    if settings is not None and settings.instrument:
+    if settings.instrument:
         return "instrumented runs time each layer's host gap"
     config, g = router.config, router.geometry
     if config.prefetch:

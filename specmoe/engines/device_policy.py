@@ -206,9 +206,9 @@ class DevicePolicy:
         token = step.input_dev[:1]
         if fed:
             self.feed_dev.copy_(self.feed_host, non_blocking=True)
+        branch = self.cuda and self.branch
         for layer in range(self.num_layers):
             dec.attention_router(step, layer, copy_out=False)
-            branch = self.cuda and self.branch
             if branch and self.inserts and layer > 0:
                 self.stream.wait_stream(self.side)  # this layer's branch (part 1, prefetch copies), forked at the last
             logits = self.feed_dev[layer] if fed else step.logits_dev[layer, 0]

@@ -202,7 +202,6 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         self.feature_layers, self._feature_slots = (), {}  # capture_features
         self._feature_layer_count = num_layers
 
-
     @classmethod
     def from_checkpoint(cls, path, max_seq_len: int, device, dtype: torch.dtype) -> "Qwen35MoeDecoder":
         """Read config.json and the weights but the routed experts of a local checkpoint (text or image-text)."""

@@ -57,6 +57,8 @@ def sweep(blocks: Blocks, calibration: Calibration, capacity: int, *, lambdas=LA
 
     def add(result, method, **extra):
         row = result.row()
+        if "union_peak" in result.extra:  # block selection: the most union slots one layer of one block needed
+            row["union_peak"] = result.extra["union_peak"]
         row.update(method=method, **extra)
         rows.append(row)
 
@@ -69,25 +71,22 @@ def sweep(blocks: Blocks, calibration: Calibration, capacity: int, *, lambdas=LA
                 bonus=lam, n=n)
     if not any(lam == bonus and n == 1 for lam in lambdas for n in budgets):
         add(replay_rollback(psr, blocks, calibration), "rollback", bonus=bonus, n=1)
-    exact = replay_block_selection(selector_preset("exact"), blocks, calibration, capacity)
-    add(exact, "block_exact", union_peak=exact.extra["union_peak"])
+    add(replay_block_selection(selector_preset("exact"), blocks, calibration, capacity), "block_exact")
     for name in selectors:
         base = selector_preset(name)
         for gamma in gammas:
             for prune in prune_budgets:
                 config = selector_preset(name, gamma=gamma, prune_budget=prune)
-                result = replay_block_selection(config, blocks, calibration, capacity)
-                add(result, f"block_{name}", gamma=gamma, prune=prune, preset=False,
-                    union_peak=result.extra["union_peak"])
-        result = replay_block_selection(base, blocks, calibration, capacity, counterfactual=counterfactual)
-        add(result, f"block_{name}", gamma=base.gamma, prune=base.prune_budget, preset=True,
-            union_peak=result.extra["union_peak"])
+                add(replay_block_selection(config, blocks, calibration, capacity), f"block_{name}", gamma=gamma,
+                    prune=prune, preset=False)
+        add(replay_block_selection(base, blocks, calibration, capacity, counterfactual=counterfactual),
+            f"block_{name}", gamma=base.gamma, prune=base.prune_budget, preset=True)
     for name in ("exact", *selectors) if prefetch else ():
         for n in sorted({0, *prefetch}):
             result = replay_block_selection(selector_preset(name), blocks, calibration, capacity, prefetch=n)
             per_token = {f"{key}_per_token": value / max(result.committed, 1) for key, value in result.extra.items()
                          if key != "union_peak"}
-            add(result, f"prefetch_{name}", prefetch=n, union_peak=result.extra["union_peak"], **per_token)
+            add(result, f"prefetch_{name}", prefetch=n, **per_token)
     table = pd.DataFrame(rows)
     table.insert(0, "source", source or blocks.source)
     table.insert(1, "k", blocks.k)
