@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, "scripts")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine, beside this script
 from bench_engine import load_trace_windows, policies, randomize_caches  # noqa: E402
 
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
@@ -28,6 +28,9 @@ from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.routing import preset  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/prof")
+if not torch.cuda.is_available():
+    raise SystemExit("profile_device_policy.py profiles CUDA graphs: it needs a CUDA device")
+os.makedirs(OUT, exist_ok=True)
 t0 = time.time()
 model, adapter = random_model_on_device("olmoe-1b-7b", 0, torch.bfloat16, "cuda")
 store = ExpertStore.from_model(model, adapter)
