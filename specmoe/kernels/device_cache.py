@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 # float64 parameters (one tensor: a Python float launch argument would be float32)
 F_BONUS, F_SCALE, F_FAST, F_SLOW, F_FAST_GAIN, F_SLOW_GAIN, F_EPS = range(7)
 N_FPARAMS = 7
+PAIRWISE_MAX = 64  # experts up to which `_order` ranks by one [E, E] comparison (its tile: 16 KB of flags)
 PRIOR_CHUNK = 16  # token-prior entries read per step of a priority snapshot ([BLOCK_E, 16] comparisons each)
 
 
@@ -90,6 +91,7 @@ if triton is not None:
     _F_FAST_GAIN = tl.constexpr(F_FAST_GAIN)
     _F_SLOW_GAIN = tl.constexpr(F_SLOW_GAIN)
     _F_EPS = tl.constexpr(F_EPS)
+    _PAIRWISE_MAX = tl.constexpr(PAIRWISE_MAX)
 
     @triton.jit
     def _pick_int(vec, idx, i):
@@ -103,6 +105,26 @@ if triton is not None:
         tie = avail & (score == best)
         best_raw = tl.max(tl.where(tie, raw, float("-inf")), axis=0)
         return tl.min(tl.where(tie & (raw == best_raw), idx, BLOCK_E), axis=0)
+
+    @triton.jit
+    def _order(score, raw, avail, idx, limit, BLOCK_E: tl.constexpr):
+        """rank[e] = the position (0 .. limit-1) of expert e of `avail` in `_best`'s order (score, then raw, then
+        lower index): `_best`'s pick number, -1 for the others and past `limit`. Up to PAIRWISE_MAX experts every
+        expert's rank is counted at once, the experts of `avail` ahead of it in an [E, E] comparison (one
+        reduction instead of `limit` dependent `_best` picks of three each: the order is total, so the counts
+        are the picks' numbers); past that the comparison tile would spill, and the picks run in turn."""
+        if BLOCK_E <= _PAIRWISE_MAX:
+            s_e, r_e, i_e = score[:, None], raw[:, None], idx[:, None]
+            s_f, r_f, i_f = score[None, :], raw[None, :], idx[None, :]
+            ahead = (s_f > s_e) | ((s_f == s_e) & ((r_f > r_e) | ((r_f == r_e) & (i_f < i_e))))
+            count = tl.sum((ahead & avail[None, :]).to(tl.int32), axis=1)
+            rank = tl.where(avail & (count < limit), count, -1)
+        else:
+            rank = tl.full([BLOCK_E], -1, tl.int32)
+            for j in range(limit):
+                pick = _best(score, raw, avail & (rank < 0), idx, BLOCK_E)
+                rank = tl.where(idx == pick, j, rank)
+        return rank
 
     @triton.jit
     def _kept(score, valid, idx, E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
@@ -136,11 +158,7 @@ if triton is not None:
         (score, raw, -index) inside the kept groups, then the others by (raw, -index); -1 past COUNT."""
         if N_GROUP > 1 and TOPK_GROUP < N_GROUP:
             score = tl.where(_kept(score, valid, idx, E, N_GROUP, TOPK_GROUP, BLOCK_G), score, float("-inf"))
-        rank = tl.full([BLOCK_E], -1, tl.int32)
-        for j in tl.static_range(COUNT):
-            pick = _best(score, raw, valid & (rank < 0), idx, BLOCK_E)
-            rank = tl.where(idx == pick, j, rank)
-        return rank
+        return _order(score, raw, valid, idx, COUNT, BLOCK_E)
 
     @triton.jit
     def _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB,

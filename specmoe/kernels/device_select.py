@@ -36,7 +36,7 @@ from specmoe.verifiers import ExpertPool, SelectorConfig
 from specmoe.verifiers.pool import POSITIONS_PER_BLOCK
 from specmoe.verifiers.selection import ENTROPY_SLACK, TINY
 
-from .device_cache import triton
+from .device_cache import default_warps, triton
 
 # float64 parameters (one tensor: a Python float launch argument would be float32)
 F_GAMMA, F_RESCUE, F_PRUNE, F_SCALE, F_EPS, F_TINY, F_SLACK = range(7)
@@ -47,7 +47,7 @@ MAX_EXPERTS = 1024  # the refill's recency key holds the expert index in 10 bits
 if triton is not None:
     import triton.language as tl
 
-    from .device_cache import _best, _pick_int, _rank
+    from .device_cache import _order, _pick_int, _rank
 
     _F_GAMMA = tl.constexpr(F_GAMMA)
     _F_RESCUE = tl.constexpr(F_RESCUE)
@@ -59,47 +59,53 @@ if triton is not None:
     _POSITIONS_PER_BLOCK = tl.constexpr(POSITIONS_PER_BLOCK)
 
     @triton.jit
-    def _pick_float(vec, idx, i):
-        """vec[i] of a float vector (exact: one element survives the max)."""
-        return tl.max(tl.where(idx == i, vec, float("-inf")), axis=0)
-
-    @triton.jit
     def _row(tile, rows, d):
         """Row d of an integer tile [BLOCK_D, BLOCK_E] (entries >= -1)."""
         return tl.max(tl.where(rows[:, None] == d, tile, -1), axis=0)
 
     @triton.jit
-    def _position(z_ptr, ZS, bias_ptr, d, top, norm, rows, idx, valid, SIGMOID: tl.constexpr):
+    def _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID: tl.constexpr):
         """Position d's float64 logits (row stride ZS), router probabilities (exp(z - max z), or sigmoid(z):
-        `prob` of the host), selection scores and normaliser."""
+        `prob` of the host), selection scores and normaliser (top_ptr, norm_ptr: the positions' max logit and
+        normaliser in the scratch row)."""
         z = tl.load(z_ptr + d * ZS + idx, mask=valid, other=0.0).to(tl.float64)
         if SIGMOID:
             p = 1.0 / (1.0 + tl.exp(-z))
             s = p + tl.load(bias_ptr + idx, mask=valid, other=0.0)
         else:
-            p = tl.exp(z - _pick_float(top, rows, d))
+            p = tl.exp(z - tl.load(top_ptr + d))
             s = z
-        return z, tl.where(valid, p, 0.0), s, _pick_float(norm, rows, d)
+        return z, tl.where(valid, p, 0.0), s, tl.load(norm_ptr + d)
 
     @triton.jit
-    def _ordered_sum(vec, order, K: tl.constexpr):
-        """sum over j = 0..K-1 of vec at order == j, added in that order (vec >= 0)."""
+    def _ordered_sum(vec, order, sum_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+        """sum over j = 0..K-1 of vec at order == j (0.0 where no expert has order j), added in that order (vec
+        >= 0). The K values go through the scratch row sum_ptr [BLOCK_K] and are read back one by one: a sum in a
+        fixed order, without K reductions over the experts."""
+        tl.store(sum_ptr + tl.arange(0, BLOCK_K), tl.zeros([BLOCK_K], tl.float64))
+        tl.debug_barrier()
+        tl.store(sum_ptr + order, vec, mask=(order >= 0) & (order < K))
+        tl.debug_barrier()
         total = tl.zeros([], tl.float64)
         for j in tl.static_range(K):
-            total += tl.max(tl.where(order == j, vec, 0.0), axis=0)
+            total += tl.load(sum_ptr + j)
+        tl.debug_barrier()  # every thread has read before the row is written again
         return total
 
     @triton.jit
     def _select_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, pool_ptr, slot_ptr, rec_ptr, block_ptr, D,
                        selected_ptr, weights_ptr, displaced_ptr, eligible_ptr, union_ptr, list_ptr, route_ptr, RS,
-                       counts_ptr, WEIGHTS_IN_ROUTE: tl.constexpr,
+                       counts_ptr, scratch_ptr, WEIGHTS_IN_ROUTE: tl.constexpr,
                        E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
+                       BLOCK_K: tl.constexpr,
                        BLOCK: tl.constexpr, SIGMOID: tl.constexpr, RENORMALISE: tl.constexpr,
                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                        P: tl.constexpr, U: tl.constexpr):
         """`selection._select` + `pool._use` of one layer (its pool row, slot row and recency row). The demand
         list list_ptr [1 + 2E]: the count (0 if over U), the missing experts, their union slots; route rows of
-        stride RS, with the weights' float32 bits after the K slots where WEIGHTS_IN_ROUTE (the MoE's route row)."""
+        stride RS, with the weights' float32 bits after the K slots where WEIGHTS_IN_ROUTE (the MoE's route row).
+        scratch_ptr: float64 [2 BLOCK_D + BLOCK_E + BLOCK_K], rows the program writes and reads back as scalars
+        (the positions' max logits and normalisers, the demand u, an ordered sum's terms)."""
         rows = tl.arange(0, BLOCK_D)
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
@@ -122,12 +128,18 @@ if triton is not None:
             norm = tl.where(tiny > total, tiny, total)
         else:
             norm = total
+        top_ptr, norm_ptr = scratch_ptr, scratch_ptr + BLOCK_D
+        u_ptr = scratch_ptr + 2 * BLOCK_D
+        sum_ptr = u_ptr + BLOCK_E
+        tl.store(top_ptr + rows, top)
+        tl.store(norm_ptr + rows, norm)
+        tl.debug_barrier()
 
         # own top-K of every position (rank j of expert e, -1 outside), and v_e
         own = tl.full([BLOCK_D, BLOCK_E], -1, tl.int32)
         v = tl.zeros([BLOCK_E], tl.int32)
         for d in range(D):
-            z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top, norm, rows, idx, valid, SIGMOID)
+            z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID)
             rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
             own = tl.where(rows[:, None] == d, rank[None, :], own)
             v += (rank >= 0).to(tl.int32)
@@ -139,32 +151,28 @@ if triton is not None:
         if BLOCK:
             u = tl.zeros([BLOCK_E], tl.float64)
             for d in range(D):
-                z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top, norm, rows, idx, valid, SIGMOID)
+                z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID)
                 mine = (_row(own, rows, d) >= 0) & (in_root == 0) & valid
                 u = tl.where(mine, u + tl.load(alpha_ptr + d) * p / nd, u)
             positive = (u > 0.0) & valid
             m = tl.sum(positive.to(tl.int32), axis=0)
+            # the demand and its entropy over the positive u in ascending expert order, as the host adds (u read
+            # back one expert at a time; a zero term leaves either sum's bits unchanged)
+            tl.store(u_ptr + idx, tl.where(positive, u, 0.0))
+            tl.debug_barrier()
             demand = tl.zeros([], tl.float64)
-            prev = tl.full([], -1, tl.int32)
-            for _ in range(m):  # in ascending expert order, as the host adds
-                e = tl.min(tl.where(positive & (idx > prev), idx, BLOCK_E), axis=0)
-                demand += _pick_float(u, idx, e)
-                prev = e
+            for e in range(E):
+                demand += tl.load(u_ptr + e)
             entropy = tl.zeros([], tl.float64)
-            prev = tl.full([], -1, tl.int32)
-            for _ in range(m):
-                e = tl.min(tl.where(positive & (idx > prev), idx, BLOCK_E), axis=0)
-                q = _pick_float(u, idx, e) / demand
-                entropy -= q * tl.log(q)
-                prev = e
+            for e in range(E):
+                ue = tl.load(u_ptr + e)
+                q = ue / demand
+                entropy -= tl.where(ue > 0.0, q * tl.log(tl.where(ue > 0.0, q, 1.0)), 0.0)
             size = tl.load(fpar_ptr + _F_GAMMA) * tl.exp(entropy) - tl.load(fpar_ptr + _F_SLACK)
             saturated = size >= m.to(tl.float64)  # may exceed any integer (gamma 1e300)
             extra = tl.where(saturated, m, tl.ceil(tl.where(saturated, 0.0, size)).to(tl.int32))
             extra = tl.where(m > 0, extra, 0)
-            ranked = tl.full([BLOCK_E], -1, tl.int32)  # position among the extra candidates by decreasing u
-            for i in range(extra):
-                pick = _best(u, u, valid & (ranked < 0), idx, BLOCK_E)
-                ranked = tl.where(idx == pick, i, ranked)
+            ranked = _order(u, u, valid, idx, extra, BLOCK_E)  # position among the extra candidates, decreasing u
             eligible = in_root | (ranked >= 0)
             lost = tl.sum(tl.where(eligible | (valid == 0), 0, v), axis=0)
             limit = tl.load(fpar_ptr + _F_PRUNE) * lost.to(tl.float64)
@@ -184,41 +192,41 @@ if triton is not None:
         executed = tl.full([BLOCK_D, BLOCK_E], -1, tl.int32)
         last = tl.full([BLOCK_E], -1, tl.int64)
         for d in range(D):
-            z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top, norm, rows, idx, valid, SIGMOID)
+            z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID)
             mine = _row(own, rows, d)
             if BLOCK:
                 top1 = tl.min(tl.where(mine == 0, idx, BLOCK_E), axis=0)
                 rescued = (d > 0) & (rescue >= 0.0) & (tl.load(alpha_ptr + d) >= rescue) & \
                     (_pick_int(eligible.to(tl.int32), idx, top1) == 0)
-                sel = tl.where(rescued & (idx == top1), 0, tl.full([BLOCK_E], -1, tl.int32))
+                # a rescued top-1 executes first, then the best eligible experts (top1 is not eligible then)
                 start = rescued.to(tl.int32)
-                for j in tl.static_range(K):
-                    pick = _best(s, s, eligible & valid & (sel < 0), idx, BLOCK_E)
-                    sel = tl.where((idx == pick) & (j >= start), j, sel)
+                sel = _order(s, s, eligible & valid, idx, K - start, BLOCK_E)
+                sel = tl.where(sel >= 0, sel + start, sel)
+                sel = tl.where(rescued & (idx == top1), 0, sel)
                 sel = tl.where(d == 0, mine, sel)
             else:
                 sel = mine
             if SIGMOID:
-                den = _ordered_sum(p, sel, K) + tl.load(fpar_ptr + _F_EPS)
+                den = _ordered_sum(p, sel, sum_ptr, K, BLOCK_K) + tl.load(fpar_ptr + _F_EPS)
                 if RENORMALISE:
                     w = p / den * scale
                 else:
                     w = p * scale
             else:
                 if RENORMALISE:
-                    den = _ordered_sum(p, sel, K)
+                    den = _ordered_sum(p, sel, sum_ptr, K, BLOCK_K)
                 else:
                     den = nd
                 # renormalised over experts whose softmax underflows: shift by their own maximum instead
                 shift = tl.max(tl.where(sel >= 0, z, float("-inf")), axis=0)
                 q = tl.where(sel >= 0, tl.exp(z - shift), 0.0)
-                w = tl.where(den >= tiny, p / den * scale, q / _ordered_sum(q, sel, K) * scale)
+                w = tl.where(den >= tiny, p / den * scale, q / _ordered_sum(q, sel, sum_ptr, K, BLOCK_K) * scale)
             tl.store(selected_ptr + d * K + sel, idx.to(tl.int64), mask=sel >= 0)
             tl.store(weights_ptr + d * K + sel, w.to(tl.float32), mask=sel >= 0)
             if WEIGHTS_IN_ROUTE:
                 tl.store(route_ptr + d * RS + K + sel, w.to(tl.float32).to(tl.int32, bitcast=True), mask=sel >= 0)
             gone = tl.where(sel >= 0, K, mine)  # own ranks not executed; executed ones moved out of 0..K-1
-            tl.store(displaced_ptr + d, _ordered_sum(p, gone, K) / nd)
+            tl.store(displaced_ptr + d, _ordered_sum(p, gone, sum_ptr, K, BLOCK_K) / nd)
             executed = tl.where(rows[:, None] == d, sel[None, :], executed)
             last = tl.where(sel >= 0, d, last)
 
@@ -349,14 +357,17 @@ class DevicePool:
         self.demands = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
         self._layer_views(0)
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
+        block_e, block_d, block_k = (triton.next_power_of_2(n) for n in (E, max_positions, k))
+        self.scratch = torch.zeros(2 * block_d + block_e + block_k, dtype=torch.float64, device=self.device)
         self.move_lists = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
         self.moves = self.move_lists[:, 1:].view(L, 2, E)
         self.n_moves = self.move_lists[:, 0]
         self._constants = dict(
-            E=E, BLOCK_E=triton.next_power_of_2(E), BLOCK_D=triton.next_power_of_2(max_positions), K=k,
+            E=E, BLOCK_E=block_e, BLOCK_D=block_d, K=k, BLOCK_K=block_k,
             BLOCK=int(params[0] != 0.0), SIGMOID=int(scoring.kind == "sigmoid"),
             RENORMALISE=int(bool(scoring.renormalise)), N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group,
             BLOCK_G=triton.next_power_of_2(scoring.n_group), P=pool.pool_size, U=pool.union_slots)
+        self.warps = default_warps(E)  # a chain of reductions over [E] vectors, as the cache step's
 
     def _layer_views(self, layer: int) -> None:
         e = self.num_experts
@@ -397,8 +408,9 @@ class DevicePool:
         _select_kernel[(1,)](
             z, z.stride(0), alpha, self.bias[layer], self.fparams, self.pool_mask[layer], self.slot[layer],
             self.recency[layer], self.block, z.shape[0], self.selected, self.weights, self.displaced, self.eligible,
-            self.union, self.demand, route, route.stride(0), self.counts, WEIGHTS_IN_ROUTE=int(route_out is not None),
-            **self._constants, num_warps=4, enable_fp_fusion=False)
+            self.union, self.demand, route, route.stride(0), self.counts, self.scratch,
+            WEIGHTS_IN_ROUTE=int(route_out is not None), **self._constants, num_warps=self.warps,
+            enable_fp_fusion=False)
 
     def end_block(self) -> None:
         """`ExpertPool.end_block` on the device, every layer in one launch (move_lists)."""
