@@ -399,6 +399,18 @@ def test_new_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys):
+    import profile_blocks
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        profile_blocks.main(["--k", "4", "--tau", "5"])
+    assert exit_.value.code == 2 and "--tau in [1, k + 1)" in capsys.readouterr().err
+    if not profile_blocks.torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            profile_blocks.main([])
+
+
 def test_timeline_pass_on_the_cpu():
     """bench_spec_engine.timeline_pass on a real engine (olmoe-tiny on the CPU, synthetic blocks over the
     olmoe-like source): the instrumented pass's per-block parts add up to the block, drafting is the charged time,
