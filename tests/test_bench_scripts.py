@@ -411,6 +411,29 @@ def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys)
             profile_blocks.main([])
 
 
+def test_bench_device_select_times_the_host_and_loads_another_kernel_version(tmp_path, capsys):
+    """bench_device_select: the host's selection time from the case's blocks, another version of the kernel module
+    loaded beside the current one (its helpers from a given device_cache.py), bad sizes refused in one line."""
+    import bench_device_select as bench
+    import pytest
+
+    from specmoe.kernels import device_cache, device_select
+    from specmoe.verifiers import ExpertPool, selector_preset
+
+    layers, experts, top_k, pool_size, union, kind = bench.GEOMETRIES["olmoe-1b-7b"]
+    z, alpha = bench.device_select_case(3, 2, 9, experts)
+    warm = np.stack([np.arange(experts)] * 2)
+    pool = ExpertPool(2, experts, top_k, pool_size, warm, union)
+    assert bench.host_select_us(selector_preset("acceptmoe"), False, pool, z, alpha) > 0
+    assert pool.block == 3  # every block's refill ran
+    other = bench.load_module(device_select.__file__, device_cache.__file__)
+    assert other is not device_select and other.DevicePool.__name__ == "DevicePool"
+    assert bench.sys.modules["specmoe.kernels.device_cache"] is device_cache  # restored
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--out", str(tmp_path / "x.json"), "--positions", "0"])
+    assert exit_.value.code == 2 and "--positions must be at least 1" in capsys.readouterr().err
+
+
 def test_timeline_pass_on_the_cpu():
     """bench_spec_engine.timeline_pass on a real engine (olmoe-tiny on the CPU, synthetic blocks over the
     olmoe-like source): the instrumented pass's per-block parts add up to the block, drafting is the charged time,

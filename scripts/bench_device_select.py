@@ -1,0 +1,171 @@
+"""Time of the device block selection (`DevicePool.select`, one launch per layer) and the pool refill
+(`DevicePool.end_block`) on the GPU, against the host's `select_block_into` + `ExpertPool.use`.
+
+For each geometry, selector and block size D, one CUDA graph holds one block's selections of every layer (as the
+device blocks path launches them); the graph is replayed `--rounds` times (the pool's state carries on) and timed
+with CUDA events. Reported in µs: the median over rounds per layer's selection, the refill per block, and the
+host's selection + pool use per layer (numba, one thread, wall time; without the round trip the host path also
+pays per layer). Inputs are `checks.device_select_case`'s (logits on a bfloat16 grid with ties).
+
+`--module FILE` also times another version of the kernel module (e.g. device_select.py before a change) in the
+same rounds, labelled "other"; `--cache-module FILE` is the device_cache.py that version imports its helpers from
+(default: the current one).
+
+    PYTHONPATH=. python3 scripts/bench_device_select.py --out runs/dselect.json [--module old_device_select.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+from specmoe.files import write_text_atomic
+from specmoe.kernels.checks import device_select_case
+from specmoe.routing import RouterScoring
+from specmoe.verifiers import ExpertPool, SelectionBuffers, select_block_into, selector_preset
+
+# name: (layers, experts, top-K, pool P, union U, scoring): the paper's three architectures at full size
+GEOMETRIES = {
+    "olmoe-1b-7b": (16, 64, 8, 24, 40, "softmax"),
+    "moonlight-16b-a3b": (26, 64, 6, 24, 40, "sigmoid"),
+    "qwen3.6-35b-a3b": (40, 256, 8, 64, 64, "softmax_renorm"),
+}
+SELECTORS = ("exact", "acceptmoe", "confidence_top1")
+
+
+def scoring_of(kind: str, num_layers: int, num_experts: int):
+    if kind == "softmax":
+        return False  # the pool's softmax selection scores
+    if kind == "softmax_renorm":
+        return RouterScoring("softmax", renormalise=True)
+    bias = np.random.default_rng(0).normal(0.0, 0.1, (num_layers, num_experts))
+    return RouterScoring("sigmoid", renormalise=True, scale=2.446, bias=bias)
+
+
+def _load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_module(path: str | None, cache_path: str | None = None):
+    """The selection module: specmoe's, or the file at `path`, named inside specmoe.kernels so that its relative
+    imports resolve, its `.device_cache` being the file at `cache_path` where given."""
+    from specmoe.kernels import device_select
+    if path is None:
+        return device_select
+    current = sys.modules["specmoe.kernels.device_cache"]
+    try:
+        if cache_path is not None:
+            sys.modules["specmoe.kernels.device_cache"] = _load("specmoe.kernels._device_cache_other", cache_path)
+        return _load("specmoe.kernels._device_select_other", path)
+    finally:
+        sys.modules["specmoe.kernels.device_cache"] = current
+
+
+def host_select_us(selector, scoring, pool: ExpertPool, z: np.ndarray, alpha: np.ndarray) -> float:
+    """µs per layer of the host's selection and pool use over the blocks of z [B, L, D, E] (after one warm-up
+    block: numba compiles)."""
+    num_blocks, num_layers, positions, num_experts = z.shape
+    buffers = SelectionBuffers(positions, num_experts, pool.top_k)
+    times = []
+    for block in range(num_blocks):
+        started = time.perf_counter()
+        for layer in range(num_layers):
+            select_block_into(selector, z[block, layer], pool.resident(layer), alpha[block], pool.top_k, scoring,
+                              buffers, layer=layer)
+            pool.use(layer, buffers.selected[:positions])
+        pool.end_block()
+        if block:
+            times.append((time.perf_counter() - started) / num_layers)
+    return float(np.median(times)) * 1e6
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, rounds: int) -> float:
+    """Median µs of a replay over `rounds` replays (after one warm-up replay)."""
+    graph.replay()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(np.median(times))
+
+
+def device_us(module, selector, scoring, pool: ExpertPool, z: np.ndarray, alpha: np.ndarray, rounds: int) -> dict:
+    """µs per layer's selection and per block's refill: graphs of one block's selections (every layer) and of the
+    refill, replayed."""
+    _, num_layers, positions, _ = z.shape
+    dev = module.DevicePool(pool, selector, scoring, positions, "cuda")
+    z_dev = torch.tensor(z[0], device="cuda")
+    a_dev = torch.tensor(alpha[0], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        for layer in range(num_layers):
+            dev.select(layer, z_dev[layer], a_dev)
+        dev.end_block()
+    torch.cuda.synchronize()
+    graphs = []
+    for body in (lambda: [dev.select(layer, z_dev[layer], a_dev) for layer in range(num_layers)], dev.end_block):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            body()
+        graphs.append(graph)
+    select_graph, refill_graph = graphs
+    return {"select_us": time_graph(select_graph, rounds) / num_layers, "refill_us": time_graph(refill_graph, rounds)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--geometries", nargs="+", choices=list(GEOMETRIES), default=list(GEOMETRIES))
+    ap.add_argument("--selectors", nargs="+", choices=SELECTORS, default=["acceptmoe", "confidence_top1"])
+    ap.add_argument("--positions", type=int, nargs="+", default=[9, 17], help="block sizes D (k + 1)")
+    ap.add_argument("--blocks", type=int, default=8, help="blocks of logits the host times (the device: the first)")
+    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--module", default=None, help="another version of device_select.py, timed alongside")
+    ap.add_argument("--cache-module", default=None, help="the device_cache.py --module imports (default: current)")
+    args = ap.parse_args(argv)
+    if min(args.positions) < 1 or args.blocks < 2 or args.rounds < 1:
+        ap.error("--positions must be at least 1, --blocks at least 2 and --rounds at least 1")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_device_select.py times CUDA graphs: it needs a CUDA device")
+    modules = {"current": load_module(None)}
+    if args.module:
+        modules["other"] = load_module(args.module, args.cache_module)
+    report = {"command": " ".join(["bench_device_select.py"] + (argv if argv is not None else sys.argv[1:])),
+              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
+              "rows": []}
+    for name in args.geometries:
+        num_layers, num_experts, top_k, pool_size, union, kind = GEOMETRIES[name]
+        scoring = scoring_of(kind, num_layers, num_experts)
+        warm = np.stack([np.random.default_rng(layer).permutation(num_experts) for layer in range(num_layers)])
+        for selector_name, positions in ((s, d) for s in args.selectors for d in args.positions):
+            selector = selector_preset(selector_name)
+            z, alpha = device_select_case(args.blocks, num_layers, positions, num_experts, seed=positions)
+            row = {"geometry": name, "selector": selector_name, "D": positions,
+                   "host_us": host_select_us(selector, scoring, ExpertPool(num_layers, num_experts, top_k, pool_size,
+                                                                           warm, union), z, alpha)}
+            for label, module in modules.items():
+                got = device_us(module, selector, scoring, ExpertPool(num_layers, num_experts, top_k, pool_size, warm,
+                                                                      union), z, alpha, args.rounds)
+                row.update({f"{label}_{key}": value for key, value in got.items()})
+            print(json.dumps(row), flush=True)
+            report["rows"].append(row)
+            write_text_atomic(args.out, json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
