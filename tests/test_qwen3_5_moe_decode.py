@@ -115,7 +115,7 @@ def test_rollback_equals_a_run_without_the_rejected_positions(tiny, mode):
     assert not torch.equal(spec.recurrent_state, plain.recurrent_state)  # the rejected positions changed it
     spec.rollback(step, 2)
     _, got = run_step(spec, rows, tokens[prompt + 2:prompt + 5], prompt + 2)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # logits, as above; the states below at 1e-5
     torch.testing.assert_close(spec.recurrent_state, plain.recurrent_state, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(spec.conv_state, plain.conv_state, atol=1e-5, rtol=1e-5)
     written = prompt + 5
