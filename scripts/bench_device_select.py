@@ -7,11 +7,11 @@ with CUDA events. Reported in µs: the median over rounds per layer's selection,
 host's selection + pool use per layer (numba, one thread, wall time; without the round trip the host path also
 pays per layer). Inputs are `checks.device_select_case`'s (logits on a bfloat16 grid with ties).
 
-`--module FILE` also times another version of the kernel module (e.g. device_select.py before a change) in the
-same rounds, labelled "other"; `--cache-module FILE` is the device_cache.py that version imports its helpers from
-(default: the current one).
+`--module LABEL=FILE[,CACHE]` also times other versions of the kernel module (e.g. device_select.py before a
+change) in the same rounds, each under its label; CACHE is the device_cache.py that version imports its helpers
+from (default: the current one).
 
-    PYTHONPATH=. python3 scripts/bench_device_select.py --out runs/dselect.json [--module old_device_select.py]
+    PYTHONPATH=. python3 scripts/bench_device_select.py --out runs/dselect.json [--module old=old_device_select.py]
 """
 
 from __future__ import annotations
@@ -135,16 +135,21 @@ def main(argv=None) -> None:
     ap.add_argument("--positions", type=int, nargs="+", default=[9, 17], help="block sizes D (k + 1)")
     ap.add_argument("--blocks", type=int, default=8, help="blocks of logits the host times (the device: the first)")
     ap.add_argument("--rounds", type=int, default=50)
-    ap.add_argument("--module", default=None, help="another version of device_select.py, timed alongside")
-    ap.add_argument("--cache-module", default=None, help="the device_cache.py --module imports (default: current)")
+    ap.add_argument("--module", nargs="+", default=[], metavar="LABEL=FILE[,CACHE]",
+                    help="other versions of device_select.py timed alongside (CACHE: the device_cache.py it imports)")
     args = ap.parse_args(argv)
     if min(args.positions) < 1 or args.blocks < 2 or args.rounds < 1:
         ap.error("--positions must be at least 1, --blocks at least 2 and --rounds at least 1")
+    others = {}
+    for spec in args.module:
+        label, _, files = spec.partition("=")
+        if not label or not files or label == "current" or label in others:
+            ap.error(f"--module takes LABEL=FILE[,CACHE] with distinct labels other than 'current', got {spec!r}")
+        others[label] = files.split(",", 1) + [None] * (1 - files.count(","))
     if not torch.cuda.is_available():
         raise SystemExit("bench_device_select.py times CUDA graphs: it needs a CUDA device")
     modules = {"current": load_module(None)}
-    if args.module:
-        modules["other"] = load_module(args.module, args.cache_module)
+    modules.update({label: load_module(path, cache) for label, (path, cache) in others.items()})
     report = {"command": " ".join(["bench_device_select.py"] + (argv if argv is not None else sys.argv[1:])),
               "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
               "rows": []}

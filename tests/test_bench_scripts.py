@@ -429,9 +429,12 @@ def test_bench_device_select_times_the_host_and_loads_another_kernel_version(tmp
     other = bench.load_module(device_select.__file__, device_cache.__file__)
     assert other is not device_select and other.DevicePool.__name__ == "DevicePool"
     assert bench.sys.modules["specmoe.kernels.device_cache"] is device_cache  # restored
-    with pytest.raises(SystemExit) as exit_:
-        bench.main(["--out", str(tmp_path / "x.json"), "--positions", "0"])
-    assert exit_.value.code == 2 and "--positions must be at least 1" in capsys.readouterr().err
+    for extra, message in ((["--positions", "0"], "--positions must be at least 1"),
+                           (["--module", "old.py"], "--module takes LABEL=FILE[,CACHE]"),
+                           (["--module", "a=x.py", "a=y.py"], "distinct labels")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--out", str(tmp_path / "x.json")] + extra)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_timeline_pass_on_the_cpu():
