@@ -1,9 +1,13 @@
-"""Block selection and the expert pool on the device: `select_block_into` + `ExpertPool.use` of one layer as one
-Triton launch, and `ExpertPool.end_block` (the refill by recency) as a second one over all layers.
+"""Block selection and the expert pool on the device: `select_block_into` + `ExpertPool.use` of one layer as four
+Triton launches, and `ExpertPool.end_block` (the refill by recency) as one more over all layers.
 
 `DevicePool` holds an `ExpertPool`'s state (slot table, pool mask, recency, the block number, the warm ranks) as
-device tensors. `DevicePool.select(layer, router_logits, alpha)` runs, in one program, for a block of D
-positions (router logits float32 [D, E], position weights alpha float64 [D]):
+device tensors. `DevicePool.select(layer, router_logits, alpha)` runs, for a block of D positions (router logits
+float32 [D, E], position weights alpha float64 [D]), what depends on one position in a program per position and
+what joins the positions in one program: `_own_kernel` (per position: normaliser, own top-K), `_demand_kernel`
+(a block selector's eligible set: the demand u over the positions, its entropy, the extra candidates, pruning),
+`_execute_kernel` (per position: what it executes, its weights and displaced mass) and `_use_kernel` (the pool's
+use of the executions). They pass their results through scratch tensors of the pool, in stream order. In order:
 
 - every position's router distribution (softmax, or the normalised sigmoid), its selection scores (a sigmoid
   router's sigmoid + the layer's bias) and own top-K (group-limited where the scoring is);
@@ -59,15 +63,10 @@ if triton is not None:
     _POSITIONS_PER_BLOCK = tl.constexpr(POSITIONS_PER_BLOCK)
 
     @triton.jit
-    def _row(tile, rows, d):
-        """Row d of an integer tile [BLOCK_D, BLOCK_E] (entries >= -1)."""
-        return tl.max(tl.where(rows[:, None] == d, tile, -1), axis=0)
-
-    @triton.jit
     def _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID: tl.constexpr):
         """Position d's float64 logits (row stride ZS), router probabilities (exp(z - max z), or sigmoid(z):
         `prob` of the host), selection scores and normaliser (top_ptr, norm_ptr: the positions' max logit and
-        normaliser in the scratch row)."""
+        normaliser in the scratch rows `_own_kernel` writes)."""
         z = tl.load(z_ptr + d * ZS + idx, mask=valid, other=0.0).to(tl.float64)
         if SIGMOID:
             p = 1.0 / (1.0 + tl.exp(-z))
@@ -93,33 +92,20 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _select_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, pool_ptr, slot_ptr, rec_ptr, block_ptr, D,
-                       selected_ptr, weights_ptr, displaced_ptr, eligible_ptr, union_ptr, list_ptr, route_ptr, RS,
-                       counts_ptr, scratch_ptr, WEIGHTS_IN_ROUTE: tl.constexpr,
-                       E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
-                       BLOCK_K: tl.constexpr,
-                       BLOCK: tl.constexpr, SIGMOID: tl.constexpr, RENORMALISE: tl.constexpr,
-                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                       P: tl.constexpr, U: tl.constexpr):
-        """`selection._select` + `pool._use` of one layer (its pool row, slot row and recency row). The demand
-        list list_ptr [1 + 2E]: the count (0 if over U), the missing experts, their union slots; route rows of
-        stride RS, with the weights' float32 bits after the K slots where WEIGHTS_IN_ROUTE (the MoE's route row).
-        scratch_ptr: float64 [2 BLOCK_D + BLOCK_E + BLOCK_K], rows the program writes and reads back as scalars
-        (the positions' max logits and normalisers, the demand u, an ordered sum's terms)."""
-        rows = tl.arange(0, BLOCK_D)
+    def _own_kernel(z_ptr, ZS, bias_ptr, fpar_ptr, fs_ptr, own_ptr,
+                    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
+                    SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+        """Position program_id(0) of the block: its max logit and normaliser (summed over experts in index order)
+        into the float scratch (fs_ptr: top [BLOCK_D], norm [BLOCK_D]), its own top-K ranks into own_ptr's row."""
+        d = tl.program_id(0)
         idx = tl.arange(0, BLOCK_E)
-        vrow = rows < D
         valid = idx < E
         tiny = tl.load(fpar_ptr + _F_TINY)
-        scale = tl.load(fpar_ptr + _F_SCALE)
-
-        # the normalisers of r_d, summed over experts in index order for all positions at once
-        zt = tl.load(z_ptr + rows[:, None] * ZS + idx[None, :], mask=vrow[:, None] & valid[None, :],
-                     other=float("-inf")).to(tl.float64)
-        top = tl.where(vrow, tl.max(zt, axis=1), 0.0)
-        total = tl.zeros([BLOCK_D], tl.float64)
+        z = tl.load(z_ptr + d * ZS + idx, mask=valid, other=float("-inf")).to(tl.float64)
+        top = tl.max(z, axis=0)
+        total = tl.zeros([], tl.float64)
         for e in range(E):
-            col = tl.load(z_ptr + rows * ZS + e, mask=vrow, other=0.0).to(tl.float64)
+            col = tl.load(z_ptr + d * ZS + e).to(tl.float64)
             if SIGMOID:
                 total += 1.0 / (1.0 + tl.exp(-col))
             else:
@@ -128,109 +114,136 @@ if triton is not None:
             norm = tl.where(tiny > total, tiny, total)
         else:
             norm = total
-        top_ptr, norm_ptr = scratch_ptr, scratch_ptr + BLOCK_D
-        u_ptr = scratch_ptr + 2 * BLOCK_D
-        sum_ptr = u_ptr + BLOCK_E
-        tl.store(top_ptr + rows, top)
-        tl.store(norm_ptr + rows, norm)
+        tl.store(fs_ptr + d, top)
+        tl.store(fs_ptr + BLOCK_D + d, norm)
         tl.debug_barrier()
+        z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, fs_ptr, fs_ptr + BLOCK_D, idx, valid, SIGMOID)
+        rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
+        tl.store(own_ptr + d * BLOCK_E + idx, rank)
 
-        # own top-K of every position (rank j of expert e, -1 outside), and v_e
-        own = tl.full([BLOCK_D, BLOCK_E], -1, tl.int32)
-        v = tl.zeros([BLOCK_E], tl.int32)
-        for d in range(D):
-            z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID)
-            rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
-            own = tl.where(rows[:, None] == d, rank[None, :], own)
-            v += (rank >= 0).to(tl.int32)
-        in_root = _row(own, rows, 0) >= 0
+    @triton.jit
+    def _demand_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, pool_ptr, D, fs_ptr, own_ptr, elig_ptr,
+                       E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                       SIGMOID: tl.constexpr):
+        """A block selector's eligible set (the root's top-K, the extra candidates, pruning against the pool):
+        into elig_ptr [BLOCK_E] (1 / 0)."""
+        rows = tl.arange(0, BLOCK_D)
+        idx = tl.arange(0, BLOCK_E)
+        vrow = rows < D
+        valid = idx < E
+        top_ptr, norm_ptr = fs_ptr, fs_ptr + BLOCK_D
+        u_ptr = fs_ptr + 2 * BLOCK_D
+        own = tl.load(own_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
+        v = tl.sum((own >= 0).to(tl.int32), axis=0)
+        in_root = tl.load(own_ptr + idx) >= 0
         resident = tl.load(pool_ptr + idx, mask=valid, other=0).to(tl.int32)
-
-        eligible = in_root
-        rescue = tl.load(fpar_ptr + _F_RESCUE)
-        if BLOCK:
-            u = tl.zeros([BLOCK_E], tl.float64)
-            for d in range(D):
-                z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID)
-                mine = (_row(own, rows, d) >= 0) & (in_root == 0) & valid
-                u = tl.where(mine, u + tl.load(alpha_ptr + d) * p / nd, u)
-            positive = (u > 0.0) & valid
-            m = tl.sum(positive.to(tl.int32), axis=0)
-            # the demand and its entropy over the positive u in ascending expert order, as the host adds (u read
-            # back one expert at a time; a zero term leaves either sum's bits unchanged)
-            tl.store(u_ptr + idx, tl.where(positive, u, 0.0))
-            tl.debug_barrier()
-            demand = tl.zeros([], tl.float64)
-            for e in range(E):
-                demand += tl.load(u_ptr + e)
-            entropy = tl.zeros([], tl.float64)
-            for e in range(E):
-                ue = tl.load(u_ptr + e)
-                q = ue / demand
-                entropy -= tl.where(ue > 0.0, q * tl.log(tl.where(ue > 0.0, q, 1.0)), 0.0)
-            size = tl.load(fpar_ptr + _F_GAMMA) * tl.exp(entropy) - tl.load(fpar_ptr + _F_SLACK)
-            saturated = size >= m.to(tl.float64)  # may exceed any integer (gamma 1e300)
-            extra = tl.where(saturated, m, tl.ceil(tl.where(saturated, 0.0, size)).to(tl.int32))
-            extra = tl.where(m > 0, extra, 0)
-            ranked = _order(u, u, valid, idx, extra, BLOCK_E)  # position among the extra candidates, decreasing u
-            eligible = in_root | (ranked >= 0)
-            lost = tl.sum(tl.where(eligible | (valid == 0), 0, v), axis=0)
-            limit = tl.load(fpar_ptr + _F_PRUNE) * lost.to(tl.float64)
-            removed = tl.zeros([], tl.int32)
-            stopped = tl.zeros([], tl.int32)
-            for i in range(extra):  # in increasing u: from the last candidate back
-                e = tl.min(tl.where(ranked == extra - 1 - i, idx, BLOCK_E), axis=0)
-                ve = _pick_int(v, idx, e)
-                candidate = (stopped == 0) & (_pick_int(resident, idx, e) == 0)
-                over = (removed + ve).to(tl.float64) > limit
-                stopped = stopped | (candidate & over).to(tl.int32)
-                gone = candidate & (over == 0)
-                removed += tl.where(gone, ve, 0)
-                eligible = eligible & ((idx != e) | (gone == 0))
-
-        # what each position executes, its weights and displaced mass
-        executed = tl.full([BLOCK_D, BLOCK_E], -1, tl.int32)
-        last = tl.full([BLOCK_E], -1, tl.int64)
+        u = tl.zeros([BLOCK_E], tl.float64)
         for d in range(D):
             z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID)
-            mine = _row(own, rows, d)
-            if BLOCK:
-                top1 = tl.min(tl.where(mine == 0, idx, BLOCK_E), axis=0)
-                rescued = (d > 0) & (rescue >= 0.0) & (tl.load(alpha_ptr + d) >= rescue) & \
-                    (_pick_int(eligible.to(tl.int32), idx, top1) == 0)
-                # a rescued top-1 executes first, then the best eligible experts (top1 is not eligible then)
-                start = rescued.to(tl.int32)
-                sel = _order(s, s, eligible & valid, idx, K - start, BLOCK_E)
-                sel = tl.where(sel >= 0, sel + start, sel)
-                sel = tl.where(rescued & (idx == top1), 0, sel)
-                sel = tl.where(d == 0, mine, sel)
-            else:
-                sel = mine
-            if SIGMOID:
-                den = _ordered_sum(p, sel, sum_ptr, K, BLOCK_K) + tl.load(fpar_ptr + _F_EPS)
-                if RENORMALISE:
-                    w = p / den * scale
-                else:
-                    w = p * scale
-            else:
-                if RENORMALISE:
-                    den = _ordered_sum(p, sel, sum_ptr, K, BLOCK_K)
-                else:
-                    den = nd
-                # renormalised over experts whose softmax underflows: shift by their own maximum instead
-                shift = tl.max(tl.where(sel >= 0, z, float("-inf")), axis=0)
-                q = tl.where(sel >= 0, tl.exp(z - shift), 0.0)
-                w = tl.where(den >= tiny, p / den * scale, q / _ordered_sum(q, sel, sum_ptr, K, BLOCK_K) * scale)
-            tl.store(selected_ptr + d * K + sel, idx.to(tl.int64), mask=sel >= 0)
-            tl.store(weights_ptr + d * K + sel, w.to(tl.float32), mask=sel >= 0)
-            if WEIGHTS_IN_ROUTE:
-                tl.store(route_ptr + d * RS + K + sel, w.to(tl.float32).to(tl.int32, bitcast=True), mask=sel >= 0)
-            gone = tl.where(sel >= 0, K, mine)  # own ranks not executed; executed ones moved out of 0..K-1
-            tl.store(displaced_ptr + d, _ordered_sum(p, gone, sum_ptr, K, BLOCK_K) / nd)
-            executed = tl.where(rows[:, None] == d, sel[None, :], executed)
-            last = tl.where(sel >= 0, d, last)
+            mine = (tl.load(own_ptr + d * BLOCK_E + idx) >= 0) & (in_root == 0) & valid
+            u = tl.where(mine, u + tl.load(alpha_ptr + d) * p / nd, u)
+        positive = (u > 0.0) & valid
+        m = tl.sum(positive.to(tl.int32), axis=0)
+        # the demand and its entropy over the positive u in ascending expert order, as the host adds (u read
+        # back one expert at a time; a zero term leaves either sum's bits unchanged)
+        tl.store(u_ptr + idx, tl.where(positive, u, 0.0))
+        tl.debug_barrier()
+        demand = tl.zeros([], tl.float64)
+        for e in range(E):
+            demand += tl.load(u_ptr + e)
+        entropy = tl.zeros([], tl.float64)
+        for e in range(E):
+            ue = tl.load(u_ptr + e)
+            q = ue / demand
+            entropy -= tl.where(ue > 0.0, q * tl.log(tl.where(ue > 0.0, q, 1.0)), 0.0)
+        size = tl.load(fpar_ptr + _F_GAMMA) * tl.exp(entropy) - tl.load(fpar_ptr + _F_SLACK)
+        saturated = size >= m.to(tl.float64)  # may exceed any integer (gamma 1e300)
+        extra = tl.where(saturated, m, tl.ceil(tl.where(saturated, 0.0, size)).to(tl.int32))
+        extra = tl.where(m > 0, extra, 0)
+        ranked = _order(u, u, valid, idx, extra, BLOCK_E)  # position among the extra candidates, decreasing u
+        eligible = in_root | (ranked >= 0)
+        lost = tl.sum(tl.where(eligible | (valid == 0), 0, v), axis=0)
+        limit = tl.load(fpar_ptr + _F_PRUNE) * lost.to(tl.float64)
+        removed = tl.zeros([], tl.int32)
+        stopped = tl.zeros([], tl.int32)
+        for i in range(extra):  # in increasing u: from the last candidate back
+            e = tl.min(tl.where(ranked == extra - 1 - i, idx, BLOCK_E), axis=0)
+            ve = _pick_int(v, idx, e)
+            candidate = (stopped == 0) & (_pick_int(resident, idx, e) == 0)
+            over = (removed + ve).to(tl.float64) > limit
+            stopped = stopped | (candidate & over).to(tl.int32)
+            gone = candidate & (over == 0)
+            removed += tl.where(gone, ve, 0)
+            eligible = eligible & ((idx != e) | (gone == 0))
+        tl.store(elig_ptr + idx, eligible.to(tl.int32))
 
-        # ExpertPool.use: missing experts take union slots in ascending order; recency; the route rows
+    @triton.jit
+    def _execute_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, fs_ptr, own_ptr, elig_ptr, exec_ptr,
+                        selected_ptr, weights_ptr, displaced_ptr, route_ptr, RS, WEIGHTS_IN_ROUTE: tl.constexpr,
+                        E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, SIGMOID: tl.constexpr,
+                        RENORMALISE: tl.constexpr):
+        """Position program_id(0): what it executes (its own top-K, or the selector's choice among the eligible
+        with the top-1 rescue), its execution weights and displaced mass; its executed ranks into exec_ptr's row."""
+        d = tl.program_id(0)
+        idx = tl.arange(0, BLOCK_E)
+        valid = idx < E
+        tiny = tl.load(fpar_ptr + _F_TINY)
+        scale = tl.load(fpar_ptr + _F_SCALE)
+        sum_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E + d * BLOCK_K  # this position's ordered-sum row
+        z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, fs_ptr, fs_ptr + BLOCK_D, idx, valid, SIGMOID)
+        mine = tl.load(own_ptr + d * BLOCK_E + idx)
+        if BLOCK:
+            eligible = tl.load(elig_ptr + idx) != 0
+            rescue = tl.load(fpar_ptr + _F_RESCUE)
+            top1 = tl.min(tl.where(mine == 0, idx, BLOCK_E), axis=0)
+            rescued = (d > 0) & (rescue >= 0.0) & (tl.load(alpha_ptr + d) >= rescue) & \
+                (_pick_int(eligible.to(tl.int32), idx, top1) == 0)
+            # a rescued top-1 executes first, then the best eligible experts (top1 is not eligible then)
+            start = rescued.to(tl.int32)
+            sel = _order(s, s, eligible & valid, idx, K - start, BLOCK_E)
+            sel = tl.where(sel >= 0, sel + start, sel)
+            sel = tl.where(rescued & (idx == top1), 0, sel)
+            sel = tl.where(d == 0, mine, sel)
+        else:
+            sel = mine
+        if SIGMOID:
+            den = _ordered_sum(p, sel, sum_ptr, K, BLOCK_K) + tl.load(fpar_ptr + _F_EPS)
+            if RENORMALISE:
+                w = p / den * scale
+            else:
+                w = p * scale
+        else:
+            if RENORMALISE:
+                den = _ordered_sum(p, sel, sum_ptr, K, BLOCK_K)
+            else:
+                den = nd
+            # renormalised over experts whose softmax underflows: shift by their own maximum instead
+            shift = tl.max(tl.where(sel >= 0, z, float("-inf")), axis=0)
+            q = tl.where(sel >= 0, tl.exp(z - shift), 0.0)
+            w = tl.where(den >= tiny, p / den * scale, q / _ordered_sum(q, sel, sum_ptr, K, BLOCK_K) * scale)
+        tl.store(selected_ptr + d * K + sel, idx.to(tl.int64), mask=sel >= 0)
+        tl.store(weights_ptr + d * K + sel, w.to(tl.float32), mask=sel >= 0)
+        if WEIGHTS_IN_ROUTE:
+            tl.store(route_ptr + d * RS + K + sel, w.to(tl.float32).to(tl.int32, bitcast=True), mask=sel >= 0)
+        gone = tl.where(sel >= 0, K, mine)  # own ranks not executed; executed ones moved out of 0..K-1
+        tl.store(displaced_ptr + d, _ordered_sum(p, gone, sum_ptr, K, BLOCK_K) / nd)
+        tl.store(exec_ptr + d * BLOCK_E + idx, sel)
+
+    @triton.jit
+    def _use_kernel(pool_ptr, slot_ptr, rec_ptr, block_ptr, D, elig_ptr, exec_ptr, eligible_ptr, union_ptr,
+                    list_ptr, route_ptr, RS, counts_ptr,
+                    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                    P: tl.constexpr, U: tl.constexpr):
+        """`ExpertPool.use` of the block's executions: the missing experts (ascending) take union slots P, P+1,
+        ...; the recency of executed experts; the route rows; the union, eligible and demand lists; the counts."""
+        rows = tl.arange(0, BLOCK_D)
+        idx = tl.arange(0, BLOCK_E)
+        vrow = rows < D
+        valid = idx < E
+        executed = tl.load(exec_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
+        last = tl.max(tl.where(executed >= 0, rows[:, None], -1), axis=0).to(tl.int64)  # the last position running e
+        resident = tl.load(pool_ptr + idx, mask=valid, other=0).to(tl.int32)
         ran = (last >= 0) & valid
         missing = ran & (resident == 0)
         n_missing = tl.sum(missing.to(tl.int32), axis=0)
@@ -250,7 +263,7 @@ if triton is not None:
         n_union = tl.sum(ran.to(tl.int32), axis=0)
         tl.store(union_ptr + tl.cumsum(ran.to(tl.int32), axis=0) - 1, idx.to(tl.int64), mask=ran)
         if BLOCK:
-            chosen = eligible & valid
+            chosen = (tl.load(elig_ptr + idx) != 0) & valid
         else:
             chosen = ran
         tl.store(eligible_ptr + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, idx.to(tl.int64), mask=chosen)
@@ -358,7 +371,13 @@ class DevicePool:
         self._layer_views(0)
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
         block_e, block_d, block_k = (triton.next_power_of_2(n) for n in (E, max_positions, k))
-        self.scratch = torch.zeros(2 * block_d + block_e + block_k, dtype=torch.float64, device=self.device)
+        # scratch the launches pass on: positions' max logits and normalisers, u, an ordered-sum row per position;
+        # own ranks and executed ranks per position; the eligible set
+        self.float_scratch = torch.zeros(2 * block_d + block_e + block_d * block_k, dtype=torch.float64,
+                                         device=self.device)
+        self.own_ranks = torch.full((block_d, block_e), -1, dtype=torch.int32, device=self.device)
+        self.executed = torch.full((block_d, block_e), -1, dtype=torch.int32, device=self.device)
+        self.eligible_mask = torch.zeros(block_e, dtype=torch.int32, device=self.device)
         self.move_lists = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
         self.moves = self.move_lists[:, 1:].view(L, 2, E)
         self.n_moves = self.move_lists[:, 0]
@@ -385,7 +404,7 @@ class DevicePool:
 
     def select(self, layer: int, router_logits: torch.Tensor, alpha: torch.Tensor,
                route_out: torch.Tensor | None = None) -> None:
-        """One launch: the selection of `layer` for the block's D positions (router_logits float32 [D, E] with
+        """Three launches, four for a block selector: the selection of `layer` for the block's D positions (router_logits float32 [D, E] with
         unit column stride, e.g. the step's logits rows; alpha float64 [D], finite and >= 0: the host checks
         both, the kernel does not) and `ExpertPool.use` of its executions. route_out: int32 [D, 2K] contiguous
         (the step's route rows of the layer) receives the slots and the execution weights' float32 bits; else
@@ -405,12 +424,23 @@ class DevicePool:
             raise ValueError(f"route_out must be contiguous int32 [{z.shape[0]}, {2 * k}], got {route_out.dtype} "
                              f"{tuple(route_out.shape)}")
         self._layer_views(layer)
-        _select_kernel[(1,)](
-            z, z.stride(0), alpha, self.bias[layer], self.fparams, self.pool_mask[layer], self.slot[layer],
-            self.recency[layer], self.block, z.shape[0], self.selected, self.weights, self.displaced, self.eligible,
-            self.union, self.demand, route, route.stride(0), self.counts, self.scratch,
-            WEIGHTS_IN_ROUTE=int(route_out is not None), **self._constants, num_warps=self.warps,
-            enable_fp_fusion=False)
+        c, d, layer_bias = self._constants, z.shape[0], self.bias[layer]
+        shape = dict(E=c["E"], BLOCK_E=c["BLOCK_E"], BLOCK_D=c["BLOCK_D"])
+        fs, own, elig, ex = self.float_scratch, self.own_ranks, self.eligible_mask, self.executed
+        _own_kernel[(d,)](z, z.stride(0), layer_bias, self.fparams, fs, own, **shape, K=c["K"],
+                          SIGMOID=c["SIGMOID"], N_GROUP=c["N_GROUP"], TOPK_GROUP=c["TOPK_GROUP"],
+                          BLOCK_G=c["BLOCK_G"], num_warps=self.warps, enable_fp_fusion=False)
+        if c["BLOCK"]:
+            _demand_kernel[(1,)](z, z.stride(0), alpha, layer_bias, self.fparams, self.pool_mask[layer], d, fs, own,
+                                 elig, **shape, SIGMOID=c["SIGMOID"], num_warps=self.warps, enable_fp_fusion=False)
+        _execute_kernel[(d,)](z, z.stride(0), alpha, layer_bias, self.fparams, fs, own, elig, ex, self.selected,
+                              self.weights, self.displaced, route, route.stride(0),
+                              WEIGHTS_IN_ROUTE=int(route_out is not None), **shape, K=c["K"], BLOCK_K=c["BLOCK_K"],
+                              BLOCK=c["BLOCK"], SIGMOID=c["SIGMOID"], RENORMALISE=c["RENORMALISE"],
+                              num_warps=self.warps, enable_fp_fusion=False)
+        _use_kernel[(1,)](self.pool_mask[layer], self.slot[layer], self.recency[layer], self.block, d, elig, ex,
+                          self.eligible, self.union, self.demand, route, route.stride(0), self.counts, **shape,
+                          BLOCK=c["BLOCK"], P=c["P"], U=c["U"], num_warps=self.warps)
 
     def end_block(self) -> None:
         """`ExpertPool.end_block` on the device, every layer in one launch (move_lists)."""
