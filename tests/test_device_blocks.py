@@ -150,7 +150,10 @@ def test_host_path_where_the_device_blocks_do_not_apply(olmoe_tiny, monkeypatch)
 
     assert engine("off").device_blocks() == "block_device='off'"
     assert "CPU" in engine("auto").device_blocks()
-    assert EngineConfig().block_device == "off"  # the default (docs/device-cache.md says why)
+    assert EngineConfig().block_device == "auto"  # the default: the device path where it applies
+    assert "CPU" in build_engine(model, None, cal, EngineConfig(max_seq_len=32), speculative=SpeculativeConfig(
+        selector_preset("acceptmoe"), k=4, pool_size=32),
+        residency=ExpertResidency(store, adapter.num_experts, "cpu")).device_blocks()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "interpreter" in engine("on").device_blocks()
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # only the reasons are asked: nothing runs in the interpreter
