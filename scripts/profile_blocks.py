@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import measure_bandwidth  # noqa: E402
+from profile_engine import Transcript  # noqa: E402
 
 from specmoe.engines import Engine, EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
@@ -92,13 +93,7 @@ def main(argv=None) -> None:
         raise SystemExit("profile_blocks.py profiles CUDA graphs: it needs a CUDA device")
     from torch.profiler import ProfilerActivity, profile
 
-    lines = []
-
-    def say(*parts) -> None:
-        text = " ".join(str(p) for p in parts)
-        print(text, flush=True)
-        lines.append(text)
-
+    say = Transcript()
     t0 = time.time()
     model, adapter = random_model_on_device(args.model, 0, torch.bfloat16, "cuda")
     store = ExpertStore.from_model(model, adapter)
@@ -162,9 +157,7 @@ def main(argv=None) -> None:
         say(f"distinct experts per layer {distinct:.1f} of {E}: {distinct * store.expert_bytes * L / 1e9:.2f} GB "
             f"per block, floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s")
         say(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    say.save(args.out)
 
 
 if __name__ == "__main__":

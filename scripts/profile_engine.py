@@ -24,6 +24,23 @@ from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.routing import Calibration, preset  # noqa: E402
 
 
+class Transcript:
+    """Output lines printed as they come and kept, written to a file at the end (--out)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, *parts) -> None:
+        text = " ".join(str(p) for p in parts)
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def save(self, path: str | None) -> None:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text("\n".join(self.lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.6-35b-a3b", help="a named config of specmoe.models")
@@ -34,13 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine.py needs a CUDA device")
-    lines = []
-
-    def say(*parts) -> None:
-        text = " ".join(str(p) for p in parts)
-        print(text, flush=True)
-        lines.append(text)
-
+    say = Transcript()
     t0 = time.time()
     model, adapter = random_model_on_device(args.model, 0, torch.bfloat16, "cuda")
     store = ExpertStore.from_model(model, adapter, release=True)
@@ -61,8 +72,7 @@ def main() -> None:
     table = prof.key_averages()
     say(f"kernels per token {sum(e.count for e in table) / 16:.1f}")
     say(table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    say.save(args.out)
 
 
 if __name__ == "__main__":
