@@ -513,21 +513,24 @@ def device_select_case(num_blocks: int, num_layers: int, positions: int, num_exp
     return np.ascontiguousarray(z, dtype=np.float32), alpha
 
 
-def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alpha: np.ndarray, device) -> dict:
+def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alpha: np.ndarray, device,
+                        max_positions: int | None = None) -> dict:
     """Block selection and the pool on the device (`device_select.DevicePool`) against the host
     (`select_block_into` with float32 weights, `ExpertPool.use`, `end_block`), block by block and layer by layer:
     router_logits float32 [B, L, D, E], alpha [B, D]; `pool` a fresh host pool (it is advanced). The counts,
     eligible set, union, missing experts and slots, selections, route rows, the weights' float32 bits and the
     displaced mass to 1e-12 relative (float64 exp may differ in
     the last bit between numba, numpy and libdevice), and after each block the pool's slot table, members, recency and refill
-    moves must be equal. Raises AssertionError at the first difference; returns the host pool's totals."""
+    moves must be equal. max_positions: the device pool's (default the blocks' D; larger: blocks shorter than the
+    pool's buffers). Raises AssertionError at the first difference; returns the host pool's totals."""
     from specmoe.verifiers import SelectionBuffers, select_block_into
 
     from .device_select import DevicePool
 
     num_blocks, num_layers, positions, num_experts = router_logits.shape
     k = pool.top_k
-    dev = DevicePool(pool, selector, scoring, positions, device)
+    dev = DevicePool(pool, selector, scoring, max_positions or positions, device)
+    rows_of = slice(0, positions)
     buffers = SelectionBuffers(positions, num_experts, k)
     for block in range(num_blocks):
         a = np.ascontiguousarray(alpha[block], dtype=np.float64)
@@ -543,7 +546,7 @@ def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alph
                 rows[:, :num_experts] = torch.tensor(z, device=device)
                 route_out = torch.zeros(positions, 2 * k, dtype=torch.int32, device=device)
                 dev.select(layer, rows[:, :num_experts], a_dev, route_out)
-                dev.route.copy_(route_out[:, :k])
+                dev.route[rows_of].copy_(route_out[:, :k])
                 assert np.array_equal(route_out[:, k:].cpu().numpy(), buffers.weights[:positions].view(np.int32)), \
                     f"{where}: the route rows' weights"
             else:
@@ -557,12 +560,12 @@ def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alph
                     ("union", buffers.union[:n_union], dev.union[:n_union]),
                     ("missing", missing, dev.missing[:n_missing]),
                     ("missing slots", slots, dev.missing_slots[:n_missing]),
-                    ("selected", buffers.selected[:positions], dev.selected),
-                    ("route", route, dev.route),
-                    ("weights", buffers.weights[:positions].view(np.int32), dev.weights.view(torch.int32))):
+                    ("selected", buffers.selected[:positions], dev.selected[rows_of]),
+                    ("route", route, dev.route[rows_of]),
+                    ("weights", buffers.weights[:positions].view(np.int32), dev.weights[rows_of].view(torch.int32))):
                 device_value = device_value.cpu().numpy()
                 assert np.array_equal(host, device_value), f"{where}: {name}\nhost   {host}\ndevice {device_value}"
-            displaced = dev.displaced.cpu().numpy()
+            displaced = dev.displaced[rows_of].cpu().numpy()
             assert np.allclose(displaced, buffers.displaced[:positions], rtol=1e-12, atol=0.0), \
                 f"{where}: displaced\nhost   {buffers.displaced[:positions]}\ndevice {displaced}"
         pool.end_block()
