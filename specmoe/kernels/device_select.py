@@ -9,7 +9,7 @@ what joins the positions in one program: `_own_kernel` (per position: normaliser
 (a block selector's eligible set: the demand u over the positions, its entropy, the extra candidates, pruning),
 `_execute_kernel` (per position: what it executes, its weights and displaced mass) and `_use_kernel` (the pool's
 use of the executions). They pass their results through scratch tensors of the pool, in stream order: one program
-for all D positions ran them one after another, at 3.7-5.9x the time at OLMoE's size (BENCHMARKS.md). In order:
+for all D positions, running them one after another, took 2.4-3.0x the time at OLMoE's size (BENCHMARKS.md). In order:
 
 - every position's router distribution (softmax, or the normalised sigmoid), its selection scores (a sigmoid
   router's sigmoid + the layer's bias) and own top-K (group-limited where the scoring is);
