@@ -408,9 +408,9 @@ class DevicePool:
                route_out: torch.Tensor | None = None) -> None:
         """Three launches, four for a block selector: the selection of `layer` for the block's D positions
         (router_logits float32 [D, E] with unit column stride, e.g. the step's logits rows; alpha float64 [D],
-        finite and >= 0: the host checks both, the kernels do not) and `ExpertPool.use` of its executions. route_out: int32 [D, 2K] contiguous
-        (the step's route rows of the layer) receives the slots and the execution weights' float32 bits; else
-        `route` gets the slots. Once per layer and block (not checked)."""
+        finite and >= 0: the host checks both, the kernels do not) and `ExpertPool.use` of its executions.
+        route_out: int32 [D, 2K] contiguous (the step's route rows of the layer) receives the slots and the
+        execution weights' float32 bits; else `route` gets the slots. Once per layer and block (not checked)."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
         z, k = router_logits, self.top_k
