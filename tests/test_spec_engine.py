@@ -236,6 +236,7 @@ def test_trace_following_equals_the_cpu_replay_of_the_recorded_blocks(family, dr
     # these blocks as U = E - P does, with P + U slots per layer
     peak = expected.extra["union_peak"]
     assert max(r.info["union_used"] for r in results) == peak > 0
+    assert max(r.info["peak_slots"] for r in results) == POOL + peak  # the slot memory per layer the run needed
     sized = spec(family, drafter, calibration, residency, union_slots=max(peak, adapter.top_k))
     again = sized.follow(blocks, first_position=len(prompt), record=True)
     assert [r.tokens for r in again] == [r.tokens for r in results]

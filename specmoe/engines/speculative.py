@@ -150,6 +150,7 @@ class SpeculativeSteps:
         info.update(verify="device" if device else "host", host_blocks_why=why)
         info = {"kernels": self.kernels, "cuda_graphs": self.graphs is not None, **info,
                 "union_used": self.union_used, "union_slots": self.block_router.union_slots,
+                "peak_slots": self.block_router.config.pool_size + self.union_used,
                 "prefetch": self.block_router.config.prefetch,
                 "skip_copies": s.skip_copies, "max_in_flight": s.max_in_flight,
                 "selector": self.block_router.config.selector.name, "notes": list(self.notes)}
