@@ -50,16 +50,21 @@ def scoring_of(kind: str, num_layers: int, num_experts: int) -> RouterScoring:
     return RouterScoring("sigmoid", renormalise=True, scale=2.446, bias=bias)
 
 
+def load_file(name: str, path: str):
+    """The module in the file at `path` (another version of one of specmoe's kernel modules) as `name`: a name
+    inside specmoe.kernels, so that the file's relative imports resolve as they do for the original."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_module(path: str | None):
     """The kernel module: specmoe's, or the file at `path` (another version of device_cache.py)."""
     if path is None:
         from specmoe.kernels import device_cache
         return device_cache
-    # named inside specmoe.kernels, so that the file's relative imports resolve as they do for the original
-    spec = importlib.util.spec_from_file_location("specmoe.kernels._device_cache_other", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("specmoe.kernels._device_cache_other", path)
 
 
 def case(geometry: str, policy_name: str, tokens: int, density: float):

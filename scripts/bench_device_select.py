@@ -1,4 +1,4 @@
-"""Time of the device block selection (`DevicePool.select`, one launch per layer) and the pool refill
+"""Time of the device block selection (`DevicePool.select`, three or four launches per layer) and the pool refill
 (`DevicePool.end_block`) on the GPU, against the host's `select_block_into` + `ExpertPool.use`.
 
 For each geometry, selector and block size D, one CUDA graph holds one block's selections of every layer (as the
@@ -17,19 +17,21 @@ from (default: the current one).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from specmoe.files import write_text_atomic
-from specmoe.kernels.checks import device_select_case
-from specmoe.routing import RouterScoring
-from specmoe.verifiers import ExpertPool, SelectionBuffers, select_block_into, selector_preset
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_device_cache import graph_of, load_file, scoring_of, time_graph  # noqa: E402
+
+from specmoe.files import write_text_atomic  # noqa: E402
+from specmoe.kernels.checks import device_select_case  # noqa: E402
+from specmoe.verifiers import ExpertPool, SelectionBuffers, select_block_into, selector_preset  # noqa: E402
 
 # name: (layers, experts, top-K, pool P, union U, scoring): the paper's three architectures at full size
 GEOMETRIES = {
@@ -40,33 +42,17 @@ GEOMETRIES = {
 SELECTORS = ("exact", "acceptmoe", "confidence_top1")
 
 
-def scoring_of(kind: str, num_layers: int, num_experts: int):
-    if kind == "softmax":
-        return False  # the pool's softmax selection scores
-    if kind == "softmax_renorm":
-        return RouterScoring("softmax", renormalise=True)
-    bias = np.random.default_rng(0).normal(0.0, 0.1, (num_layers, num_experts))
-    return RouterScoring("sigmoid", renormalise=True, scale=2.446, bias=bias)
-
-
-def _load(name: str, path: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_module(path: str | None, cache_path: str | None = None):
-    """The selection module: specmoe's, or the file at `path`, named inside specmoe.kernels so that its relative
-    imports resolve, its `.device_cache` being the file at `cache_path` where given."""
+    """The selection module: specmoe's, or the file at `path` (`load_file`), its `.device_cache` being the file at
+    `cache_path` where given."""
     from specmoe.kernels import device_select
     if path is None:
         return device_select
     current = sys.modules["specmoe.kernels.device_cache"]
     try:
         if cache_path is not None:
-            sys.modules["specmoe.kernels.device_cache"] = _load("specmoe.kernels._device_cache_other", cache_path)
-        return _load("specmoe.kernels._device_select_other", path)
+            sys.modules["specmoe.kernels.device_cache"] = load_file("specmoe.kernels._device_cache_other", cache_path)
+        return load_file("specmoe.kernels._device_select_other", path)
     finally:
         sys.modules["specmoe.kernels.device_cache"] = current
 
@@ -89,42 +75,17 @@ def host_select_us(selector, scoring, pool: ExpertPool, z: np.ndarray, alpha: np
     return float(np.median(times)) * 1e6
 
 
-def time_graph(graph: torch.cuda.CUDAGraph, rounds: int) -> float:
-    """Median µs of a replay over `rounds` replays (after one warm-up replay)."""
-    graph.replay()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return float(np.median(times))
-
-
 def device_us(module, selector, scoring, pool: ExpertPool, z: np.ndarray, alpha: np.ndarray, rounds: int) -> dict:
-    """µs per layer's selection and per block's refill: graphs of one block's selections (every layer) and of the
-    refill, replayed."""
+    """µs per layer's selection and per block's refill (medians over `rounds` replays): graphs of one block's
+    selections (every layer) and of the refill."""
     _, num_layers, positions, _ = z.shape
     dev = module.DevicePool(pool, selector, scoring, positions, "cuda")
     z_dev = torch.tensor(z[0], device="cuda")
     a_dev = torch.tensor(alpha[0], device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        for layer in range(num_layers):
-            dev.select(layer, z_dev[layer], a_dev)
-        dev.end_block()
-    torch.cuda.synchronize()
-    graphs = []
-    for body in (lambda: [dev.select(layer, z_dev[layer], a_dev) for layer in range(num_layers)], dev.end_block):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            body()
-        graphs.append(graph)
-    select_graph, refill_graph = graphs
-    return {"select_us": time_graph(select_graph, rounds) / num_layers, "refill_us": time_graph(refill_graph, rounds)}
+    select = graph_of(lambda: [dev.select(layer, z_dev[layer], a_dev) for layer in range(num_layers)])
+    refill = graph_of(dev.end_block)
+    return {"select_us": float(np.median([time_graph(select) for _ in range(rounds)])) / num_layers,
+            "refill_us": float(np.median([time_graph(refill) for _ in range(rounds)]))}
 
 
 def main(argv=None) -> None:

@@ -295,21 +295,28 @@ def check_configs(wanted, rows: dict) -> None:
         raise SystemExit(f"unknown configurations {sorted(unknown)}; known: {known}")
 
 
+def read_tiled(trace_spec, calibration_spec, num_layers: int, num_experts: int, top_k: int):
+    """(trace, calibration) of a --trace / --trace-calibration pair (a file or a synthetic source spec each),
+    checked against each other and the target's E and K, and tiled over the target's L layers where the traced
+    model is shallower (`Trace.tiled`, `Calibration.tiled`)."""
+    from specmoe.records.synthetic import read_calibration, read_trace
+
+    trace = read_trace(trace_spec, num_experts=num_experts, top_k=top_k)
+    calibration = read_calibration(calibration_spec)
+    calibration.check(trace.num_layers, num_experts)
+    return trace.tiled(num_layers), calibration.tiled(num_layers)
+
+
 def load_trace_windows(path: str, calibration_path: str | None, geometry: tuple[int, int, int, int], count: int,
                        length: int) -> dict:
     """The first `count` sequences of a recorded trace, cut to `length` tokens, as engine logit feeds (router and
     pre-gate logits and input tokens), with the traced model's calibration. A trace of a shallower model with the
     same E and K (a trained member of the family standing for a full-size config) is tiled over the L layers,
     and so is its calibration (`Trace.tiled`, `Calibration.tiled`); the info says so."""
-    from specmoe.records.synthetic import read_calibration, read_trace
-
     if not calibration_path:
         raise ValueError("--trace needs --trace-calibration (the calibration of the traced model)")
     num_layers, num_experts, top_k, vocab_size = geometry
-    rec = read_trace(path, num_experts=num_experts, top_k=top_k)
-    calibration = read_calibration(calibration_path)
-    calibration.check(rec.num_layers, num_experts)
-    rec, calibration = rec.tiled(num_layers), calibration.tiled(num_layers)
+    rec, calibration = read_tiled(path, calibration_path, num_layers, num_experts, top_k)
     bounds = list(rec.sequence_starts) + [len(rec.token_ids)]
     spans = [(lo, min(hi, lo + length)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi - lo >= length][:count]
     if len(spans) < count:

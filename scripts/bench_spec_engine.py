@@ -77,8 +77,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import (measure_bandwidth, measure_copy_ms, policies, ratio_ci, trace_label,  # noqa: E402
-                          trace_prefixes)
+from bench_engine import (measure_bandwidth, measure_copy_ms, policies, ratio_ci, read_tiled,  # noqa: E402
+                          trace_label, trace_prefixes)
 
 from specmoe.engines import Engine, EngineConfig, LogitFeed, build_engine  # noqa: E402
 from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
@@ -87,7 +87,6 @@ from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.records import (CLOSED_LOOP, AcceptanceProfile, BlockRecords, blocks_from_records,  # noqa: E402
                              open_loop, records_per_selector, synthetic_blocks)
-from specmoe.records.synthetic import read_calibration, read_trace  # noqa: E402
 from specmoe.routing import Calibration, preset  # noqa: E402
 from specmoe.speculation import PREFETCH, SpeculativeConfig, tau as tau_of  # noqa: E402
 from specmoe.stats import unit_ratio  # noqa: E402
@@ -157,6 +156,14 @@ def block_sources(args, trace, geometry, prefix: str = "", records: bool = True)
             add(f"{drafter}_records_k{k}", k, per_selector)
             add(f"synthetic_{drafter}_hist_k{k}", k, histogram)
     return sources
+
+
+def in_vocabulary(blocks, vocab_size: int):
+    """`blocks` with tokens beyond the target's vocabulary taken modulo its size (a trace of a model with a larger
+    vocabulary: only the embeddings read the tokens, routing follows the recorded logits)."""
+    if blocks.tokens.max() < vocab_size:
+        return blocks
+    return dataclasses.replace(blocks, tokens=blocks.tokens % vocab_size)
 
 
 def _first_blocks(blocks, n: int):
@@ -354,10 +361,7 @@ def main(argv=None) -> int:
     # per --trace: its calibration and its sources, named with the trace's prefix (`source_prefixes`)
     traces, sources, trace_of = {}, {}, {}
     for i, (prefix, spec, calibration_spec) in enumerate(zip(prefixes, args.trace, args.trace_calibration)):
-        calibration = read_calibration(calibration_spec)
-        trace = read_trace(spec, num_experts=E, top_k=K)
-        calibration.check(trace.num_layers, E)
-        trace, calibration = trace.tiled(L), calibration.tiled(L)
+        trace, calibration = read_tiled(spec, calibration_spec, L, E, K)
         info = {"model": trace.model, "tiled_from_layers": trace.info.get("tiled_from_layers")}
         if len(prefixes) == 1:
             report["trace"] = info
@@ -367,10 +371,8 @@ def main(argv=None) -> int:
         traces[prefix] = {"label": trace_label(spec), "trace": trace, "calibration": calibration}
         for name, (k, per_selector, reference) in block_sources(args, trace, (L, E, K), prefix, i == 0).items():
             if max(b.tokens.max() for b, _ in per_selector.values()) >= adapter.vocab_size:
-                def wrapped(b):  # only the embeddings read the tokens
-                    return dataclasses.replace(b, tokens=b.tokens % adapter.vocab_size)
-
-                per_selector, reference = {s: (wrapped(b), a) for s, (b, a) in per_selector.items()}, wrapped(reference)
+                per_selector = {s: (in_vocabulary(b, adapter.vocab_size), a) for s, (b, a) in per_selector.items()}
+                reference = in_vocabulary(reference, adapter.vocab_size)
                 report["warnings"].append(f"{name}: tokens beyond the target's vocabulary taken modulo "
                                           f"{adapter.vocab_size}")
             sources[name], trace_of[name] = (k, per_selector, reference), prefix
