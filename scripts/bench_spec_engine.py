@@ -23,8 +23,8 @@ speculative engine's peak slot memory; U_max: the most union slots any block's l
 and at --ar-capacities, with and without copies. Every configuration runs once per round, rounds interleaved, so
 that ratios pair measurements taken at the same time. Each speculative row runs its blocks on the device
 (`EngineConfig.block_device="auto"`, row "source/selector") and on the host ("source/selector+host_blocks"), in the
-same rounds, with the ratio host / device (--block-paths; the block prefetch's rows, --prefetch > 0, run on the
-host path; a row's `verify` says which path ran, `host_blocks_why` why the host). A trace of a shallower family member with the target's E
+same rounds, with the ratio host / device (--block-paths, for every --prefetch budget; a row's `verify` says
+which path ran, `host_blocks_why` why the host). A trace of a shallower family member with the target's E
 and K is tiled over the target's layers (`Trace.tiled`, `Calibration.tiled`).
 
 Several traces (`--trace A B --trace-calibration a b`, e.g. the family's trace and olmoe-like): one model setup
@@ -96,13 +96,12 @@ from specmoe.verifiers import selector_preset  # noqa: E402
 def sd_keys(source: str, per_selector: dict, budgets: list[int], paths=("device",)):
     """(selector, prefetch budget, block path, row key) of every speculative row of a source: "source/selector",
     with "+prefetchN" when several budgets are measured and "+host_blocks" for the host path's row beside the
-    device path's (`EngineConfig.block_device`); the block prefetch runs on the host path only (one row)."""
+    device path's (`EngineConfig.block_device`)."""
     for name in per_selector:
         for budget in budgets:
             key = f"{source}/{name}" + (f"+prefetch{budget}" if len(budgets) > 1 else "")
-            mine = ("host",) if budget else paths
-            for path in mine:
-                yield name, budget, path, key + ("+host_blocks" if path == "host" and len(mine) > 1 else "")
+            for path in paths:
+                yield name, budget, path, key + ("+host_blocks" if path == "host" and len(paths) > 1 else "")
 
 
 def source_prefixes(args) -> list[str]:
@@ -304,7 +303,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-paths", nargs="+", choices=("device", "host"), default=["device", "host"],
                     help="verification blocks on the device (row source/selector, block_device='auto') and/or on the "
                     "host (source/selector+host_blocks, block_device='off'), in the same rounds, with the ratio host / "
-                    "device; the block prefetch (--prefetch > 0) runs on the host path only")
+                    "device, for every --prefetch budget")
     ap.add_argument("--k", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--taus", type=float, nargs="+", default=[3, 5, 7])
     ap.add_argument("--selectors", nargs="+", default=["exact", "acceptmoe", "confidence_top1"])
@@ -381,7 +380,7 @@ def main(argv=None) -> int:
     fingerprint = adapter_for(model.config).fingerprint(model)
     engines = {}  # one set per trace, with the trace's calibration
     for prefix, k, name, budget in itertools.product(traces, args.k, args.selectors, args.prefetch):
-        for path in ("host",) if budget else args.block_paths:
+        for path in args.block_paths:
             config = SpeculativeConfig(selector_preset(name), k=k, pool_size=args.pool, union_slots=args.union,
                                        prefetch=budget)
             decoder = decoder_for(model.config).from_model(model, args.max_seq_len)
@@ -496,7 +495,7 @@ def main(argv=None) -> int:
         report["timeline"] = {}
         for source, (k, per_selector, _) in sources.items():
             for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths):
-                if path == "device" and "host" in args.block_paths and not budget:
+                if path == "device" and "host" in args.block_paths:
                     continue  # an instrumented run takes the host path: its host row says it
                 engine = engines[(trace_of[source], k, name, budget, path)]
                 try:

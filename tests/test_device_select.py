@@ -45,6 +45,42 @@ def run_case(case, device, num_blocks=None, num_layers=2, seed=0, max_positions=
                                alpha, device, max_positions)
 
 
+# the block prefetch: (name, selector, overrides, E, P, scoring, D, blocks, budget, tight); tight: U set to the most
+# experts one layer of one block misses, so that demand copies must take unused prefetches' slots
+PREFETCH_CASES = [
+    ("acceptmoe_prefetch", "acceptmoe", {}, 64, 16, "softmax", 9, 3, 4, False),
+    ("confidence_prefetch_tight", "confidence_top1", {}, 64, 32, "sigmoid_groups", 9, 3, 64, True),
+    ("exact_prefetch_e256", "exact", {}, 256, 64, "softmax_renorm", 9, 2, 12, True),
+]
+
+
+def run_prefetch_case(case, device, num_blocks=None, num_layers=3, seed=0):
+    """A prefetch case (PREFETCH_CASES) with pre-gate logits that partly predict the router's: the router logits'
+    blocks mixed with another draw, on the bfloat16 grid."""
+    import torch
+
+    from specmoe.kernels.checks import check_device_select, device_select_case
+    from specmoe.verifiers import SelectionBuffers, select_block_into
+
+    name, kind, overrides, E, P, scoring, D, blocks, budget, tight = case
+    blocks = num_blocks or blocks
+    z, alpha = device_select_case(blocks, num_layers, D, E, seed=seed)
+    other, _ = device_select_case(blocks, num_layers, D, E, seed=seed + 1000)
+    g = torch.from_numpy(0.8 * z + 0.7 * other).to(torch.bfloat16).float().numpy()
+    warm = np.stack([np.random.default_rng(seed + layer).permutation(E) for layer in range(num_layers)])
+    selector, rule = selector_preset(kind, **overrides), scoring_of(scoring, num_layers, E, seed)
+    union = None
+    if tight:  # a dry run of the host pool for the most misses of one layer of one block
+        pool, buffers, union = ExpertPool(num_layers, E, 8, P, warm), SelectionBuffers(D, E, 8), 1
+        for b in range(blocks):
+            for layer in range(num_layers):
+                select_block_into(selector, z[b, layer], pool.resident(layer), alpha[b], 8, rule, buffers, layer=layer)
+                union = max(union, pool.use(layer, buffers.selected[:D])[0].size)
+            pool.end_block()
+    pool = ExpertPool(num_layers, E, 8, P, warm, union_slots=union)
+    return check_device_select(selector, rule, pool, z, alpha, device, pregate_logits=g, prefetch=budget)
+
+
 _CHECK = r"""
 import sys
 sys.path.insert(0, "tests")
@@ -60,10 +96,13 @@ import specmoe.kernels.device_select as ds
 class Stale(ds.DevicePool):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.own_ranks.fill_(0)
-        self.executed.fill_(0)
+        self.scratch.own.fill_(0)
+        self.scratch.executed.fill_(0)
 ds.DevicePool = Stale
 print("ok short", run_case(CASES[3], "cpu", seed=11, max_positions=32), flush=True)
+from test_device_select import PREFETCH_CASES, run_prefetch_case
+for i, case in enumerate(PREFETCH_CASES):
+    print("ok", case[0], run_prefetch_case(case, "cpu", seed=i), flush=True)
 """
 
 
@@ -71,8 +110,15 @@ print("ok short", run_case(CASES[3], "cpu", seed=11, max_positions=32), flush=Tr
 def test_device_select_equals_host_in_the_interpreter():
     done = run_in_interpreter(_CHECK)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    for name, *_ in CASES + [("short",)]:
+    for name, *_ in CASES + [("short",)] + PREFETCH_CASES:
         assert f"ok {name} " in done.stdout, done.stdout
+    # every prefetch case predicts, hits and leaves prefetches unused; the tight ones spill demand copies into
+    # unused prefetches' slots
+    for name, *_, tight in PREFETCH_CASES:
+        line = next(x for x in done.stdout.splitlines() if x.startswith(f"ok {name} "))
+        counts = eval(line.split(" ", 2)[2])  # the totals dict printed by the script
+        assert counts["prefetch"] > 0 and counts["prefetch_hit"] > 0 and counts["prefetch_unused"] > 0, line
+        assert counts["demand"] > 0 and (counts["spilled"] > 0) == tight, line
 
 
 @pytest.mark.gpu
@@ -80,3 +126,11 @@ def test_device_select_equals_host_in_the_interpreter():
 def test_gpu_device_select_equals_host(case):
     """40 blocks of 4 layers per case."""
     run_case(case, "cuda", num_blocks=40, num_layers=4, seed=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PREFETCH_CASES, ids=lambda c: c[0])
+def test_gpu_device_select_prefetch_equals_host(case):
+    """40 blocks of 4 layers per case, the block prefetch of layers 1-3."""
+    counts = run_prefetch_case(case, "cuda", num_blocks=40, num_layers=4, seed=7)
+    assert counts["prefetch_hit"] > 0 and counts["prefetch_unused"] > 0 and (counts["spilled"] > 0) == case[-1]

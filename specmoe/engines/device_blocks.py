@@ -22,9 +22,17 @@ copies-skipped mode, whose graph has no copy launches), moved = the refill's mov
 (`ExpertPool.copies`, `moves`, `blocks`) are kept on the host from the same counts; the pool's state goes back to
 the host pool at the run's end (`finish`), so that the next run, on either path, starts right.
 
-Not on this path (the engine keeps the host loop, `block_device_reason`): the block prefetch
-(`SpeculativeConfig.prefetch` > 0: its physical union-slot map and prediction stay on the host), union slots too
-few for a block's worst case (U < min(E - P, D K): the host raises where a block misses more, the kernel would
+The block prefetch (`SpeculativeConfig.prefetch` > 0): layer l + 1's prediction (`DevicePool.predict` on the
+pre-gate logits g_{l+1}, which exist after layer l's attention) and its copies run on a side stream forked there,
+beside layer l's selection and MoE; layer l + 1 joins the branch before its selection's demand copies (which may
+take an unused prefetch's slot) and its MoE. `DevicePool.select` places the missing experts as the host's
+`place_union` (hits stay in their prefetch slots), the route rows and the refill moves read the physical slots.
+Counts: demand = the copies left, prefetch hits in time (joined before the layer), unused = prefetched - hits.
+With a feed the staged rows hold the recorded pre-gate logits beside the router logits, as the step's logits rows
+do ([L, D, 2E]: z_l, then g_{l+1}).
+
+Not on this path (the engine keeps the host loop, `block_device_reason`): union slots too few for a block's worst
+case (U < min(E - P, D K): the host raises where a block misses more, the kernel would
 leave the pool unchanged), E > 1024, and the prompt: a speculative run's prefill stays on the host path (exact
 selection in blocks; its copies are prompt processing), and the device pool takes the host pool's state after it.
 """
@@ -55,8 +63,6 @@ def block_device_reason(choice: str, cuda: bool, router, settings) -> str | None
     if settings.instrument:
         return "instrumented runs time each layer's host gap"
     config, g = router.config, router.geometry
-    if config.prefetch:
-        return f"the block prefetch (SpeculativeConfig.prefetch={config.prefetch}) runs on the host path"
     worst = min(g.num_experts - config.pool_size, (config.k + 1) * g.top_k)
     if router.union_slots < worst:
         return (f"U={router.union_slots} union slots < min(E - P, (k + 1) K) = {worst}: a block could miss more "
@@ -81,11 +87,14 @@ class DeviceBlocks:
         self.stream, self.cuda = stream, stream is not None
         self.num_layers, self.num_experts, self.top_k = g.num_layers, g.num_experts, g.top_k
         d, device, pin = step.num_positions, residency.device, stream is not None
-        self.pool = DevicePool(router.pool, router.config.selector, router.scoring, d, device)
+        self.prefetch = router.config.prefetch
+        self.pool = DevicePool(router.pool, router.config.selector, router.scoring, d, device, self.prefetch)
         self.blocks, self.block = blocks, block
         self.alpha_host, self.alpha_dev = staged((d,), torch.float64, device, pin)
-        self.feed_host, self.feed_dev = staged((g.num_layers, d, g.num_experts), torch.float32, device, pin)
-        self.counts_dev = torch.zeros(2, g.num_layers, dtype=torch.int64, device=device)  # missing, moves
+        # a feed laid out as the step's logits [L, D, 2E]: row l holds z_l, then g_{l+1} (module docstring)
+        self.feed_host, self.feed_dev = staged((g.num_layers, d, 2 * g.num_experts), torch.float32, device, pin)
+        # per layer: missing experts, moves, prefetched, prefetch hits, union slots written
+        self.counts_dev = torch.zeros(5, g.num_layers, dtype=torch.int64, device=device)
         self.counts_host = torch.zeros(self.counts_dev.shape, dtype=torch.int64, pin_memory=pin)
         self.selections_host = torch.zeros(self.pool.selections.shape, dtype=torch.int64, pin_memory=pin)
         self.displaced_host = torch.zeros(self.pool.displaced_rows.shape, dtype=torch.float64, pin_memory=pin)
@@ -95,6 +104,7 @@ class DeviceBlocks:
         self.use_graphs = self.cuda and cuda_graphs
         self.skip, self.delays, self.fed = False, None, False
         if self.cuda:
+            self.side = torch.cuda.Stream(device=device)  # the block prefetch's branch
             self.ev_done = torch.cuda.Event()
             with torch.no_grad(), torch.cuda.stream(stream):
                 self._warm_up()
@@ -103,28 +113,41 @@ class DeviceBlocks:
     def _body(self, skip: bool, delays, copy_out: bool, fed: bool = False) -> None:
         """Every layer, the head, the refill and its moves, the records (module docstring); copied to the host at
         the end (copy_out). fed: selection reads the staged feed, not the router's output."""
-        dec, step, pool, e = self.decoder, self.step, self.pool, self.num_experts
+        dec, step, pool, e, last = self.decoder, self.step, self.pool, self.num_experts, self.num_layers - 1
         self.alpha_dev.copy_(self.alpha_host, non_blocking=True)
         if fed:
             self.feed_dev.copy_(self.feed_host, non_blocking=True)
+        branch = self.cuda and self.prefetch > 0
         for layer in range(self.num_layers):
             dec.attention_router(step, layer, copy_out=False)
-            logits = self.feed_dev[layer] if fed else step.logits_dev[layer, :, :e]
-            pool.select(layer, logits, self.alpha_dev, step.route_dev[layer])
+            logits = self.feed_dev[layer] if fed else step.logits_dev[layer]
+            if self.prefetch and layer < last:  # the next layer's prefetch, beside this layer's selection and MoE
+                if branch:
+                    self.side.wait_stream(self.stream)
+                with torch.cuda.stream(self.side) if branch else contextlib.nullcontext():
+                    pool.predict(layer + 1, logits[:, e:], self.alpha_dev)
+                    if not skip:
+                        self._copy(layer + 1, pool.prefetches[layer + 1], delays, 3 * layer + 2)
+            if branch and layer > 0:  # this layer's prefetch copies land before its demand copies and MoE
+                self.stream.wait_stream(self.side)
+            pool.select(layer, logits[:, :e], self.alpha_dev, step.route_dev[layer])
             if not skip:
-                delayed_copy(self.src[layer], self.dst[layer], pool.demands[layer], delays, 2 * layer, self.cuda,
-                             self.blocks, self.block)
+                self._copy(layer, pool.demands[layer], delays, 3 * layer)
             dec.moe(step, layer, self.residency.slots.layer(layer), copy_in=False)
         dec.head(step, copy_out=False)
         pool.end_block()
         if not skip:  # the refill's moves: union slot -> pool slot, within each layer's slots
             for layer in range(self.num_layers):
-                delayed_copy(self.dst[layer], self.dst[layer], pool.move_lists[layer], delays, 2 * layer + 1,
+                delayed_copy(self.dst[layer], self.dst[layer], pool.move_lists[layer], delays, 3 * layer + 1,
                              self.cuda, self.blocks, self.block)
         self.counts_dev[0].copy_(pool.demands[:, 0])
         self.counts_dev[1].copy_(pool.move_lists[:, 0])
+        self.counts_dev[2:].copy_(pool.placement.T)
         if copy_out:
             self._copy_out()
+
+    def _copy(self, layer: int, listing: torch.Tensor, delays, which: int) -> None:
+        delayed_copy(self.src[layer], self.dst[layer], listing, delays, which, self.cuda, self.blocks, self.block)
 
     def _copy_out(self) -> None:
         self.step.copy_out_next()
@@ -153,23 +176,30 @@ class DeviceBlocks:
         self.residency.copies.synchronize()  # the host path's copies and moves have landed
         self.pool.load(self.router.pool)
         self.skip, self.fed = settings.skip_copies, fed
-        self.delays = copy_delays(settings, 2 * self.num_layers, self.cuda)
+        self.delays = copy_delays(settings, 3 * self.num_layers, self.cuda)  # demand, moves, prefetch per layer
         if self.use_graphs:  # captured here, not in the run's first block
             with torch.no_grad():
                 captured(self)
 
-    def verify(self, ids, root: int, alpha: np.ndarray, feed: np.ndarray | None = None):
+    def verify(self, ids, root: int, alpha: np.ndarray, feed: np.ndarray | None = None,
+               pregate: np.ndarray | None = None):
         """One block (root token and drafts `ids` at position `root`) in one launch, selection weighted by
         `alpha` [D] and reading `feed` [D, L, E] (recorded router logits; the run must have started with
-        fed=True) or the model's router. Returns (the greedy tokens, displaced mass per position summed over
-        layers as the host sums it, selections [D, L, K])."""
-        step = self.step
+        fed=True) or the model's router; with a feed, the block prefetch reads `pregate` [D, L, E] (recorded
+        pre-gate logits, layer 0 unused; required with a prefetch budget). Returns (the greedy tokens, displaced
+        mass per position summed over layers as the host sums it, selections [D, L, K])."""
+        step, e = self.step, self.num_experts
         if (feed is not None) != self.fed:
             raise ValueError("a run's blocks are all fed or none (DeviceBlocks.start's fed)")
+        if feed is not None and self.prefetch and pregate is None:
+            raise ValueError("a fed block with a prefetch budget needs its recorded pre-gate logits")
         step.set_input(ids, root, self.decoder.geometry.max_seq_len)
         self.alpha_host.numpy()[:] = alpha  # the previous block has ended: its graph no longer reads these
         if feed is not None:
-            self.feed_host.numpy()[:] = np.asarray(feed, dtype=np.float32).transpose(1, 0, 2)
+            staged_feed = self.feed_host.numpy()
+            staged_feed[:, :, :e] = np.asarray(feed, dtype=np.float32).transpose(1, 0, 2)
+            if pregate is not None:  # g_{l+1} beside z_l, as the step's logits rows hold them
+                staged_feed[:-1, :, e:] = np.asarray(pregate, dtype=np.float32)[:, 1:].transpose(1, 0, 2)
         launch(self)
         displaced = np.zeros(step.num_positions)
         for row in self.displaced_host.numpy():  # layer by layer, as `BlockRouter.route` adds them
@@ -181,17 +211,22 @@ class DeviceBlocks:
         the pool's counters and the copy stream's counts of the block (module docstring)."""
         router, pool = self.router, self.router.pool
         router.commit_rate.update(accepted, router.config.k)
-        missing, moves = self.counts_host.numpy()
-        router.union_used = max(router.union_used, int(missing.max()))
+        copies, moves, prefetched, hits, written = self.counts_host.numpy()
+        missing = copies + hits  # the demand list holds the copies; prefetch hits were missing too
+        router.union_used = max(router.union_used, int((written if self.prefetch else missing).max()))
         pool.copies += missing
         pool.moves += moves
         pool.blocks += 1
         stats = self.residency.copies.stats
-        stats.demand += int(missing.sum())
+        n_copies, n_prefetched, n_hits = int(copies.sum()), int(prefetched.sum()), int(hits.sum())
+        stats.demand += n_copies
+        stats.prefetch += n_prefetched
+        stats.prefetch_in_time += n_hits  # joined before the layer's demand copies and MoE (module docstring)
+        stats.prefetch_unused += n_prefetched - n_hits
         if self.skip:
-            stats.skipped += int(missing.sum())
+            stats.skipped += n_copies + n_prefetched
         else:
-            stats.issued += int(missing.sum())
+            stats.issued += n_copies + n_prefetched
         stats.moved += int(moves.sum())
 
     def finish(self) -> None:

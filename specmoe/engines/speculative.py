@@ -126,7 +126,7 @@ class SpeculativeSteps:
         rec.begin(t, ids[0], root)
         alpha = block_weights(router.config.selector, k, router.commit_rate, confidences)
         if device is not None:
-            greedy, displaced, selected = device.verify(ids, root, alpha, feed)
+            greedy, displaced, selected = device.verify(ids, root, alpha, feed, pregate)
             selected = selected.copy() if record else None
         else:
             displaced = np.zeros(k + 1)

@@ -514,33 +514,69 @@ def device_select_case(num_blocks: int, num_layers: int, positions: int, num_exp
 
 
 def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alpha: np.ndarray, device,
-                        max_positions: int | None = None) -> dict:
+                        max_positions: int | None = None, pregate_logits: np.ndarray | None = None,
+                        prefetch: int = 0) -> dict:
     """Block selection and the pool on the device (`device_select.DevicePool`) against the host
     (`select_block_into` with float32 weights, `ExpertPool.use`, `end_block`), block by block and layer by layer:
     router_logits float32 [B, L, D, E], alpha [B, D]; `pool` a fresh host pool (it is advanced). The counts,
     eligible set, union, missing experts and slots, selections, route rows, the weights' float32 bits and the
-    displaced mass to 1e-12 relative (float64 exp may differ in
-    the last bit between numba, numpy and libdevice), and after each block the pool's slot table, members, recency and refill
-    moves must be equal. max_positions: the device pool's (default the blocks' D; larger: blocks shorter than the
-    pool's buffers). Raises AssertionError at the first difference; returns the host pool's totals."""
-    from specmoe.verifiers import SelectionBuffers, select_block_into
+    displaced mass to 1e-12 relative (float64 exp may differ in the last bit between numba, numpy and libdevice),
+    and after each block the pool's slot table, members, recency and refill moves must be equal. max_positions:
+    the device pool's (default the blocks' D; larger: blocks shorter than the pool's buffers).
+
+    prefetch > 0 (with pregate_logits float32 [B, L, D, E]): the block prefetch of every layer >= 1 too, against
+    `predict_prefetch` and `place_union` as `BlockRouter` uses them: the prefetch list, the demand list (the copies
+    only, in their physical slots), the route rows' physical slots, the placement's counts (prefetched, hits, union
+    slots written) and the refill moves' physical sources.
+
+    Raises AssertionError at the first difference; returns the host pool's totals, and with prefetch the
+    placement's totals: prefetch, hit, unused, demand, the peak union slots and `spilled` (demand copies that
+    took an unused prefetch's slot, the rule's last resort)."""
+    from specmoe.verifiers import PrefetchTally, SelectionBuffers, place_union, predict_prefetch, select_block_into
 
     from .device_select import DevicePool
 
     num_blocks, num_layers, positions, num_experts = router_logits.shape
-    k = pool.top_k
-    dev = DevicePool(pool, selector, scoring, max_positions or positions, device)
+    k, p, u = pool.top_k, pool.pool_size, pool.union_slots
+    if prefetch and (pregate_logits is None or pregate_logits.shape != router_logits.shape):
+        raise ValueError("a prefetch check needs pre-gate logits shaped as the router logits")
+    dev = DevicePool(pool, selector, scoring, max_positions or positions, device, prefetch=prefetch)
     rows_of = slice(0, positions)
     buffers = SelectionBuffers(positions, num_experts, k)
+    predicted = SelectionBuffers(positions, num_experts, k, np.float32)
+    tally, spilled = PrefetchTally(), 0
     for block in range(num_blocks):
         a = np.ascontiguousarray(alpha[block], dtype=np.float64)
         a_dev = torch.tensor(a, device=device)
+        physical = np.tile(np.arange(p, p + u), (num_layers, 1))
         for layer in range(num_layers):
+            where = f"block {block} layer {layer}"
+            prefetched = np.empty(0, np.int64)
+            if prefetch and layer:
+                g = np.ascontiguousarray(pregate_logits[block, layer])
+                prefetched = predict_prefetch(selector, g, pool.resident(layer), a, k, scoring, predicted, prefetch, u,
+                                              layer)
+                dev.predict(layer, torch.tensor(g, device=device), a_dev)
+                listing = dev.prefetches[layer].cpu().numpy()
+                n = int(listing[0])
+                assert np.array_equal(listing[1:1 + n], prefetched) and \
+                    np.array_equal(listing[1 + num_experts:1 + num_experts + n], np.arange(p, p + n)), \
+                    f"{where}: prefetch list\nhost   {prefetched}\ndevice {listing[1:1 + n]}"
             z = router_logits[block, layer]
             counts = select_block_into(selector, z, pool.resident(layer), a, k, scoring, buffers, layer=layer)
             missing, slots = pool.use(layer, buffers.selected[:positions])
             route = pool.slot_table(layer)[buffers.selected[:positions]]
-            where = f"block {block} layer {layer}"
+            copies, copy_slots = missing, slots
+            if prefetch:  # the physical slots, as `BlockRouter.route` places them
+                placed, copy, used = place_union(missing, prefetched, p, u)
+                physical[layer, slots - p] = placed
+                slot_map = np.arange(p + u)
+                slot_map[slots] = placed
+                route = slot_map[route]
+                copies, copy_slots = missing[copy], placed[copy]
+                spilled += int((copy_slots < p + prefetched.size).sum())
+                tally.count(prefetched, missing, p, u)
+                placement = (prefetched.size, missing.size - int(copy.sum()), used)
             if layer % 2:  # as the engine calls it: logits rows of stride 2E, the step's route rows [D, 2K]
                 rows = torch.zeros(positions, 2 * num_experts, dtype=torch.float32, device=device)
                 rows[:, :num_experts] = torch.tensor(z, device=device)
@@ -553,13 +589,17 @@ def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alph
                 dev.select(layer, torch.tensor(z, device=device), a_dev)
             got = dev.counts.cpu().numpy()
             assert tuple(got) == (*counts, 1), f"{where}: counts {got} != {counts}"
+            if prefetch:
+                got = tuple(dev.placement[layer].cpu().numpy())
+                assert got == placement, f"{where}: placement (prefetched, hits, union written) {got} != {placement}"
             n_eligible, n_union, n_missing = counts
-            assert int(dev.demand[0]) == n_missing, f"{where}: the demand list's count"
+            n_copies = copies.size
+            assert int(dev.demand[0]) == n_copies, f"{where}: the demand list's count"
             for name, host, device_value in (
                     ("eligible", buffers.eligible[:n_eligible], dev.eligible[:n_eligible]),
                     ("union", buffers.union[:n_union], dev.union[:n_union]),
-                    ("missing", missing, dev.missing[:n_missing]),
-                    ("missing slots", slots, dev.missing_slots[:n_missing]),
+                    ("missing", copies, dev.missing[:n_copies]),
+                    ("missing slots", copy_slots, dev.missing_slots[:n_copies]),
                     ("selected", buffers.selected[:positions], dev.selected[rows_of]),
                     ("route", route, dev.route[rows_of]),
                     ("weights", buffers.weights[:positions].view(np.int32), dev.weights[rows_of].view(torch.int32))):
@@ -577,7 +617,12 @@ def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alph
         moves, n_moves = dev.moves.cpu().numpy(), dev.n_moves.cpu().numpy()
         for layer in range(num_layers):
             src, dst = pool.refill_moves(layer)
+            if prefetch:
+                src = physical[layer, src - p]
             n = n_moves[layer]
             assert n == src.size and np.array_equal(moves[layer, 0, :n], src) and \
                 np.array_equal(moves[layer, 1, :n], dst), f"block {block} layer {layer}: refill moves differ"
-    return pool.totals()
+    totals = pool.totals()
+    if prefetch:
+        totals.update(tally.as_dict(), spilled=spilled)
+    return totals

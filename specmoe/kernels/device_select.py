@@ -20,6 +20,12 @@ for all D positions, running them one after another, took 2.4-3.0x the time at O
 - `ExpertPool.use`: the missing experts (executed, not in the pool; ascending) take union slots P, P+1, ...,
   executed experts' recency is marked; and the route rows (slot ids int32 [D, K]) the MoE kernel reads.
 
+`DevicePool.predict(layer, pregate_logits, alpha)` is the block prefetch (`verifiers.predict_prefetch`): the same
+selection launches over their own scratch on the pre-gate logits, then `_prefetch_kernel` caps the predicted
+missing experts by priority into a copy list (slots P, P+1, ...); with a budget, `select`'s `_use_kernel` places the
+missing experts as `verifiers.place_union` does (hits stay in their prefetch slots), the demand list holds only the
+copies and the route rows the physical slots.
+
 `DevicePool.end_block()` refills every layer's pool with its P most recent experts (ties to the lower index,
 never executed ones in the warm ranking's order), entering experts taking the freed pool slots in ascending
 order, and writes the moves (union slot -> pool slot) the slot buffer must make.
@@ -234,11 +240,17 @@ if triton is not None:
 
     @triton.jit
     def _use_kernel(pool_ptr, slot_ptr, rec_ptr, block_ptr, D, elig_ptr, exec_ptr, eligible_ptr, union_ptr,
-                    list_ptr, route_ptr, RS, counts_ptr,
+                    list_ptr, route_ptr, RS, counts_ptr, pf_rank_ptr, pf_list_ptr, phys_ptr, place_ptr, free_ptr,
                     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                    P: tl.constexpr, U: tl.constexpr):
+                    P: tl.constexpr, U: tl.constexpr, PREFETCH: tl.constexpr):
         """`ExpertPool.use` of the block's executions: the missing experts (ascending) take union slots P, P+1,
-        ...; the recency of executed experts; the route rows; the union, eligible and demand lists; the counts."""
+        ...; the recency of executed experts; the route rows; the union, eligible and demand lists; the counts.
+        PREFETCH: the layer's prefetched experts (pf_rank_ptr: each expert's rank in the prefetch list, or -1;
+        pf_list_ptr: the list, its count first) sit in slots P, P+1, ...: the missing experts are placed as
+        `place_union` places them (a hit stays where it is; a demand copy takes the lowest free union slot, then the
+        lowest slot of an unused prefetch, through the scratch row free_ptr), the route rows and the demand list
+        (only the copies) get the physical slots, phys_ptr [U] the physical slot of each logical union slot, and
+        place_ptr [3] (prefetched, hits, union slots written)."""
         rows = tl.arange(0, BLOCK_D)
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
@@ -251,16 +263,41 @@ if triton is not None:
         n_missing = tl.sum(missing.to(tl.int32), axis=0)
         ok = n_missing <= U
         order = tl.cumsum(missing.to(tl.int32), axis=0) - 1
-        tl.store(list_ptr + 1 + order, idx.to(tl.int64), mask=missing)
-        tl.store(list_ptr + 1 + E + order, (P + order).to(tl.int64), mask=missing)
-        tl.store(list_ptr, tl.where(ok, n_missing, 0).to(tl.int64))
         slot = tl.load(slot_ptr + idx, mask=valid, other=-1)
         slot = tl.where(missing & ok, P + order, slot)
         tl.store(slot_ptr + idx, slot, mask=valid)
+        if PREFETCH:
+            n_pf = tl.load(pf_list_ptr).to(tl.int32)
+            rank = tl.load(pf_rank_ptr + idx, mask=valid, other=-1)
+            hit = missing & (rank >= 0)
+            copy = missing & (rank < 0)
+            unused = (rank >= 0) & (missing == 0)
+            # the free union slots in order: P + n_pf, ..., P + U - 1, then the unused prefetches' (ascending)
+            tl.store(free_ptr + tl.cumsum(unused.to(tl.int32), axis=0) - 1, P + rank, mask=unused)
+            tl.debug_barrier()
+            at = tl.cumsum(copy.to(tl.int32), axis=0) - 1
+            spill = at - (U - n_pf)
+            taken = tl.load(free_ptr + tl.where(copy & (spill >= 0), spill, 0), mask=copy & (spill >= 0), other=0)
+            placed = tl.where(hit, P + rank, tl.where(spill >= 0, taken, P + n_pf + at))
+            n_copy = tl.sum(copy.to(tl.int32), axis=0)
+            tl.store(list_ptr + 1 + at, idx.to(tl.int64), mask=copy & ok)
+            tl.store(list_ptr + 1 + E + at, placed.to(tl.int64), mask=copy & ok)
+            tl.store(list_ptr, tl.where(ok, n_copy, 0).to(tl.int64))
+            tl.store(phys_ptr + order, placed.to(tl.int64), mask=missing & ok)
+            tl.store(place_ptr + 0, n_pf.to(tl.int64))
+            tl.store(place_ptr + 1, tl.sum(hit.to(tl.int64), axis=0))
+            tl.store(place_ptr + 2, (n_pf + tl.minimum(n_copy, U - n_pf)).to(tl.int64))
+            tl.debug_barrier()  # every thread has read the free row before the next layer writes it
+            route_slot = tl.where(missing & ok, placed, slot)
+        else:
+            tl.store(list_ptr + 1 + order, idx.to(tl.int64), mask=missing)
+            tl.store(list_ptr + 1 + E + order, (P + order).to(tl.int64), mask=missing)
+            tl.store(list_ptr, tl.where(ok, n_missing, 0).to(tl.int64))
+            route_slot = slot
         recency = tl.load(rec_ptr + idx, mask=valid, other=0)
         base = tl.load(block_ptr) * _POSITIONS_PER_BLOCK
         tl.store(rec_ptr + idx, tl.where(ran & ok, base + last + 1, recency), mask=valid)
-        tl.store(route_ptr + rows[:, None] * RS + executed, slot[None, :].to(tl.int32),
+        tl.store(route_ptr + rows[:, None] * RS + executed, route_slot[None, :].to(tl.int32),
                  mask=(executed >= 0) & vrow[:, None])
         n_union = tl.sum(ran.to(tl.int32), axis=0)
         tl.store(union_ptr + tl.cumsum(ran.to(tl.int32), axis=0) - 1, idx.to(tl.int64), mask=ran)
@@ -275,11 +312,41 @@ if triton is not None:
         tl.store(counts_ptr + 3, ok.to(tl.int64))
 
     @triton.jit
-    def _refill_kernel(pool_ptr, slot_ptr, rec_ptr, warm_rank_ptr, block_ptr, moves_ptr,
-                       E: tl.constexpr, BLOCK_E: tl.constexpr, P: tl.constexpr):
+    def _prefetch_kernel(exec_ptr, alpha_ptr, pool_ptr, D, rank_ptr, list_ptr,
+                         E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
+                         CAP: tl.constexpr):
+        """`predict_prefetch` from the predicted executions (exec_ptr, as `_execute_kernel` wrote them for the
+        pre-gate logits): the missing experts, at most CAP, the most wanted (the largest sum of alpha over the
+        positions executing them, added in position order as the host adds) first, ties to the lower index; their
+        ranks (ascending expert order, else -1) into rank_ptr [BLOCK_E], and the copy list (count, experts, slots
+        P, P+1, ...) into list_ptr [1 + 2E]."""
+        rows = tl.arange(0, BLOCK_D)
+        idx = tl.arange(0, BLOCK_E)
+        vrow = rows < D
+        valid = idx < E
+        executed = tl.load(exec_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
+        ran = (tl.max(executed, axis=0) >= 0) & valid
+        missing = ran & (tl.load(pool_ptr + idx, mask=valid, other=1) == 0)
+        if tl.sum(missing.to(tl.int32), axis=0) > CAP:
+            want = tl.zeros([BLOCK_E], tl.float64)
+            for d in range(D):
+                runs = tl.load(exec_ptr + d * BLOCK_E + idx) >= 0
+                want = tl.where(runs, want + tl.load(alpha_ptr + d), want)
+            missing = _order(want, want, missing, idx, CAP, BLOCK_E) >= 0
+        order = tl.cumsum(missing.to(tl.int32), axis=0) - 1
+        tl.store(rank_ptr + idx, tl.where(missing, order, -1))
+        tl.store(list_ptr + 1 + order, idx.to(tl.int64), mask=missing)
+        tl.store(list_ptr + 1 + E + order, (P + order).to(tl.int64), mask=missing)
+        tl.store(list_ptr, tl.sum(missing.to(tl.int64), axis=0))
+
+    @triton.jit
+    def _refill_kernel(pool_ptr, slot_ptr, rec_ptr, warm_rank_ptr, block_ptr, moves_ptr, phys_ptr,
+                       E: tl.constexpr, BLOCK_E: tl.constexpr, P: tl.constexpr, U: tl.constexpr,
+                       PREFETCH: tl.constexpr):
         """`ExpertPool.end_block` of layer program_id(0): keep the P most recent experts, entering experts (in
         ascending index) take the freed pool slots (ascending); moves [L, 1 + 2E]: per layer their count, their
-        union slots, their pool slots (a copy list of `expert_copy` from the slots to the slots)."""
+        union slots (PREFETCH: the physical ones, phys_ptr [L, U]), their pool slots (a copy list of `expert_copy`
+        from the slots to the slots)."""
         layer = tl.program_id(0)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
@@ -307,7 +374,10 @@ if triton is not None:
             e = tl.min(tl.where(entering, idx, BLOCK_E), axis=0)
             free = tl.min(tl.where(leaving, slot, BLOCK_E), axis=0)
             f = tl.min(tl.where(leaving & (slot == free), idx, BLOCK_E), axis=0)
-            tl.store(moves_ptr + layer * (1 + 2 * E) + 1 + i, _pick_int(slot, idx, e))
+            source = _pick_int(slot, idx, e)
+            if PREFETCH:  # entering experts are this block's missing ones: in union slots
+                source = tl.load(phys_ptr + layer * U + source - P)
+            tl.store(moves_ptr + layer * (1 + 2 * E) + 1 + i, source)
             tl.store(moves_ptr + layer * (1 + 2 * E) + 1 + E + i, free)
             new = tl.where(idx == e, free, new)
             entering = entering & (idx != e)
@@ -317,6 +387,17 @@ if triton is not None:
         tl.store(moves_ptr + layer * (1 + 2 * E), n.to(tl.int64))
         if layer == 0:
             tl.store(block_ptr, tl.load(block_ptr) + 1)
+
+
+class _Scratch:
+    """What a selection's launches pass on (`DevicePool._selection`): positions' max logits and normalisers, u, an
+    ordered-sum row per position (floats); own ranks and executed ranks per position; the eligible set."""
+
+    def __init__(self, block_d: int, block_e: int, block_k: int, device):
+        self.floats = torch.zeros(2 * block_d + block_e + block_d * block_k, dtype=torch.float64, device=device)
+        self.own = torch.full((block_d, block_e), -1, dtype=torch.int32, device=device)
+        self.executed = torch.full((block_d, block_e), -1, dtype=torch.int32, device=device)
+        self.eligible = torch.zeros(block_e, dtype=torch.int32, device=device)
 
 
 class DevicePool:
@@ -333,10 +414,16 @@ class DevicePool:
     (`missing`), their union slots (`missing_slots`): a copy list of `kernels.expert_copy`); by `end_block`:
     move_lists int64 [L, 1 + 2E] (per layer the count, the union slots left, the pool slots taken: a copy list
     from the slots to the slots), as moves [L, 2, E] and n_moves [L].
+
+    prefetch: the block prefetch's budget per layer and block (0: none; `predict`). With a budget, `predict`
+    writes prefetches[layer] int64 [1 + 2E] (count, experts ascending, slots P, P+1, ...: a copy list), and
+    `select` writes the demand list with the copies only (the missing experts not prefetched, in their physical
+    union slots), the route rows with physical slots, physical[layer] int64 [U] (the physical slot of each logical
+    union slot) and placement[layer] int64 [3] (prefetched, hits, union slots written).
     """
 
     def __init__(self, pool: ExpertPool, selector: SelectorConfig, scoring: RouterScoring | bool,
-                 max_positions: int, device):
+                 max_positions: int, device, prefetch: int = 0):
         if triton is None:
             raise RuntimeError("DevicePool needs Triton")
         if not isinstance(selector, SelectorConfig):
@@ -373,13 +460,26 @@ class DevicePool:
         self._layer_views(0)
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
         block_e, block_d, block_k = (triton.next_power_of_2(n) for n in (E, max_positions, k))
-        # scratch the launches pass on: positions' max logits and normalisers, u, an ordered-sum row per position;
-        # own ranks and executed ranks per position; the eligible set
-        self.float_scratch = torch.zeros(2 * block_d + block_e + block_d * block_k, dtype=torch.float64,
-                                         device=self.device)
-        self.own_ranks = torch.full((block_d, block_e), -1, dtype=torch.int32, device=self.device)
-        self.executed = torch.full((block_d, block_e), -1, dtype=torch.int32, device=self.device)
-        self.eligible_mask = torch.zeros(block_e, dtype=torch.int32, device=self.device)
+        self.scratch = _Scratch(block_d, block_e, block_k, self.device)
+        # the block prefetch (`predict`): its own selection scratch and outputs (it runs beside the layer's
+        # selection), each layer's prefetch rank row and copy list, the physical slot of each logical union slot,
+        # the placement's counts per layer (prefetched, hits, union slots written) and its free-slot row
+        if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0 (experts per layer and block), got {prefetch!r}")
+        self.prefetch = int(prefetch)
+        u = max(pool.union_slots, 1)
+        self.predicted = None
+        if self.prefetch:
+            self.predicted = _Scratch(block_d, block_e, block_k, self.device)
+            self.predicted_rows = (torch.zeros(max_positions, k, dtype=torch.int64, device=self.device),
+                                   torch.zeros(max_positions, k, dtype=torch.float32, device=self.device),
+                                   torch.zeros(max_positions, dtype=torch.float64, device=self.device),
+                                   torch.zeros(max_positions, k, dtype=torch.int32, device=self.device))
+        self.prefetch_ranks = torch.full((L, block_e), -1, dtype=torch.int32, device=self.device)
+        self.prefetches = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
+        self.physical = torch.zeros(L, u, dtype=torch.int64, device=self.device)
+        self.placement = torch.zeros(L, 3, dtype=torch.int64, device=self.device)
+        self.free_scratch = torch.zeros(block_e, dtype=torch.int64, device=self.device)
         self.move_lists = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
         self.moves = self.move_lists[:, 1:].view(L, 2, E)
         self.n_moves = self.move_lists[:, 0]
@@ -387,7 +487,8 @@ class DevicePool:
             E=E, BLOCK_E=block_e, BLOCK_D=block_d, K=k, BLOCK_K=block_k,
             BLOCK=int(params[0] != 0.0), SIGMOID=int(scoring.kind == "sigmoid"),
             RENORMALISE=int(bool(scoring.renormalise)), N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group,
-            BLOCK_G=triton.next_power_of_2(scoring.n_group), P=pool.pool_size, U=pool.union_slots)
+            BLOCK_G=triton.next_power_of_2(scoring.n_group), P=pool.pool_size, U=pool.union_slots,
+            PREFETCH=int(self.prefetch > 0), CAP=min(self.prefetch, pool.union_slots))
         self.warps = default_warps(E)  # a chain of reductions over [E] vectors, as the cache step's
 
     def _layer_views(self, layer: int) -> None:
@@ -426,29 +527,61 @@ class DevicePool:
             raise ValueError(f"route_out must be contiguous int32 [{z.shape[0]}, {2 * k}], got {route_out.dtype} "
                              f"{tuple(route_out.shape)}")
         self._layer_views(layer)
+        sc = self.scratch
+        self._selection(layer, z, alpha, sc, self.selected, self.weights, self.displaced, route, route_out is not None)
+        c = self._constants
+        _use_kernel[(1,)](self.pool_mask[layer], self.slot[layer], self.recency[layer], self.block, z.shape[0],
+                          sc.eligible, sc.executed, self.eligible, self.union, self.demand, route, route.stride(0), self.counts,
+                          self.prefetch_ranks[layer], self.prefetches[layer], self.physical[layer],
+                          self.placement[layer], self.free_scratch, E=c["E"], BLOCK_E=c["BLOCK_E"],
+                          BLOCK_D=c["BLOCK_D"], BLOCK=c["BLOCK"], P=c["P"], U=c["U"], PREFETCH=c["PREFETCH"],
+                          num_warps=self.warps)
+
+    def _selection(self, layer: int, z, alpha, scratch: _Scratch, selected, weights, displaced, route,
+                   weights_in_route: bool) -> None:
+        """The selector's launches over `scratch` into the outputs: own top-K, the eligible set (a block
+        selector), the executions."""
         c, d, layer_bias = self._constants, z.shape[0], self.bias[layer]
+        fs, own, elig, ex = scratch.floats, scratch.own, scratch.eligible, scratch.executed
         shape = dict(E=c["E"], BLOCK_E=c["BLOCK_E"], BLOCK_D=c["BLOCK_D"])
-        fs, own, elig, ex = self.float_scratch, self.own_ranks, self.eligible_mask, self.executed
         _own_kernel[(d,)](z, z.stride(0), layer_bias, self.fparams, fs, own, **shape, K=c["K"],
                           SIGMOID=c["SIGMOID"], N_GROUP=c["N_GROUP"], TOPK_GROUP=c["TOPK_GROUP"],
                           BLOCK_G=c["BLOCK_G"], num_warps=self.warps, enable_fp_fusion=False)
         if c["BLOCK"]:
             _demand_kernel[(1,)](z, z.stride(0), alpha, layer_bias, self.fparams, self.pool_mask[layer], d, fs, own,
                                  elig, **shape, SIGMOID=c["SIGMOID"], num_warps=self.warps, enable_fp_fusion=False)
-        _execute_kernel[(d,)](z, z.stride(0), alpha, layer_bias, self.fparams, fs, own, elig, ex, self.selected,
-                              self.weights, self.displaced, route, route.stride(0),
-                              WEIGHTS_IN_ROUTE=int(route_out is not None), **shape, K=c["K"], BLOCK_K=c["BLOCK_K"],
-                              BLOCK=c["BLOCK"], SIGMOID=c["SIGMOID"], RENORMALISE=c["RENORMALISE"],
-                              num_warps=self.warps, enable_fp_fusion=False)
-        _use_kernel[(1,)](self.pool_mask[layer], self.slot[layer], self.recency[layer], self.block, d, elig, ex,
-                          self.eligible, self.union, self.demand, route, route.stride(0), self.counts, **shape,
-                          BLOCK=c["BLOCK"], P=c["P"], U=c["U"], num_warps=self.warps)
+        _execute_kernel[(d,)](z, z.stride(0), alpha, layer_bias, self.fparams, fs, own, elig, ex, selected,
+                              weights, displaced, route, route.stride(0), WEIGHTS_IN_ROUTE=int(weights_in_route),
+                              **shape, K=c["K"], BLOCK_K=c["BLOCK_K"], BLOCK=c["BLOCK"], SIGMOID=c["SIGMOID"],
+                              RENORMALISE=c["RENORMALISE"], num_warps=self.warps, enable_fp_fusion=False)
+
+    def predict(self, layer: int, pregate_logits: torch.Tensor, alpha: torch.Tensor) -> None:
+        """The block prefetch of `layer` (>= 1; `predict_prefetch`): the block's selector on the D positions'
+        pre-gate logits (float32 [D, E], unit column stride) over the pool's residency of `layer`, its missing
+        experts capped at min(prefetch, U) by priority, into `prefetches[layer]` (count, experts ascending, union
+        slots P, P+1, ...: a copy list) and the rank row `select` places them by. Call it before `select` of
+        `layer` in the same block; it reads only the pool's members, so it may run beside `select` of another
+        layer. Four launches (five for a block selector)."""
+        if not self.prefetch:
+            raise ValueError("this DevicePool has no prefetch budget (DevicePool(prefetch=n))")
+        if not 1 <= layer < self.num_layers:
+            raise ValueError(f"the block prefetch predicts layers 1 .. {self.num_layers - 1}, got {layer}")
+        g, q, c = pregate_logits, self.predicted, self._constants
+        if g.dtype != torch.float32 or g.dim() != 2 or g.shape != (alpha.shape[0], self.num_experts) \
+                or g.stride(1) != 1:
+            raise ValueError(f"pre-gate logits must be float32 [{alpha.shape[0]}, {self.num_experts}] with unit "
+                             f"column stride, got {g.dtype} {tuple(g.shape)} strides {g.stride()}")
+        self._selection(layer, g, alpha, q, *self.predicted_rows, False)
+        _prefetch_kernel[(1,)](q.executed, alpha, self.pool_mask[layer], g.shape[0], self.prefetch_ranks[layer],
+                               self.prefetches[layer], E=c["E"], BLOCK_E=c["BLOCK_E"], BLOCK_D=c["BLOCK_D"],
+                               P=c["P"], CAP=c["CAP"], num_warps=self.warps)
 
     def end_block(self) -> None:
         """`ExpertPool.end_block` on the device, every layer in one launch (move_lists)."""
         c = self._constants
         _refill_kernel[(self.num_layers,)](self.pool_mask, self.slot, self.recency, self.warm_rank, self.block,
-                                           self.move_lists, E=c["E"], BLOCK_E=c["BLOCK_E"], P=c["P"], num_warps=4)
+                                           self.move_lists, self.physical, E=c["E"], BLOCK_E=c["BLOCK_E"], P=c["P"],
+                                           U=self.physical.shape[1], PREFETCH=c["PREFETCH"], num_warps=4)
 
     def state(self) -> dict:
         """The pool's state on the host, named as `ExpertPool`'s attributes (for checks against it)."""
