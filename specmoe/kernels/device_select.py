@@ -55,6 +55,7 @@ F_GAMMA, F_RESCUE, F_PRUNE, F_SCALE, F_EPS, F_TINY, F_SLACK = range(7)
 N_FPARAMS = 7
 C_ELIGIBLE, C_UNION, C_MISSING, C_OK = range(4)  # the counts row: n_eligible, n_union, n_missing, 1 (0: over U)
 MAX_EXPERTS = 1024  # the refill's recency key holds the expert index in 10 bits
+SUM_CHUNK = 16  # entries of a sequential sum's row read per unrolled step (`_sequential_sum`; BLOCK_E is a multiple)
 
 if triton is not None:
     import triton.language as tl
@@ -69,6 +70,7 @@ if triton is not None:
     _F_TINY = tl.constexpr(F_TINY)
     _F_SLACK = tl.constexpr(F_SLACK)
     _POSITIONS_PER_BLOCK = tl.constexpr(POSITIONS_PER_BLOCK)
+    _SUM_CHUNK = tl.constexpr(SUM_CHUNK)
 
     @triton.jit
     def _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID: tl.constexpr):
@@ -100,6 +102,19 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _sequential_sum(row_ptr, BLOCK_E: tl.constexpr):
+        """row[0] + row[1] + ... + row[BLOCK_E - 1], added one after another from 0.0 (the host's order over the
+        experts; entries past E must be 0.0, which leaves the bits unchanged for a sum of terms >= 0). The row is
+        read SUM_CHUNK entries at a time, each chunk unrolled: its loads are independent of the running sum, so they
+        are in flight together rather than one load's latency per entry (a runtime loop of scalar loads waited for
+        each)."""
+        total = tl.zeros([], tl.float64)
+        for c in range(0, BLOCK_E, _SUM_CHUNK):
+            for j in tl.static_range(_SUM_CHUNK):
+                total += tl.load(row_ptr + c + j)
+        return total
+
+    @triton.jit
     def _own_kernel(z_ptr, ZS, bias_ptr, fpar_ptr, fs_ptr, own_ptr,
                     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
                     SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
@@ -111,13 +126,14 @@ if triton is not None:
         tiny = tl.load(fpar_ptr + _F_TINY)
         z = tl.load(z_ptr + d * ZS + idx, mask=valid, other=float("-inf")).to(tl.float64)
         top = tl.max(z, axis=0)
-        total = tl.zeros([], tl.float64)
-        for e in range(E):
-            col = tl.load(z_ptr + d * ZS + e).to(tl.float64)
-            if SIGMOID:
-                total += 1.0 / (1.0 + tl.exp(-col))
-            else:
-                total += tl.exp(col - top)
+        if SIGMOID:
+            term = 1.0 / (1.0 + tl.exp(-z))
+        else:
+            term = tl.exp(z - top)
+        terms_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E + d * BLOCK_E  # this position's row of terms
+        tl.store(terms_ptr + idx, tl.where(valid, term, 0.0))
+        tl.debug_barrier()
+        total = _sequential_sum(terms_ptr, BLOCK_E)
         if SIGMOID:
             norm = tl.where(tiny > total, tiny, total)
         else:
@@ -152,18 +168,17 @@ if triton is not None:
             u = tl.where(mine, u + tl.load(alpha_ptr + d) * p / nd, u)
         positive = (u > 0.0) & valid
         m = tl.sum(positive.to(tl.int32), axis=0)
-        # the demand and its entropy over the positive u in ascending expert order, as the host adds (u read
-        # back one expert at a time; a zero term leaves either sum's bits unchanged)
+        # the demand and its entropy over the positive u in ascending expert order, as the host adds (each sum's
+        # terms read back in order from a scratch row; a zero term leaves either sum's bits unchanged, and
+        # 0 - t_0 - t_1 - ... is 0 - (t_0 + t_1 + ...) bit for bit: rounding to nearest is symmetric in sign)
         tl.store(u_ptr + idx, tl.where(positive, u, 0.0))
         tl.debug_barrier()
-        demand = tl.zeros([], tl.float64)
-        for e in range(E):
-            demand += tl.load(u_ptr + e)
-        entropy = tl.zeros([], tl.float64)
-        for e in range(E):
-            ue = tl.load(u_ptr + e)
-            q = ue / demand
-            entropy -= tl.where(ue > 0.0, q * tl.log(tl.where(ue > 0.0, q, 1.0)), 0.0)
+        demand = _sequential_sum(u_ptr, BLOCK_E)
+        q = u / demand
+        terms_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E  # position 0's row of `_own_kernel`'s terms, read by then
+        tl.store(terms_ptr + idx, tl.where(positive, q * tl.log(tl.where(positive, q, 1.0)), 0.0))
+        tl.debug_barrier()
+        entropy = 0.0 - _sequential_sum(terms_ptr, BLOCK_E)
         size = tl.load(fpar_ptr + _F_GAMMA) * tl.exp(entropy) - tl.load(fpar_ptr + _F_SLACK)
         saturated = size >= m.to(tl.float64)  # may exceed any integer (gamma 1e300)
         extra = tl.where(saturated, m, tl.ceil(tl.where(saturated, 0.0, size)).to(tl.int32))
@@ -172,17 +187,24 @@ if triton is not None:
         eligible = in_root | (ranked >= 0)
         lost = tl.sum(tl.where(eligible | (valid == 0), 0, v), axis=0)
         limit = tl.load(fpar_ptr + _F_PRUNE) * lost.to(tl.float64)
-        removed = tl.zeros([], tl.int32)
-        stopped = tl.zeros([], tl.int32)
-        for i in range(extra):  # in increasing u: from the last candidate back
-            e = tl.min(tl.where(ranked == extra - 1 - i, idx, BLOCK_E), axis=0)
-            ve = _pick_int(v, idx, e)
-            candidate = (stopped == 0) & (_pick_int(resident, idx, e) == 0)
-            over = (removed + ve).to(tl.float64) > limit
-            stopped = stopped | (candidate & over).to(tl.int32)
-            gone = candidate & (over == 0)
-            removed += tl.where(gone, ve, 0)
-            eligible = eligible & ((idx != e) | (gone == 0))
+        # pruning walks the candidates in increasing u (from the last back), removing those outside the pool while
+        # the rows they remove stay within the limit, and stops at the first that would exceed it: as the removed
+        # rows only grow, a candidate goes iff it is outside the pool and the rows of the candidates outside the
+        # pool up to it in the walk (an integer prefix sum, exact) are within the limit. The prefix sum runs over
+        # the walk's order through the eligible row, which is written last.
+        walk = extra - 1 - ranked
+        candidate = ranked >= 0
+        outside = resident == 0
+        tl.store(elig_ptr + walk, tl.where(outside, v, 0), mask=candidate)
+        tl.debug_barrier()
+        through = tl.cumsum(tl.load(elig_ptr + idx, mask=idx < extra, other=0), axis=0)
+        tl.debug_barrier()
+        tl.store(elig_ptr + idx, through)
+        tl.debug_barrier()
+        through = tl.load(elig_ptr + walk, mask=candidate, other=0)
+        tl.debug_barrier()
+        gone = candidate & outside & (through.to(tl.float64) <= limit)
+        eligible = eligible & (gone == 0)
         tl.store(elig_ptr + idx, eligible.to(tl.int32))
 
     @triton.jit
@@ -198,7 +220,7 @@ if triton is not None:
         valid = idx < E
         tiny = tl.load(fpar_ptr + _F_TINY)
         scale = tl.load(fpar_ptr + _F_SCALE)
-        sum_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E + d * BLOCK_K  # this position's ordered-sum row
+        sum_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E + BLOCK_D * BLOCK_E + d * BLOCK_K  # this position's ordered-sum row
         z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, fs_ptr, fs_ptr + BLOCK_D, idx, valid, SIGMOID)
         mine = tl.load(own_ptr + d * BLOCK_E + idx)
         if BLOCK:
@@ -390,11 +412,13 @@ if triton is not None:
 
 
 class _Scratch:
-    """What a selection's launches pass on (`DevicePool._selection`): positions' max logits and normalisers, u, an
-    ordered-sum row per position (floats); own ranks and executed ranks per position; the eligible set."""
+    """What a selection's launches pass on (`DevicePool._selection`): positions' max logits and normalisers, u, a
+    row of terms per position (a normaliser's, the entropy's), an ordered-sum row per position (floats); own ranks
+    and executed ranks per position; the eligible set."""
 
     def __init__(self, block_d: int, block_e: int, block_k: int, device):
-        self.floats = torch.zeros(2 * block_d + block_e + block_d * block_k, dtype=torch.float64, device=device)
+        self.floats = torch.zeros(2 * block_d + block_e + block_d * block_e + block_d * block_k, dtype=torch.float64,
+                                  device=device)
         self.own = torch.full((block_d, block_e), -1, dtype=torch.int32, device=device)
         self.executed = torch.full((block_d, block_e), -1, dtype=torch.int32, device=device)
         self.eligible = torch.zeros(block_e, dtype=torch.int32, device=device)
@@ -459,7 +483,8 @@ class DevicePool:
         self.demands = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
         self._layer_views(0)
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
-        block_e, block_d, block_k = (triton.next_power_of_2(n) for n in (E, max_positions, k))
+        block_d, block_k = (triton.next_power_of_2(n) for n in (max_positions, k))
+        block_e = max(triton.next_power_of_2(E), SUM_CHUNK)  # a whole number of `_sequential_sum`'s chunks
         self.scratch = _Scratch(block_d, block_e, block_k, self.device)
         # the block prefetch (`predict`): its own selection scratch and outputs (it runs beside the layer's
         # selection), each layer's prefetch rank row and copy list, the physical slot of each logical union slot,
