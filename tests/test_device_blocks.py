@@ -137,6 +137,41 @@ def test_device_blocks_prefetch_as_the_host_path_in_the_interpreter():
         assert f"ok generate {name} " in done.stdout and f"ok follow {name} " in done.stdout, done.stdout
 
 
+# union slots sized by measurement (U below a block's worst case): the same run where they suffice, the host path's
+# error where a block's layer misses more
+_UNION = COMPARE + r"""
+from specmoe.drafters import DrafterConfig, build_drafter
+from specmoe.models import load_model
+
+model, adapter = load_model("olmoe-tiny", seed=0)
+model.set_experts_implementation("eager")
+drafter = build_drafter(DrafterConfig("synthetic", acceptance=0.6), model)
+prompt = np.random.default_rng(7).integers(4, adapter.vocab_size, 12).tolist()
+gen = lambda e: e.generate(prompt, 8, drafter=drafter, record=True)  # noqa
+dev, host = engines(model, adapter, "acceptmoe", 4, 32, 8, 64, union_slots=10)  # the worst case: min(32, 5 x 8)
+assert dev.device_blocks() is None
+print("ok fits", same(run(dev, gen), run(host, gen)), dev.union_used, flush=True)
+errors = []
+for engine in engines(model, adapter, "exact", 4, 32, 8, 64, union_slots=16):
+    try:
+        engine.generate(prompt, 8, drafter=drafter)
+    except ValueError as exc:
+        errors.append(str(exc))
+assert len(errors) == 2 and errors[0] == errors[1] and "union slots' worth of experts" in errors[0], errors
+print("ok over", errors[0], flush=True)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_device_blocks_with_union_slots_sized_by_measurement_in_the_interpreter():
+    from _device_cases import FAST_CALLS
+
+    done = run_in_interpreter(_UNION.replace("import numpy as np\n", "import numpy as np\n" + FAST_CALLS, 1))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "ok fits " in done.stdout and "ok over verification block at position 12: layer 2 misses" in done.stdout, \
+        done.stdout
+
+
 # other architectures: Qwen3.5-MoE (Gated DeltaNet layers, rolled back after each block) and DeepSeek-V3 (a
 # sigmoid router with a selection bias and expert groups), with the synthetic drafter
 _OTHER = COMPARE + r"""
@@ -186,7 +221,7 @@ def test_host_path_where_the_device_blocks_do_not_apply(olmoe_tiny, monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # only the reasons are asked: nothing runs in the interpreter
     assert engine("on").device_blocks() is None
     assert engine("on", prefetch=4).device_blocks() is None  # the block prefetch runs on the device too
-    assert "union slots" in engine("on", union_slots=16).device_blocks()  # D K = 40 > 16 < E - P = 32
+    assert engine("on", union_slots=16).device_blocks() is None  # U below the worst case: checked per block
     with pytest.raises(ValueError, match="block_device"):
         EngineConfig(block_device="gpu")
 

@@ -81,6 +81,29 @@ def run_prefetch_case(case, device, num_blocks=None, num_layers=3, seed=0):
     return check_device_select(selector, rule, pool, z, alpha, device, pregate_logits=g, prefetch=budget)
 
 
+def check_over_union(device):
+    """A block whose layer misses more than U experts: the count says so, no copy is listed, the layer's pool is
+    unchanged, and every route entry points inside the slots (the engine raises the host's error after the block)."""
+    import torch
+
+    from specmoe.kernels.checks import device_select_case
+    from specmoe.kernels.device_select import DevicePool
+
+    z, alpha = device_select_case(1, 1, 9, 64, seed=3)
+    pool = ExpertPool(1, 64, 8, 16, np.random.default_rng(3).permutation(64)[None], union_slots=8)
+    dev = DevicePool(pool, selector_preset("exact"), False, 9, device)
+    before = {name: value.copy() for name, value in dev.state().items() if name != "block"}
+    dev.select(0, torch.tensor(z[0, 0], device=device), torch.tensor(alpha[0], device=device))
+    missing = int(dev.layer_counts[0, 0])
+    assert missing > 8 and tuple(dev.counts.cpu().numpy())[2:] == (missing, 0) and int(dev.demand[0]) == 0
+    route = dev.route[:9].cpu().numpy()
+    assert route.min() >= 0 and route.max() < 16 + 8, route
+    after = dev.state()
+    for name, value in before.items():
+        assert np.array_equal(after[name], value), name
+    return missing
+
+
 _CHECK = r"""
 import sys
 sys.path.insert(0, "tests")
@@ -103,6 +126,8 @@ print("ok short", run_case(CASES[3], "cpu", seed=11, max_positions=32), flush=Tr
 from test_device_select import PREFETCH_CASES, run_prefetch_case
 for i, case in enumerate(PREFETCH_CASES):
     print("ok", case[0], run_prefetch_case(case, "cpu", seed=i), flush=True)
+from test_device_select import check_over_union
+print("ok over_union", check_over_union("cpu"), flush=True)
 """
 
 
@@ -110,7 +135,7 @@ for i, case in enumerate(PREFETCH_CASES):
 def test_device_select_equals_host_in_the_interpreter():
     done = run_in_interpreter(_CHECK)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    for name, *_ in CASES + [("short",)] + PREFETCH_CASES:
+    for name, *_ in CASES + [("short",), ("over_union",)] + PREFETCH_CASES:
         assert f"ok {name} " in done.stdout, done.stdout
     # every prefetch case predicts, hits and leaves prefetches unused; the tight ones spill demand copies into
     # unused prefetches' slots
@@ -126,6 +151,11 @@ def test_device_select_equals_host_in_the_interpreter():
 def test_gpu_device_select_equals_host(case):
     """40 blocks of 4 layers per case."""
     run_case(case, "cuda", num_blocks=40, num_layers=4, seed=7)
+
+
+@pytest.mark.gpu
+def test_gpu_device_select_over_union_slots():
+    check_over_union("cuda")
 
 
 @pytest.mark.gpu

@@ -31,10 +31,14 @@ Counts: demand = the copies left, prefetch hits in time (joined before the layer
 With a feed the staged rows hold the recorded pre-gate logits beside the router logits, as the step's logits rows
 do ([L, D, 2E]: z_l, then g_{l+1}).
 
-Not on this path (the engine keeps the host loop, `block_device_reason`): union slots too few for a block's worst
-case (U < min(E - P, D K): the host raises where a block misses more, the kernel would
-leave the pool unchanged), E > 1024, and the prompt: a speculative run's prefill stays on the host path (exact
-selection in blocks; its copies are prompt processing), and the device pool takes the host pool's state after it.
+Union slots sized by measurement (U below a block's worst case min(E - P, D K)): a block whose layer misses more
+than U experts raises the host path's ValueError after its graph (the kernel leaves that layer's pool unchanged and
+points its missing experts' route entries at slot 0, so nothing reads outside the slots; the block's outputs are
+not used). `DeviceBlocks.verify` checks each layer's missing count.
+
+Not on this path (the engine keeps the host loop, `block_device_reason`): E > 1024, and the prompt: a speculative
+run's prefill stays on the host path (exact selection in blocks, one position at a time where U could not hold a
+block's misses; its copies are prompt processing), and the device pool takes the host pool's state after it.
 """
 
 from __future__ import annotations
@@ -62,11 +66,7 @@ def block_device_reason(choice: str, cuda: bool, router, settings) -> str | None
         return why
     if settings.instrument:
         return "instrumented runs time each layer's host gap"
-    config, g = router.config, router.geometry
-    worst = min(g.num_experts - config.pool_size, (config.k + 1) * g.top_k)
-    if router.union_slots < worst:
-        return (f"U={router.union_slots} union slots < min(E - P, (k + 1) K) = {worst}: a block could miss more "
-                "experts than fit (the host path raises there)")
+    g = router.geometry
     if g.num_experts > MAX_EXPERTS:
         return f"E={g.num_experts} > {MAX_EXPERTS} experts (the device refill's key)"
     return None
@@ -93,8 +93,8 @@ class DeviceBlocks:
         self.alpha_host, self.alpha_dev = staged((d,), torch.float64, device, pin)
         # a feed laid out as the step's logits [L, D, 2E]: row l holds z_l, then g_{l+1} (module docstring)
         self.feed_host, self.feed_dev = staged((g.num_layers, d, 2 * g.num_experts), torch.float32, device, pin)
-        # per layer: missing experts, moves, prefetched, prefetch hits, union slots written
-        self.counts_dev = torch.zeros(5, g.num_layers, dtype=torch.int64, device=device)
+        # per layer: demand copies, moves, missing experts, prefetched, prefetch hits, union slots written
+        self.counts_dev = torch.zeros(6, g.num_layers, dtype=torch.int64, device=device)
         self.counts_host = torch.zeros(self.counts_dev.shape, dtype=torch.int64, pin_memory=pin)
         self.selections_host = torch.zeros(self.pool.selections.shape, dtype=torch.int64, pin_memory=pin)
         self.displaced_host = torch.zeros(self.pool.displaced_rows.shape, dtype=torch.float64, pin_memory=pin)
@@ -142,7 +142,7 @@ class DeviceBlocks:
                              self.cuda, self.blocks, self.block)
         self.counts_dev[0].copy_(pool.demands[:, 0])
         self.counts_dev[1].copy_(pool.move_lists[:, 0])
-        self.counts_dev[2:].copy_(pool.placement.T)
+        self.counts_dev[2:].copy_(pool.layer_counts.T)
         if copy_out:
             self._copy_out()
 
@@ -175,6 +175,7 @@ class DeviceBlocks:
         fed: selection reads recorded router logits (`verify`'s feed)."""
         self.residency.copies.synchronize()  # the host path's copies and moves have landed
         self.pool.load(self.router.pool)
+        self.block_number = self.router.pool.block  # the pool's, as the device pool counts it
         self.skip, self.fed = settings.skip_copies, fed
         self.delays = copy_delays(settings, 3 * self.num_layers, self.cuda)  # demand, moves, prefetch per layer
         if self.use_graphs:  # captured here, not in the run's first block
@@ -201,6 +202,13 @@ class DeviceBlocks:
             if pregate is not None:  # g_{l+1} beside z_l, as the step's logits rows hold them
                 staged_feed[:-1, :, e:] = np.asarray(pregate, dtype=np.float32)[:, 1:].transpose(1, 0, 2)
         launch(self)
+        missing = self.counts_host.numpy()[2]
+        over = np.flatnonzero(missing > self.router.union_slots)
+        if over.size:  # the host path's error (`ExpertPool.use`); this block's outputs are not valid
+            self.finish()  # the slots' bookkeeping follows what the device wrote: the unit stays usable
+            raise ValueError(f"verification block at position {root}: layer {int(over[0])} misses more than the "
+                             f"U={self.router.union_slots} union slots' worth of experts in block "
+                             f"{self.block_number}; make the pool with more union_slots")
         displaced = np.zeros(step.num_positions)
         for row in self.displaced_host.numpy():  # layer by layer, as `BlockRouter.route` adds them
             displaced += row
@@ -211,9 +219,9 @@ class DeviceBlocks:
         the pool's counters and the copy stream's counts of the block (module docstring)."""
         router, pool = self.router, self.router.pool
         router.commit_rate.update(accepted, router.config.k)
-        copies, moves, prefetched, hits, written = self.counts_host.numpy()
-        missing = copies + hits  # the demand list holds the copies; prefetch hits were missing too
-        router.union_used = max(router.union_used, int((written if self.prefetch else missing).max()))
+        copies, moves, missing, prefetched, hits, written = self.counts_host.numpy()
+        router.union_used = max(router.union_used, int(written.max()))
+        self.block_number += 1
         pool.copies += missing
         pool.moves += moves
         pool.blocks += 1

@@ -526,7 +526,7 @@ def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alph
 
     prefetch > 0 (with pregate_logits float32 [B, L, D, E]): the block prefetch of every layer >= 1 too, against
     `predict_prefetch` and `place_union` as `BlockRouter` uses them: the prefetch list, the demand list (the copies
-    only, in their physical slots), the route rows' physical slots, the placement's counts (prefetched, hits, union
+    only, in their physical slots), the route rows' physical slots, the layer's counts (prefetched, hits, union
     slots written) and the refill moves' physical sources.
 
     Raises AssertionError at the first difference; returns the host pool's totals, and with prefetch the
@@ -589,9 +589,9 @@ def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alph
                 dev.select(layer, torch.tensor(z, device=device), a_dev)
             got = dev.counts.cpu().numpy()
             assert tuple(got) == (*counts, 1), f"{where}: counts {got} != {counts}"
-            if prefetch:
-                got = tuple(dev.placement[layer].cpu().numpy())
-                assert got == placement, f"{where}: placement (prefetched, hits, union written) {got} != {placement}"
+            got = tuple(int(x) for x in dev.layer_counts[layer].cpu().numpy())
+            want = (missing.size, *placement) if prefetch else (missing.size, 0, 0, missing.size)
+            assert got == want, f"{where}: layer counts (missing, prefetched, hits, union written) {got} != {want}"
             n_eligible, n_union, n_missing = counts
             n_copies = copies.size
             assert int(dev.demand[0]) == n_copies, f"{where}: the demand list's count"

@@ -262,17 +262,19 @@ if triton is not None:
 
     @triton.jit
     def _use_kernel(pool_ptr, slot_ptr, rec_ptr, block_ptr, D, elig_ptr, exec_ptr, eligible_ptr, union_ptr,
-                    list_ptr, route_ptr, RS, counts_ptr, pf_rank_ptr, pf_list_ptr, phys_ptr, place_ptr, free_ptr,
+                    list_ptr, route_ptr, RS, counts_ptr, pf_rank_ptr, pf_list_ptr, phys_ptr, layer_ptr, free_ptr,
                     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                     P: tl.constexpr, U: tl.constexpr, PREFETCH: tl.constexpr):
         """`ExpertPool.use` of the block's executions: the missing experts (ascending) take union slots P, P+1,
-        ...; the recency of executed experts; the route rows; the union, eligible and demand lists; the counts.
-        PREFETCH: the layer's prefetched experts (pf_rank_ptr: each expert's rank in the prefetch list, or -1;
+        ...; the recency of executed experts; the route rows; the union, eligible and demand lists; the counts,
+        and the layer's row layer_ptr [4]: missing experts (counted also past U, where the pool is left unchanged
+        and the route rows point at slot 0, so that nothing reads outside the slots), prefetched, prefetch hits,
+        union slots written. PREFETCH: the layer's prefetched experts (pf_rank_ptr: each expert's rank in the prefetch list, or -1;
         pf_list_ptr: the list, its count first) sit in slots P, P+1, ...: the missing experts are placed as
         `place_union` places them (a hit stays where it is; a demand copy takes the lowest free union slot, then the
         lowest slot of an unused prefetch, through the scratch row free_ptr), the route rows and the demand list
-        (only the copies) get the physical slots, phys_ptr [U] the physical slot of each logical union slot, and
-        place_ptr [3] (prefetched, hits, union slots written)."""
+        (only the copies) get the physical slots, and phys_ptr [U] the physical slot of each logical union
+        slot."""
         rows = tl.arange(0, BLOCK_D)
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
@@ -306,16 +308,19 @@ if triton is not None:
             tl.store(list_ptr + 1 + E + at, placed.to(tl.int64), mask=copy & ok)
             tl.store(list_ptr, tl.where(ok, n_copy, 0).to(tl.int64))
             tl.store(phys_ptr + order, placed.to(tl.int64), mask=missing & ok)
-            tl.store(place_ptr + 0, n_pf.to(tl.int64))
-            tl.store(place_ptr + 1, tl.sum(hit.to(tl.int64), axis=0))
-            tl.store(place_ptr + 2, (n_pf + tl.minimum(n_copy, U - n_pf)).to(tl.int64))
+            tl.store(layer_ptr + 1, n_pf.to(tl.int64))
+            tl.store(layer_ptr + 2, tl.sum(hit.to(tl.int64), axis=0))
+            tl.store(layer_ptr + 3, (n_pf + tl.minimum(n_copy, U - n_pf)).to(tl.int64))
             tl.debug_barrier()  # every thread has read the free row before the next layer writes it
             route_slot = tl.where(missing & ok, placed, slot)
         else:
             tl.store(list_ptr + 1 + order, idx.to(tl.int64), mask=missing)
             tl.store(list_ptr + 1 + E + order, (P + order).to(tl.int64), mask=missing)
             tl.store(list_ptr, tl.where(ok, n_missing, 0).to(tl.int64))
+            tl.store(layer_ptr + 3, tl.minimum(n_missing, U).to(tl.int64))
             route_slot = slot
+        tl.store(layer_ptr, n_missing.to(tl.int64))
+        route_slot = tl.where(route_slot >= 0, route_slot, 0)  # past U: missing experts have no slot
         recency = tl.load(rec_ptr + idx, mask=valid, other=0)
         base = tl.load(block_ptr) * _POSITIONS_PER_BLOCK
         tl.store(rec_ptr + idx, tl.where(ran & ok, base + last + 1, recency), mask=valid)
@@ -443,7 +448,8 @@ class DevicePool:
     writes prefetches[layer] int64 [1 + 2E] (count, experts ascending, slots P, P+1, ...: a copy list), and
     `select` writes the demand list with the copies only (the missing experts not prefetched, in their physical
     union slots), the route rows with physical slots, physical[layer] int64 [U] (the physical slot of each logical
-    union slot) and placement[layer] int64 [3] (prefetched, hits, union slots written).
+    union slot). Every `select` writes layer_counts[layer] int64 [4]: missing experts (also past U), prefetched,
+    prefetch hits, union slots written (the missing experts without a prefetch).
     """
 
     def __init__(self, pool: ExpertPool, selector: SelectorConfig, scoring: RouterScoring | bool,
@@ -488,7 +494,7 @@ class DevicePool:
         self.scratch = _Scratch(block_d, block_e, block_k, self.device)
         # the block prefetch (`predict`): its own selection scratch and outputs (it runs beside the layer's
         # selection), each layer's prefetch rank row and copy list, the physical slot of each logical union slot,
-        # the placement's counts per layer (prefetched, hits, union slots written) and its free-slot row
+        # the counts per layer (missing, prefetched, hits, union slots written) and the placement's free-slot row
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0 (experts per layer and block), got {prefetch!r}")
         self.prefetch = int(prefetch)
@@ -503,7 +509,7 @@ class DevicePool:
         self.prefetch_ranks = torch.full((L, block_e), -1, dtype=torch.int32, device=self.device)
         self.prefetches = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
         self.physical = torch.zeros(L, u, dtype=torch.int64, device=self.device)
-        self.placement = torch.zeros(L, 3, dtype=torch.int64, device=self.device)
+        self.layer_counts = torch.zeros(L, 4, dtype=torch.int64, device=self.device)
         self.free_scratch = torch.zeros(block_e, dtype=torch.int64, device=self.device)
         self.move_lists = torch.zeros(L, 1 + 2 * E, dtype=torch.int64, device=self.device)
         self.moves = self.move_lists[:, 1:].view(L, 2, E)
@@ -558,7 +564,7 @@ class DevicePool:
         _use_kernel[(1,)](self.pool_mask[layer], self.slot[layer], self.recency[layer], self.block, z.shape[0],
                           sc.eligible, sc.executed, self.eligible, self.union, self.demand, route, route.stride(0), self.counts,
                           self.prefetch_ranks[layer], self.prefetches[layer], self.physical[layer],
-                          self.placement[layer], self.free_scratch, E=c["E"], BLOCK_E=c["BLOCK_E"],
+                          self.layer_counts[layer], self.free_scratch, E=c["E"], BLOCK_E=c["BLOCK_E"],
                           BLOCK_D=c["BLOCK_D"], BLOCK=c["BLOCK"], P=c["P"], U=c["U"], PREFETCH=c["PREFETCH"],
                           num_warps=self.warps)
 
