@@ -41,10 +41,11 @@ class EngineConfig:
     its cache step costs more per layer than the host's (docs/device-cache.md, "Where the time goes").
     block_device: the speculative engine's verification blocks with their selection, expert pool, demand copies
     and refill on the device, a block as one CUDA graph, also following recorded blocks
-    (`specmoe.engines.device_blocks`; "auto", the default: on CUDA where it applies, the host path elsewhere and
-    for the block prefetch; "on" / "off" as policy_device). On an H200 at full-size OLMoE (k = 16, acceptmoe,
-    P = 24, 2k context) the device blocks take 0.63 of the host path's compute per committed token and 0.88 of
-    its time with copies (BENCHMARKS.md); `result.info["verify"]` says which path ran.
+    (`specmoe.engines.device_blocks`; "auto", the default: on CUDA where it applies, with the block prefetch
+    too, the host path elsewhere; "on" / "off" as policy_device). On an H200 at full-size OLMoE (k = 16,
+    acceptmoe, P = 24, 2k context) the device blocks took 0.63 of the host path's compute per committed token and
+    0.88 of its time with copies, before the selection's sums were read in chunks (BENCHMARKS.md);
+    `result.info["verify"]` says which path ran.
     prefill_chunk: prompt positions per step of the autoregressive prefill (1: one at a time; the policy's
     decisions are the same either way, `Engine` module docstring). state_rollback: how a verification block's
     recurrent state (Qwen3.5-MoE's Gated DeltaNet) is rolled back: "history" (the step keeps every position's
