@@ -180,6 +180,11 @@ def _read_report(path) -> dict:
         report = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable bench_engine.json or bench_spec_engine.json ({exc})") from None
+    if isinstance(report, dict) and "traces" not in report and "ar_configs" in report:
+        # a bench_spec_engine run of one --trace names its sources without a prefix and keeps the spec in its args
+        specs = (report.get("args") or {}).get("trace") or []
+        if len(specs) == 1:
+            report["traces"] = {specs[0]: {"trace": specs[0], "prefix": "", **(report.get("trace") or {})}}
     if not isinstance(report, dict) or "traces" not in report or "table" not in report \
             or not ("ratios" in report or "ar_configs" in report):
         raise ValueError(f"{path}: not a bench_engine.json or bench_spec_engine.json of a run with --trace "

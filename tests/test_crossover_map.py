@@ -141,6 +141,26 @@ def test_speculative_runs_and_earlier_csvs_are_measured_points(tmp_path):
         columns="file"), check_dtype=False)
 
 
+def test_a_speculative_run_of_one_trace_is_a_measured_point(tmp_path):
+    """bench_spec_engine.json of one --trace: sources without a prefix, the spec in its args, one point."""
+    import json
+
+    from crossover_map import measured_points
+
+    report = spec_report()
+    report["table"] = [{**row, "source": row["source"].removeprefix("olmoe_like_skew_1_")} for row in report["table"]
+                       if row["source"].startswith("olmoe_like_skew_1_synthetic")]
+    report["details"] = {k.removeprefix("olmoe_like_skew_1_"): v for k, v in report["details"].items()
+                         if k.startswith("olmoe_like_skew_1_synthetic")}
+    del report["traces"]
+    report["args"]["trace"] = ["olmoe-like:tokens=8192,skew=1"]
+    report["trace"] = {"model": "synthetic routing source olmoe-like:skew=1", "tiled_from_layers": None}
+    (tmp_path / "one.json").write_text(json.dumps(report))
+    measured = measured_points([tmp_path / "one.json"])
+    assert len(measured) == 1 and measured.iloc[0]["skew"] == 1.0 and measured.iloc[0].margin == 0.5
+    assert measured.iloc[0].cache_prior_ms == 2.4 and measured.iloc[0].sd_over_ar == 0.9
+
+
 def test_bad_measured_or_table_files_exit_in_one_line(tmp_path, capsys):
     """--measured with a missing file or a json that is not bench_engine's, and --table without a file, exit with
     status 2 and the file's name, before any replay."""
