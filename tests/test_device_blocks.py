@@ -124,7 +124,8 @@ def test_device_blocks_verify_as_the_host_path_in_the_interpreter():
 # GPU by test_gpu_device_blocks_verify_as_the_host_path)
 _PREFETCH = _CHECK.replace('for selector in sys.argv[1:] or ("exact", "acceptmoe", "confidence_top1"):',
                            'for selector, budget in (("acceptmoe", 4),):').replace(
-    "engines(model, adapter, selector, 4, 32, 8, 64)", "engines(model, adapter, selector, 4, 32, 8, 64, prefetch=budget)")
+    "engines(model, adapter, selector, 4, 32, 8, 64)",
+    "engines(model, adapter, selector, 4, 32, 8, 64, prefetch=budget)")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

@@ -269,12 +269,12 @@ if triton is not None:
         ...; the recency of executed experts; the route rows; the union, eligible and demand lists; the counts,
         and the layer's row layer_ptr [4]: missing experts (counted also past U, where the pool is left unchanged
         and the route rows point at slot 0, so that nothing reads outside the slots), prefetched, prefetch hits,
-        union slots written. PREFETCH: the layer's prefetched experts (pf_rank_ptr: each expert's rank in the prefetch list, or -1;
-        pf_list_ptr: the list, its count first) sit in slots P, P+1, ...: the missing experts are placed as
-        `place_union` places them (a hit stays where it is; a demand copy takes the lowest free union slot, then the
-        lowest slot of an unused prefetch, through the scratch row free_ptr), the route rows and the demand list
-        (only the copies) get the physical slots, and phys_ptr [U] the physical slot of each logical union
-        slot."""
+        union slots written. PREFETCH: the layer's prefetched experts (pf_rank_ptr: each expert's rank in the
+        prefetch list, or -1; pf_list_ptr: the list, its count first) sit in slots P, P+1, ...: the missing experts
+        are placed as `place_union` places them (a hit stays where it is; a demand copy takes the lowest free union
+        slot, then the lowest slot of an unused prefetch, through the scratch row free_ptr), the route rows and the
+        demand list (only the copies) get the physical slots, and phys_ptr [U] the physical slot of each logical
+        union slot."""
         rows = tl.arange(0, BLOCK_D)
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
@@ -546,12 +546,7 @@ class DevicePool:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
         z, k = router_logits, self.top_k
-        if z.dtype != torch.float32 or z.dim() != 2 or not 1 <= z.shape[0] <= self.max_positions \
-                or z.shape[1] != self.num_experts or z.stride(1) != 1:
-            raise ValueError(f"router logits must be float32 [D <= {self.max_positions}, {self.num_experts}] with "
-                             f"unit column stride, got {z.dtype} {tuple(z.shape)} strides {z.stride()}")
-        if alpha.dtype != torch.float64 or alpha.shape != (z.shape[0],):
-            raise ValueError(f"alpha must be float64 [{z.shape[0]}], got {alpha.dtype} {tuple(alpha.shape)}")
+        self._check_block("router logits", z, alpha)
         route = self.route if route_out is None else route_out
         if route_out is not None and (route_out.dtype != torch.int32 or route_out.shape != (z.shape[0], 2 * k)
                                       or not route_out.is_contiguous()):
@@ -562,11 +557,21 @@ class DevicePool:
         self._selection(layer, z, alpha, sc, self.selected, self.weights, self.displaced, route, route_out is not None)
         c = self._constants
         _use_kernel[(1,)](self.pool_mask[layer], self.slot[layer], self.recency[layer], self.block, z.shape[0],
-                          sc.eligible, sc.executed, self.eligible, self.union, self.demand, route, route.stride(0), self.counts,
-                          self.prefetch_ranks[layer], self.prefetches[layer], self.physical[layer],
+                          sc.eligible, sc.executed, self.eligible, self.union, self.demand, route, route.stride(0),
+                          self.counts, self.prefetch_ranks[layer], self.prefetches[layer], self.physical[layer],
                           self.layer_counts[layer], self.free_scratch, E=c["E"], BLOCK_E=c["BLOCK_E"],
                           BLOCK_D=c["BLOCK_D"], BLOCK=c["BLOCK"], P=c["P"], U=c["U"], PREFETCH=c["PREFETCH"],
                           num_warps=self.warps)
+
+    def _check_block(self, what: str, z: torch.Tensor, alpha: torch.Tensor) -> None:
+        """ValueError unless `z` is float32 [D, E] with unit column stride, 1 <= D <= max_positions, and alpha
+        float64 [D] (the launches' inputs: `select`'s router logits, `predict`'s pre-gate logits)."""
+        if z.dtype != torch.float32 or z.dim() != 2 or not 1 <= z.shape[0] <= self.max_positions \
+                or z.shape[1] != self.num_experts or z.stride(1) != 1:
+            raise ValueError(f"{what} must be float32 [D <= {self.max_positions}, {self.num_experts}] with "
+                             f"unit column stride, got {z.dtype} {tuple(z.shape)} strides {z.stride()}")
+        if alpha.dtype != torch.float64 or alpha.shape != (z.shape[0],):
+            raise ValueError(f"alpha must be float64 [{z.shape[0]}], got {alpha.dtype} {tuple(alpha.shape)}")
 
     def _selection(self, layer: int, z, alpha, scratch: _Scratch, selected, weights, displaced, route,
                    weights_in_route: bool) -> None:
@@ -598,10 +603,7 @@ class DevicePool:
         if not 1 <= layer < self.num_layers:
             raise ValueError(f"the block prefetch predicts layers 1 .. {self.num_layers - 1}, got {layer}")
         g, q, c = pregate_logits, self.predicted, self._constants
-        if g.dtype != torch.float32 or g.dim() != 2 or g.shape != (alpha.shape[0], self.num_experts) \
-                or g.stride(1) != 1:
-            raise ValueError(f"pre-gate logits must be float32 [{alpha.shape[0]}, {self.num_experts}] with unit "
-                             f"column stride, got {g.dtype} {tuple(g.shape)} strides {g.stride()}")
+        self._check_block("pre-gate logits", g, alpha)
         self._selection(layer, g, alpha, q, *self.predicted_rows, False)
         _prefetch_kernel[(1,)](q.executed, alpha, self.pool_mask[layer], g.shape[0], self.prefetch_ranks[layer],
                                self.prefetches[layer], E=c["E"], BLOCK_E=c["BLOCK_E"], BLOCK_D=c["BLOCK_D"],
