@@ -81,6 +81,32 @@ def run_prefetch_case(case, device, num_blocks=None, num_layers=3, seed=0):
     return check_device_select(selector, rule, pool, z, alpha, device, pregate_logits=g, prefetch=budget)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_device_pool_refuses_bad_prefetch_input():
+    """The block prefetch's entry points name what is wrong before any launch: the budget, a pool without one, the
+    layer, the pre-gate logits' shape and dtype, alpha."""
+    import torch
+
+    from specmoe.kernels.device_select import DevicePool
+
+    pool = ExpertPool(2, 64, 8, 16, np.stack([np.arange(64)] * 2))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch must be an integer >= 0"):
+            DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu", prefetch=bad)
+    g, alpha = torch.zeros(9, 64), torch.ones(9, dtype=torch.float64)
+    with pytest.raises(ValueError, match="no prefetch budget"):
+        DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu").predict(1, g, alpha)
+    dev = DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu", prefetch=4)
+    with pytest.raises(ValueError, match=r"predicts layers 1 \.\. 1, got 0"):
+        dev.predict(0, g, alpha)
+    with pytest.raises(ValueError, match=r"pre-gate logits must be float32 \[D <= 9, 64\]"):
+        dev.predict(1, torch.zeros(10, 64), torch.ones(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="pre-gate logits must be float32"):
+        dev.predict(1, g.double(), alpha)
+    with pytest.raises(ValueError, match=r"alpha must be float64 \[9\]"):
+        dev.predict(1, g, alpha.float())
+
+
 def check_over_union(device):
     """A block whose layer misses more than U experts: the count says so, no copy is listed, the layer's pool is
     unchanged, and every route entry points inside the slots (the engine raises the host's error after the block)."""
