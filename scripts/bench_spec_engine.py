@@ -40,9 +40,11 @@ Each round also times the target's decode step with every expert resident (the e
 teacher-forced tokens at --first-position): each speculative configuration's compute-only block time is reported
 in target steps ("block_compute_over_target_step", paired over rounds; the paper's 1.7-1.8 at k = 16).
 
-With --timeline, after the rounds, one instrumented pass per speculative configuration (host path) gives the
-per-block timeline (`DecodeResult.timeline`: drafting, selection, copy issue and checks, exposed copy wait, other
-GPU idle time, compute; ms per block and per committed token), json "timeline" and a markdown table.
+With --timeline, after the rounds, each speculative configuration's per-block timeline on its own block path
+(drafting, selection, copy issue and checks, exposed copy wait, other idle time, compute; ms per block and per
+committed token), json "timeline" and a markdown table: on the host path one instrumented pass
+(`DecodeResult.timeline`), on the device path the block's kernels under torch's profiler
+(`specmoe.engines.kernel_timeline`).
 
 Reported per configuration: tau, copies per committed token, ms per committed token (verification, of it
 exposed copies = with copies - copies skipped, paired per round), p50 / p99 of the block time, and against
@@ -81,6 +83,7 @@ from bench_engine import (measure_bandwidth, measure_copy_ms, policies, ratio_ci
                           trace_label, trace_prefixes)
 
 from specmoe.engines import Engine, EngineConfig, LogitFeed, build_engine  # noqa: E402
+from specmoe.engines import kernel_timeline  # noqa: E402
 from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
@@ -202,18 +205,30 @@ TIMELINE_PARTS = ("draft", "selection", "copy_issue", "copy_checks", "copy_wait"
 
 
 def timeline_pass(engine: Engine, blocks, first_position: int, draft_ms: float) -> dict:
-    """One instrumented pass (`RunSettings.instrument`: the host path, GPU events around each layer's gap) over
-    the blocks: the mean per-block timeline (`DecodeResult.timeline`, ms) over every request's blocks, drafting
-    charged at draft_ms per block, and per committed token."""
-    engine.configure(instrument=True)
-    try:
-        results = engine.follow(blocks, first_position=first_position, draft_cost_s=draft_ms / 1e3)
-    finally:
-        engine.configure(instrument=False)
-    lines = [r.timeline() for r in results]
+    """The mean per-block timeline (ms, `DecodeResult.timeline`'s parts) over every request's blocks, drafting
+    charged at draft_ms per block, and per committed token. On the host path one instrumented pass
+    (`RunSettings.instrument`: GPU events around each layer's gap); on the device path a pass for the blocks' wall
+    time and one under torch's profiler for their kernels (`specmoe.engines.kernel_timeline`: a block is one graph,
+    its parts are its kernels by class; "branch" is the prefetch branch's kernel time, beside the step)."""
+    results = engine.follow(blocks, first_position=first_position, draft_cost_s=draft_ms / 1e3)
     weights = [int(r.timed.sum()) for r in results]
-    out = {part: float(np.average([line[part] for line in lines], weights=weights)) for part in TIMELINE_PARTS}
     per_block = sum(weights) / sum(r.block_committed for r in results)  # blocks per committed token
+    if results[0].info["verify"] == "device":
+        from torch.profiler import ProfilerActivity, profile
+
+        step_ms = float(np.concatenate([r.ms[r.timed] for r in results]).mean())
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.follow(blocks, first_position=first_position, draft_cost_s=draft_ms / 1e3)
+            torch.cuda.synchronize()
+        out = kernel_timeline.timeline(kernel_timeline.profiled_spans(prof), sum(weights), step_ms, draft_ms)
+    else:
+        engine.configure(instrument=True)
+        try:
+            results = engine.follow(blocks, first_position=first_position, draft_cost_s=draft_ms / 1e3)
+        finally:
+            engine.configure(instrument=False)
+        lines = [r.timeline() for r in results]
+        out = {part: float(np.average([line[part] for line in lines], weights=weights)) for part in TIMELINE_PARTS}
     out["per_token"] = {part: out[part] * per_block for part in TIMELINE_PARTS}
     out["verify"] = results[0].info["verify"]
     return out
@@ -319,9 +334,10 @@ def main(argv=None) -> int:
                     "E, n = 1; exact_prefetch is PSR with lambda 0)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeline", action="store_true",
-                    help="after the rounds, one instrumented pass per speculative configuration: the per-block "
-                    "timeline (drafting at --draft-ms, selection, copy issue and checks, exposed copy wait, other GPU "
-                    "idle time, compute), on the host path (instrumented runs verify there)")
+                    help="after the rounds, the per-block timeline of each speculative configuration on its block "
+                    "path (drafting at --draft-ms, selection, copy issue and checks, exposed copy wait, other idle "
+                    "time, compute): the host path from an instrumented pass, the device path from its kernels "
+                    "under torch's profiler")
     ap.add_argument("--max-blocks", type=int, default=None, help="blocks per source (default: all)")
     ap.add_argument("--blocks-per-request", type=int, default=None,
                     help="synthetic blocks per trace sequence (request), so that a short run keeps every request "
@@ -491,12 +507,10 @@ def main(argv=None) -> int:
             write_text_atomic(out_dir / "bench_spec_engine.md", markdown(report))
         save()
 
-    if args.timeline:  # after the rounds, not part of them: the instrumented host path of each configuration
+    if args.timeline:  # after the rounds, not part of them: each configuration on its own block path
         report["timeline"] = {}
         for source, (k, per_selector, _) in sources.items():
             for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths):
-                if path == "device" and "host" in args.block_paths:
-                    continue  # an instrumented run takes the host path: its host row says it
                 engine = engines[(trace_of[source], k, name, budget, path)]
                 try:
                     report["timeline"][key] = timeline_pass(engine, per_selector[name][0], args.first_position,
@@ -648,12 +662,16 @@ def markdown(report: dict) -> str:
                   f"{row['block_compute_over_target_step']['ratio']:.2f} ({row['block_compute_over_target_step']['lo']:.2f}"
                   f"-{row['block_compute_over_target_step']['hi']:.2f}) |" for row in steps]
     if report.get("timeline"):
-        lines += ["", "Per-block timeline (--timeline: one instrumented pass on the host path, after the rounds; ms per "
-                  "verification block, drafting at --draft-ms; idle other: the GPU's idle time between a layer's two "
-                  "graphs less the copy wait and the host parts; compute: the block less that idle time):", "",
-                  "| configuration | " + " | ".join(TIMELINE_PARTS) + " | step ms per committed token |",
-                  "|---|" + "---|" * (len(TIMELINE_PARTS) + 1)]
-        lines += [f"| {key} | " + " | ".join(f"{line[part]:.3f}" for part in TIMELINE_PARTS)
+        lines += ["", "Per-block timeline (--timeline, after the rounds; ms per verification block, drafting at "
+                  "--draft-ms). Host path: one instrumented pass; idle other is the GPU's idle time between a layer's "
+                  "two graphs less the copy wait and the host parts, compute the block less that idle time. Device "
+                  "path: the block's wall time from a plain pass, its kernels from a profiled one; selection, copy "
+                  "wait (the copy kernel, in line) and compute are the compute stream's kernels by class, idle other "
+                  "the rest of the wall time; branch is the prefetch branch's kernels, beside the step:", "",
+                  "| configuration | path | " + " | ".join(TIMELINE_PARTS) + " | branch | step ms per committed token |",
+                  "|---|---|" + "---|" * (len(TIMELINE_PARTS) + 2)]
+        lines += [f"| {key} | {line['verify']} | " + " | ".join(f"{line[part]:.3f}" for part in TIMELINE_PARTS)
+                  + (f" | {line['branch']:.3f}" if "branch" in line else " | -")
                   + f" | {line['per_token']['step']:.3f} |" for key, line in report["timeline"].items()]
     if report.get("warnings"):
         lines += ["", "Notes:"] + [f"- {w}" for w in report["warnings"]]

@@ -257,7 +257,8 @@ def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkey
     assert report["rounds_ms"]["target_step"] == [0.25]
     assert report["table"][0]["block_compute_over_target_step"]["ratio"] == pytest.approx(4.0)
     assert "in target steps" in md and "| synthetic_tau3_k4/exact | 4 | 1.000 | 4.00 (" in md
-    assert "Per-block timeline" in md and "| synthetic_tau3_k4/exact | 0.500 |" in md
+    assert "Per-block timeline" in md and "| synthetic_tau3_k4/exact | host | 0.500 |" in md
+    assert "| 0.500 | - | 0.250 |" in md  # no prefetch branch on the host path; step per committed token
 
     with pytest.raises(SystemExit, match="one per --trace"):  # before any model is built
         bench_spec_engine.main(base + ["--out", str(tmp_path / "bad"), "--trace", files["family_trace"][0],
