@@ -5,8 +5,9 @@ all layers.
 `DevicePool` holds an `ExpertPool`'s state (slot table, pool mask, recency, the block number, the warm ranks) as
 device tensors. `DevicePool.select(layer, router_logits, alpha)` runs, for a block of D positions (router logits
 float32 [D, E], position weights alpha float64 [D]), what depends on one position in a program per position and
-what joins the positions in one program: `_own_kernel` (per position: normaliser, own top-K), `_demand_kernel`
-(a block selector's eligible set: the demand u over the positions, its entropy, the extra candidates, pruning),
+what joins the positions in one program: `_own_kernel` (per position: normaliser, own top-K, its terms of the
+demand), `_demand_kernel` (a block selector's eligible set: the demand u, the positions' terms added in position
+order, its entropy, the extra candidates, pruning),
 `_execute_kernel` (per position: what it executes, its weights and displaced mass) and `_use_kernel` (the pool's
 use of the executions). They pass their results through scratch tensors of the pool, in stream order: one program
 for all D positions, running them one after another, took 2.4-3.0x the time at OLMoE's size (BENCHMARKS.md). In order:
@@ -115,11 +116,14 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _own_kernel(z_ptr, ZS, bias_ptr, fpar_ptr, fs_ptr, own_ptr,
+    def _own_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, fs_ptr, own_ptr,
                     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
-                    SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+                    SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                    DEMAND: tl.constexpr):
         """Position program_id(0) of the block: its max logit and normaliser (summed over experts in index order)
-        into the float scratch (fs_ptr: top [BLOCK_D], norm [BLOCK_D]), its own top-K ranks into own_ptr's row."""
+        into the float scratch (fs_ptr: top [BLOCK_D], norm [BLOCK_D]), its own top-K ranks into own_ptr's row;
+        with DEMAND (a block selector) its terms of the demand, alpha_d p / n_d on its own top-K (0 elsewhere),
+        into its row of terms, which `_demand_kernel` adds in position order."""
         d = tl.program_id(0)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
@@ -144,28 +148,32 @@ if triton is not None:
         z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, fs_ptr, fs_ptr + BLOCK_D, idx, valid, SIGMOID)
         rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
         tl.store(own_ptr + d * BLOCK_E + idx, rank)
+        if DEMAND:  # the row's normaliser terms were read before the barrier above
+            tl.store(terms_ptr + idx, tl.where((rank >= 0) & valid, tl.load(alpha_ptr + d) * p / nd, 0.0))
 
     @triton.jit
-    def _demand_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, pool_ptr, D, fs_ptr, own_ptr, elig_ptr,
-                       E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                       SIGMOID: tl.constexpr):
+    def _demand_kernel(fpar_ptr, pool_ptr, D, fs_ptr, own_ptr, elig_ptr,
+                       E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
         """A block selector's eligible set (the root's top-K, the extra candidates, pruning against the pool):
         into elig_ptr [BLOCK_E] (1 / 0)."""
         rows = tl.arange(0, BLOCK_D)
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
         valid = idx < E
-        top_ptr, norm_ptr = fs_ptr, fs_ptr + BLOCK_D
         u_ptr = fs_ptr + 2 * BLOCK_D
         own = tl.load(own_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
         v = tl.sum((own >= 0).to(tl.int32), axis=0)
         in_root = tl.load(own_ptr + idx) >= 0
         resident = tl.load(pool_ptr + idx, mask=valid, other=0).to(tl.int32)
+        # u: the positions' terms (`_own_kernel`'s rows, 0 off each position's own top-K) added in position order
+        # outside the root's top-K; the rows' loads do not depend on the running sum, so the unrolled loop has
+        # them in flight together (adding a 0 term, or a row past D read as 0, leaves u's bits unchanged)
+        terms_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E
+        outside_root = (in_root == 0) & valid
         u = tl.zeros([BLOCK_E], tl.float64)
-        for d in range(D):
-            z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID)
-            mine = (tl.load(own_ptr + d * BLOCK_E + idx) >= 0) & (in_root == 0) & valid
-            u = tl.where(mine, u + tl.load(alpha_ptr + d) * p / nd, u)
+        for d in tl.static_range(BLOCK_D):
+            term = tl.load(terms_ptr + d * BLOCK_E + idx, mask=valid & (d < D), other=0.0)
+            u = tl.where(outside_root, u + term, u)
         positive = (u > 0.0) & valid
         m = tl.sum(positive.to(tl.int32), axis=0)
         # the demand and its entropy over the positive u in ascending expert order, as the host adds (each sum's
@@ -175,7 +183,7 @@ if triton is not None:
         tl.debug_barrier()
         demand = _sequential_sum(u_ptr, BLOCK_E)
         q = u / demand
-        terms_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E  # position 0's row of `_own_kernel`'s terms, read by then
+        # position 0's row of terms, read before the barrier above
         tl.store(terms_ptr + idx, tl.where(positive, q * tl.log(tl.where(positive, q, 1.0)), 0.0))
         tl.debug_barrier()
         entropy = 0.0 - _sequential_sum(terms_ptr, BLOCK_E)
@@ -580,12 +588,12 @@ class DevicePool:
         c, d, layer_bias = self._constants, z.shape[0], self.bias[layer]
         fs, own, elig, ex = scratch.floats, scratch.own, scratch.eligible, scratch.executed
         shape = dict(E=c["E"], BLOCK_E=c["BLOCK_E"], BLOCK_D=c["BLOCK_D"])
-        _own_kernel[(d,)](z, z.stride(0), layer_bias, self.fparams, fs, own, **shape, K=c["K"],
+        _own_kernel[(d,)](z, z.stride(0), alpha, layer_bias, self.fparams, fs, own, **shape, K=c["K"],
                           SIGMOID=c["SIGMOID"], N_GROUP=c["N_GROUP"], TOPK_GROUP=c["TOPK_GROUP"],
-                          BLOCK_G=c["BLOCK_G"], num_warps=self.warps, enable_fp_fusion=False)
+                          BLOCK_G=c["BLOCK_G"], DEMAND=c["BLOCK"], num_warps=self.warps, enable_fp_fusion=False)
         if c["BLOCK"]:
-            _demand_kernel[(1,)](z, z.stride(0), alpha, layer_bias, self.fparams, self.pool_mask[layer], d, fs, own,
-                                 elig, **shape, SIGMOID=c["SIGMOID"], num_warps=self.warps, enable_fp_fusion=False)
+            _demand_kernel[(1,)](self.fparams, self.pool_mask[layer], d, fs, own, elig, **shape, num_warps=self.warps,
+                                 enable_fp_fusion=False)
         _execute_kernel[(d,)](z, z.stride(0), alpha, layer_bias, self.fparams, fs, own, elig, ex, selected,
                               weights, displaced, route, route.stride(0), WEIGHTS_IN_ROUTE=int(weights_in_route),
                               **shape, K=c["K"], BLOCK_K=c["BLOCK_K"], BLOCK=c["BLOCK"], SIGMOID=c["SIGMOID"],
