@@ -202,6 +202,29 @@ for dtype, d in ((torch.bfloat16, 1), (torch.bfloat16, 17), (torch.float32, 5)):
     ws = make_grouped_workspace(d, K, H, I, dtype, "cpu")
     out = slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws)
     assert torch.equal(out, per_token(x, res, buf, route)), (dtype, d)
+# late slots (the speculative engine's demand copies in flight): the rows from `first` on hold NaN until wait()
+# writes them, as a copy landing; the output is the one pass's, bit for bit, and wait() runs once
+for dtype, d, first in ((torch.bfloat16, 17, 6), (torch.float32, 5, 0), (torch.float32, 9, 12)):
+    buf = (torch.randn(12, 3 * H * I, generator=g) * H ** -0.5).to(dtype)
+    x, res = (torch.randn(d, H, generator=g).to(dtype) for _ in range(2))
+    route = routes("zipf", d, 12, g)
+    ws = make_grouped_workspace(d, K, H, I, dtype, "cpu")
+    whole = slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws)
+    landing = buf.clone()
+    landing[first:] = float("nan")
+    waited = []
+
+    def wait():
+        waited.append(torch.isnan(landing).any().item())
+        landing[first:] = buf[first:]
+
+    out = slot_moe_grouped_triton(x, res, landing, route, torch.empty_like(x), H, I, ws, late=(first, wait))
+    assert waited == [first < 12] and torch.equal(out, whole), (dtype, d, first, waited)
+try:
+    slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws, late=(13, wait))
+    raise AssertionError("late past the slots accepted")
+except ValueError as e:
+    assert "late must be" in str(e)
 print("grouped ok")
 """
 
@@ -304,6 +327,54 @@ def gpu_buffers():
     g = torch.Generator(device="cuda").manual_seed(0)
     return {dtype: (torch.randn(E, 3 * H * I, device="cuda", generator=g) * 0.02).to(dtype)
             for dtype in (torch.bfloat16, torch.float32)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [9, 17])
+def test_late_slots_written_by_a_delayed_copy_on_another_stream_on_gpu(gpu_buffers, d):
+    """The late slots' rows arrive by a copy on another stream behind a 2 ms sleep, joined by wait(); eagerly and
+    in a captured graph, the output equals the one-pass output bit for bit (a read of a late slot before the join
+    would read the stale rows, zeros)."""
+    from specmoe.kernels.grouped_moe import slot_moe_grouped_triton
+
+    buf = gpu_buffers[torch.bfloat16]
+    first = E // 2
+    g = torch.Generator().manual_seed(7)
+    route = zipf_routes(1, d, K, E, 0.5, g, "cuda")[0]
+    assert (route[:, :K] >= first).any() and (route[:, :K] < first).any()
+    x, res = (torch.randn(d, H, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    ws = make_grouped_workspace(d, K, H, I, torch.bfloat16, "cuda")
+    whole = slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws)
+    host = buf[first:].cpu().pin_memory()
+    landing, out = buf.clone(), torch.empty_like(x)
+    main, copier = torch.cuda.current_stream(), torch.cuda.Stream(priority=-1)
+
+    def run():
+        copier.wait_stream(main)
+        with torch.cuda.stream(copier):
+            torch.cuda._sleep(2_000_000)  # about 2 ms of cycles: the copy lands well after the early phase
+            landing[first:].copy_(host, non_blocking=True)
+        slot_moe_grouped_triton(x, res, landing, route, out, H, I, ws, late=(first, lambda: main.wait_stream(copier)))
+
+    landing[first:].zero_()
+    run()
+    torch.cuda.synchronize()
+    assert torch.equal(out, whole)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        landing[first:].zero_()
+        main = side
+        with torch.cuda.graph(graph, stream=side):
+            run()
+    main = torch.cuda.current_stream()
+    for _ in range(2):
+        landing[first:].zero_()
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, whole)
 
 
 @pytest.mark.gpu

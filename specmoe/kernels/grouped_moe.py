@@ -11,8 +11,8 @@ with the per-token kernel's rounding points: gate and up projections rounded to 
 rounded, times up, rounded (the activation); the down projection rounded, times the rounded weight, rounded;
 those K terms summed in float32 in route order j = 0 .. K - 1, plus the residual, rounded once.
 
-Four launches, all of static shape for a given D and slot buffer (a CUDA graph captures them; nothing is read
-on the host, so the number of distinct slots is never known there):
+Four launches (six with late slots, below), all of static shape for a given D and slot buffer (a CUDA graph
+captures them; nothing is read on the host, so the number of distinct slots is never known there):
 1. grouping, one program: which of the C slots the D * K (position, slot) pairs of `route` use, compacted in
    ascending order into `groups` [G], G = min(D * K, C); entries past the n distinct slots are -1. (A
    counting pass over the slots, not a sort: within a group the positions are simply the rows of a tile.)
@@ -25,6 +25,10 @@ on the host, so the number of distinct slots is never known there):
    [D, K, H] at every pair (i, j) on that slot.
 4. combine, grid (D, H / BLOCK_C): out_i = residual_i + sum_j round(y_ij * round(w_ij)) in j order, exactly
    the per-token kernel's combine; grouping by slot changes no summation order over experts.
+With late slots (`late=(first, wait)`: slots first .. C - 1 are being written by copies on another stream, the
+speculative engine's demand copies) launches 2 and 3 run over the slots below `first`, then `wait()` joins the
+copies, then 2 and 3 run over the late slots: the experts already resident compute while the missing ones arrive.
+Each pair's activation and output come from the same program in either case (same bits).
 The tile products sum each dot product in another order than the per-token kernel's elementwise sums
 (tensor-core tiles vs. tl.sum), so the two agree to float32 accumulation noise before the same roundings:
 occasionally one unit in the last place of the model dtype, not bitwise (bitwise wherever the dot products
@@ -179,17 +183,19 @@ if triton is not None:
             first = tl.where(s == slot, j, first)
         return first
 
-    @triton.jit
-    def _grouped_gate_up_kernel(x_ptr, buf_ptr, route_ptr, groups_ptr, act_ptr, D: tl.constexpr,
+    # the slot range is a runtime value, not specialised: one compiled kernel for both phases (a graph capture
+    # must not meet a new compile)
+    @triton.jit(do_not_specialize=["slot_lo", "slot_hi"])
+    def _grouped_gate_up_kernel(x_ptr, buf_ptr, route_ptr, groups_ptr, act_ptr, slot_lo, slot_hi, D: tl.constexpr,
                                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, W: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 PRECISION: tl.constexpr, FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr,
                                 NH: tl.constexpr, B: tl.constexpr):
         """act[i, first j on slot, rows] = silu(gate x_i) * (up x_i) for the positions i of this chunk on this
-        program's slot, rows of this program."""
+        program's slot (if in [slot_lo, slot_hi)), rows of this program."""
         slot = tl.load(groups_ptr + tl.program_id(0))
-        if slot < 0:
-            return  # fewer distinct slots than programs
+        if (slot < slot_lo) | (slot >= slot_hi):
+            return  # fewer distinct slots than programs (-1), or a slot of the other phase
         pos = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         first = _first_pair(route_ptr, slot, pos, D, K, BLOCK_M)
         on_slot = first < K
@@ -221,15 +227,19 @@ if triton is not None:
         tl.store(act_ptr + (pos[:, None] * K + first[:, None]) * I + rows[None, :], a.to(dt),
                  mask=on_slot[:, None] & rmask[None, :])
 
-    @triton.jit
-    def _grouped_down_kernel(act_ptr, buf_ptr, route_ptr, groups_ptr, y_ptr, D: tl.constexpr, K: tl.constexpr,
+    # the slot range is a runtime value, not specialised: one compiled kernel for both phases (a graph capture
+    # must not meet a new compile)
+    @triton.jit(do_not_specialize=["slot_lo", "slot_hi"])
+    def _grouped_down_kernel(act_ptr, buf_ptr, route_ptr, groups_ptr, y_ptr, slot_lo, slot_hi, D: tl.constexpr,
+                             K: tl.constexpr,
                              H: tl.constexpr, I: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                              FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
                              B: tl.constexpr):
-        """y[i, j, rows] = down(act_i) for every pair (i, j) of this chunk on this program's slot."""
+        """y[i, j, rows] = down(act_i) for every pair (i, j) of this chunk on this program's slot (if in
+        [slot_lo, slot_hi))."""
         slot = tl.load(groups_ptr + tl.program_id(0))
-        if slot < 0:
+        if (slot < slot_lo) | (slot >= slot_hi):
             return
         pos = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         first = _first_pair(route_ptr, slot, pos, D, K, BLOCK_M)
@@ -296,13 +306,21 @@ def grouped_params(num_positions: int, params: dict | None = None) -> dict:
 
 def slot_moe_grouped_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Tensor, route: torch.Tensor,
                             out: torch.Tensor, hidden: int, inter: int, workspace: GroupedMoEWorkspace,
-                            params: dict | None = None) -> torch.Tensor:
+                            params: dict | None = None, late: tuple | None = None) -> torch.Tensor:
     """The Triton kernels (module doc) for x [D, H], residual and out [D, H] (out may alias residual), the
     slot buffer [C, W] and route [D, 2K] int32 on one device; workspace from `make_grouped_workspace` for
-    (D, K, H, I). Allocates nothing and reads nothing on the host: captures into a CUDA graph."""
+    (D, K, H, I). Allocates nothing and reads nothing on the host: captures into a CUDA graph.
+
+    late = (first, wait): the slots from `first` on are still being written (copies in flight on another
+    stream). The gate/up and down launches then run twice: over the slots below `first`, then, after `wait()`
+    (which orders the copies before what the stream runs next), over the others; the combine last. Every pair's
+    value comes from the same program either way, so the output is the same bits; the first half overlaps the
+    copies."""
     _check_inputs(x, residual, slot_buf, route, out, hidden, inter, workspace)
     if triton is None:
         raise ImportError("slot_moe_grouped_triton needs Triton (pip install triton)")
+    if late is not None and (not 0 <= late[0] <= slot_buf.shape[0] or not callable(late[1])):
+        raise ValueError(f"late must be (first slot in [0, {slot_buf.shape[0]}], a callable), got {late!r}")
     p = grouped_params(x.shape[0], params)
     d, top_k = x.shape[0], route.shape[1] // 2
     num_slots, width = slot_buf.shape[0], slot_buf.stride(0)
@@ -315,25 +333,33 @@ def slot_moe_grouped_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: t
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16 operands
     fp8 = fp8_kernel_args(slot_buf, hidden, inter, p["block_n"], p["block_h"])
     m_chunks = triton.cdiv(d, p["block_m"])
-    _grouped_gate_up_kernel[(g, triton.cdiv(inter, p["block_n"]), m_chunks)](
-        x, slot_buf, route, workspace.groups, workspace.act, D=d, K=top_k, H=hidden, I=inter, W=width,
-        BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], PRECISION=precision,
-        num_warps=p["warps"], num_stages=p["stages"], **fp8)
-    _grouped_down_kernel[(g, triton.cdiv(hidden, p["block_h"]), m_chunks)](
-        workspace.act, slot_buf, route, workspace.groups, workspace.y, D=d, K=top_k, H=hidden, I=inter, W=width,
-        BLOCK_M=p["block_m"], BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], PRECISION=precision,
-        num_warps=p["warps"], num_stages=p["stages"], **fp8)
+    phases = [(0, num_slots, False)] if late is None else [(0, late[0], False), (late[0], num_slots, True)]
+    for lo, hi, after_copies in phases:
+        if after_copies:
+            late[1]()  # the late slots are written from here on
+        if lo == hi:
+            continue
+        _grouped_gate_up_kernel[(g, triton.cdiv(inter, p["block_n"]), m_chunks)](
+            x, slot_buf, route, workspace.groups, workspace.act, lo, hi, D=d, K=top_k, H=hidden, I=inter, W=width,
+            BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], PRECISION=precision,
+            num_warps=p["warps"], num_stages=p["stages"], **fp8)
+        _grouped_down_kernel[(g, triton.cdiv(hidden, p["block_h"]), m_chunks)](
+            workspace.act, slot_buf, route, workspace.groups, workspace.y, lo, hi, D=d, K=top_k, H=hidden, I=inter,
+            W=width, BLOCK_M=p["block_m"], BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], PRECISION=precision,
+            num_warps=p["warps"], num_stages=p["stages"], **fp8)
     _combine_kernel[(d, triton.cdiv(hidden, p["block_c"]))](workspace.y, route, residual, out, K=top_k, H=hidden,
                                                            BLOCK_C=p["block_c"], num_warps=4)
     return out
 
 
 def slot_moe_grouped(x, residual, slot_buf, route, out, hidden, inter, workspace, backend: str = "torch",
-                     params=None) -> torch.Tensor:
+                     params=None, late: tuple | None = None) -> torch.Tensor:
     """out = residual + MoE(x) for D positions; backend "triton" (the CPU without the Triton interpreter
-    computes the reference) or "torch"."""
+    computes the reference) or "torch"; late as `slot_moe_grouped_triton`'s (the reference waits first)."""
     if backend == "triton" and (x.is_cuda or _interpreting()):
-        return slot_moe_grouped_triton(x, residual, slot_buf, route, out, hidden, inter, workspace, params)
+        return slot_moe_grouped_triton(x, residual, slot_buf, route, out, hidden, inter, workspace, params, late)
+    if late is not None:
+        late[1]()
     return slot_moe_grouped_torch(x, residual, slot_buf, route, out, hidden, inter, workspace)
 
 

@@ -224,18 +224,23 @@ def split_kv_check(q, k_cache, v_cache, seq_len, scale):
 
 
 def routed_moe(decoder, step: "DecodeStep", layer: int, slot_buf: torch.Tensor, copy_in: bool = True,
-               fused_experts=None) -> None:
+               fused_experts=None, late: tuple | None = None) -> None:
     """`Decoder.moe` for every decoder whose MoE input and residual are step.work["moe_in"] / ["h"]: the route rows
     to the device (unless the device wrote them, `specmoe.kernels.device_routing`), then the grouped kernel for
     D > 1 where chosen (each distinct slot's expert read once for the D positions), else one position at a time
-    through `slot_moe` (decoder.backend, decoder.moe_params) or vLLM's `fused_experts` where given."""
+    through `slot_moe` (decoder.backend, decoder.moe_params) or vLLM's `fused_experts` where given.
+    late = (first, wait): slots first .. are still being written by copies on another stream; the grouped kernel
+    computes the other slots' experts first and calls wait() before the late ones (`slot_moe_grouped_triton`),
+    every other path calls it first."""
     c, w = decoder.geometry, step.work
     if copy_in:
         step.route_dev[layer].copy_(step.route_host[layer], non_blocking=True)
     if decoder.grouped_moe and step.num_positions > 1:
         slot_moe_grouped_triton(w["moe_in"], w["h"], slot_buf, step.route_dev[layer], w["h"], c.hidden, c.inter,
-                                w["grouped"], decoder.grouped_params.get(step.num_positions))
+                                w["grouped"], decoder.grouped_params.get(step.num_positions), late)
         return
+    if late is not None:
+        late[1]()
     for i in range(step.num_positions):
         h, route = w["h"][i], step.route_dev[layer, i]
         if fused_experts is not None:
@@ -366,7 +371,12 @@ class Decoder(Protocol):
 
     def attention_router(self, step: DecodeStep, layer: int, copy_out: bool = True) -> None: ...
 
-    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None: ...
+    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True,
+            late: tuple | None = None) -> None:
+        """The layer's routed experts for the D positions, read from the slot buffer's rows that the route rows
+        name (copied from the host first where copy_in). late = (first, wait): slots first .. are still being
+        written by copies on another stream; wait() orders them before what the stream runs next, and must be
+        called before any of those slots is read (the grouped kernel computes the other slots first)."""
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None: ...
 

@@ -306,8 +306,9 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
         # several groups of positions (`Decoder.moe`), and they must be added once
         w["h"].add_(self._mlp(m, self.layers[j]["gate_up"], self.layers[j]["down"]))
 
-    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
-        routed_moe(self, step, layer, slot_buf, copy_in)
+    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True,
+            late: tuple | None = None) -> None:
+        routed_moe(self, step, layer, slot_buf, copy_in, late=late)
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         w, last = step.work, self.num_decoder_layers - 1

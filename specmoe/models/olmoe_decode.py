@@ -204,8 +204,9 @@ class OlmoeDecoder(Sourced, FeatureCapture):
         if copy_out:
             step.copy_out_logits(layer)
 
-    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
-        routed_moe(self, step, layer, slot_buf, copy_in, self.fused_experts)
+    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True,
+            late: tuple | None = None) -> None:
+        routed_moe(self, step, layer, slot_buf, copy_in, self.fused_experts, late)
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = self._rmsnorm(step.work["h"], self.final_norm, step.work["xn"])

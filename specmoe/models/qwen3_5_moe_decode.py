@@ -461,8 +461,9 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         act = self._gate_mul(gate_up[:, :inter], gate_up[:, inter:2 * inter], w["shared_act"], "silu")
         self._gate_mul(gate_up[:, 2 * inter:], F.linear(act, lw["down"]), w["h"], "sigmoid", residual=w["h"])
 
-    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True) -> None:
-        routed_moe(self, step, layer, slot_buf, copy_in)
+    def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True,
+            late: tuple | None = None) -> None:
+        routed_moe(self, step, layer, slot_buf, copy_in, late=late)
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = self._norm(step.work["h"], self.final_norm, step.work["xn"])
