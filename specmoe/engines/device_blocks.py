@@ -7,8 +7,10 @@ attention, router and pre-gate of the D positions (`Decoder.attention_router`); 
 selector over the pool, `select_block_into`, and `ExpertPool.use`: the missing experts take union slots; the
 selections, the route rows with their execution weights, and the layer's demand copy list written on the device:
 the host `BlockRouter.route`'s decisions bit for bit, `kernels.device_select`); the demand copy kernel
-(`kernels.expert_copy`: the missing experts from the pinned store into their union slots); and the grouped MoE
-over the route rows. Then the head, the pool refill (`DevicePool.end_block`: `ExpertPool.end_block` with its
+(`kernels.expert_copy`: the missing experts from the pinned store into their union slots) on a branch forked
+after the selection; and the grouped MoE over the route rows, the pool's experts (slots below P) first, beside
+the copies, then, after the branch is joined, the missing experts in the union slots (`Decoder.moe`'s late slots:
+the same bits as one pass, since each expert's outputs come from the same program either way). Then the head, the pool refill (`DevicePool.end_block`: `ExpertPool.end_block` with its
 moves) and the moves as the copy kernel from the layer's slots to its slots (the host path's `CopyStream.move`),
 and one device-to-host copy of the greedy tokens, the selections, the displaced mass per layer and the copy and
 move counts per layer.
@@ -103,8 +105,11 @@ class DeviceBlocks:
         self.graphs: dict = {}
         self.use_graphs = self.cuda and cuda_graphs
         self.skip, self.delays, self.fed = False, None, False
+        self.first_union_slot = router.config.pool_size  # the union slots, which the demand copies write
         if self.cuda:
             self.side = torch.cuda.Stream(device=device)  # the block prefetch's branch
+            # the demand copies' branch (high priority: its few programs start while the MoE fills the GPU)
+            self.copier = torch.cuda.Stream(device=device, priority=-1)
             self.ev_done = torch.cuda.Event()
             with torch.no_grad(), torch.cuda.stream(stream):
                 self._warm_up()
@@ -131,9 +136,15 @@ class DeviceBlocks:
             if branch and layer > 0:  # this layer's prefetch copies land before its demand copies and MoE
                 self.stream.wait_stream(self.side)
             pool.select(layer, logits[:, :e], self.alpha_dev, step.route_dev[layer])
-            if not skip:
+            late = None
+            if not skip and self.cuda:  # the demand copies beside the MoE of the pool's experts
+                self.copier.wait_stream(self.stream)
+                with torch.cuda.stream(self.copier):
+                    self._copy(layer, pool.demands[layer], delays, 3 * layer)
+                late = (self.first_union_slot, lambda: self.stream.wait_stream(self.copier))
+            elif not skip:
                 self._copy(layer, pool.demands[layer], delays, 3 * layer)
-            dec.moe(step, layer, self.residency.slots.layer(layer), copy_in=False)
+            dec.moe(step, layer, self.residency.slots.layer(layer), copy_in=False, late=late)
         dec.head(step, copy_out=False)
         pool.end_block()
         if not skip:  # the refill's moves: union slot -> pool slot, within each layer's slots
