@@ -209,7 +209,7 @@ def timeline_pass(engine: Engine, blocks, first_position: int, draft_ms: float) 
     charged at draft_ms per block, and per committed token. On the host path one instrumented pass
     (`RunSettings.instrument`: GPU events around each layer's gap); on the device path a pass for the blocks' wall
     time and one under torch's profiler for their kernels (`specmoe.engines.kernel_timeline`: a block is one graph,
-    its parts are its kernels by class; "branch" is the prefetch branch's kernel time, beside the step)."""
+    its parts are its kernels by class; "copies_hidden" is the copies' time beside other kernels)."""
     results = engine.follow(blocks, first_position=first_position, draft_cost_s=draft_ms / 1e3)
     weights = [int(r.timed.sum()) for r in results]
     per_block = sum(weights) / sum(r.block_committed for r in results)  # blocks per committed token
@@ -665,13 +665,14 @@ def markdown(report: dict) -> str:
         lines += ["", "Per-block timeline (--timeline, after the rounds; ms per verification block, drafting at "
                   "--draft-ms). Host path: one instrumented pass; idle other is the GPU's idle time between a layer's "
                   "two graphs less the copy wait and the host parts, compute the block less that idle time. Device "
-                  "path: the block's wall time from a plain pass, its kernels from a profiled one; selection, copy "
-                  "wait (the copy kernel, in line) and compute are the compute stream's kernels by class, idle other "
-                  "the rest of the wall time; branch is the prefetch branch's kernels, beside the step:", "",
-                  "| configuration | path | " + " | ".join(TIMELINE_PARTS) + " | branch | step ms per committed token |",
-                  "|---|---|" + "---|" * (len(TIMELINE_PARTS) + 2)]
+                  "path: the block's wall time from a plain pass, its kernels from a profiled one, by class: "
+                  "selection and compute their kernels' time, copy wait the time copies run with no other kernel, "
+                  "idle other the rest of the wall time; copies hidden is the copies' time beside other kernels, "
+                  "not in the step:", "",
+                  "| configuration | path | " + " | ".join(TIMELINE_PARTS) + " | copies hidden | step ms per committed "
+                  "token |", "|---|---|" + "---|" * (len(TIMELINE_PARTS) + 2)]
         lines += [f"| {key} | {line['verify']} | " + " | ".join(f"{line[part]:.3f}" for part in TIMELINE_PARTS)
-                  + (f" | {line['branch']:.3f}" if "branch" in line else " | -")
+                  + (f" | {line['copies_hidden']:.3f}" if "copies_hidden" in line else " | -")
                   + f" | {line['per_token']['step']:.3f} |" for key, line in report["timeline"].items()]
     if report.get("warnings"):
         lines += ["", "Notes:"] + [f"- {w}" for w in report["warnings"]]
