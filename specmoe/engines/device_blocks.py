@@ -10,10 +10,10 @@ the host `BlockRouter.route`'s decisions bit for bit, `kernels.device_select`); 
 (`kernels.expert_copy`: the missing experts from the pinned store into their union slots) on a branch forked
 after the selection; and the grouped MoE over the route rows, the pool's experts (slots below P) first, beside
 the copies, then, after the branch is joined, the missing experts in the union slots (`Decoder.moe`'s late slots:
-the same bits as one pass, since each expert's outputs come from the same program either way). Then the head, the pool refill (`DevicePool.end_block`: `ExpertPool.end_block` with its
-moves) and the moves as the copy kernel from the layer's slots to its slots (the host path's `CopyStream.move`),
-and one device-to-host copy of the greedy tokens, the selections, the displaced mass per layer and the copy and
-move counts per layer.
+the same bits as one pass, since each expert's outputs come from the same program either way). Then the head,
+the pool refill (`DevicePool.end_block`: `ExpertPool.end_block` with its moves) and the moves as the copy kernel
+from the layer's slots to its slots (the host path's `CopyStream.move`), and one device-to-host copy of the
+greedy tokens, the selections, the displaced mass per layer and the copy and move counts per layer.
 
 The refill does not depend on the block's acceptance (every verified position's experts count, rejected ones
 included), so it belongs to the block's graph; the host reads the greedy tokens after it, computes the accepted
