@@ -9,7 +9,9 @@ For the target step (every expert resident, the engine's default) and for each k
   copy bandwidth: the MoE's floor;
 - a torch.profiler table of the GPU operations of a pass over the blocks (count per block and GPU time), and the
   kernels' GPU time per block (memory copies left out: with copies skipped those are the requests' warm-pool
-  loads, outside the blocks).
+  loads, outside the blocks); on the device path the block's timeline from the same pass
+  (`specmoe.engines.kernel_timeline`: selection, compute, in-line copies (the refill's moves are skipped too),
+  idle and host, in ms and target steps).
 
     PYTHONPATH=. python3 scripts/profile_blocks.py [--out runs/profile_blocks.txt]
 """
@@ -31,7 +33,7 @@ from bench_engine import measure_bandwidth, read_tiled  # noqa: E402
 from bench_spec_engine import in_vocabulary  # noqa: E402
 from profile_engine import Transcript  # noqa: E402
 
-from specmoe.engines import Engine, EngineConfig, build_engine  # noqa: E402
+from specmoe.engines import Engine, EngineConfig, build_engine, kernel_timeline  # noqa: E402
 from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
@@ -129,6 +131,11 @@ def main(argv=None) -> None:
             f"{per_block:.0f} per block; host parts " + ", ".join(f"{p} {v:.3f}" for p, v in timeline.items()) + " ms")
         say(f"distinct experts per layer {distinct:.1f} of {E}: {distinct * store.expert_bytes * L / 1e9:.2f} GB "
             f"per block, floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s")
+        if results[0].info["verify"] == "device":  # the block's timeline from its kernels (kernel_timeline)
+            line = kernel_timeline.timeline(kernel_timeline.profiled_spans(prof), profiled, block_ms)
+            say("device timeline, ms per block (target steps): " + ", ".join(
+                f"{part} {line[part]:.3f} ({line[part] / step_ms:.2f})"
+                for part in ("selection", "compute", "copy_wait", "idle_other")))
         say(text)
     say.save(args.out)
 
