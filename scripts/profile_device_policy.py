@@ -6,9 +6,13 @@ and with PSR in line (`DevicePolicy.branch = False`), each with copies skipped a
 torch.profiler kernel table of 8 tokens of each (copies skipped), and for Cache-Prior and PSR the GPU operations
 (name, stream, start, duration) as $OUT/kernels_NAME.json.gz, from which the cache step's time per launch and
 stream is read (`_cache_step_kernel`: on the compute stream the routes, on the side stream PSR's part 1).
+`--module FILE` also runs Cache-Prior and PSR on another version of `specmoe/kernels/device_cache.py` (rows
+"cp_other", "psr_other"; e.g. the file before a change) in the same rounds and profiles, so that the two compare
+in one process on one machine.
 
-    OUT=runs/profile PYTHONPATH=. python3 scripts/profile_device_policy.py
+    OUT=runs/profile PYTHONPATH=. python3 scripts/profile_device_policy.py [--module old_device_cache.py]
 """
+import argparse
 import gzip
 import json
 import os
@@ -19,14 +23,20 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine, beside this script
+from bench_device_cache import load_file  # noqa: E402
 from bench_engine import load_trace_windows, policies, randomize_caches  # noqa: E402
 
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.device_policy import DevicePolicy  # noqa: E402
 from specmoe.engines.helpers import random_model_on_device  # noqa: E402
+from specmoe.kernels import device_cache  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.routing import preset  # noqa: E402
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--module", help="also run Cache-Prior and PSR on this version of device_cache.py")
+parser.add_argument("--rounds", type=int, default=5)
+args = parser.parse_args()
 OUT = os.environ.get("OUT", "/tmp/prof")
 if not torch.cuda.is_available():
     raise SystemExit("profile_device_policy.py profiles CUDA graphs: it needs a CUDA device")
@@ -45,11 +55,16 @@ pols = policies(32, E, K)
 print("setup", round(time.time() - t0), "s", flush=True)
 
 
+CURRENT = device_cache.DeviceCache
+OTHER = load_file("specmoe.kernels._device_cache_other", args.module).DeviceCache if args.module else None
+
+
 def run(name, skip):
     pol = pols["psr" if name.startswith("psr") else "cache_prior"]
-    branch = name != "psr_inline"
-    if DevicePolicy.branch != branch:
+    branch, kind = name != "psr_inline", OTHER if name.endswith("_other") else CURRENT
+    if DevicePolicy.branch != branch or device_cache.DeviceCache is not kind:
         DevicePolicy.branch = branch
+        device_cache.DeviceCache = kind  # what DevicePolicy builds its cache from
         engine._device_policies.clear()
     engine.configure(policy=pol, calibration=cal, skip_copies=skip)
     ms = []
@@ -60,12 +75,12 @@ def run(name, skip):
     return float(np.concatenate(ms).mean())
 
 
-names = ["cp", "psr", "psr_inline"]
+names = ["cp", "psr", "psr_inline"] + (["cp_other", "psr_other"] if OTHER else [])
 res = {f"{n}_{s}": [] for n in names for s in ("skip", "copies")}
 for n in names:  # warm-up
     run(n, True)
     run(n, False)
-for r in range(5):
+for r in range(args.rounds):
     for n in names:
         for s in ("skip", "copies"):
             res[f"{n}_{s}"].append(run(n, s == "skip"))
@@ -80,12 +95,11 @@ for n in names:
     for s in ("skip",):
         run(n, True)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            pol = pols["psr" if n.startswith("psr") else "cache_prior"]
             r = engine.teacher_forced(wins[0][:8], feed=feeds[0], first_position=2048)
         table = prof.key_averages()
         tables[n] = table.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
         print(f"== {n} ms {r.ms.mean():.3f}\n", tables[n], flush=True)
-        if n in ("psr", "cp"):
+        if n in ("psr", "cp", "psr_other", "cp_other"):
             path = f"{OUT}/trace_{n}.json"
             prof.export_chrome_trace(path)
             # keep the GPU kernels only, compactly: name, stream, start, dur

@@ -626,3 +626,40 @@ def check_device_select(selector, scoring, pool, router_logits: np.ndarray, alph
     if prefetch:
         totals.update(tally.as_dict(), spilled=spilled)
     return totals
+
+
+_POINTER_TYPES = {torch.int64: "*i64", torch.int32: "*i32", torch.float64: "*fp64", torch.float32: "*fp32",
+                  torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8", torch.int8: "*i8"}
+
+
+def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: int = 90, **options) -> None:
+    """Run a Triton kernel's front end for a CUDA GPU of compute capability `arch` (default 90: Hopper) without
+    one: its Python source to Triton IR, where the language's type rules apply (a loop-carried variable that
+    changes type, pointer arithmetic of mixed types), which Triton's interpreter on the CPU does not enforce; such
+    a kernel raises here as its first launch would on the device. The later stages (layouts, PTX) are the
+    compiler's own and are not run. args: the launch's positional arguments (tensors by dtype, Python ints as
+    32-bit integers where they fit, as a launch types them); constants: its constexprs by name."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    names = [name for name in kernel.arg_names if name not in constants]
+    if len(names) != len(args):
+        raise ValueError(f"{len(args)} arguments for the kernel's {len(names)} non-constexpr parameters")
+    signature = {name: "constexpr" for name in constants}
+    for name, arg in zip(names, args):
+        if isinstance(arg, torch.Tensor):
+            signature[name] = _POINTER_TYPES[arg.dtype]
+        else:
+            signature[name] = "i32" if -2 ** 31 <= int(arg) < 2 ** 31 else "i64"
+    signature = {name: signature[name] for name in kernel.arg_names}
+    constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    source = ASTSource(kernel, signature, constexprs)
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    parsed = backend.parse_options(dict(options, num_warps=num_warps))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source.make_ir(target, parsed, backend.get_codegen_implementation(parsed), backend.get_module_map(), context)

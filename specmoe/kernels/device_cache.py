@@ -166,28 +166,31 @@ if triton is not None:
         """`kernels._snapshot`: the priority snapshot of step t unless it was taken (snap == t). The token's prior
         row (at most MAXP entries, each expert at most once: `TokenPrior`) is read CHUNK entries at a time, not
         entry by entry (a chain of dependent loads): an expert gets its one value, so the sum over the chunks is
-        the host's single addition, bit for bit."""
-        if LRU:
-            fresh = 1.0 + last.to(tl.float64)
-        else:
-            fresh = sf + ss
-            row = pind_ptr + layer * (VOCAB + 1)
-            has = (token >= 0) & (token < VOCAB)
-            safe = tl.where(has, token, 0)
-            lo = tl.load(row + safe)
-            hi = tl.where(has, tl.load(row + safe + 1), lo)
-            add = tl.zeros_like(fresh)
-            hit = idx < 0
-            for c in tl.static_range(0, MAXP, CHUNK):
-                at = lo + c + tl.arange(0, CHUNK)
-                ok = at < hi
-                e = tl.load(pexp_ptr + at, mask=ok, other=-1)
-                v = tl.load(pval_ptr + at, mask=ok, other=0.0)
-                match = idx[:, None] == e[None, :]
-                add += tl.sum(tl.where(match, v[None, :], 0.0), axis=1)
-                hit = hit | (tl.max(match.to(tl.int32), axis=1) > 0)
-            fresh = tl.where(hit, fresh + add, fresh)
-        return tl.where(snap == t, prio, fresh)
+        the host's single addition, bit for bit. A snapshot taken at step t (by part 1, before the route) is kept
+        without reading the prior again."""
+        snapshot = prio
+        if snap != t:
+            if LRU:
+                snapshot = 1.0 + last.to(tl.float64)
+            else:
+                fresh = sf + ss
+                row = pind_ptr + layer * (VOCAB + 1)
+                has = (token >= 0) & (token < VOCAB)
+                safe = tl.where(has, token, 0)
+                lo = tl.load(row + safe)
+                hi = tl.where(has, tl.load(row + safe + 1), lo)
+                add = tl.zeros_like(fresh)
+                hit = idx < 0
+                for c in tl.static_range(0, MAXP, CHUNK):
+                    at = lo + c + tl.arange(0, CHUNK)
+                    ok = at < hi
+                    e = tl.load(pexp_ptr + at, mask=ok, other=-1)
+                    v = tl.load(pval_ptr + at, mask=ok, other=0.0)
+                    match = idx[:, None] == e[None, :]
+                    add += tl.sum(tl.where(match, v[None, :], 0.0), axis=1)
+                    hit = hit | (tl.max(match.to(tl.int32), axis=1) > 0)
+                snapshot = tl.where(hit, fresh + add, fresh)
+        return snapshot
 
     @triton.jit
     def _victim(es, sel_tok, prot, prio, t, spare_protected, idx, BLOCK_E: tl.constexpr):
@@ -252,25 +255,36 @@ if triton is not None:
         t = tl.load(isc + _POS)
         snap = tl.load(isc + _SNAP_TOKEN)
         es, se, last, prot, sel_tok, pref, sf, ss, prio = _state_rows(irow, frow, valid, E)
-        pred = tl.load(irow + _PREDICTED * E, mask=valid, other=-1)
         prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU,
                          MAXP, CHUNK)
         g, _ = _scores(g_ptr, bias_ptr, layer, valid, idx, E, SIGMOID)
         rank = _rank(g, g, valid, idx, M, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
-        for r in tl.static_range(M):  # the ranking row holds positions; entries past M keep their values
-            pred = tl.where(idx == r, tl.sum(tl.where(rank == r, idx, 0), axis=0).to(tl.int64), pred)
+        # the ranking row holds the experts by position; entries past M keep their values
+        tl.store(ist_ptr + layer * _N_IROWS * E + _PREDICTED * E + rank, idx.to(tl.int64), mask=rank >= 0)
+        # The host visits the window's R experts in rank order: a resident one is protected, a missing one inserted
+        # while the budget lasts and a victim exists. Here each pass jumps to the next missing expert, protecting
+        # the residents it passes (nothing changes residency between insertions) and inserting it; a victim can be
+        # a window expert not visited yet, which is then missing at its visit, as on the host. A pass whose victim
+        # is missing has no successor that finds one (protection only grows), and past the budget the rest of the
+        # window's residents are protected, as the host's visits without insertions do.
+        visit = (rank >= 0) & (rank < R)
+        pos = tl.zeros([], tl.int32)  # the window's next rank
         new = tl.zeros([], tl.int64)
         unused = tl.zeros([], tl.int64)
-        for r in tl.static_range(R):
-            e = _pick_int(pred, idx, r)
-            resident = _pick_int(es, idx, e) >= 0
+        for _ in tl.static_range(N_INS):
+            ahead = visit & (rank >= pos)
+            r = tl.min(tl.where(ahead & (es < 0), rank, R), axis=0)
+            prot = tl.where(ahead & (rank < r) & (es >= 0), t, prot)
             victim = _victim(es, sel_tok, prot, prio, t, 1, idx, BLOCK_E)
-            do = (_pick_int(es, idx, e) < 0) & (new < BUDGET) & (victim < BLOCK_E)
+            do = (r < R) & (victim < BLOCK_E)
+            e = tl.min(tl.where(rank == r, idx, BLOCK_E), axis=0)
             es, se, last, pref, unused, slot = _insert(do, e, victim, t, t, es, se, last, pref, unused, idx)
-            prot = tl.where((idx == e) & (resident | do), t, prot)
-            tl.store(prefetch_ptr + 1 + new, e, mask=do)
+            prot = tl.where(do & (idx == e), t, prot)
+            tl.store(prefetch_ptr + 1 + new, e.to(tl.int64), mask=do)
             tl.store(prefetch_ptr + 1 + N_INS + new, slot, mask=do)
             new += do.to(tl.int64)
+            pos = r + 1
+        prot = tl.where(visit & (rank >= pos) & (es >= 0), t, prot)
         tl.store(prefetch_ptr, new)
         tl.store(isc + _SNAP_TOKEN, t)
         tl.store(isc + _PRED_TOKEN, t)
@@ -279,7 +293,6 @@ if triton is not None:
         tl.store(irow + _LAST_USE * E, last, mask=valid)
         tl.store(irow + _PROTECTED * E, prot, mask=valid)
         tl.store(irow + _PREFETCHED * E, pref, mask=valid)
-        tl.store(irow + _PREDICTED * E, pred, mask=valid)
         tl.store(frow + _PRIORITY * E, prio, mask=valid)
         cnt = cnt_ptr + layer * _N_COUNTERS
         tl.store(cnt + _C_PREFETCH, tl.load(cnt + _C_PREFETCH) + new)
@@ -330,20 +343,24 @@ if triton is not None:
         chosen = sel >= 0
         sel_tok = tl.where(chosen, t, sel_tok)
 
-        # demand insertions, in expert index order
+        # demand insertions, in expert index order: a pass per missing expert (the host's visits of resident ones
+        # change nothing, and no chosen expert is a victim, so the missing set is known before the first)
+        missing = chosen & (es < 0)
+        left = tl.sum(missing.to(tl.int32), axis=0)
         d = tl.zeros([], tl.int64)
         unused = tl.zeros([], tl.int64)
-        done = idx < 0
-        for _ in tl.static_range(TOP_K):
-            e = tl.min(tl.where(chosen & (done == 0), idx, BLOCK_E), axis=0)
-            done = done | (idx == e)
-            need = _pick_int(es, idx, e) < 0
+        while left > 0:
+            left -= 1
+            e = tl.min(tl.where(missing, idx, BLOCK_E), axis=0)
+            missing = missing & (idx != e)
             victim = _victim(es, sel_tok, prot, prio, t, 1, idx, BLOCK_E)
-            victim = tl.where(victim < BLOCK_E, victim, _victim(es, sel_tok, prot, prio, t, 0, idx, BLOCK_E))
-            es, se, last, pref, unused, slot = _insert(need, e, victim, t, -1, es, se, last, pref, unused, idx)
-            tl.store(demand_ptr + 1 + d, e.to(tl.int64), mask=need)
-            tl.store(demand_ptr + 1 + TOP_K + d, slot, mask=need)
-            d += need.to(tl.int64)
+            if victim == BLOCK_E:  # every resident outside S is protected: the lowest of them
+                victim = _victim(es, sel_tok, prot, prio, t, 0, idx, BLOCK_E)
+            es, se, last, pref, unused, slot = _insert(e < BLOCK_E, e, victim, t, -1, es, se, last, pref, unused,
+                                                       idx)
+            tl.store(demand_ptr + 1 + d, e.to(tl.int64))
+            tl.store(demand_ptr + 1 + TOP_K + d, slot)
+            d += 1
         tl.store(demand_ptr, d)
         pref = tl.where(chosen, -1, pref)
         last = tl.where(chosen, t, last)
@@ -355,12 +372,15 @@ if triton is not None:
         sf = tl.where(mine, sf + tl.load(fpar_ptr + _F_FAST_GAIN), sf)
         ss = tl.where(mine, ss + tl.load(fpar_ptr + _F_SLOW_GAIN), ss)
         p = tl.where(valid, tl.exp(zs - zmax), 0.0)
+        gone = mine & (sel < 0)
+        replaced = tl.sum(gone.to(tl.int64), axis=0)
         displaced = tl.zeros([], tl.float64)
-        replaced = tl.zeros([], tl.int64)
-        for j in tl.static_range(TOP_K):  # in the router's order, as the host adds
-            gone = (own == j) & (sel < 0)
-            displaced += tl.max(tl.where(gone, p, 0.0), axis=0)
-            replaced += tl.sum(gone.to(tl.int64), axis=0)
+        left = replaced
+        while left > 0:  # in the router's order, as the host adds (its terms of the others are 0.0)
+            left -= 1
+            first = tl.min(tl.where(gone, own, TOP_K), axis=0)
+            displaced += tl.max(tl.where(gone & (own == first), p, 0.0), axis=0)
+            gone = gone & (own != first)
         displaced = tl.where(replaced > 0, displaced / tl.sum(p, axis=0), displaced)
         tl.store(disp_ptr + layer, tl.load(disp_ptr + layer) + displaced)
         cnt = cnt_ptr + layer * _N_COUNTERS
@@ -508,13 +528,23 @@ class DeviceCache:
         if experts_out.shape != (k,) or experts_out.dtype != torch.int64 or not experts_out.is_contiguous() \
                 or route_out.shape != (2 * k,) or route_out.dtype != torch.int32 or not route_out.is_contiguous():
             raise ValueError(f"experts_out must be int64 [{k}] and route_out int32 [{2 * k}], contiguous")
-        z = router_logits if do_route else self._dummy
-        g = pregate_logits if do_part1 else self._dummy
-        _cache_step_kernel[(1,)](
-            self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.displaced_mass, self.fparams,
-            self.delta, self.bias, self.pind, self.pexp, self.pval, self.vocab, token, layer, z, g,
-            experts_out, route_out, self.demand, self.prefetch, **self._constants,
-            DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=self.warps, enable_fp_fusion=False)
+        args, constants = self.launch(token, layer, router_logits if do_route else None,
+                                      pregate_logits if do_part1 else None, experts_out, route_out)
+        _cache_step_kernel[(1,)](*args, **constants, num_warps=self.warps, enable_fp_fusion=False)
+
+    def launch(self, token: torch.Tensor, layer: int, router_logits: torch.Tensor | None = None,
+               pregate_logits: torch.Tensor | None = None, experts_out: torch.Tensor | None = None,
+               route_out: torch.Tensor | None = None) -> tuple[tuple, dict]:
+        """The step kernel's arguments and constexprs for `step`'s inputs (no checks; `step` checks): what
+        `checks.compile_for_gpu` compiles without a GPU."""
+        z = self._dummy if router_logits is None else router_logits
+        g = self._dummy if pregate_logits is None else pregate_logits
+        args = (self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.displaced_mass,
+                self.fparams, self.delta, self.bias, self.pind, self.pexp, self.pval, self.vocab, token, layer, z, g,
+                self.experts if experts_out is None else experts_out, self.route if route_out is None else route_out,
+                self.demand, self.prefetch)
+        return args, dict(self._constants, DO_ROUTE=int(router_logits is not None),
+                          DO_PART1=int(pregate_logits is not None))
 
     def reset(self) -> None:
         """`LogicalCache.reset` on the device: unexecuted prefetches count as unused, then R_l = the warm set in
