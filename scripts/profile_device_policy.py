@@ -1,7 +1,7 @@
 """Where the device policy's token time goes: full-size OLMoE (seeded random weights on the
 GPU), C = 32, routing following the olmoe-like source (4 windows of 96 tokens from position 2048 over a random KV
-cache). Times, in 5 interleaved rounds (medians of the per-round means, ms per token), the device policy with
-Cache-Prior, with PSR (part 1 of the next layer and its prefetch copies on a side stream, `DevicePolicy.branch`),
+cache). Times, in 5 interleaved rounds (medians of the per-round means, ms per token), the token with every expert
+resident (the reference of issue 21's targets), the device policy with Cache-Prior, with PSR (part 1 of the next layer and its prefetch copies on a side stream, `DevicePolicy.branch`),
 and with PSR in line (`DevicePolicy.branch = False`), each with copies skipped and with copies; then a
 torch.profiler kernel table of 8 tokens of each (copies skipped), and for Cache-Prior and PSR the GPU operations
 (name, stream, start, duration) as $OUT/kernels_NAME.json.gz, from which the cache step's time per launch and
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine, beside this script
 from bench_device_cache import load_file  # noqa: E402
-from bench_engine import load_trace_windows, policies, randomize_caches  # noqa: E402
+from bench_engine import load_trace_windows, policies, randomize_caches, ratio_ci  # noqa: E402
 
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.device_policy import DevicePolicy  # noqa: E402
@@ -60,7 +60,7 @@ OTHER = load_file("specmoe.kernels._device_cache_other", args.module).DeviceCach
 
 
 def run(name, skip):
-    pol = pols["psr" if name.startswith("psr") else "cache_prior"]
+    pol = resident if name == "resident" else pols["psr" if name.startswith("psr") else "cache_prior"]
     branch, kind = name != "psr_inline", OTHER if name.endswith("_other") else CURRENT
     if DevicePolicy.branch != branch or device_cache.DeviceCache is not kind:
         DevicePolicy.branch = branch
@@ -71,11 +71,14 @@ def run(name, skip):
     for w, f in zip(wins, feeds):
         r = engine.teacher_forced(w, feed=f, first_position=2048)
         ms.append(r.ms[r.timed])
-        assert r.info["routing"] == "device_policy", r.info
+        copies[name] = r.summary()["copies_per_token"]["transferred"]
+        assert r.info["routing"] == "device_policy", r.info  # with every expert resident too: it reads the feed
     return float(np.concatenate(ms).mean())
 
 
-names = ["cp", "psr", "psr_inline"] + (["cp_other", "psr_other"] if OTHER else [])
+copies: dict = {}  # transferred copies per token of each row's last window
+resident = preset("exact_lru", E, K)  # every expert resident: routing on the device, one graph per token
+names = ["resident", "cp", "psr", "psr_inline"] + (["cp_other", "psr_other"] if OTHER else [])
 res = {f"{n}_{s}": [] for n in names for s in ("skip", "copies")}
 for n in names:  # warm-up
     run(n, True)
@@ -87,11 +90,17 @@ for r in range(args.rounds):
     print("round", r, {k: round(v[-1], 3) for k, v in res.items()}, flush=True)
 summary = {k: float(np.median(v)) for k, v in res.items()}
 print("medians", summary, flush=True)
+print("copies per token (last window)", {k: round(v, 2) for k, v in copies.items()}, flush=True)
+pairs = [(f"{n}_{s}", "resident_skip") for n in ("cp", "psr") for s in ("skip", "copies")]
+pairs += [(f"{n}_{s}", f"{n}_other_{s}") for n in ("cp", "psr") for s in ("skip", "copies") if OTHER]
+ratios = {f"{a} / {b}": ratio_ci(res[a], res[b]) for a, b in pairs}
+for label, r in ratios.items():
+    print(f"{label}: {r['ratio']:.3f} ({r['lo']:.3f}-{r['hi']:.3f}) over {args.rounds} rounds", flush=True)
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 tables = {}
-for n in names:
+for n in names[1:]:
     for s in ("skip",):
         run(n, True)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -121,6 +130,6 @@ for n in names:
             for stream, durs in steps.items():
                 print(f"{n}: cache step on stream {stream}: {len(durs)} launches, median {np.median(durs):.1f} us, "
                       f"p10 {np.percentile(durs, 10):.1f}, p90 {np.percentile(durs, 90):.1f}", flush=True)
-json.dump({"rounds": res, "medians": summary}, open(f"{OUT}/profile_psr.json", "w"), indent=1)
+json.dump({"rounds": res, "medians": summary, "ratios": ratios, "copies_per_token": copies}, open(f"{OUT}/profile_psr.json", "w"), indent=1)
 open(f"{OUT}/tables.txt", "w").write("\n\n".join(f"== {k}\n{v}" for k, v in tables.items()))
 print("done", round(time.time() - t0), "s")

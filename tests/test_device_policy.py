@@ -172,7 +172,7 @@ def test_host_policy_where_the_device_policy_does_not_apply(olmoe_tiny, monkeypa
     off = build_engine(model, psr, cal, EngineConfig(max_seq_len=16, policy_device="off"), store=store)
     result = off.teacher_forced(tokens)
     assert result.info["routing"] == "host" and result.info["host_policy_why"] == "policy_device='off'"
-    assert EngineConfig().policy_device == "off"  # the default (docs/device-cache.md says why)
+    assert EngineConfig().policy_device == "auto"  # the default (docs/device-cache.md says why)
     default = build_engine(model, psr, cal, EngineConfig(max_seq_len=16, policy_device="auto"), store=store)
     result = default.teacher_forced(tokens)
     assert result.info["routing"] == "host" and "CPU" in result.info["host_policy_why"]
@@ -195,6 +195,37 @@ def test_host_policy_where_the_device_policy_does_not_apply(olmoe_tiny, monkeypa
     assert "device_routing decides" not in resident.device_policy(feed=LogitFeed.of(result))
     with pytest.raises(ValueError, match="policy_device"):
         EngineConfig(policy_device="gpu")
+
+
+def test_auto_runs_the_device_policy_where_it_was_measured_faster(olmoe_tiny):
+    """On CUDA, "auto" runs the device policy for a policy without prefetch insertions up to 64 experts per layer
+    and keeps the host policy for a prefetching one and for more experts; "on" runs it for all of them."""
+    from specmoe.engines.device_policy import AUTO_MAX_EXPERTS, device_policy_reason
+    from specmoe.engines.results import LogitFeed
+
+    model, adapter, store, cal = olmoe_tiny
+    k = adapter.top_k
+    for name, runs in (("cache_prior", True), ("exact_lru", True), ("psr", False), ("spec_exec", False)):
+        engine = build_engine(model, preset(name, 16, k), cal, EngineConfig(max_seq_len=16), store=store)
+        why = device_policy_reason("auto", True, engine.router, engine.settings, None, 16)
+        assert (why is None) == runs, (name, why)
+        if not runs:
+            assert "prefetch insertions" in why and "policy_device='on'" in why
+        assert device_policy_reason("on", True, engine.router, engine.settings, None, 16) is None
+    engine = build_engine(model, preset("cache_prior", 16, k), cal, EngineConfig(max_seq_len=16), store=store)
+    why = device_policy_reason("auto", True, engine.router, engine.settings, None, 16, chunked_prompt=True)
+    assert "prefills in chunks" in why
+    assert device_policy_reason("on", True, engine.router, engine.settings, None, 16, chunked_prompt=True) is None
+    feed = LogitFeed.of(engine.teacher_forced(np.arange(4)))
+    engine.cuda = True  # as on a GPU: which runs chunk their prompt (only the reasons are asked)
+    chunk = engine.config.prefill_chunk
+    assert "prefills in chunks" in engine.device_policy(prompt=chunk)
+    assert engine.device_policy(prompt=chunk - 1) is None  # no whole chunk: the host steps it one at a time too
+    assert engine.device_policy(feed=feed, prompt=chunk) is None  # a fed prompt is stepped one at a time on both
+    engine.router.num_experts = AUTO_MAX_EXPERTS + 1  # as a router of a wider layer reports it
+    why = device_policy_reason("auto", True, engine.router, engine.settings, None, 16)
+    assert why is not None and f"{AUTO_MAX_EXPERTS + 1} experts per layer" in why
+    assert device_policy_reason("on", True, engine.router, engine.settings, None, 16) is None
 
 
 # (model, policy, C): every policy kind at two capacities on OLMoE; PSR on Qwen3.5-MoE (Gated DeltaNet layers: the

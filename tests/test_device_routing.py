@@ -149,8 +149,8 @@ def test_engine_routes_on_the_host_where_device_routing_does_not_apply(tiny_engi
     device.configure(preset("spec_exec", adapter.num_experts, adapter.top_k))
     try:
         result = device.teacher_forced(tokens)
-        # not the all-resident top-K step: the policy runs it, on the device unless policy_device="off"
-        path = "host" if device.config.policy_device == "off" else "device_policy"
+        # not the all-resident top-K step: the policy runs it, on the device where the engine says it does
+        path = "host" if device.device_policy() else "device_policy"
         assert result.info["routing"] == path and "spec_exec" in result.info["host_routing_why"]
     finally:
         device.configure(preset("psr", adapter.num_experts, adapter.top_k))

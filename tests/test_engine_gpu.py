@@ -43,9 +43,10 @@ def calibration(exact_engine):
     return calibration_from_engine(exact_engine, windows, {"model": "olmoe-1b-7b random (device draws) seed 0"})
 
 
-@pytest.fixture(scope="module", params=["auto", "off"], ids=["device_policy", "host_policy"])
+@pytest.fixture(scope="module", params=["on", "off"], ids=["device_policy", "host_policy"])
 def psr_engine(full, calibration, request):
-    """C = 16 PSR as built by default (on CUDA the device policy) and with the host policy."""
+    """C = 16 PSR with the device policy (asked for: the default, "auto", keeps a prefetching policy on the host) and
+    with the host policy."""
     model, adapter, store = full
     return build_engine(model, preset("psr", 16, adapter.top_k, bonus=0.25), calibration,
                         EngineConfig(max_seq_len=SEQ, policy_device=request.param), store=store)

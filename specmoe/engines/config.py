@@ -34,11 +34,13 @@ class EngineConfig:
     ("auto": on CUDA; "on": on any device, the CPU included; "off": always the host's `LogicalCache.route`).
     policy_device: with C < E (or a policy that is not the router's own top-K), run the policy's logical cache
     and its copies on the device, a token as one CUDA graph, also when routing follows a logit feed
-    (`specmoe.engines.device_policy`; "auto": on CUDA where it applies; "on": also on the CPU under Triton's
-    interpreter, for tests; "off", the default: the host's `LogicalCache` between per-layer launches). Its GPU
-    tests pass; the default stays "off" because on an H200 it is faster only for some policies: on full-size
-    OLMoE at C = 32 it is 3% faster than the host policy for Cache-Prior and 18% slower for PSR, and at E = 256
-    its cache step costs more per layer than the host's (docs/device-cache.md, "Where the time goes").
+    (`specmoe.engines.device_policy`; "auto", the default: on CUDA for policies without prefetch insertions up
+    to 64 experts per layer, the host policy otherwise; "on": wherever it applies, also on the CPU under Triton's
+    interpreter, for tests; "off": the host's `LogicalCache` between per-layer launches). On an H200 at full-size
+    OLMoE following the olmoe-like source the device policy is 6% faster than the host policy for Cache-Prior at
+    C = 32 (its compute 1.45 ms per token against the all-resident token's 1.31), and PSR's prefetch copies, on
+    the device path's copy kernel, make it 11-17% slower than the host policy's copy engine (BENCHMARKS.md);
+    `result.info["routing"]` says which ran and `host_policy_why` why the host did.
     block_device: the speculative engine's verification blocks with their selection, expert pool, demand copies
     and refill on the device, a block as one CUDA graph, also following recorded blocks
     (`specmoe.engines.device_blocks`; "auto", the default: on CUDA where it applies, with the block prefetch
@@ -59,7 +61,7 @@ class EngineConfig:
     moe: str = "slot"
     tune: str | bool = "auto"
     device_routing: str = "auto"
-    policy_device: str = "off"
+    policy_device: str = "auto"
     block_device: str = "auto"
     prefill_chunk: int = 16
     state_rollback: str = "auto"

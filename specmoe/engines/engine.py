@@ -245,11 +245,13 @@ class Engine(SpeculativeSteps):
             return "instrumented runs time each layer's host gap"
         return self.router.device_reason(self.residency.num_slots)
 
-    def device_policy(self, feed: LogitFeed | None = None) -> str | None:
+    def device_policy(self, feed: LogitFeed | None = None, prompt: int = 0) -> str | None:
         """None if the next autoregressive run (with C < E, where `device_routing` does not apply) runs the policy
-        and its copies on the device (`specmoe.engines.device_policy`), else why it runs on the host."""
+        and its copies on the device (`specmoe.engines.device_policy`), else why it runs on the host. prompt: the
+        run's untimed prompt positions (the host path prefills them in chunks)."""
+        chunked = feed is None and self.settings.cache_mode == "logical" and prompt >= self.config.prefill_chunk > 1
         return device_policy_reason(self.config.policy_device, self.cuda, self.router, self.settings, feed,
-                                    self.residency.num_slots)
+                                    self.residency.num_slots, chunked_prompt=chunked)
 
     def device_blocks(self) -> str | None:
         """None if the next speculative run verifies its blocks on the device (`specmoe.engines.device_blocks`),
@@ -325,7 +327,7 @@ class Engine(SpeculativeSteps):
         logits = np.zeros((num_steps, g.vocab_size), np.float32) if return_logits else None
         host_routing = self.device_routing(feed)
         host_policy = "every expert resident: routing on the device" if host_routing is None else \
-            self.device_policy(feed)
+            self.device_policy(feed, timed_from)
         on_device = None if host_policy is not None else self._policy_step(feed)  # before _start: its warm-up
         warm = self._start(router)
         run = self.runner
