@@ -292,7 +292,8 @@ def ar_pass(engine, feeds, first_position: int) -> dict:
         copies += r.copy_totals()["issued"]
     ms = np.concatenate(ms)
     return {"ms_per_token": float(ms.mean()), "copies_per_token": copies / tokens, "p99": float(np.percentile(ms, 99)),
-            "request_ms": request_ms, "request_tokens": request_tokens}
+            "request_ms": request_ms, "request_tokens": request_tokens, "routing": r.info["routing"],
+            "host_policy_why": r.info["host_policy_why"]}
 
 
 def main(argv=None) -> int:
@@ -570,6 +571,7 @@ def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args) -> 
                 row[f"ar_{label}_compute_ms_per_token"] = float(np.mean(rounds.get(f"{source}/ar_{label}/skip",
                                                                                   [math.nan])))
                 row[f"ar_{label}_copies_per_token"] = details[f"{source}/ar_{label}"]["copies_per_token"]
+                row[f"ar_{label}_routing"] = details[f"{source}/ar_{label}"].get("routing", "?")
                 for tag, draft_ms in drafting.items():  # SD at zero drafting cost, and with --draft-ms
                     both = sd_over_ar(rounds[key], d, ar, details[f"{source}/ar_{label}"], draft_ms)
                     row[f"ratio_{tag}_over_ar_{label}"] = both["rounds"]
@@ -640,11 +642,16 @@ def markdown(report: dict) -> str:
             if f"ar_{label}_ms_per_token" in row:
                 ar.setdefault((row["source"], label), (row[f"ar_{label}_ms_per_token"],
                                                        row[f"ar_{label}_compute_ms_per_token"],
-                                                       row[f"ar_{label}_copies_per_token"]))
+                                                       row[f"ar_{label}_copies_per_token"],
+                                                       row.get(f"ar_{label}_routing", "?")))
     if ar:
-        lines += ["", "| source | AR config | ms/token | compute-only ms/token | copies/token |", "|---|---|---|---|---|"]
-        lines += [f"| {source} | {label} | {ms:.3f} | {skip:.3f} | {copies:.2f} |"
-                  for (source, label), (ms, skip, copies) in ar.items()]
+        lines += ["", "AR rows as the engine builds them by default; path: where their policy ran (device_policy: the "
+                  "logical cache on the device, one graph per token; host: a round trip per layer; "
+                  "EngineConfig.policy_device):", "",
+                  "| source | AR config | path | ms/token | compute-only ms/token | copies/token |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {source} | {label} | {path} | {ms:.3f} | {skip:.3f} | {copies:.2f} |"
+                  for (source, label), (ms, skip, copies, path) in ar.items()]
     paths = [row for row in report["table"] if "ratio_host_blocks_over_device" in row]
     if paths:
         lines += ["", "Verification blocks on the host / on the device (ms per committed token, same rounds):", "",

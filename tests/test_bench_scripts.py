@@ -37,7 +37,7 @@ def measured(requests: int = 3, num_rounds: int = 2):
     sd.update(request_tokens=tokens, request_blocks=blocks, blocks=sum(blocks), committed=sum(tokens), tau=5.0,
               union_used=2, copies_per_token=1.0, demand_per_token=1.0, prefetch_per_token=0.0,
               prefetch_unused_per_token=0.0, moves_per_token=0.0, verify="host", host_blocks_why="test")
-    ar.update(request_tokens=tokens, copies_per_token=2.0)
+    ar.update(request_tokens=tokens, copies_per_token=2.0, routing="device_policy")
     return sources, rounds, {SD: sd, AR: ar}
 
 
@@ -87,6 +87,8 @@ def test_markdown_has_the_drafting_columns_only_with_draft_ms():
         row = next(x for x in lines if x.startswith("| src |"))
         assert ("SD with drafting / fastest AR" in header) == bool(draft_ms)
         assert header.count("|") == row.count("|") == lines[lines.index(header) + 1].count("|")
+        ar_header = lines.index("| source | AR config | path | ms/token | compute-only ms/token | copies/token |")
+        assert lines[ar_header + 2].startswith("| src | psr_C8 | device_policy | ")  # where the AR policy ran
         if draft_ms:
             assert f"{rows[0]['ms_per_token_with_drafting']:.3f}" in row.split("|")[-3]
             assert "3 requests" in row.split("|")[-2]
