@@ -85,25 +85,22 @@ def test_cache_step_compiles_for_the_gpu_for_every_case():
     without one. A kernel that does not compile raises."""
     import torch
 
-    from specmoe.kernels.checks import compile_for_gpu, device_cache_case
-    from specmoe.kernels.device_cache import DeviceCache, _cache_step_kernel
+    from specmoe.kernels.checks import compile_launches, device_cache_case
+    from specmoe.kernels.device_cache import DeviceCache
 
-    seen = set()
-    for name, base, overrides, E, C, scoring, T, L in CASES + EDGE_CASES:
-        policy = preset(base, C, 8, **overrides)
-        calibration = device_cache_case(L, E, 2, seed=0)[0]
-        cache = LogicalCache(policy, calibration, L, E, groups=scoring_of(scoring, L, E).groups)
-        dev = DeviceCache(cache, scoring_of(scoring, L, E), "cpu")
-        token, logits = torch.zeros(1, dtype=torch.int64), torch.zeros(E, dtype=torch.float32)
-        launches = [dev.launch(token, 0, router_logits=logits)]
-        if policy.insert_budget > 0:
-            launches.append(dev.launch(token, 1, pregate_logits=logits))
-        for args, constants in launches:
-            key = tuple(sorted(constants.items()))
-            if key not in seen:  # cases that share every constexpr compile to the same kernel
-                seen.add(key)
-                compile_for_gpu(_cache_step_kernel, args, constants, dev.warps, enable_fp_fusion=False)
-    assert len(seen) >= len(CASES)
+    with compile_launches() as compiled:
+        for name, base, overrides, E, C, scoring, T, L in CASES + EDGE_CASES:
+            policy = preset(base, C, 8, **overrides)
+            calibration = device_cache_case(L, E, 2, seed=0)[0]
+            cache = LogicalCache(policy, calibration, L, E, groups=scoring_of(scoring, L, E).groups)
+            dev = DeviceCache(cache, scoring_of(scoring, L, E), "cpu")
+            token, logits = torch.zeros(1, dtype=torch.int64), torch.zeros(E, dtype=torch.float32)
+            dev.step(token, 0, router_logits=logits)
+            dev.step(token, 1, pregate_logits=logits)
+    assert {name for name, _ in compiled} == {"_cache_step_kernel"}
+    routes = [c for _, c in compiled if c["DO_ROUTE"]]
+    assert len(routes) >= len(CASES) and {c["KIND"] for c in routes} == {0, 1, 2, 3}  # every policy kind
+    assert any(c["DO_PART1"] and not c["DO_ROUTE"] for _, c in compiled)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

@@ -45,6 +45,32 @@ def run_case(case, device, num_blocks=None, num_layers=2, seed=0, max_positions=
                                alpha, device, max_positions)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_block_selection_compiles_for_the_gpu_for_every_case():
+    """Triton's interpreter skips the compiler's type rules: every case's launches (select, and with a budget
+    predict, then end_block) go through Triton's front end for an H200 here, without one (`compile_launches`)."""
+    import torch
+
+    from specmoe.kernels.checks import compile_launches
+    from specmoe.kernels.device_select import DevicePool
+
+    with compile_launches() as compiled:
+        for name, kind, overrides, E, P, scoring, D, _ in CASES + [c[:8] for c in PREFETCH_CASES]:
+            budget = next((c[8] for c in PREFETCH_CASES if c[0] == name), 0)
+            pool = ExpertPool(2, E, 8, P, np.tile(np.arange(E), (2, 1)))
+            dev = DevicePool(pool, selector_preset(kind, **overrides), scoring_of(scoring, 2, E), D, "cpu",
+                             prefetch=budget)
+            z, alpha = torch.zeros(D, 2 * E, dtype=torch.float32)[:, :E], torch.ones(D, dtype=torch.float64)
+            if budget:
+                dev.predict(1, z, alpha)
+            dev.select(1, z, alpha, torch.zeros(D, 16, dtype=torch.int32))
+            dev.select(0, z, alpha)
+            dev.end_block()
+    names = {name for name, _ in compiled}
+    assert names >= {"_own_kernel", "_demand_kernel", "_execute_kernel", "_use_kernel", "_prefetch_kernel",
+                     "_refill_kernel"}, names
+
+
 # the block prefetch: (name, selector, overrides, E, P, scoring, D, blocks, budget, tight); tight: U set to the most
 # experts one layer of one block misses, so that demand copies must take unused prefetches' slots
 PREFETCH_CASES = [

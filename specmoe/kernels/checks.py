@@ -6,6 +6,8 @@ used, and the decoder's notes say why."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -637,8 +639,9 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
     one: its Python source to Triton IR, where the language's type rules apply (a loop-carried variable that
     changes type, pointer arithmetic of mixed types), which Triton's interpreter on the CPU does not enforce; such
     a kernel raises here as its first launch would on the device. The later stages (layouts, PTX) are the
-    compiler's own and are not run. args: the launch's positional arguments (tensors by dtype, Python ints as
-    32-bit integers where they fit, as a launch types them); constants: its constexprs by name."""
+    compiler's own and are not run. args: the launch's non-constexpr arguments in parameter order (tensors by
+    dtype, Python ints as 32-bit integers where they fit, as a launch types them); constants: its constexprs by
+    name."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -663,3 +666,37 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
     ir.load_dialects(context)
     backend.load_dialects(context)
     source.make_ir(target, parsed, backend.get_codegen_implementation(parsed), backend.get_module_map(), context)
+
+
+@contextlib.contextmanager
+def compile_launches(arch: int = 90):
+    """Within the block, every Triton launch (`kernel[grid](...)`) runs `compile_for_gpu` on its arguments instead
+    of the kernel, once per kernel and specialisation (constexprs and argument types), and returns; nothing runs
+    and no output is written, so only code whose host side reads no kernel output can run inside. Yields the list
+    of (kernel name, constexprs) compiled. Not under Triton's interpreter (its kernels are not compiled)."""
+    import inspect
+
+    from triton.runtime.jit import JITFunction
+
+    original, compiled, seen = JITFunction.run, [], set()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        bound = inspect.signature(self.fn).bind_partial(*args, **{k: v for k, v in kwargs.items()
+                                                                   if k in self.arg_names})
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
+        constants = {p.name: values[p.name] for p in self.params if p.is_constexpr}
+        launch = tuple(values[p.name] for p in self.params if not p.is_constexpr)
+        key = (self.fn.__qualname__, tuple(sorted(constants.items())), tuple(sorted(options.items())),
+               tuple(str(a.dtype) if isinstance(a, torch.Tensor) else int(a) >= 2 ** 31 for a in launch))
+        if key not in seen:
+            seen.add(key)
+            compile_for_gpu(self, launch, constants, options.pop("num_warps", 4), arch, **options)
+            compiled.append((self.fn.__name__, constants))
+
+    JITFunction.run = run
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = original

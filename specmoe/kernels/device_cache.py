@@ -528,23 +528,13 @@ class DeviceCache:
         if experts_out.shape != (k,) or experts_out.dtype != torch.int64 or not experts_out.is_contiguous() \
                 or route_out.shape != (2 * k,) or route_out.dtype != torch.int32 or not route_out.is_contiguous():
             raise ValueError(f"experts_out must be int64 [{k}] and route_out int32 [{2 * k}], contiguous")
-        args, constants = self.launch(token, layer, router_logits if do_route else None,
-                                      pregate_logits if do_part1 else None, experts_out, route_out)
-        _cache_step_kernel[(1,)](*args, **constants, num_warps=self.warps, enable_fp_fusion=False)
-
-    def launch(self, token: torch.Tensor, layer: int, router_logits: torch.Tensor | None = None,
-               pregate_logits: torch.Tensor | None = None, experts_out: torch.Tensor | None = None,
-               route_out: torch.Tensor | None = None) -> tuple[tuple, dict]:
-        """The step kernel's arguments and constexprs for `step`'s inputs (no checks; `step` checks): what
-        `checks.compile_for_gpu` compiles without a GPU."""
-        z = self._dummy if router_logits is None else router_logits
-        g = self._dummy if pregate_logits is None else pregate_logits
-        args = (self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.displaced_mass,
-                self.fparams, self.delta, self.bias, self.pind, self.pexp, self.pval, self.vocab, token, layer, z, g,
-                self.experts if experts_out is None else experts_out, self.route if route_out is None else route_out,
-                self.demand, self.prefetch)
-        return args, dict(self._constants, DO_ROUTE=int(router_logits is not None),
-                          DO_PART1=int(pregate_logits is not None))
+        z = router_logits if do_route else self._dummy
+        g = pregate_logits if do_part1 else self._dummy
+        _cache_step_kernel[(1,)](
+            self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.displaced_mass, self.fparams,
+            self.delta, self.bias, self.pind, self.pexp, self.pval, self.vocab, token, layer, z, g,
+            experts_out, route_out, self.demand, self.prefetch, **self._constants,
+            DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=self.warps, enable_fp_fusion=False)
 
     def reset(self) -> None:
         """`LogicalCache.reset` on the device: unexecuted prefetches count as unused, then R_l = the warm set in
