@@ -63,6 +63,29 @@ def test_cpu_call_without_the_interpreter_computes_the_reference(monkeypatch):
     assert torch.equal(out, slot_moe_grouped_torch(x, res, buf, route, torch.empty_like(x), h, i))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_kernels_compile_for_the_gpu_with_and_without_late_slots():
+    """Triton's interpreter skips the compiler's type rules: the grouped MoE's launches (bf16 and float32, with and
+    without late slots) go through Triton's front end for an H200 here (`compile_launches`: nothing is computed)."""
+    from specmoe.kernels.checks import compile_launches
+    from specmoe.kernels.grouped_moe import slot_moe_grouped_triton
+
+    h, inter, k, slots = 64, 32, 2, 8
+    waits = []
+    with compile_launches() as compiled:
+        for dtype in (torch.bfloat16, torch.float32):
+            for d in (9, 17):
+                x = torch.zeros(d, h, dtype=dtype)
+                route = torch.zeros(d, 2 * k, dtype=torch.int32)
+                buf = torch.zeros(slots, 3 * h * inter, dtype=dtype)
+                ws = make_grouped_workspace(d, k, h, inter, dtype, "cpu")
+                for late in (None, (3, lambda: waits.append(1))):
+                    slot_moe_grouped_triton(x, x, buf, route, torch.empty_like(x), h, inter, ws, late=late)
+    assert {name for name, _ in compiled} == {"_group_slots_kernel", "_grouped_gate_up_kernel",
+                                              "_grouped_down_kernel", "_combine_kernel"}
+    assert len(waits) == 4  # the late phase waited once per call
+
+
 def test_input_checks_and_launch_parameters():
     d, k, h, i, c = 3, 2, 16, 8, 5
     buf, x, res, route = make_case(d, k, h, i, c)
