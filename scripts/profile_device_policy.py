@@ -1,10 +1,10 @@
 """Where the device policy's token time goes: full-size OLMoE (seeded random weights on the
 GPU), C = 32, routing following the olmoe-like source (4 windows of 96 tokens from position 2048 over a random KV
 cache). Times, in 5 interleaved rounds (medians of the per-round means, ms per token), the token with every expert
-resident (the reference of issue 21's targets), the device policy with Cache-Prior, with PSR (part 1 of the next layer and its prefetch copies on a side stream, `DevicePolicy.branch`),
-and with PSR in line (`DevicePolicy.branch = False`), each with copies skipped and with copies; then a
-torch.profiler kernel table of 8 tokens of each (copies skipped), and for Cache-Prior and PSR the GPU operations
-(name, stream, start, duration) as $OUT/kernels_NAME.json.gz, from which the cache step's time per launch and
+resident (the reference of issue 21's targets), the device policy with Cache-Prior, with PSR (part 1 of the next
+layer and its prefetch copies on a side stream, `DevicePolicy.branch`), and with PSR in line
+(`DevicePolicy.branch = False`), each with copies skipped and with copies; then a torch.profiler kernel table of 8
+tokens of each (copies skipped), and for Cache-Prior and PSR the GPU operations (name, stream, start, duration) as $OUT/kernels_NAME.json.gz, from which the cache step's time per launch and
 stream is read (`_cache_step_kernel`: on the compute stream the routes, on the side stream PSR's part 1).
 `--module FILE` also runs Cache-Prior and PSR on another version of `specmoe/kernels/device_cache.py` (rows
 "cp_other", "psr_other"; e.g. the file before a change) in the same rounds and profiles, so that the two compare
@@ -130,6 +130,7 @@ for n in names[1:]:
             for stream, durs in steps.items():
                 print(f"{n}: cache step on stream {stream}: {len(durs)} launches, median {np.median(durs):.1f} us, "
                       f"p10 {np.percentile(durs, 10):.1f}, p90 {np.percentile(durs, 90):.1f}", flush=True)
-json.dump({"rounds": res, "medians": summary, "ratios": ratios, "copies_per_token": copies}, open(f"{OUT}/profile_psr.json", "w"), indent=1)
+json.dump({"rounds": res, "medians": summary, "ratios": ratios, "copies_per_token": copies},
+          open(f"{OUT}/profile_psr.json", "w"), indent=1)
 open(f"{OUT}/tables.txt", "w").write("\n\n".join(f"== {k}\n{v}" for k, v in tables.items()))
 print("done", round(time.time() - t0), "s")

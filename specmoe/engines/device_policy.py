@@ -91,15 +91,16 @@ def device_policy_reason(choice: str, cuda: bool, router, settings, feed, num_sl
     why = kernels_reason("policy_device", choice, cuda)
     if why is not None:
         return why
-    if choice == "auto" and router.inserts:
-        return ("policy_device='auto' and a policy with prefetch insertions: their copies are faster on the host "
-                "path's copy engine than on the device path's copy kernel (policy_device='on' runs it there)")
-    if choice == "auto" and chunked_prompt:
-        return ("policy_device='auto' and a prompt that the host path prefills in chunks (the device policy steps "
-                "it one position at a time; policy_device='on' runs it there)")
-    if choice == "auto" and router.num_experts > AUTO_MAX_EXPERTS:
-        return (f"policy_device='auto' and {router.num_experts} experts per layer: the device step is measured "
-                f"faster up to {AUTO_MAX_EXPERTS} (policy_device='on' runs it there)")
+    if choice == "auto":
+        if router.inserts:
+            return ("policy_device='auto' and a policy with prefetch insertions: their copies are faster on the host "
+                    "path's copy engine than on the device path's copy kernel (policy_device='on' runs it there)")
+        if chunked_prompt:
+            return ("policy_device='auto' and a prompt that the host path prefills in chunks (the device policy "
+                    "steps it one position at a time; policy_device='on' runs it there)")
+        if router.num_experts > AUTO_MAX_EXPERTS:
+            return (f"policy_device='auto' and {router.num_experts} experts per layer: the device step is measured "
+                    f"faster up to {AUTO_MAX_EXPERTS} (policy_device='on' runs it there)")
     if settings.cache_mode == "physical":
         return "physical-cache mode reads copy timing on the host"
     if settings.instrument:

@@ -249,9 +249,16 @@ class Engine(SpeculativeSteps):
         """None if the next autoregressive run (with C < E, where `device_routing` does not apply) runs the policy
         and its copies on the device (`specmoe.engines.device_policy`), else why it runs on the host. prompt: the
         run's untimed prompt positions (the host path prefills them in chunks)."""
-        chunked = feed is None and self.settings.cache_mode == "logical" and prompt >= self.config.prefill_chunk > 1
+        chunked = self._chunked_prompt(feed, prompt) >= self.config.prefill_chunk
         return device_policy_reason(self.config.policy_device, self.cuda, self.router, self.settings, feed,
                                     self.residency.num_slots, chunked_prompt=chunked)
+
+    def _chunked_prompt(self, feed: LogitFeed | None, prompt: int) -> int:
+        """Of a run's `prompt` positions, those the host path may prefill `prefill_chunk` at a time (it takes the
+        whole chunks among them; 0: none): the model's own logits in logical mode only (a feed is stepped as
+        recorded; physical mode reads the copies in flight per position)."""
+        chunk = self.config.prefill_chunk
+        return prompt if feed is None and self.settings.cache_mode == "logical" and chunk > 1 else 0
 
     def device_blocks(self) -> str | None:
         """None if the next speculative run verifies its blocks on the device (`specmoe.engines.device_blocks`),
@@ -339,8 +346,7 @@ class Engine(SpeculativeSteps):
         router.bind(run.step, ModelFeed(run.step) if feed is None else feed, rec, s.cache_mode == "physical",
                     s.max_in_flight)
         chunk = self.config.prefill_chunk
-        # prompt chunks: the model's own logits, in logical mode (physical mode reads copies in flight per position)
-        prompt = timed_from if feed is None and s.cache_mode == "logical" and chunk > 1 and on_device is None else 0
+        prompt = self._chunked_prompt(feed, timed_from) if on_device is None else 0
         with torch.no_grad(), self._stream():
             t = 0
             while t + chunk <= prompt:

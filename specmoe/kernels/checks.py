@@ -634,6 +634,14 @@ _POINTER_TYPES = {torch.int64: "*i64", torch.int32: "*i32", torch.float64: "*fp6
                   torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8", torch.int8: "*i8"}
 
 
+def _arg_type(arg) -> str:
+    """A launch argument's type in a kernel signature: a tensor's pointer type, a Python int as i32 where it fits
+    (as a launch types it), else i64."""
+    if isinstance(arg, torch.Tensor):
+        return _POINTER_TYPES[arg.dtype]
+    return "i32" if -2 ** 31 <= int(arg) < 2 ** 31 else "i64"
+
+
 def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: int = 90, **options) -> None:
     """Run a Triton kernel's front end for a CUDA GPU of compute capability `arch` (default 90: Hopper) without
     one: its Python source to Triton IR, where the language's type rules apply (a loop-carried variable that
@@ -650,12 +658,7 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
     names = [name for name in kernel.arg_names if name not in constants]
     if len(names) != len(args):
         raise ValueError(f"{len(args)} arguments for the kernel's {len(names)} non-constexpr parameters")
-    signature = {name: "constexpr" for name in constants}
-    for name, arg in zip(names, args):
-        if isinstance(arg, torch.Tensor):
-            signature[name] = _POINTER_TYPES[arg.dtype]
-        else:
-            signature[name] = "i32" if -2 ** 31 <= int(arg) < 2 ** 31 else "i64"
+    signature = {name: "constexpr" for name in constants} | {name: _arg_type(arg) for name, arg in zip(names, args)}
     signature = {name: signature[name] for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     source = ASTSource(kernel, signature, constexprs)
@@ -689,7 +692,7 @@ def compile_launches(arch: int = 90):
         constants = {p.name: values[p.name] for p in self.params if p.is_constexpr}
         launch = tuple(values[p.name] for p in self.params if not p.is_constexpr)
         key = (self.fn.__qualname__, tuple(sorted(constants.items())), tuple(sorted(options.items())),
-               tuple(str(a.dtype) if isinstance(a, torch.Tensor) else int(a) >= 2 ** 31 for a in launch))
+               tuple(_arg_type(a) for a in launch))
         if key not in seen:
             seen.add(key)
             compile_for_gpu(self, launch, constants, options.pop("num_warps", 4), arch, **options)
