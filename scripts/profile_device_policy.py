@@ -4,8 +4,9 @@ cache). Times, in 5 interleaved rounds (medians of the per-round means, ms per t
 resident (the reference of issue 21's targets), the device policy with Cache-Prior, with PSR (part 1 of the next
 layer and its prefetch copies on a side stream, `DevicePolicy.branch`), and with PSR in line
 (`DevicePolicy.branch = False`), each with copies skipped and with copies; then a torch.profiler kernel table of 8
-tokens of each (copies skipped), and for Cache-Prior and PSR the GPU operations (name, stream, start, duration) as $OUT/kernels_NAME.json.gz, from which the cache step's time per launch and
-stream is read (`_cache_step_kernel`: on the compute stream the routes, on the side stream PSR's part 1).
+tokens of each (copies skipped), and for Cache-Prior and PSR the GPU operations (name, stream, start, duration)
+as $OUT/kernels_NAME.json.gz, from which the cache step's time per launch and stream is read
+(`_cache_step_kernel`: on the compute stream the routes, on the side stream PSR's part 1).
 `--module FILE` also runs Cache-Prior and PSR on another version of `specmoe/kernels/device_cache.py` (rows
 "cp_other", "psr_other"; e.g. the file before a change) in the same rounds and profiles, so that the two compare
 in one process on one machine.
