@@ -38,6 +38,10 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--module", help="also run Cache-Prior and PSR on this version of device_cache.py")
 parser.add_argument("--rounds", type=int, default=5)
 args = parser.parse_args()
+if args.rounds < 1:
+    parser.error(f"--rounds must be at least 1, got {args.rounds}")
+if args.module and not os.path.isfile(args.module):
+    parser.error(f"--module {args.module}: no such file (another version of specmoe/kernels/device_cache.py)")
 OUT = os.environ.get("OUT", "/tmp/prof")
 if not torch.cuda.is_available():
     raise SystemExit("profile_device_policy.py profiles CUDA graphs: it needs a CUDA device")

@@ -3,6 +3,7 @@ block and the per-request details its json keeps (without a model), and its rows
 timed passes stood in for)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -400,6 +401,17 @@ def test_new_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path, capsys):
             main(out + extra)
         assert exit_.value.code == 2 and option in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_profile_device_policy_refuses_bad_arguments(tmp_path):
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_device_policy.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1]), "OUT": str(tmp_path)}
+    for extra, message in ((["--rounds", "0"], "--rounds must be at least 1"),
+                           (["--module", str(tmp_path / "nope.py")], "nope.py: no such file")):
+        done = subprocess.run([sys.executable, str(script), *extra], capture_output=True, text=True, env=env)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys):
