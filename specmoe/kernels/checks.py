@@ -164,13 +164,19 @@ def check_gated_rmsnorm(heads: tuple[int, int, int, int], eps: float, dtype: tor
 
 def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
                  dtype: torch.dtype, device: torch.device) -> None:
-    """Our Triton kernels (slot MoE, RMSNorm, attention prologue) against their torch versions."""
+    """Our Triton kernels (slot MoE, RMSNorm alone and after the residual add, attention prologue) against their
+    torch versions."""
     from . import norm_rope as knr
 
     g = check_slot_moe(s, slot_buf, moe_params, dtype, device)
     x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     w = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, eps), knr.rmsnorm_triton(x, w, eps, torch.empty_like(x)))
+    res = torch.randn(3, s.hidden, device=device, generator=g).to(dtype)
+    rows, res_out = torch.randn(3, s.hidden, device=device, generator=g).to(dtype), res.clone()
+    out = knr.rmsnorm_triton(rows, w, eps, torch.empty_like(rows), residual=res_out)
+    _agree("residual add of the RMSNorm kernel", res + rows, res_out)
+    _agree("RMSNorm kernel after the residual add", knr.rmsnorm_torch(res + rows, w, eps), out)
     width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     num_pos = 3
     qkv = torch.randn(num_pos, width, device=device, generator=g).to(dtype)

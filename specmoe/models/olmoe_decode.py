@@ -169,9 +169,13 @@ class OlmoeDecoder(Sourced, FeatureCapture):
         last position (flash-attn); positions count from the step's input."""
 
     # -- device steps (graph bodies) -------------------------------------------------------------------
-    def _rmsnorm(self, x, weight, out):
+    def _rmsnorm(self, x, weight, out, residual=None):
+        """out = RMSNorm(x); with a residual: residual += x first (rounded as torch's add_) and out is the norm of
+        the sum, one launch on the Triton backend."""
         if self.backend == "triton":
-            return norm_rope.rmsnorm_triton(x, weight, self.eps, out)
+            return norm_rope.rmsnorm_triton(x, weight, self.eps, out, residual=residual)
+        if residual is not None:
+            x = residual.add_(x)
         return out.copy_(norm_rope.rmsnorm_torch(x, weight, self.eps))
 
     def attention_router(self, step: DecodeStep, layer: int, copy_out: bool = True) -> None:
@@ -198,8 +202,7 @@ class OlmoeDecoder(Sourced, FeatureCapture):
             att = decode_attention_flash(w["q"], k_cache, v_cache, w["seqlens"], self.scale, self.flash_attn)
         else:
             att = decode_attention(w["q"], k_cache, v_cache, w["mask"], self.scale)
-        w["h"].add_(F.linear(att, self.wo[layer]))
-        m = self._rmsnorm(w["h"], self.post_ln[layer], w["moe_in"])
+        m = self._rmsnorm(F.linear(att, self.wo[layer]), self.post_ln[layer], w["moe_in"], residual=w["h"])
         step.logits_dev[layer].copy_(F.linear(m, self.router_pair[layer]))
         if copy_out:
             step.copy_out_logits(layer)
