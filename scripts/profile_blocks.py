@@ -6,7 +6,9 @@ path, the default on CUDA, and the host path) with copies skipped (compute only)
 For the target step (every expert resident, the engine's default) and for each k and path it prints:
 - ms per step (per verification block) and the block in target steps; the host path's host parts per block;
 - the distinct experts a block's layer reads (mean over blocks and layers) and their bytes at the measured
-  copy bandwidth: the MoE's floor;
+  copy bandwidth: the MoE's floor; the bytes a block and a target step read in all (`Decoder.bytes_per_token`
+  plus the routed experts) and their ratio: the block's cost in target steps at equal efficiency, a floor for a
+  target ratio such as issue 21's 1.8 on this routing source, and each one's efficiency (floor / measured);
 - a torch.profiler table of the GPU operations of a pass over the blocks (count per block and GPU time), and the
   kernels' GPU time per block (memory copies left out: with copies skipped those are the requests' warm-pool
   loads, outside the blocks); on the device path the block's timeline from the same pass
@@ -131,6 +133,15 @@ def main(argv=None) -> None:
             f"{per_block:.0f} per block; host parts " + ", ".join(f"{p} {v:.3f}" for p, v in timeline.items()) + " ms")
         say(f"distinct experts per layer {distinct:.1f} of {E}: {distinct * store.expert_bytes * L / 1e9:.2f} GB "
             f"per block, floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s")
+        # what a block and a target step must read (the weights but the routed experts and the KV rows written, once
+        # each: `Decoder.bytes_per_token`; then the routed experts: the block's distinct ones, the step's K per layer):
+        # the block / target-step ratio that kernels of equal efficiency would give
+        dense = engine.decoder.bytes_per_token(args.position + k)
+        block_floor, step_floor = dense + distinct * L * store.expert_bytes, dense + K * L * store.expert_bytes
+        say(f"bytes floor: block {block_floor / 1e9:.2f} GB, target step {step_floor / 1e9:.2f} GB: "
+            f"{block_floor / step_floor:.2f} target steps at equal efficiency ({block_ms / step_ms:.2f} measured); "
+            f"efficiency block {block_floor / bandwidth * 1e3 / block_ms:.0%}, target step "
+            f"{step_floor / bandwidth * 1e3 / step_ms:.0%}")
         if results[0].info["verify"] == "device":  # the block's timeline from its kernels (kernel_timeline)
             line = kernel_timeline.timeline(kernel_timeline.profiled_spans(prof), profiled, block_ms)
             say("device timeline, ms per block (target steps): " + ", ".join(

@@ -116,12 +116,16 @@ def test_layout_geometry_and_scoring(tiny):
     bias = torch.stack([model.model.layers[j].mlp.gate.e_score_correction_bias for j in (1, 2, 3)])
     assert s.bias.shape == (3, 12) and torch.equal(torch.from_numpy(s.bias).float(), bias) and bias.abs().min() > 0
     assert decoder.use_kernels("auto", "auto", "slot", rows_dummy := torch.zeros(12, g.expert_width)) == {
-        "backend": "torch", "attention": "sdpa", "moe": "slot", "launch": {}}
-    # R = 24, P = 8 are not shapes of the split-KV kernel, and Triton's MoE kernels need CUDA: both fall back, noted
+        "backend": "torch", "attention": "sdpa", "moe": "slot", "launch": {}, "dense": "torch"}
+    # R = 24, P = 8 are not shapes of the split-KV kernel, and Triton's kernels need CUDA (outside the interpreter):
+    # all fall back, noted
     used = decoder.use_kernels("triton", "split_kv", "slot", rows_dummy)
-    assert (used["backend"], used["attention"]) == ("torch", "sdpa")
+    assert (used["backend"], used["attention"], used["dense"]) == ("torch", "sdpa", "torch")
+    assert not decoder.fused
     assert any(n.startswith("split-KV latent attention (MLA) unusable") for n in decoder.notes)
     assert any(n.startswith("Triton slot MoE kernel unusable") for n in decoder.notes)
+    assert any(n.startswith("fused dense kernels (RMSNorm, MLA prologue, SwiGLU product) unusable")
+               for n in decoder.notes)
     decoder.use_kernels("torch", "flash_attn", "vllm", rows_dummy)
     assert sum("not implemented" in note for note in decoder.notes) == 2
     assert decoder.bytes_per_token(0) > 0
@@ -274,8 +278,9 @@ tokens = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(4))
 with torch.no_grad():
     expected = model(torch.tensor([tokens])).logits[0]
 decoder = DeepseekV3Decoder.from_model(model, 40)
-used = decoder.use_kernels("torch", "split_kv", "slot", rows[0])
+used = decoder.use_kernels(BACKEND, "split_kv", "slot", rows[0])
 assert used["attention"] == "split_kv", decoder.notes
+assert used["dense"] == ("fused" if BACKEND == "triton" else "torch"), decoder.notes
 logits = [run_step(decoder, model, rows, tokens[:8], 0)]
 logits += [run_step(decoder, model, rows, tokens[p:p + 1], p) for p in range(8, 11)]
 torch.testing.assert_close(torch.cat(logits), expected, atol=1e-4, rtol=1e-4)
@@ -284,15 +289,18 @@ print("split-KV decoder ok")
 """
 
 
-@pytest.mark.parametrize("interpreted", [False, True], ids=["cpu", "interpreter"])
-def test_split_kv_latent_attention_in_the_decoder_gives_transformers_logits(interpreted):
+@pytest.mark.parametrize("interpreted, backend", [(False, "torch"), (True, "torch"), (True, "triton")],
+                         ids=["cpu", "interpreter", "interpreter-fused"])
+def test_split_kv_latent_attention_in_the_decoder_gives_transformers_logits(interpreted, backend):
     """attention='split_kv' (R = 32, P = 16): the step's seq_len plumbing on the CPU path, and the Triton kernel
-    itself in Triton's interpreter."""
+    itself in Triton's interpreter; with backend 'triton' the dense parts on the fused kernels too (the RMSNorm with
+    its residual add, the MLA prologue, the SwiGLU product) and the slot MoE kernel, all in the interpreter."""
+    script = f"BACKEND = {backend!r}\n" + _SPLIT_KV_DECODER
     if interpreted:
         pytest.importorskip("triton")
-        done = run_in_interpreter(_SPLIT_KV_DECODER)
+        done = run_in_interpreter(script)
     else:
-        done = subprocess.run([sys.executable, "-c", _SPLIT_KV_DECODER], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                               cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "split-KV decoder ok" in done.stdout

@@ -1,9 +1,11 @@
 """The engine on a CUDA device with Moonlight-16B-A3B's per-layer shapes (the `moonlight-16b-a3b` named config cut
 to 1 dense + 3 MoE layers; bf16, seeded random weights drawn on the device): split-KV latent attention, the Triton
-slot MoE kernels (per token and grouped for the prompt chunks), CUDA graphs and device routing of the sigmoid router
-in use; all-resident exact decoding against the torch path (SDPA, torch MoE, host routing, no graphs); PSR with
-C < E with graphs against itself without, and with the policy on the device (`EngineConfig.policy_device`)
-against the host policy, from the model's logits and following a recorded run. Skipped without CUDA (tests/conftest.py)."""
+slot MoE kernels (per token and grouped for the prompt chunks), the fused dense kernels (norms, MLA prologue,
+SwiGLU), CUDA graphs and device routing of the sigmoid router
+in use; all-resident exact decoding against the torch path (SDPA, torch MoE, torch ops, host routing, no graphs);
+PSR with C < E with graphs against itself without, and with the policy on the device
+(`EngineConfig.policy_device`) against the host policy, from the model's logits and following a recorded run.
+Skipped without CUDA (tests/conftest.py)."""
 
 import numpy as np
 import pytest
@@ -49,14 +51,14 @@ def test_gpu_moonlight_kernels_and_graphs_match_the_torch_path(moonlight, tokens
     fast = _engine(moonlight, "exact_lru", 64)
     assert fast.graphs is not None
     kernels = fast.kernels
-    assert (kernels["backend"], kernels["attention"]) == ("triton", "split_kv"), fast.notes
+    assert (kernels["backend"], kernels["attention"], kernels["dense"]) == ("triton", "split_kv", "fused"), fast.notes
     assert "slot_moe" in kernels["launch"] and any(k.startswith("grouped_slot_moe") for k in kernels["launch"])
     assert fast.decoder.grouped_moe, fast.notes
     run = fast.teacher_forced(tokens, prompt_len=32, return_logits=True)  # two prompt chunks of 16, then steps
     assert run.info["routing"] == "device", run.info
     slow = _engine(moonlight, "exact_lru", 64, backend="torch", attention="sdpa", cuda_graphs=False,
                    device_routing="off")
-    assert (slow.kernels["backend"], slow.kernels["attention"]) == ("torch", "sdpa")
+    assert (slow.kernels["backend"], slow.kernels["attention"], slow.kernels["dense"]) == ("torch", "sdpa", "torch")
     ref = slow.teacher_forced(tokens, prompt_len=32, return_logits=True)
     assert ref.info["routing"] == "host"
     rel = np.linalg.norm(run.logits - ref.logits, axis=1) / np.linalg.norm(ref.logits, axis=1)

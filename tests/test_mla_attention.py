@@ -2,7 +2,8 @@
 against its torch reference `specmoe.kernels.mla.mla_decode_attention`: the CPU path and the input checks; the
 Triton kernel in Triton's interpreter at small sizes (several D, positions, bf16 and float32); on a CUDA device at
 Moonlight's sizes (R = 512, P = 64, 16 heads, S = 4096), and inside a CUDA graph whose position changes between
-replays (marked gpu)."""
+replays (marked gpu). The attention prologue (`mla_prologue_triton` against `mla_prologue_torch`) in the
+interpreter and through Triton's compiler for the GPU."""
 
 import importlib.util
 
@@ -133,3 +134,78 @@ def test_gpu_kernel_in_a_cuda_graph_follows_the_position():
         seq_len.fill_(n)
         graph.replay()
         torch.testing.assert_close(out.float(), reference(q, cache, n - 1, m["rank"], 0.1), rtol=2e-2, atol=2e-2)
+
+
+_PROLOGUE = r"""
+import torch
+from specmoe.kernels.mla import mla_prologue_torch, mla_prologue_triton
+from specmoe.kernels.norm_rope import rope_tables
+S = 24
+for R, P, NH, nope in ((32, 16, 4, 8), (24, 12, 3, 8)):  # powers of two, and neither (masked lanes)
+    cos, sin = rope_tables(P, 10000.0, S, "cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        for interleaved in (True, False):
+            for D in (1, 3):
+                g = torch.Generator().manual_seed(R + D)
+                kv = torch.randn(D, R + P, generator=g).to(dtype)
+                q = torch.randn(D, NH, nope + P, generator=g).to(dtype)
+                q_lat = torch.randn(NH, D, R, generator=g).to(dtype)
+                w = torch.randn(R, generator=g).to(dtype)
+                first = torch.tensor([S - D - 2])
+                outs = []
+                for fn in (mla_prologue_torch, mla_prologue_triton):
+                    cache = torch.full((S, R + P), 7.0, dtype=dtype)
+                    query = torch.full((D, NH, R + P), 7.0, dtype=dtype)
+                    assert fn(kv, q[..., nope:], q_lat, w, 1e-6, cos, sin, first, cache, query, interleaved) is query
+                    outs.append((cache, query))
+                (c0, q0), (c1, q1) = outs
+                rows = slice(S - D - 2, S - 2)
+                assert torch.equal(c0[:rows.start], c1[:rows.start]) and torch.equal(c0[rows.stop:], c1[rows.stop:])
+                assert (c1[:rows.start] == 7).all() and (c1[rows.stop:] == 7).all()  # only the step's rows written
+                # no reduction in the rotation or the query's copy: the same bits; the norm's sum may round otherwise
+                assert torch.equal(q0, q1), (dtype, interleaved, D)
+                assert torch.equal(c0[rows, R:], c1[rows, R:])
+                tol = 1e-6 if dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(c1[rows, :R].float(), c0[rows, :R].float(), rtol=tol, atol=tol)
+print("MLA prologue ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_prologue_kernel_matches_the_torch_version_in_the_interpreter():
+    """Cache rows (normed latent, rotated k_pe) and queries (q_lat, rotated q_pe) of the step's positions, both rope
+    layouts, float32 and bf16, shapes with and without padded lanes; the rows outside the step stay untouched."""
+    done = run_in_interpreter(_PROLOGUE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MLA prologue ok" in done.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_prologue_kernel_compiles_for_the_gpu():
+    """Triton's interpreter skips the compiler's type rules (the kernel's branch assigns pointers of two tensors):
+    its launches at Moonlight's shapes, bf16 and float32, both layouts, go through the front end for an H200."""
+    from specmoe.kernels.checks import compile_launches
+    from specmoe.kernels.mla import mla_prologue_triton
+    from specmoe.kernels.norm_rope import rope_tables
+
+    r, p, nh, nope, s = 512, 64, 16, 128, 64
+    cos, sin = rope_tables(p, 10000.0, s, "cpu")
+    with compile_launches() as compiled:
+        for dtype in (torch.bfloat16, torch.float32):
+            for interleaved in (True, False):
+                q = torch.zeros(3, nh, nope + p, dtype=dtype)
+                mla_prologue_triton(torch.zeros(3, r + p, dtype=dtype), q[..., nope:],
+                                    torch.zeros(nh, 3, r, dtype=dtype), torch.ones(r, dtype=dtype), 1e-6, cos, sin,
+                                    torch.tensor([0]),
+                                    torch.zeros(s, r + p, dtype=dtype), torch.zeros(3, nh, r + p, dtype=dtype),
+                                    interleaved)
+    assert {name for name, _ in compiled} == {"_mla_prologue_kernel"} and len(compiled) == 4
+
+
+def test_prologue_refuses_strided_outputs():
+    from specmoe.kernels.mla import mla_prologue_triton
+
+    with pytest.raises(ValueError, match="contiguous cache, query"):
+        mla_prologue_triton(torch.zeros(1, 48), torch.zeros(1, 4, 16), torch.zeros(4, 1, 32), torch.ones(32), 1e-6,
+                            torch.zeros(8, 8), torch.zeros(8, 8), torch.tensor([0]), torch.zeros(8, 48),
+                            torch.zeros(1, 4, 96)[..., :48], False)

@@ -195,6 +195,45 @@ def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, e
     _agree("attention prologue kernel", *outs)
 
 
+def check_mla_kernels(num_heads: int, kv_lora_rank: int, rope_dim: int, nope_dim: int, hidden: int, inter: int,
+                      eps: float, latent_eps: float, interleaved: bool, dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """DeepSeek-V3's fused dense kernels against their torch versions at the decoder's shapes, for one position and
+    a block of three: the RMSNorm alone and after the residual add (the sum too), the MLA prologue
+    (`mla.mla_prologue_triton`: cache rows and queries; q_pe a strided view of the query projection, as the decoder
+    passes it) and the SwiGLU product of a dense MLP (`norm_rope.gate_mul_triton`)."""
+    from . import norm_rope as knr
+    from .mla import mla_prologue_torch, mla_prologue_triton
+
+    g = torch.Generator(device=device).manual_seed(8)
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=g).to(dtype)  # noqa: E731
+    r, p, seq = kv_lora_rank, rope_dim, 8
+    cos, sin = knr.rope_tables(p, 10000.0, seq, device)
+    w, kv_w = rand(hidden), rand(r)
+    for d in (1, 3):
+        x, res = rand(d, hidden), rand(d, hidden)
+        _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, eps), knr.rmsnorm_triton(x, w, eps, torch.empty_like(x)))
+        res_out = res.clone()
+        out = knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), residual=res_out)
+        _agree("residual add of the RMSNorm kernel", res + x, res_out)
+        _agree("RMSNorm kernel after the residual add", knr.rmsnorm_torch(res + x, w, eps), out)
+        kv, q = rand(d, r + p), rand(d, num_heads, nope_dim + p)
+        q_lat = rand(num_heads, d, r)
+        first = torch.tensor([seq - d - 1], device=device)
+        outs = []
+        for fn in (mla_prologue_torch, mla_prologue_triton):
+            cache = torch.zeros(seq, r + p, device=device, dtype=dtype)
+            query = torch.zeros(d, num_heads, r + p, device=device, dtype=dtype)
+            fn(kv, q[..., nope_dim:], q_lat, kv_w, latent_eps, cos, sin, first, cache, query, interleaved)
+            outs.append(torch.cat([cache.flatten(), query.flatten()]))
+        _agree("MLA prologue kernel", *outs)
+        gu = rand(d, 2 * inter)
+        ref = knr.gate_mul_torch(gu[:, :inter], gu[:, inter:], torch.empty(d, inter, device=device, dtype=dtype),
+                                 "silu")
+        _agree("SwiGLU product kernel", ref, knr.gate_mul_triton(gu[:, :inter], gu[:, inter:], torch.empty_like(ref),
+                                                                 "silu"))
+
+
 def check_zero_centred_kernels(s: Geometry, rotary_dim: int, shared_inter: int, eps: float, dtype: torch.dtype,
                                device: torch.device) -> None:
     """Qwen3.5-MoE's fused kernels (`norm_rope`) against their torch versions at the decoder's shapes, for one

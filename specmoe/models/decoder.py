@@ -364,7 +364,8 @@ class Decoder(Protocol):
         launch parameters (tune: "auto", True or False, `specmoe.kernels.tuning`), check each against its
         torch reference on this device (`specmoe.kernels.checks`), fall back where one fails, and return what
         is used: {"backend", "attention", "moe", "launch"} (launch: kernel -> {"params", "source"}), and any
-        kernel of the architecture's own (Qwen3.5-MoE: "gdn", its Gated DeltaNet recurrence)."""
+        kernel of the architecture's own (Qwen3.5-MoE: "gdn", its Gated DeltaNet recurrence; DeepSeek-V3: "dense", its
+        fused norms, MLA prologue and SwiGLU or torch ops)."""
 
     def step(self, num_positions: int) -> DecodeStep:
         """The buffers of D = num_positions (made at the first call, then reused)."""

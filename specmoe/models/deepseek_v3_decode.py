@@ -24,13 +24,22 @@ moe(step, l) for each, then head(step). The dense layers run inside those launch
 For Moonlight (27 layers, first_k_dense_replace 1): attention_router(step, 0) runs the embedding, decoder
 layer 0 whole and decoder layer 1's attention and routers; MoE layer l is decoder layer l + 1.
 
+The dense parts on fused kernels (`use_kernels` with the Triton backend, after a check against the torch ops at
+the decoder's shapes, `checks.check_mla_kernels`; `kernels["dense"]` says which ran): every RMSNorm one launch
+(`norm_rope.rmsnorm_triton`; the post-attention norm with the output projection's residual add), the attention's
+prologue one launch (`mla.mla_prologue_triton`: the latent norm, both rotations, the cache rows and the queries;
+about thirty torch launches otherwise), the SwiGLU product of the dense MLPs and shared experts one launch
+(`norm_rope.gate_mul_triton`), the float32 router product written straight into the step's logits rows. The
+torch path (CPU, or a failed check) runs the same arithmetic as torch ops.
+
 MLA at decode (`specmoe.kernels.mla`): the cache keeps, per decoder layer and position, the normed latent c
 (kv_lora_rank) and the rotated key part k_pe (qk_rope_head_dim) in one [S, R + P] row block; queries are
 absorbed (q_nope through kv_b_proj's key rows into latent space), every head attends the one latent head,
 and the latent output leaves through kv_b_proj's value rows, then o_proj. The attention itself is
 `split_kv_latent_attention` (Triton, reads positions 0 .. pos + i only, one 576-wide row per position for
 Moonlight) on CUDA, or `mla_decode_attention` (torch SDPA over the masked cache; the CPU path and the reference);
-`use_kernels` chooses, after a self-check on the device. Query: q_proj, or q_a_proj ->
+`use_kernels` chooses, after a self-check on the device. The prologue before it (`mla.mla_prologue_torch`, or
+its kernel) writes the step's cache rows and queries. Query: q_proj, or q_a_proj ->
 RMSNorm -> q_b_proj where q_lora_rank is set (DeepSeek-V3; Moonlight has none). Rotary: transformers' default
 rope over qk_rope_head_dim, interleaved pairs where `rope_interleave` (its default); other rope types (yarn,
 which DeepSeek-V3 itself uses) are refused, naming the config field. Softmax scale: qk_head_dim^-1/2.
@@ -56,7 +65,7 @@ import torch.nn.functional as F
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, make_grouped_workspace,
                              make_split_kv_workspace, norm_rope, triton_available)
-from specmoe.kernels.mla import mla_decode_attention, rotate_pairs
+from specmoe.kernels.mla import mla_decode_attention, mla_prologue_torch, mla_prologue_triton
 from specmoe.kernels.split_kv import split_kv_latent_attention
 from specmoe.routing import RouterScoring
 
@@ -121,6 +130,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
         self.scoring = deepseek_v3_scoring(config, weight)
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
         self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # set by use_kernels
+        self.fused = False  # the dense parts on the fused kernels (use_kernels)
         self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
         # the dense decoder layers run before MoE layer l (dense_before[l]) and after the last one (dense_after)
         bounds = (-1,) + self.moe_layer_ids
@@ -173,7 +183,9 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
         default on CUDA with Triton) or "sdpa" (`mla_decode_attention`); backend "triton": the Triton slot MoE
         kernels over the store's [gate | up | down] rows (per token, and grouped for steps of D > 1), launch
         parameters tuned and cached as OLMoE's. Each is checked against its torch version on this device and
-        falls back with a note. flash-attn and vLLM's experts are not implemented for this decoder (noted)."""
+        falls back with a note; so are the fused dense kernels (module docstring), which the Triton backend
+        asks for too ("dense": "fused" or "torch" in the returned dict). flash-attn and vLLM's experts are not
+        implemented for this decoder (noted)."""
         check_kernel_choice(backend, attention, moe)
         tune = check_tune(tune)
         cuda, g = self.device.type == "cuda", self.geometry
@@ -191,9 +203,19 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
                     g, self.kv_lora_rank, "split-KV latent attention kernel", self._split_kv_check, self.dtype,
                     self.device)):
                 self.attention = "split_kv"
+        self.fused = False
         if backend == "triton" or (backend == "auto" and cuda and triton_available()):
+            self.fused = verified(self, "fused dense kernels (RMSNorm, MLA prologue, SwiGLU product)", "torch ops",
+                                  self._check_fused)
             use_slot_moe(self, slot_buf, tune)
-        return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch}
+        return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
+                "dense": "fused" if self.fused else "torch"}
+
+    def _check_fused(self) -> None:
+        g = self.geometry
+        checks.check_mla_kernels(g.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim, g.hidden,
+                                 self.layers[self.moe_layer_ids[0]]["down"].shape[1], self.eps, LATENT_NORM_EPS,
+                                 self.interleaved, self.dtype, self.device)
 
     def _latent_workspace(self, num_positions: int, device):
         """The split-KV workspace of a step (`make_split_kv_workspace` for the latent cache)."""
@@ -211,6 +233,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
             step = DecodeStep.allocate(d, c, dev)
             residual_work(step, c, dt, self.feature_layers)
             step.work.update(att=torch.zeros(d, c.num_heads, self.kv_lora_rank, dtype=dt, device=dev),
+                             query=torch.zeros(d, c.num_heads, c.head_dim, dtype=dt, device=dev),  # [q_lat | q_pe]
                              seqlens=torch.zeros(1, dtype=torch.int32, device=dev))
             try:  # shapes the split-KV kernel does not take (R or P not a power of two) keep SDPA
                 step.work["split_kv"] = self._latent_workspace(d, dev)
@@ -239,14 +262,23 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
         """Nothing to clear: a step masks every position it has not written; positions count from its input."""
 
     # -- device steps (graph bodies) -------------------------------------------------------------------
-    def _rmsnorm(self, x, weight, out=None, eps=None):
-        y = norm_rope.rmsnorm_torch(x, weight, self.eps if eps is None else eps)
+    def _rmsnorm(self, x, weight, out=None, eps=None, residual=None):
+        """out (a new tensor if None) = RMSNorm(x); with a residual: residual += x first (rounded as torch's add_)
+        and out is the norm of the sum. One launch on the fused path (`use_kernels`)."""
+        eps = self.eps if eps is None else eps
+        if self.fused:
+            return norm_rope.rmsnorm_triton(x, weight, eps, torch.empty_like(x) if out is None else out,
+                                            residual=residual)
+        if residual is not None:
+            x = residual.add_(x)
+        y = norm_rope.rmsnorm_torch(x, weight, eps)
         return y if out is None else out.copy_(y)
 
-    def _attention(self, step: DecodeStep, j: int) -> None:
-        """Decoder layer j's MLA of the step's D positions (latent cache write included), added to the residual."""
+    def _attention(self, step: DecodeStep, j: int) -> torch.Tensor:
+        """Decoder layer j's MLA of the step's D positions (latent cache rows written): its output projection
+        [D, H], not yet added to the residual."""
         w, lw, d = step.work, self.layers[j], step.num_positions
-        heads, latent = self.geometry.num_heads, self.kv_lora_rank
+        heads = self.geometry.num_heads
         x = self._rmsnorm(w["h"], lw["input_ln"], w["xn"])
         if self.q_lora_rank is None:
             q = F.linear(x, lw["q"])
@@ -254,32 +286,34 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
             q = F.linear(self._rmsnorm(F.linear(x, lw["q_a"], lw["q_a_bias"]), lw["q_a_ln"], eps=LATENT_NORM_EPS),
                          lw["q_b"])
         q_nope, q_pe = q.view(d, heads, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
-        c, k_pe = F.linear(x, lw["kv_a"], lw["kv_a_bias"]).split([latent, self.rope_dim], dim=-1)
-        positions = step.input_dev[d:] + torch.arange(d, device=self.device)
-        cos = self.cos.index_select(0, positions).to(self.dtype)
-        sin = self.sin.index_select(0, positions).to(self.dtype)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), lw["w_uk"])  # [NH, D, R]
+        prologue = mla_prologue_triton if self.fused else mla_prologue_torch
         cache = self.latent_cache[j]
-        cache.index_copy_(0, positions, torch.cat([self._rmsnorm(c, lw["kv_a_ln"], eps=LATENT_NORM_EPS),
-                                                   rotate_pairs(k_pe, cos, sin, self.interleaved)], dim=-1))
-        q_lat = torch.bmm(q_nope.transpose(0, 1), lw["w_uk"]).transpose(0, 1)  # [D, NH, R]
-        query = torch.cat([q_lat, rotate_pairs(q_pe, cos[:, None], sin[:, None], self.interleaved)], dim=-1)
+        query = prologue(F.linear(x, lw["kv_a"], lw["kv_a_bias"]), q_pe, q_lat, lw["kv_a_ln"], LATENT_NORM_EPS,
+                         self.cos, self.sin, step.input_dev[d:], cache, w["query"], self.interleaved)
         if self.attention == "split_kv":
             out_lat = split_kv_latent_attention(query, cache, w["seqlens"], self.scale, w["att"], w["split_kv"])
         else:
-            out_lat = mla_decode_attention(query, cache, w["mask"], self.scale, latent)  # [D, NH, R]
+            out_lat = mla_decode_attention(query, cache, w["mask"], self.scale, self.kv_lora_rank)  # [D, NH, R]
         out = torch.bmm(out_lat.transpose(0, 1), lw["w_uv"]).transpose(0, 1).reshape(d, heads * self.v_head_dim)
-        w["h"].add_(F.linear(out, lw["o"], lw["o_bias"]))
+        return F.linear(out, lw["o"], lw["o_bias"])
 
-    @staticmethod
-    def _mlp(x, gate_up, down):
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    def _mlp(self, x, gate_up, down):
+        """A dense SwiGLU MLP (the dense layers' and the shared experts'): the gate and up rows in one product; on
+        the fused path the activation and product in one launch (`norm_rope.gate_mul_triton`)."""
+        gu = F.linear(x, gate_up)
+        inter = gu.shape[-1] // 2
+        if self.fused:
+            return F.linear(norm_rope.gate_mul_triton(gu[:, :inter], gu[:, inter:], torch.empty_like(gu[:, inter:]),
+                                                      "silu"), down)
+        gate, up = gu.chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, down)
 
     def _dense_layer(self, step: DecodeStep, j: int) -> None:
         """Decoder layer j with a dense MLP, entirely; its features where named."""
         w, lw = step.work, self.layers[j]
-        self._attention(step, j)
-        w["h"].add_(self._mlp(self._rmsnorm(w["h"], lw["post_ln"], w["xn"]), lw["gate_up"], lw["down"]))
+        x = self._rmsnorm(self._attention(step, j), lw["post_ln"], w["xn"], residual=w["h"])
+        w["h"].add_(self._mlp(x, lw["gate_up"], lw["down"]))
         if j != self.num_decoder_layers - 1:  # the last layer's features: after the final norm (head)
             self._write_features(step, j, w["h"])
 
@@ -297,9 +331,8 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
         for j in self.dense_before[layer]:
             self._dense_layer(step, j)
         j = self.moe_layer_ids[layer]
-        self._attention(step, j)
-        m = self._rmsnorm(w["h"], self.layers[j]["post_ln"], w["moe_in"])
-        step.logits_dev[layer].copy_(F.linear(m.float(), self.router_pair[layer]))
+        m = self._rmsnorm(self._attention(step, j), self.layers[j]["post_ln"], w["moe_in"], residual=w["h"])
+        torch.matmul(m.float(), self.router_pair[layer].T, out=step.logits_dev[layer])  # float32, as transformers
         if copy_out:
             step.copy_out_logits(layer)
         # the shared experts, resident and ungated, here rather than in `moe`: the engine may run a layer's MoE in
