@@ -272,7 +272,7 @@ import sys, torch
 sys.path.insert(0, "tests")
 from test_deepseek_v3_decode import build_model, expert_rows, run_step, tiny_config
 from specmoe.models.deepseek_v3_decode import DeepseekV3Decoder
-model = build_model(tiny_config(kv_lora_rank=32, qk_rope_head_dim=16))
+model = build_model(tiny_config(kv_lora_rank=32, qk_rope_head_dim=16, **CONFIG))
 rows = [expert_rows(model, j) for j in (1, 2, 3)]
 tokens = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(4)).tolist()
 with torch.no_grad():
@@ -294,8 +294,10 @@ print("split-KV decoder ok")
 def test_split_kv_latent_attention_in_the_decoder_gives_transformers_logits(interpreted, backend):
     """attention='split_kv' (R = 32, P = 16): the step's seq_len plumbing on the CPU path, and the Triton kernel
     itself in Triton's interpreter; with backend 'triton' the dense parts on the fused kernels too (the RMSNorm with
-    its residual add, the MLA prologue, the SwiGLU product) and the slot MoE kernel, all in the interpreter."""
-    script = f"BACKEND = {backend!r}\n" + _SPLIT_KV_DECODER
+    its residual add, the MLA prologue, the SwiGLU product) and the slot MoE kernel, all in the interpreter, on a
+    config with the query's low-rank path, attention biases and the halves rope layout."""
+    config = dict(q_lora_rank=16, attention_bias=True, rope_interleave=False) if backend == "triton" else {}
+    script = f"BACKEND = {backend!r}\nCONFIG = {config!r}\n" + _SPLIT_KV_DECODER
     if interpreted:
         pytest.importorskip("triton")
         done = run_in_interpreter(script)
