@@ -491,3 +491,68 @@ def test_timeline_pass_on_the_cpu():
                           EngineConfig(max_seq_len=64))
     step = bench_spec_engine.target_pass(target, np.arange(8) % adapter.vocab_size, 4)
     assert step["ms_per_token"] > 0 and step["routing"] == "host"  # the CPU: no device routing
+
+
+_FAKE_BENCH = r'''
+import argparse, json, os, pathlib, sys
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--scale", type=float, default=1.0)
+args = ap.parse_args()
+tree = pathlib.Path.cwd()
+log = tree.parent / "order.txt"
+n = len(log.read_text().splitlines()) if log.exists() else 0
+with open(log, "a") as f:
+    f.write(tree.name + "\n")
+if (tree / "fail").exists():
+    print("the model does not fit", file=sys.stderr)
+    sys.exit(3)
+base = {"old": 2.0, "new": 1.0}[tree.name] * args.scale * (1 + 0.01 * (n % 3))  # a little drift per process
+table = {"all_resident": {"ms_mean": base, "copies_skipped_ms": base / 2, "policy": "exact"},
+         "only_" + tree.name: {"ms_mean": 1.0}}
+pathlib.Path(args.out, "bench_engine.json").write_text(json.dumps({"table": table}))
+'''
+
+
+def _trees(tmp_path):
+    for name in ("old", "new"):
+        (tmp_path / name / "scripts").mkdir(parents=True)
+        (tmp_path / name / "scripts" / "bench_engine.py").write_text(_FAKE_BENCH)
+    return tmp_path / "old", tmp_path / "new"
+
+
+def test_ab_trees_alternates_the_trees_pairs_the_ratios_and_resumes(tmp_path, capsys):
+    """scripts/ab_trees.py over two stand-in trees whose benchmark reports 2x and 1x (with drift): processes
+    alternate old-new, new-old, ...; each row common to both sides gets old / new per field with a paired interval;
+    the script's arguments reach it; a rerun reuses the finished processes; bad arguments and a failing process are
+    named."""
+    import pytest
+
+    import ab_trees
+
+    old, new = _trees(tmp_path)
+    out = tmp_path / "ab"
+    base = ["--old", str(old), "--new", str(new), "--out", str(out), "--pairs", "3"]
+    assert ab_trees.main(base + ["--", "--scale", "3"]) == 0
+    assert (tmp_path / "order.txt").read_text().split() == ["old", "new", "new", "old", "old", "new"]
+    summary = json.loads((out / "ab_trees.json").read_text())
+    assert summary["pairs"] == 3 and set(summary["ratios"]) == {"all_resident"}  # only_old / only_new left out
+    r = summary["ratios"]["all_resident"]
+    assert set(r) == {"ms_mean", "copies_skipped_ms"}  # "policy" is not a number
+    assert r["ms_mean"]["low"] < 2.0 < r["ms_mean"]["high"] and abs(r["ms_mean"]["ratio"] - 2.0) < 0.05
+    assert r["ms_mean"]["new_mean"] > 3.0  # --scale 3 reached the script
+    assert "| all_resident | ms_mean |" in (out / "ab_trees.md").read_text()
+    # a rerun finds every process's report: nothing runs again, the same summary
+    assert ab_trees.main(base + ["--", "--scale", "3"]) == 0
+    assert len((tmp_path / "order.txt").read_text().split()) == 6
+    assert json.loads((out / "ab_trees.json").read_text())["ratios"] == summary["ratios"]
+
+    (old / "fail").touch()
+    with pytest.raises(RuntimeError, match="(?s)exit 3.*wrote no table .*the model does not fit"):
+        ab_trees.main(["--old", str(old), "--new", str(new), "--out", str(tmp_path / "ab2"), "--pairs", "2"])
+    for bad, message in ((["--pairs", "1"], "--pairs must be at least 2"),
+                         (["--", "--out", "x"], "leave it out"),
+                         (["--script", "scripts/missing.py"], "scripts/missing.py not found")):
+        with pytest.raises(SystemExit):
+            ab_trees.main(["--old", str(old), "--new", str(new), "--out", str(out)] + bad)
+        assert message in capsys.readouterr().err

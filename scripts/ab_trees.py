@@ -1,0 +1,131 @@
+"""Two source trees, one benchmark: processes alternate between an older tree and this one, and each row's
+old / new ratio gets a paired interval over the alternations (a change measured against the code before it when
+the two cannot run in one process, e.g. a decoder's kernels).
+
+The benchmark is a script of the trees (default `scripts/bench_engine.py`) that takes `--out DIR` and writes a
+JSON report there whose "table" maps row names to numbers (bench_engine's `bench_engine.json`: ms_mean,
+copies_skipped_ms, ...). Pair i runs the script once in each tree (cwd and PYTHONPATH the tree), old first in even
+pairs and new first in odd ones (drift in the machine's clocks or temperature falls on both sides); pair i's
+old / new per row and field is one paired unit, and `specmoe.stats.log_ratio_ttest` gives the ratio (the
+geometric mean) with its interval over the pairs (two pairs at least). Give each process one round of the
+benchmark's own (`--rounds 1`): the pairs are the rounds.
+
+Every process writes into --out/<old|new>_<i>; a rerun with the same --out reuses the processes whose report is
+there (a run cut short resumes), and the summary is written atomically after each pair: ab_trees.json (every
+process's values and the ratios) and ab_trees.md (the table).
+
+    PYTHONPATH=. python3 scripts/ab_trees.py --old ../old_tree --pairs 3 --out runs/ab -- \\
+        --model moonlight-16b-a3b --rounds 1 --windows 2 --tokens 64 --prompt 32 --no-hf --capacities 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specmoe.files import write_text_atomic  # noqa: E402
+from specmoe.stats import log_ratio_ttest  # noqa: E402
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", required=True, help="the older tree (holds the script and the package)")
+    ap.add_argument("--new", default=".", help="the newer tree (default: this checkout)")
+    ap.add_argument("--pairs", type=int, default=3, help="alternations: one process per tree each (at least 2)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--script", default="scripts/bench_engine.py", help="the benchmark, relative to each tree")
+    ap.add_argument("--report", default="bench_engine.json", help="the JSON report the script writes in its --out")
+    ap.add_argument("--fields", nargs="+", default=["ms_mean", "copies_skipped_ms"],
+                    help="numbers of each table row to compare (rows without one are left out)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per process")
+    ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the script's arguments but --out")
+    args = ap.parse_args(argv)
+    args.bench_args = [a for a in args.bench_args if a != "--"]
+    if args.pairs < 2:
+        ap.error(f"--pairs must be at least 2 (a paired interval needs two units), got {args.pairs}")
+    if "--out" in args.bench_args:
+        ap.error("the script's --out is set per process (under --out); leave it out of its arguments")
+    for side in ("old", "new"):
+        tree = Path(getattr(args, side)).resolve()
+        if not (tree / args.script).is_file():
+            ap.error(f"--{side} {getattr(args, side)}: {args.script} not found in {tree}")
+        setattr(args, side, tree)
+    return args
+
+
+def run_process(tree: Path, out: Path, args) -> dict:
+    """One process of the script in `tree`, its table (reused where a finished report is already in `out`);
+    RuntimeError naming the process and the end of its output if it fails or writes no table."""
+    report = out / args.report
+    if report.is_file():
+        table = json.loads(report.read_text()).get("table")
+        if table:
+            return table
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    started = time.time()
+    done = subprocess.run([sys.executable, args.script, "--out", str(out.resolve()), *args.bench_args], cwd=tree,
+                          env=env, capture_output=True, text=True, timeout=args.timeout)
+    (out / "log.txt").write_text(done.stdout + done.stderr)
+    table = json.loads(report.read_text()).get("table") if report.is_file() else None
+    if not table:
+        raise RuntimeError(f"{args.script} in {tree} (exit {done.returncode}, {time.time() - started:.0f} s) wrote no "
+                           f"table to {report}; its output ends:\n{(done.stdout + done.stderr)[-2000:]}")
+    return table
+
+
+def ratios(tables: dict, fields) -> dict:
+    """{row: {field: {ratio, low, high, p, pairs}}} of old / new over the pairs where both sides have the value."""
+    result = {}
+    rows = sorted(set.intersection(*(set(t) for side in tables.values() for t in side)))
+    for row in rows:
+        for field in fields:
+            old = [t[row].get(field) for t in tables["old"]]
+            new = [t[row].get(field) for t in tables["new"]]
+            if any(not isinstance(v, (int, float)) for v in old + new):
+                continue
+            r = log_ratio_ttest(old, new)
+            result.setdefault(row, {})[field] = {"ratio": r.ratio, "low": r.low, "high": r.high, "p": r.p_value,
+                                                 "pairs": r.rounds, "old_mean": sum(old) / len(old),
+                                                 "new_mean": sum(new) / len(new)}
+    return result
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"# {summary['script']}: old / new over {summary['pairs']} alternating pairs", "",
+             f"old: {summary['old']}; new: {summary['new']}; arguments: `{' '.join(summary['bench_args'])}`", "",
+             "| row | field | old mean | new mean | old / new (95%, paired t over pairs) | p |",
+             "|---|---|---|---|---|---|"]
+    for row, fields in summary["ratios"].items():
+        for field, r in fields.items():
+            lines.append(f"| {row} | {field} | {r['old_mean']:.4g} | {r['new_mean']:.4g} | {r['ratio']:.3f} "
+                         f"({r['low']:.3f}–{r['high']:.3f}) | {r['p']:.2g} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    out = Path(args.out)
+    tables: dict[str, list] = {"old": [], "new": []}
+    summary = {"script": args.script, "old": str(args.old), "new": str(args.new), "bench_args": args.bench_args,
+               "fields": args.fields}
+    for i in range(args.pairs):
+        for side in (("old", "new") if i % 2 == 0 else ("new", "old")):
+            tables[side].append(run_process(getattr(args, side), out / f"{side}_{i}", args))
+            print(f"pair {i}: {side} done", flush=True)
+        if i >= 1:
+            summary.update(pairs=i + 1, tables=tables, ratios=ratios(tables, args.fields))
+            write_text_atomic(out / "ab_trees.json", json.dumps(summary, indent=1))
+            write_text_atomic(out / "ab_trees.md", markdown(summary))
+    print(markdown(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
