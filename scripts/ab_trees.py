@@ -11,8 +11,9 @@ geometric mean) with its interval over the pairs (two pairs at least). Give each
 benchmark's own (`--rounds 1`): the pairs are the rounds.
 
 Every process writes into --out/<old|new>_<i>; a rerun with the same --out reuses the processes whose report is
-there (a run cut short resumes), and the summary is written atomically after each pair: ab_trees.json (every
-process's values and the ratios) and ab_trees.md (the table).
+there (a run cut short resumes; one with other trees, script or arguments is refused). The summary is written
+atomically at the start and after each pair: ab_trees.json (the comparison, every process's values and the
+ratios) and ab_trees.md (the table).
 
     PYTHONPATH=. python3 scripts/ab_trees.py --old ../old_tree --pairs 3 --out runs/ab -- \\
         --model moonlight-16b-a3b --rounds 1 --windows 2 --tokens 64 --prompt 32 --no-hf --capacities 24
@@ -115,13 +116,23 @@ def main(argv=None) -> int:
     tables: dict[str, list] = {"old": [], "new": []}
     summary = {"script": args.script, "old": str(args.old), "new": str(args.new), "bench_args": args.bench_args,
                "fields": args.fields}
+    identity = ("script", "old", "new", "bench_args")
+    earlier = out / "ab_trees.json"
+    if earlier.is_file():  # a resumed run must be the same comparison, or its finished processes do not belong
+        before = json.loads(earlier.read_text())
+        changed = [key for key in identity if before.get(key) != summary[key]]
+        if changed:
+            raise SystemExit(f"ab_trees.py: {out} holds a comparison with other {', '.join(changed)} "
+                             f"({', '.join(repr(before.get(k)) for k in changed)}); use another --out")
+    else:
+        write_text_atomic(earlier, json.dumps({**summary, "pairs": 0}, indent=1))
     for i in range(args.pairs):
         for side in (("old", "new") if i % 2 == 0 else ("new", "old")):
             tables[side].append(run_process(getattr(args, side), out / f"{side}_{i}", args))
             print(f"pair {i}: {side} done", flush=True)
         if i >= 1:
             summary.update(pairs=i + 1, tables=tables, ratios=ratios(tables, args.fields))
-            write_text_atomic(out / "ab_trees.json", json.dumps(summary, indent=1))
+            write_text_atomic(earlier, json.dumps(summary, indent=1))
             write_text_atomic(out / "ab_trees.md", markdown(summary))
     print(markdown(summary), flush=True)
     return 0

@@ -546,6 +546,8 @@ def test_ab_trees_alternates_the_trees_pairs_the_ratios_and_resumes(tmp_path, ca
     assert ab_trees.main(base + ["--", "--scale", "3"]) == 0
     assert len((tmp_path / "order.txt").read_text().split()) == 6
     assert json.loads((out / "ab_trees.json").read_text())["ratios"] == summary["ratios"]
+    with pytest.raises(SystemExit, match="other bench_args"):  # another comparison does not reuse these processes
+        ab_trees.main(base + ["--", "--scale", "4"])
 
     (old / "fail").touch()
     with pytest.raises(RuntimeError, match="(?s)exit 3.*wrote no table .*the model does not fit"):
