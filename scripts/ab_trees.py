@@ -64,21 +64,25 @@ def run_process(tree: Path, out: Path, args) -> dict:
     """One process of the script in `tree`, its table (reused where a finished report is already in `out`);
     RuntimeError naming the process and the end of its output if it fails or writes no table."""
     report = out / args.report
-    if report.is_file():
-        table = json.loads(report.read_text()).get("table")
-        if table:
-            return table
+    table = _table(report)
+    if table:
+        return table
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     started = time.time()
     done = subprocess.run([sys.executable, args.script, "--out", str(out.resolve()), *args.bench_args], cwd=tree,
                           env=env, capture_output=True, text=True, timeout=args.timeout)
     (out / "log.txt").write_text(done.stdout + done.stderr)
-    table = json.loads(report.read_text()).get("table") if report.is_file() else None
+    table = _table(report)
     if not table:
         raise RuntimeError(f"{args.script} in {tree} (exit {done.returncode}, {time.time() - started:.0f} s) wrote no "
                            f"table to {report}; its output ends:\n{(done.stdout + done.stderr)[-2000:]}")
     return table
+
+
+def _table(report: Path) -> dict | None:
+    """The "table" of a finished report, None if there is none."""
+    return json.loads(report.read_text()).get("table") if report.is_file() else None
 
 
 def ratios(tables: dict, fields) -> dict:

@@ -478,7 +478,7 @@ def main(argv=None) -> int:
     save()
 
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
-    cfg = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention)  # the defaults (host policy)
+    cfg = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention)  # the defaults
     # the C < E rows' device path, asked for explicitly ("auto", the default, keeps PSR on the host)
     cfg_device = EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention, policy_device="on")
     unit = ExpertResidency(store, E, args.device)  # one unit of E slots for every engine (a full-size model's

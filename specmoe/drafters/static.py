@@ -42,16 +42,6 @@ def choose_kernels(owner, backend: str, check) -> bool:
     return verified(owner, "fused Triton kernels of the layers", "torch ops", check)
 
 
-def norm(fused: bool, x: torch.Tensor, weight, eps: float, style: str, residual=None) -> torch.Tensor:
-    """The norm of `style` of x (rows contiguous); with a residual: residual += x first (in place) and the sum
-    is normed (`norm_rope.rmsnorm_triton` where fused, else `rmsnorm_torch`)."""
-    if fused:
-        return norm_rope.rmsnorm_triton(x, weight, eps, torch.empty_like(x), style=style, residual=residual)
-    if residual is not None:
-        x = residual.add_(x)
-    return norm_rope.rmsnorm_torch(x, weight, eps, style=style)
-
-
 def add_norm(fused: bool, h: torch.Tensor, x: torch.Tensor, weight, eps: float, style: str) -> torch.Tensor:
     """h += the norm of x (a post-norm's residual add, in place); returns h."""
     if fused:
@@ -62,13 +52,6 @@ def add_norm(fused: bool, h: torch.Tensor, x: torch.Tensor, weight, eps: float, 
 def prologue(fused: bool, qkv: torch.Tensor, *args, **flags) -> None:
     """`norm_rope.qkv_prologue_triton` where fused, else `qkv_prologue_torch` (same arguments)."""
     (norm_rope.qkv_prologue_triton if fused else norm_rope.qkv_prologue_torch)(qkv, *args, **flags)
-
-
-def swiglu(fused: bool, gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up [D, 2I] = [gate | up] (`norm_rope.gate_mul_*`)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    out = torch.empty_like(up)
-    return (norm_rope.gate_mul_triton if fused else norm_rope.gate_mul_torch)(gate, up, out, "silu")
 
 
 def greedy(fused: bool, logits: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, index=None) -> None:

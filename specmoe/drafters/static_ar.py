@@ -18,7 +18,8 @@ fused Triton kernels (`specmoe.kernels.norm_rope`: OLMo's LayerNorm fused with t
 OLMo-2's post-norms fused with the residual add after them, the attention prologue with QK-norm, clip, rotary
 embedding and KV write in one launch, the SwiGLU product; the split-KV attention; `kernels.greedy` for the
 greedy token and its probability in one pass over the logits) or on their torch references, which are the
-same functions' torch versions (`static.norm`, `prologue`, `swiglu`, `greedy`). Projections are cuBLAS GEMMs.
+same functions' torch versions (`norm_rope.rmsnorm` and `swiglu`, `static.prologue`, `greedy`). Projections
+are cuBLAS GEMMs.
 
 Drafting (`StaticARDrafter`, the `Drafter` protocol): the committed tokens live in a device buffer; one
 graph step reads its input token at the device position `pos` (the committed token there, or the draft
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
-from specmoe.kernels import checks
+from specmoe.kernels import checks, norm_rope
 from specmoe.kernels.norm_rope import rope_tables
 from specmoe.speculation import advance, prompt_tokens
 
@@ -124,23 +125,23 @@ class DenseDecoder:
                         q, self.k_cache[i], self.v_cache[i], eps, self.clip_qkv, style="olmo2", rope_f32=True)
         o = F.linear(attend(q, i), w["wo"])
         if self.kind == "olmo":
-            x = static.norm(fused, o, None, eps, "layer", residual=h)  # h += o, normed
+            x = norm_rope.rmsnorm(fused, o, None, eps, "layer", residual=h)  # h += o, normed
         else:
             x = static.add_norm(fused, h, o, w["post_attn"], eps, "olmo2")
-        m = F.linear(static.swiglu(fused, F.linear(x, w["gate_up"])), w["down"])
+        m = F.linear(norm_rope.swiglu(fused, F.linear(x, w["gate_up"])), w["down"])
         if self.kind == "olmo":
-            return static.norm(fused, m, None, eps, "layer", residual=h)
+            return norm_rope.rmsnorm(fused, m, None, eps, "layer", residual=h)
         return static.add_norm(fused, h, m, w["post_ff"], eps, "olmo2")
 
     def forward(self, ids: torch.Tensor, first: torch.Tensor, attend) -> torch.Tensor:
         """The final norm's output [D, H] for tokens ids [D] at positions first [1] + 0 .. D - 1 (their KV rows
         written); attend(q [D, NH, HD], layer) -> [D, NH * HD] over the cache."""
         h = self.embed.index_select(0, ids)
-        x = static.norm(self.fused, h, None, self.eps, "layer") if self.kind == "olmo" else h
+        x = norm_rope.rmsnorm(self.fused, h, None, self.eps, "layer") if self.kind == "olmo" else h
         for i in range(self.geometry.num_layers):
             x = self._layer(i, h, x, first, attend)
         if self.kind == "olmo2":
-            x = static.norm(self.fused, h, self.final_norm, self.eps, "olmo2")
+            x = norm_rope.rmsnorm(self.fused, h, self.final_norm, self.eps, "olmo2")
         return x
 
     def prefill(self, ids: torch.Tensor, start: int) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels import checks
+from specmoe.kernels import checks, norm_rope
 from specmoe.kernels.norm_rope import rope_tables
 from specmoe.speculation import advance, prompt_tokens
 
@@ -136,7 +136,7 @@ class StaticDFlashDrafter:
     def _write_context(self, features: torch.Tensor, first: torch.Tensor) -> None:
         """Keys and values of context feature rows [n, n_layers * H] at positions first [1] + 0 .. n - 1, in every
         layer (the prologue without query heads)."""
-        ctx = static.norm(self.fused, F.linear(features, self.fc), self.hidden_norm, self.eps, "olmoe")
+        ctx = norm_rope.rmsnorm(self.fused, F.linear(features, self.fc), self.hidden_norm, self.eps, "olmoe")
         q = torch.empty(ctx.shape[0], 0, self.head_dim, dtype=self.dtype, device=self.device)
         for i, w in enumerate(self.layers):
             self._prologue(i, F.linear(ctx, w["wkv"], w["bkv"]), first, q)
@@ -153,15 +153,16 @@ class StaticDFlashDrafter:
         self._write_context(self.pending_dev, context)
         written = anchor + b
         hidden = self.embed.index_select(0, torch.cat([token, self.block_ids[1:]]))
-        x = static.norm(fused, hidden, self.layers[0]["input_ln"], eps, "olmoe")
+        x = norm_rope.rmsnorm(fused, hidden, self.layers[0]["input_ln"], eps, "olmoe")
         for i, w in enumerate(self.layers):
             q = torch.empty(b, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
             self._prologue(i, F.linear(x, w["wqkv"], w["bqkv"]), anchor, q)
             att = self.attention(q, self.k_cache[i], self.v_cache[i], written)
-            x = static.norm(fused, F.linear(att, w["wo"], w["bo"]), w["post_ln"], eps, "olmoe", residual=hidden)
-            m = F.linear(static.swiglu(fused, F.linear(x, w["gate_up"])), w["down"])
+            x = norm_rope.rmsnorm(fused, F.linear(att, w["wo"], w["bo"]), w["post_ln"], eps, "olmoe", residual=hidden)
+            m = F.linear(norm_rope.swiglu(fused, F.linear(x, w["gate_up"])), w["down"])
             following = self.layers[i + 1]["input_ln"] if i + 1 < len(self.layers) else self.norm
-            x = static.norm(fused, m, following, eps, "olmoe", residual=hidden)  # the next input, or the final norm
+            # the next layer's input, or the final norm
+            x = norm_rope.rmsnorm(fused, m, following, eps, "olmoe", residual=hidden)
         static.greedy(fused, F.linear(x[1:], self.lm_head, self.lm_head_bias), self.out_tok, self.out_conf)
 
     def _position(self, p: int) -> torch.Tensor:

@@ -162,6 +162,19 @@ def check_gated_rmsnorm(heads: tuple[int, int, int, int], eps: float, dtype: tor
            gated_rmsnorm_triton(x, gate, weight, eps))
 
 
+def _check_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float, style: str = "olmoe") -> None:
+    """The RMSNorm kernel of `style` on rows x against `rmsnorm_torch`, alone and after the residual add of res
+    (the sum too)."""
+    from . import norm_rope as knr
+
+    _agree(f"{style} RMSNorm kernel", knr.rmsnorm_torch(x, w, eps, style=style),
+           knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), style=style))
+    res_out = res.clone()
+    out = knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), style=style, residual=res_out)
+    _agree("residual add of the RMSNorm kernel", res + x, res_out)
+    _agree(f"{style} RMSNorm kernel after the residual add", knr.rmsnorm_torch(res + x, w, eps, style=style), out)
+
+
 def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, eps: float, clip_qkv: float | None,
                  dtype: torch.dtype, device: torch.device) -> None:
     """Our Triton kernels (slot MoE, RMSNorm alone and after the residual add, attention prologue) against their
@@ -172,11 +185,7 @@ def check_triton(s: Geometry, slot_buf: torch.Tensor, moe_params: dict | None, e
     x = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     w = torch.randn(s.hidden, device=device, generator=g).to(dtype)
     _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, eps), knr.rmsnorm_triton(x, w, eps, torch.empty_like(x)))
-    res = torch.randn(3, s.hidden, device=device, generator=g).to(dtype)
-    rows, res_out = torch.randn(3, s.hidden, device=device, generator=g).to(dtype), res.clone()
-    out = knr.rmsnorm_triton(rows, w, eps, torch.empty_like(rows), residual=res_out)
-    _agree("residual add of the RMSNorm kernel", res + rows, res_out)
-    _agree("RMSNorm kernel after the residual add", knr.rmsnorm_torch(res + rows, w, eps), out)
+    _check_norm(*(torch.randn(3, s.hidden, device=device, generator=g).to(dtype) for _ in range(2)), w, eps)
     width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     num_pos = 3
     qkv = torch.randn(num_pos, width, device=device, generator=g).to(dtype)
@@ -211,12 +220,7 @@ def check_mla_kernels(num_heads: int, kv_lora_rank: int, rope_dim: int, nope_dim
     cos, sin = knr.rope_tables(p, 10000.0, seq, device)
     w, kv_w = rand(hidden), rand(r)
     for d in (1, 3):
-        x, res = rand(d, hidden), rand(d, hidden)
-        _agree("RMSNorm kernel", knr.rmsnorm_torch(x, w, eps), knr.rmsnorm_triton(x, w, eps, torch.empty_like(x)))
-        res_out = res.clone()
-        out = knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), residual=res_out)
-        _agree("residual add of the RMSNorm kernel", res + x, res_out)
-        _agree("RMSNorm kernel after the residual add", knr.rmsnorm_torch(res + x, w, eps), out)
+        _check_norm(rand(d, hidden), rand(d, hidden), w, eps)
         kv, q = rand(d, r + p), rand(d, num_heads, nope_dim + p)
         q_lat = rand(num_heads, d, r)
         first = torch.tensor([seq - d - 1], device=device)
@@ -249,12 +253,7 @@ def check_zero_centred_kernels(s: Geometry, rotary_dim: int, shared_inter: int, 
     cos, sin = knr.rope_tables(rotary_dim, 10000.0, seq, device)
     for d in (1, 3):
         x, res, w = rand(d, s.hidden), rand(d, s.hidden), rand(s.hidden) * 0.1
-        _agree("zero-centred RMSNorm kernel", knr.rmsnorm_torch(x, w, eps, True),
-               knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), zero_centred=True))
-        res_out = res.clone()
-        out = knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), zero_centred=True, residual=res_out)
-        _agree("residual add of the RMSNorm kernel", res + x, res_out)
-        _agree("RMSNorm kernel after the residual add", knr.rmsnorm_torch(res + x, w, eps, True), out)
+        _check_norm(x, res, w, eps, "zero_centred")
         qkv, qn, kn = rand(d, (2 * nh + 2 * nkv) * hd), rand(hd) * 0.1, rand(hd) * 0.1
         outs = []
         for fn in (knr.qkv_prologue_torch, knr.qkv_prologue_triton):
@@ -296,12 +295,7 @@ def check_drafter_kernels(hidden: int, inter: int, heads: tuple[int, int, int], 
     head_norm = prologue.get("head_norm", False)
     for d in positions:
         x, res, w = rand(d, hidden), rand(d, hidden), rand(hidden)
-        _agree(f"{style} norm kernel", knr.rmsnorm_torch(x, w, eps, style=style),
-               knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), style=style))
-        res_out = res.clone()
-        out = knr.rmsnorm_triton(x, w, eps, torch.empty_like(x), style=style, residual=res_out)
-        _agree("residual add of the norm kernel", res + x, res_out)
-        _agree(f"{style} norm kernel after the residual add", knr.rmsnorm_torch(res + x, w, eps, style=style), out)
+        _check_norm(x, res, w, eps, style)
         if post_norm:
             _agree(f"{style} post-norm kernel's residual add", res + knr.rmsnorm_torch(x, w, eps, style=style),
                    knr.rmsnorm_triton(x, w, eps, None, style=style, add_to=res.clone()))

@@ -77,6 +77,28 @@ def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, zero
     return weight * h.to(x.dtype)
 
 
+def rmsnorm(fused: bool, x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str = "olmoe",
+            residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The norm of `style` of x's rows (contiguous) into out (a new tensor if None); with a residual (x's shape,
+    contiguous): residual += x first, in place and rounded as torch's add_, and the sum is normed. One launch where
+    fused (`rmsnorm_triton`), else the torch ops (`rmsnorm_torch`): the decoders' and drafters' one dispatch."""
+    if fused:
+        return rmsnorm_triton(x, weight, eps, torch.empty_like(x) if out is None else out, style=style,
+                              residual=residual)
+    if residual is not None:
+        x = residual.add_(x)
+    y = rmsnorm_torch(x, weight, eps, style=style)
+    return y if out is None else out.copy_(y)
+
+
+def swiglu(fused: bool, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [D, 2I] = [gate | up], a new [D, I] (`gate_mul_triton` where fused, else
+    `gate_mul_torch`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = gate_up.new_empty(up.shape)
+    return (gate_mul_triton if fused else gate_mul_torch)(gate, up, out, "silu")
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -263,16 +263,8 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
 
     # -- device steps (graph bodies) -------------------------------------------------------------------
     def _rmsnorm(self, x, weight, out=None, eps=None, residual=None):
-        """out (a new tensor if None) = RMSNorm(x); with a residual: residual += x first (rounded as torch's add_)
-        and out is the norm of the sum. One launch on the fused path (`use_kernels`)."""
-        eps = self.eps if eps is None else eps
-        if self.fused:
-            return norm_rope.rmsnorm_triton(x, weight, eps, torch.empty_like(x) if out is None else out,
-                                            residual=residual)
-        if residual is not None:
-            x = residual.add_(x)
-        y = norm_rope.rmsnorm_torch(x, weight, eps)
-        return y if out is None else out.copy_(y)
+        """`norm_rope.rmsnorm` (eps: the decoder's unless given), one launch on the fused path (`use_kernels`)."""
+        return norm_rope.rmsnorm(self.fused, x, weight, self.eps if eps is None else eps, residual=residual, out=out)
 
     def _attention(self, step: DecodeStep, j: int) -> torch.Tensor:
         """Decoder layer j's MLA of the step's D positions (latent cache rows written): its output projection
@@ -300,14 +292,8 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
 
     def _mlp(self, x, gate_up, down):
         """A dense SwiGLU MLP (the dense layers' and the shared experts'): the gate and up rows in one product; on
-        the fused path the activation and product in one launch (`norm_rope.gate_mul_triton`)."""
-        gu = F.linear(x, gate_up)
-        inter = gu.shape[-1] // 2
-        if self.fused:
-            return F.linear(norm_rope.gate_mul_triton(gu[:, :inter], gu[:, inter:], torch.empty_like(gu[:, inter:]),
-                                                      "silu"), down)
-        gate, up = gu.chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, down)
+        the fused path the activation and product in one launch (`norm_rope.swiglu`)."""
+        return F.linear(norm_rope.swiglu(self.fused, F.linear(x, gate_up)), down)
 
     def _dense_layer(self, step: DecodeStep, j: int) -> None:
         """Decoder layer j with a dense MLP, entirely; its features where named."""

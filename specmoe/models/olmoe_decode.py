@@ -170,13 +170,8 @@ class OlmoeDecoder(Sourced, FeatureCapture):
 
     # -- device steps (graph bodies) -------------------------------------------------------------------
     def _rmsnorm(self, x, weight, out, residual=None):
-        """out = RMSNorm(x); with a residual: residual += x first (rounded as torch's add_) and out is the norm of
-        the sum, one launch on the Triton backend."""
-        if self.backend == "triton":
-            return norm_rope.rmsnorm_triton(x, weight, self.eps, out, residual=residual)
-        if residual is not None:
-            x = residual.add_(x)
-        return out.copy_(norm_rope.rmsnorm_torch(x, weight, self.eps))
+        """`norm_rope.rmsnorm` into out (after residual += x, with a residual), fused on the Triton backend."""
+        return norm_rope.rmsnorm(self.backend == "triton", x, weight, self.eps, residual=residual, out=out)
 
     def attention_router(self, step: DecodeStep, layer: int, copy_out: bool = True) -> None:
         w, d = step.work, step.num_positions

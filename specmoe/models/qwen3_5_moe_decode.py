@@ -407,13 +407,9 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
               residual: torch.Tensor | None = None) -> torch.Tensor:
-        """out = the zero-centred RMSNorm of x; with a residual: residual += x first, and out is the norm of the
-        sum (one launch each on the fused path)."""
-        if self.fused:
-            return norm_rope.rmsnorm_triton(x, weight, self.eps, out, zero_centred=True, residual=residual)
-        if residual is not None:
-            x = residual.add_(x)
-        return out.copy_(norm_rope.rmsnorm_torch(x, weight, self.eps, zero_centred=True))
+        """out = the zero-centred RMSNorm of x (after residual += x, with a residual; `norm_rope.rmsnorm`, one
+        launch on the fused path)."""
+        return norm_rope.rmsnorm(self.fused, x, weight, self.eps, "zero_centred", residual=residual, out=out)
 
     def _gate_mul(self, g, x, out, act, residual=None) -> torch.Tensor:
         fn = norm_rope.gate_mul_triton if self.fused else norm_rope.gate_mul_torch
