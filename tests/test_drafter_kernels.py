@@ -106,6 +106,14 @@ def walk(drafters, width=0):
             d.commit(accepted, bonus, rows)
 
 walk(pair("ar"))
+# the layers' one-row GEMMs on the GEMV kernel (on the CPU the choice is cuBLAS's F.linear; forced here; the head's
+# vocabulary-wide GEMV is left out for the interpreter's time, test_gemv runs it in OLMoE's decoder): same drafts
+from specmoe.kernels.gemv import GEMV_CANDIDATES
+torch_ops, fused = pair("ar")
+dec = fused.decoder
+for w in (dec.layers[0]["wqkv"], dec.layers[0]["wo"], dec.layers[0]["gate_up"], dec.layers[0]["down"]):
+    dec.linears.params[tuple(w.shape)] = GEMV_CANDIDATES[-1]
+walk((torch_ops, fused))
 torch.manual_seed(0)
 config = Olmo2Config(vocab_size=8192, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
 from specmoe.kernels import checks, norm_rope
+from specmoe.kernels.gemv import Linears
 from specmoe.kernels.norm_rope import rope_tables
 from specmoe.speculation import advance, prompt_tokens
 
@@ -106,6 +106,7 @@ class DenseDecoder:
         self.cos, self.sin = rope_tables(c.head_dim, self.rope_theta, c.max_seq_len, self.device)
         self.fused = False
         self.style = "layer" if self.kind == "olmo" else "olmo2"  # the norms' (`norm_rope.NORM_STYLES`)
+        self.linears, self.launch = Linears(), {}  # one-row GEMMs: the GEMV kernel or cuBLAS per shape (use_kernels)
 
     def use_kernels(self, owner, backend: str) -> None:
         """Run the layers on the fused kernels where `backend` asks for them and they pass their check at this
@@ -115,20 +116,26 @@ class DenseDecoder:
             c.hidden, c.inter, (c.num_heads, c.num_kv_heads, c.head_dim), self.lm_head.shape[0], self.eps,
             self.style, dict(style="olmo2", rope_f32=True), self.clip_qkv, self.dtype, self.device,
             post_norm=self.kind == "olmo2", qk_norm=self.kind == "olmo2"))
+        self.linears.clear()
+        if self.fused:
+            layer = self.layers[0]
+            self.linears.choose([layer["wqkv"], layer["wo"], layer["gate_up"], layer["down"], self.lm_head], "auto",
+                                owner.notes, self.launch, checks.check_gemv)
 
     def _layer(self, i: int, h: torch.Tensor, x: torch.Tensor, first: torch.Tensor, attend) -> torch.Tensor:
         """Layer i over the residual stream h [D, H] (updated in place) and x, its input (OLMo: h normed; OLMo-2:
         h); returns the next layer's input (OLMo: the next norm of h, which is also the final norm)."""
         c, w, fused, eps = self.geometry, self.layers[i], self.fused, self.eps
         q = torch.empty(h.shape[0], c.num_heads, c.head_dim, dtype=self.dtype, device=self.device)
-        static.prologue(fused, F.linear(x, w["wqkv"]), w.get("q_norm"), w.get("k_norm"), self.cos, self.sin, first,
+        lin = self.linears
+        static.prologue(fused, lin(x, w["wqkv"]), w.get("q_norm"), w.get("k_norm"), self.cos, self.sin, first,
                         q, self.k_cache[i], self.v_cache[i], eps, self.clip_qkv, style="olmo2", rope_f32=True)
-        o = F.linear(attend(q, i), w["wo"])
+        o = lin(attend(q, i), w["wo"])
         if self.kind == "olmo":
             x = norm_rope.rmsnorm(fused, o, None, eps, "layer", residual=h)  # h += o, normed
         else:
             x = static.add_norm(fused, h, o, w["post_attn"], eps, "olmo2")
-        m = F.linear(norm_rope.swiglu(fused, F.linear(x, w["gate_up"])), w["down"])
+        m = lin(norm_rope.swiglu(fused, lin(x, w["gate_up"])), w["down"])
         if self.kind == "olmo":
             return norm_rope.rmsnorm(fused, m, None, eps, "layer", residual=h)
         return static.add_norm(fused, h, m, w["post_ff"], eps, "olmo2")
@@ -155,7 +162,7 @@ class DenseDecoder:
     def greedy(self, x: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, index: torch.Tensor) -> None:
         """Greedy tokens of the final norm's output x [D, H] and the drafter's probability of each (float32),
         into tokens / probs at rows index [1] + 0 .. D - 1."""
-        static.greedy(self.fused, F.linear(x, self.lm_head), tokens, probs, index)
+        static.greedy(self.fused, self.linears(x, self.lm_head), tokens, probs, index)
 
 
 class StaticARDrafter:

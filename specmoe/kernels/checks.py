@@ -285,7 +285,6 @@ def check_drafter_kernels(hidden: int, inter: int, heads: tuple[int, int, int], 
     alone (`kv_only`, DFlash's context rows); the SwiGLU product; the greedy head over `vocab` logits (the same
     tokens, probabilities within TOLERANCE)."""
     from . import norm_rope as knr
-    from .greedy import greedy_torch, greedy_triton
 
     nh, nkv, hd = heads
     g = torch.Generator(device=device).manual_seed(7)
@@ -314,16 +313,41 @@ def check_drafter_kernels(hidden: int, inter: int, heads: tuple[int, int, int], 
         gate, up = gate_up.chunk(2, dim=-1)
         _agree("SwiGLU product kernel", knr.gate_mul_torch(gate, up, torch.empty_like(up), "silu"),
                knr.gate_mul_triton(gate, up, torch.empty_like(up), "silu"))
-        logits = (torch.randn(d, vocab, device=device, generator=g) * 4).to(dtype)
-        outs = []
-        for fn in (greedy_torch, greedy_triton):
-            tokens = torch.zeros(d + 1, dtype=torch.int64, device=device)
-            probs = torch.zeros(d + 1, dtype=torch.float32, device=device)
-            fn(logits, tokens, probs, torch.ones(1, dtype=torch.int64, device=device))
-            outs.append((tokens, probs))
-        if not torch.equal(outs[0][0], outs[1][0]):
-            raise RuntimeError("the greedy head kernel's tokens differ from the torch path's")
-        _agree("greedy head kernel's probabilities", outs[0][1], outs[1][1])
+        check_greedy((torch.randn(d, vocab, device=device, generator=g) * 4).to(dtype))
+
+
+def check_greedy(logits: torch.Tensor) -> None:
+    """The greedy head kernel (`specmoe.kernels.greedy`) against its torch version on `logits` [D, V] (written
+    from row 1 on): the same tokens, probabilities within TOLERANCE."""
+    from .greedy import greedy_torch, greedy_triton
+
+    d, device = logits.shape[0], logits.device
+    outs = []
+    for fn in (greedy_torch, greedy_triton):
+        tokens = torch.zeros(d + 1, dtype=torch.int64, device=device)
+        probs = torch.zeros(d + 1, dtype=torch.float32, device=device)
+        fn(logits, tokens, probs, torch.ones(1, dtype=torch.int64, device=device))
+        outs.append((tokens, probs))
+    if not torch.equal(outs[0][0], outs[1][0]):
+        raise RuntimeError("the greedy head kernel's tokens differ from the torch path's")
+    _agree("greedy head kernel's probabilities", outs[0][1], outs[1][1])
+
+
+def check_gemv(n: int, k: int, params: dict, dtype: torch.dtype, device: torch.device) -> None:
+    """The one-row linear kernel (`specmoe.kernels.gemv`) with launch `params` against F.linear for a weight
+    [n, k]: its output in the model dtype and its float32 copy (the same values)."""
+    from .gemv import gemv_triton
+
+    g = torch.Generator(device=device).manual_seed(11)
+    w = torch.randn(n, k, device=device, generator=g).to(dtype) / k ** 0.5
+    x = torch.randn(1, k, device=device, generator=g).to(dtype)
+    ref = torch.nn.functional.linear(x, w)
+    out32 = torch.full((n,), float("nan"), device=device)
+    out = gemv_triton(x, w, params)
+    gemv_triton(x, w, params, out32=out32)
+    _agree(f"GEMV kernel [{n}, {k}]", ref, out)
+    if not torch.equal(out.float().flatten(), out32):
+        raise RuntimeError(f"GEMV kernel [{n}, {k}]: its float32 output is not its {dtype} output's values")
 
 
 def check_grouped_moe(s: Geometry, slot_buf: torch.Tensor, dtype: torch.dtype, device: torch.device,

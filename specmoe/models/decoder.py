@@ -57,6 +57,7 @@ class DecodeStep:
     next_dev: torch.Tensor
     out_logits: torch.Tensor  # float32 [D, V] on the device
     work: dict = field(default_factory=dict)  # the decoder's activations and kernel workspaces for these D
+    next_prob: torch.Tensor | None = None  # float32 [D] on the device: the greedy token's softmax probability
 
     def __post_init__(self) -> None:
         self.input_np = self.input_host.numpy()
@@ -77,7 +78,8 @@ class DecodeStep:
 
         return cls(d, *pair(d + 1, torch.int64), *pair((g.num_layers, d, 2 * g.num_experts), torch.float32),
                    *pair((g.num_layers, d, 2 * g.top_k), torch.int32), *pair(d, torch.int64),
-                   torch.zeros(d, g.vocab_size, dtype=torch.float32, device=device))
+                   torch.zeros(d, g.vocab_size, dtype=torch.float32, device=device),
+                   next_prob=torch.zeros(d, dtype=torch.float32, device=device))
 
     def set_input(self, tokens, position: int, max_seq_len: int) -> None:
         """The D input tokens and the first position of the next launch."""
@@ -143,6 +145,33 @@ def verified(decoder, name: str, fallback: str, check) -> bool:
         return False
     decoder.notes.append(f"{name} checked against torch on {where}; used")
     return True
+
+
+def use_dense_kernels(decoder, weights, tune) -> None:
+    """For `decoder.use_kernels` on the Triton backend: the one-row linear layers of `weights` (each [N, K]; one
+    launch per shape, the GEMV kernel or cuBLAS, `specmoe.kernels.gemv.Linears.choose`) and the greedy head kernel
+    (checked at the decoder's vocabulary). Sets decoder.linears' launches and decoder.greedy_fused."""
+    from specmoe.kernels import checks
+
+    decoder.linears.choose(weights, tune, decoder.notes, decoder.launch, checks.check_gemv)
+    vocab = decoder.lm_head.shape[0]
+    g = torch.Generator(device=decoder.device).manual_seed(5)
+    decoder.greedy_fused = verified(decoder, "greedy head kernel", "torch argmax", lambda: checks.check_greedy(
+        (torch.randn(2, vocab, device=decoder.device, generator=g) * 4).to(decoder.dtype)))
+
+
+def greedy_head(decoder, step: "DecodeStep", x: torch.Tensor) -> None:
+    """The LM head of x [D, H] (decoder.lm_head, on `decoder.linears`) into step.out_logits (float32 values of the
+    model-dtype logits) and each row's greedy token (the first index of its largest logit) into step.next_dev: in
+    one pass with its probability into step.next_prob (`greedy_triton`) where decoder.greedy_fused, else
+    torch.argmax."""
+    decoder.linears(x, decoder.lm_head, out32=step.out_logits)
+    if decoder.greedy_fused:
+        from specmoe.kernels.greedy import greedy_triton
+
+        greedy_triton(step.out_logits, step.next_dev, step.next_prob)
+    else:
+        torch.argmax(step.out_logits, dim=-1, out=step.next_dev)
 
 
 def use_slot_moe(decoder, slot_buf: torch.Tensor, tune) -> bool:

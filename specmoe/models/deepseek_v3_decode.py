@@ -65,13 +65,14 @@ import torch.nn.functional as F
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, make_grouped_workspace,
                              make_split_kv_workspace, norm_rope, triton_available)
+from specmoe.kernels.gemv import Linears
 from specmoe.kernels.mla import mla_decode_attention, mla_prologue_torch, mla_prologue_triton
 from specmoe.kernels.split_kv import split_kv_latent_attention
 from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
-from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params,
-                      residual_work, routed_moe, use_slot_moe, verified)
+from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params, greedy_head, residual_work,
+                      routed_moe, use_dense_kernels, use_slot_moe, verified)
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
 
@@ -129,6 +130,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
         self.device, self.dtype = torch.device(device), dtype
         self.scoring = deepseek_v3_scoring(config, weight)
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
+        self.linears, self.greedy_fused = Linears(), False  # the head's GEMM and greedy kernel (use_kernels)
         self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # set by use_kernels
         self.fused = False  # the dense parts on the fused kernels (use_kernels)
         self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
@@ -203,11 +205,14 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
                     g, self.kv_lora_rank, "split-KV latent attention kernel", self._split_kv_check, self.dtype,
                     self.device)):
                 self.attention = "split_kv"
-        self.fused = False
+        self.fused = self.greedy_fused = False
+        self.linears.clear()
         if backend == "triton" or (backend == "auto" and cuda and triton_available()):
             self.fused = verified(self, "fused dense kernels (RMSNorm, MLA prologue, SwiGLU product)", "torch ops",
                                   self._check_fused)
             use_slot_moe(self, slot_buf, tune)
+            if self.fused:
+                use_dense_kernels(self, [self.lm_head], tune)
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "dense": "fused" if self.fused else "torch"}
 
@@ -337,8 +342,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
             self._dense_layer(step, j)
         x = self._rmsnorm(w["h"], self.final_norm, w["xn"])
         self._write_features(step, last, x)
-        step.out_logits.copy_(F.linear(x, self.lm_head))
-        step.next_dev.copy_(step.out_logits.argmax(dim=-1))
+        greedy_head(self, step, x)
         if copy_out:
             step.copy_out_next()
 

@@ -17,15 +17,16 @@ layer's by the head graph after the final norm (transformers' hidden_states[L] i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
                              decode_attention_flash, load_flash_attn, load_fused_experts, make_grouped_workspace,
                              make_split_kv_workspace, norm_rope, split_kv_attention, triton_available)
 
-from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params,
-                      residual_work, routed_moe, split_kv_check, tune_slot_moe, use_grouped_moe, verified)
+from specmoe.kernels.gemv import Linears
+
+from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params, greedy_head, residual_work,
+                      routed_moe, split_kv_check, tune_slot_moe, use_dense_kernels, use_grouped_moe, verified)
 from .olmoe import OlmoeAdapter
 
 
@@ -56,6 +57,7 @@ class OlmoeDecoder(Sourced, FeatureCapture):
         self.flash_attn = self.fused_experts = None  # set by use_kernels once checked
         self.grouped_moe, self.grouped_params = False, {}  # the grouped MoE kernel for D > 1, its params per D
         self.launch: dict[str, dict] = {}  # launch parameters that run and their source, per kernel (use_kernels)
+        self.linears, self.greedy_fused = Linears(), False  # one-row GEMMs and the greedy head (use_kernels)
         self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
         w = lambda name: weight(name).to(device=self.device, dtype=dtype)  # noqa: E731 (no copy if already so)
         self.embed = w("model.embed_tokens.weight")
@@ -99,6 +101,8 @@ class OlmoeDecoder(Sourced, FeatureCapture):
         self.flash_attn = self.fused_experts = self.moe_params = None
         self.grouped_moe, self.attention, self.grouped_params = False, "sdpa", {}
         self.launch.clear()
+        self.linears.clear()
+        self.greedy_fused = False
         self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
             if verified(self, "split-KV attention", "SDPA", lambda: checks.check_attention(
@@ -120,6 +124,8 @@ class OlmoeDecoder(Sourced, FeatureCapture):
             else:
                 self.moe_params = None
                 self.launch.clear()
+        if self.backend == "triton":
+            use_dense_kernels(self, [self.wqkv[0], self.wo[0], self.router_pair[0], self.lm_head], tune)
         if self.backend == "triton" and self.fused_experts is None:
             use_grouped_moe(self, slot_buf)
         return {"backend": self.backend, "attention": self.attention,
@@ -186,7 +192,7 @@ class OlmoeDecoder(Sourced, FeatureCapture):
         else:
             self._write_features(step, layer - 1, w["h"])
         x = self._rmsnorm(w["h"], self.input_ln[layer], w["xn"])
-        qkv = F.linear(x, self.wqkv[layer])
+        qkv = self.linears(x, self.wqkv[layer])
         prologue = norm_rope.qkv_prologue_triton if self.backend == "triton" else norm_rope.qkv_prologue_torch
         prologue(qkv, self.q_norm[layer], self.k_norm[layer], self.cos, self.sin, first, w["q"],
                  self.k_cache[layer], self.v_cache[layer], self.eps, self.clip_qkv)
@@ -197,8 +203,8 @@ class OlmoeDecoder(Sourced, FeatureCapture):
             att = decode_attention_flash(w["q"], k_cache, v_cache, w["seqlens"], self.scale, self.flash_attn)
         else:
             att = decode_attention(w["q"], k_cache, v_cache, w["mask"], self.scale)
-        m = self._rmsnorm(F.linear(att, self.wo[layer]), self.post_ln[layer], w["moe_in"], residual=w["h"])
-        step.logits_dev[layer].copy_(F.linear(m, self.router_pair[layer]))
+        m = self._rmsnorm(self.linears(att, self.wo[layer]), self.post_ln[layer], w["moe_in"], residual=w["h"])
+        self.linears(m, self.router_pair[layer], out32=step.logits_dev[layer])
         if copy_out:
             step.copy_out_logits(layer)
 
@@ -209,8 +215,7 @@ class OlmoeDecoder(Sourced, FeatureCapture):
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = self._rmsnorm(step.work["h"], self.final_norm, step.work["xn"])
         self._write_features(step, self.geometry.num_layers - 1, x)
-        step.out_logits.copy_(F.linear(x, self.lm_head))
-        step.next_dev.copy_(step.out_logits.argmax(dim=-1))
+        greedy_head(self, step, x)
         if copy_out:
             step.copy_out_next()
 

@@ -65,12 +65,13 @@ from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
                              make_grouped_workspace, make_split_kv_workspace, norm_rope, split_kv_attention,
                              triton_available)
+from specmoe.kernels.gemv import Linears
 from specmoe.kernels.gdn import (fla_missing, gated_rmsnorm, gated_rmsnorm_triton, gdn_prologue_torch,
                                  gdn_prologue_triton, gdn_recurrence, load_fla)
 
 from .adapter import ModelSourceError
-from .decoder import (DecodeStep, FeatureCapture, Sourced, checkpoint_source, choose_grouped_params,
-                      residual_work, routed_moe, split_kv_check, use_slot_moe, verified)
+from .decoder import (DecodeStep, FeatureCapture, Sourced, checkpoint_source, choose_grouped_params, greedy_head,
+                      residual_work, routed_moe, split_kv_check, use_dense_kernels, use_slot_moe, verified)
 from .qwen3_5_moe import Qwen35MoeAdapter
 
 GDN_KERNEL_CHOICES = ("auto", "fla", "triton", "torch")  # "auto": fla where installed and checked, else ours
@@ -137,6 +138,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         self.device, self.dtype = torch.device(device), dtype
         self.scoring = adapter.router_scoring(weight)
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
+        self.linears, self.greedy_fused = Linears(), False  # the head's GEMM and greedy kernel (use_kernels)
         # the Triton norm, prologue and gate kernels; the router's direct write into the logits (`use_kernels`)
         self.fused, self.router_into = False, False
         self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # as OLMoE's (`use_kernels`)
@@ -236,6 +238,8 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         self.gdn_kernel, self.backend, self.fused, self.router_into = "torch", "torch", False, False
         self.gdn_fused = {"prologue": False, "norm": False}
         self.launch.clear()
+        self.linears.clear()
+        self.greedy_fused = False
         self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and triton_ok):
             if verified(self, "split-KV attention", "SDPA", lambda: checks.check_attention(
@@ -257,6 +261,8 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
             self.router_into = self.dtype == torch.float32 and verified(
                 self, "router GEMM into the float32 logits", "GEMM and copy",
                 lambda: check_linear_into(g.hidden, 2 * g.num_experts, *on))
+            if self.fused:
+                use_dense_kernels(self, [self.lm_head], tune)
         self.notes.append(f"Gated DeltaNet recurrence: {self.gdn_kernel}, rollback by {self.gdn_rollback}")
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "gdn": self.gdn_kernel}
@@ -464,8 +470,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = self._norm(step.work["h"], self.final_norm, step.work["xn"])
         self._write_features(step, self.geometry.num_layers - 1, x)
-        step.out_logits.copy_(F.linear(x, self.lm_head))
-        torch.argmax(step.out_logits, dim=-1, out=step.next_dev)
+        greedy_head(self, step, x)
         if copy_out:
             step.copy_out_next()
 

@@ -1,0 +1,178 @@
+"""Linear layers of one row (GEMV: y = W x, W [N, K] row-major, x one row of K): a Triton kernel where it beats
+cuBLAS on the device, cuBLAS (`F.linear`) everywhere else.
+
+Why our own: a decode step's dense projections run at one row, and there cuBLAS's heuristics choose tiles of 64
+or more output rows. On the H200 (`scripts/profile_engine.py`, OLMoE at a 2k context) OLMoE's query/key/value
+and output projections ([6144, 2048] and [2048, 2048]) took 14.2 µs per layer against the 8.0 µs their bytes
+take (the output projection is 32 thread blocks on 132 SMs), and its router ([128, 2048] with the next layer's
+router) 5.0 µs for 0.5 MB, plus a copy into the float32 logits. Splitting the rows more finely keeps more loads
+in flight. A library GEMV would do as well where one fits; none of ours takes the decoders' rounding point and
+writes the float32 copy of the result (router logits, head logits) in the same pass.
+
+`gemv_triton(x, w, params, out=, out32=)`: program p owns rows p BLOCK_N .. p BLOCK_N + BLOCK_N - 1 and walks K
+in steps of BLOCK_K with a [BLOCK_N, BLOCK_K] float32 accumulator, summed over K once at the end, the result
+rounded to x's dtype once: cuBLAS's rounding point (float32 accumulation of the products, one rounding), another
+summation order, so outputs can differ from cuBLAS's in the last bit of the model dtype. `out32` receives the
+rounded value as float32 (what `F.linear(x, w).float()` holds) in the same pass.
+
+`Linears` is a decoder's set of one-row linear layers: per weight shape (N, K, dtype) the launch that was fastest
+on the device among GEMV_CANDIDATES and cuBLAS (`gemv_launch_params`: tuned once with triton's do_bench and kept
+in the tuning cache file, `specmoe.kernels.tuning`), checked against `F.linear` at that shape before use
+(`checks.check_gemv`). tune=False and the CPU run cuBLAS / torch, so outputs stay those of `F.linear`; rows
+D > 1 (verification blocks, prefill chunks) always run `F.linear`, which tiles a block of rows well.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .tuning import LaunchChoice, check_tune, device_identity, dtype_name, launch_params
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+CUBLAS = {"cublas": 1}  # the candidate "F.linear as it is"
+GEMV_CANDIDATES = (  # rows per program x columns per step; few rows per program = many programs in flight
+    CUBLAS,
+    dict(block_n=1, block_k=1024, num_warps=4, num_stages=2),
+    dict(block_n=2, block_k=1024, num_warps=4, num_stages=2),
+    dict(block_n=4, block_k=512, num_warps=4, num_stages=3),
+    dict(block_n=4, block_k=1024, num_warps=4, num_stages=2),
+    dict(block_n=8, block_k=256, num_warps=4, num_stages=3),
+    dict(block_n=8, block_k=512, num_warps=4, num_stages=3),
+    dict(block_n=8, block_k=512, num_warps=8, num_stages=2),
+    dict(block_n=16, block_k=256, num_warps=4, num_stages=3),
+    dict(block_n=16, block_k=512, num_warps=8, num_stages=2),
+    dict(block_n=32, block_k=128, num_warps=4, num_stages=4),
+    dict(block_n=32, block_k=256, num_warps=8, num_stages=3),
+)
+GEMV_DEFAULTS = CUBLAS  # tune=False and off CUDA: F.linear's outputs, bit for bit
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, out32_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WRITE: tl.constexpr, WRITE32: tl.constexpr):
+        """Rows [pid BLOCK_N, pid BLOCK_N + BLOCK_N) of W x; WRITE: into out (x's dtype), WRITE32: the rounded
+        values as float32 into out32."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        base = w_ptr + rows.to(tl.int64)[:, None] * K
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            cols = start + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            w = tl.load(base + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty)
+        if WRITE:
+            tl.store(out_ptr + rows, y, mask=row_ok)
+        if WRITE32:
+            tl.store(out32_ptr + rows, y.to(tl.float32), mask=row_ok)
+
+
+def gemv_triton(x: torch.Tensor, w: torch.Tensor, params: dict, out: torch.Tensor | None = None,
+                out32: torch.Tensor | None = None) -> torch.Tensor | None:
+    """W x for x [1, K] (or [K]) and w [N, K], both contiguous in one dtype: into out ([1, N] or [N], x's dtype)
+    and / or out32 (float32, the rounded values); with neither, a new out. Returns out (None if only out32)."""
+    if triton is None:
+        raise ImportError("the GEMV kernel needs Triton (pip install triton)")
+    n, k = w.shape
+    if x.numel() != k or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
+        raise ValueError(f"gemv_triton takes one contiguous row of {k} values in the weight's dtype {w.dtype} and a "
+                         f"contiguous weight; got x {tuple(x.shape)} {x.dtype}, weight {tuple(w.shape)}")
+    for name, t, dtype in (("out", out, x.dtype), ("out32", out32, torch.float32)):
+        if t is not None and (t.numel() != n or t.dtype != dtype or not t.is_contiguous()):
+            raise ValueError(f"gemv_triton's {name} must be {n} contiguous {dtype} values, got {tuple(t.shape)} "
+                             f"{t.dtype}")
+    if out is None and out32 is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    p = params
+    _gemv_kernel[(triton.cdiv(n, p["block_n"]),)](
+        x, w, out if out is not None else out32, out32 if out32 is not None else out, n, K=k,
+        BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], STAGES=p["num_stages"], WRITE=out is not None,
+        WRITE32=out32 is not None, num_warps=p["num_warps"])
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None, out32: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x W^T: the GEMV kernel where `params` name one of its launches and x is one contiguous row in w's dtype,
+    else `F.linear`; out32
+    (optional, float32) receives the result's values (the rounded ones, as F.linear(x, w).float() holds them).
+    Returns the result in x's dtype (None where the kernel wrote only out32)."""
+    if params is None or "cublas" in params or x.shape[0] != 1 or not x.is_contiguous() or x.dtype != w.dtype:
+        y = F.linear(x, w)
+        if out32 is not None:
+            out32.copy_(y)
+        return y
+    return gemv_triton(x, w, params, out32=out32)
+
+
+def tune_gemv(n: int, k: int, dtype: torch.dtype, device) -> tuple[dict, dict]:
+    """The fastest of GEMV_CANDIDATES (cuBLAS among them) for a weight [n, k] on this CUDA device: (params,
+    {candidate index: median ms}), each timed by triton's do_bench with the L2 cache flushed (the weights come
+    from HBM in a decode step)."""
+    from .moe import fastest
+
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(n, k, device=device, dtype=dtype, generator=g)
+    x = torch.randn(1, k, device=device, dtype=dtype, generator=g)
+    out32 = torch.empty(n, device=device, dtype=torch.float32)
+    return fastest(GEMV_CANDIDATES, lambda cand: linear(x, w, cand, out32), "GEMV")
+
+
+def gemv_launch_params(tune, n: int, k: int, dtype: torch.dtype, device) -> LaunchChoice:
+    """The launch of a one-row linear layer with weight [n, k] (`tuning.launch_params`: cached, tuned now with
+    `tune_gemv`, or cuBLAS)."""
+    shape = {"n": n, "k": k, "dtype": dtype_name(dtype)}
+    return launch_params(tune, "gemv", shape, device_identity(device), GEMV_CANDIDATES, GEMV_DEFAULTS,
+                         lambda: tune_gemv(n, k, dtype, device))
+
+
+class Linears:
+    """A decoder's one-row linear layers: the launch per weight shape (module docstring). Empty (every shape on
+    `F.linear`) until `choose`."""
+
+    def __init__(self):
+        self.params: dict[tuple[int, int], dict] = {}
+
+    def choose(self, weights, tune, notes: list, launch: dict, check) -> None:
+        """Per distinct shape among `weights` (tensors [N, K] on one device, one dtype): its launch, cached or
+        tuned (`gemv_launch_params`), then a kernel launch checked against F.linear by check(n, k, params, dtype,
+        device) (`checks.check_gemv`; a failure puts that shape on cuBLAS, noted). Notes into `notes`, each
+        shape's choice into launch["gemv NxK"]."""
+        tune = check_tune(tune)
+        self.params.clear()
+        for w in weights:
+            n, k = w.shape
+            if (n, k) in self.params:
+                continue
+            try:
+                choice = gemv_launch_params(tune, n, k, w.dtype, w.device)
+                if "cublas" not in choice.params:
+                    check(n, k, choice.params, w.dtype, w.device)
+            except Exception as exc:  # a failed tune or check must not cost the run
+                if w.is_cuda:
+                    torch.cuda.synchronize(w.device)
+                notes.append(f"GEMV kernel for [{n}, {k}] unusable ({type(exc).__name__}: {exc}); cuBLAS used")
+                choice = LaunchChoice(dict(CUBLAS), "defaults")
+            notes.extend(choice.notes)
+            self.params[(n, k)] = choice.params
+            launch[f"gemv {n}x{k}"] = {"params": choice.params, "source": choice.source}
+
+    def clear(self) -> None:
+        self.params.clear()
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out32: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x W^T on the launch chosen for w's shape (`linear`)."""
+        return linear(x, w, self.params.get(tuple(w.shape)), out32)
+
+
+__all__ = ["CUBLAS", "GEMV_CANDIDATES", "GEMV_DEFAULTS", "Linears", "gemv_launch_params", "gemv_triton", "linear",
+           "tune_gemv"]
