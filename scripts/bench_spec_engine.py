@@ -48,7 +48,8 @@ committed token), json "timeline" and a markdown table: on the host path one ins
 
 Reported per configuration: tau, copies per committed token, ms per committed token (verification, of it
 exposed copies = with copies - copies skipped, paired per round), p50 / p99 of the block time, and against
-each AR configuration (the fastest in the table): the ratio at zero drafting cost with a 95% interval, a paired
+each AR configuration (the fastest in the main table; each --ar-policies at C = P + U_max, the speculative
+engine's peak slot memory, in a table of its own): the ratio at zero drafting cost with a 95% interval, a paired
 bootstrap over the requests (`request_ratio`; also a paired t on log latency over rounds in the json), and the break-even
 drafting time per block, tau x AR ms/token - verification ms per block (Section 7 of the paper: speculative
 decoding beats AR-PSR when drafting a block costs less than this). With --draft-ms MS (a drafter's measured
@@ -502,7 +503,8 @@ def main(argv=None) -> int:
         if r:  # the table and the markdown of the rounds so far (a run cut short keeps them)
             ar_keys = list(dict.fromkeys((policy, c) for _, policy, c in ar_engines))  # of every trace
             report["ar_configs"] = [f"{policy}_C{c}" for policy, c in ar_keys]
-            report["table"] = summary_table(sources, rounds, details, ar_keys, args)
+            equal_c = {source: min(E, args.pool + union_max.get(trace_of[source], 0)) for source in sources}
+            report["table"] = summary_table(sources, rounds, details, ar_keys, args, equal_c)
             report["details"] = saved_details(details)
             report["rounds_done"] = r
             write_text_atomic(out_dir / "bench_spec_engine.md", markdown(report))
@@ -527,10 +529,12 @@ def main(argv=None) -> int:
     return 0 if not report["errors"] else 1
 
 
-def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args) -> list[dict]:
+def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args, equal_c: dict | None = None) -> list[dict]:
     """The report's rows from the rounds measured so far: per speculative configuration its tau, copies, ms per
     committed token (with and without copies), the host-blocks ratio, and every AR configuration's ms with the
-    paired ratios (over rounds and over requests). Built after every round, so a run cut short keeps its table."""
+    paired ratios (over rounds and over requests). equal_c: per source the AR capacity at the speculative engine's
+    peak slot memory (C = P + U_max), recorded in each row as "equal_memory_c". Built after every round, so a run
+    cut short keeps its table."""
     table = []
     drafting = {"sd0": 0.0, "sd_drafting": args.draft_ms} if args.draft_ms else {"sd0": 0.0}
     for source, (k, per_selector, _) in sources.items():
@@ -548,7 +552,8 @@ def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args) -> 
                    "union_used": d["union_used"], "skip_copies_per_token": s.get("copies_per_token"),
                    "demand_per_token": d["demand_per_token"], "prefetch_per_token": d["prefetch_per_token"],
                    "prefetch_unused_per_token": d["prefetch_unused_per_token"], "prefetch": budget,
-                   "key": key, "verify": d["verify"], "host_blocks_why": d["host_blocks_why"]}
+                   "key": key, "verify": d["verify"], "host_blocks_why": d["host_blocks_why"],
+                   "equal_memory_c": (equal_c or {}).get(source)}
             if args.draft_ms:
                 row["draft_ms_per_block"] = args.draft_ms
                 row["ms_per_token_with_drafting"] = ms + drafting_per_token(d, args.draft_ms)
@@ -636,6 +641,20 @@ def markdown(report: dict) -> str:
         if draft_ms:
             cells += [f"{row['ms_per_token_with_drafting']:.3f}", ratio_cell(row, "sd_drafting", best) if best else "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    equal = [(row, f"{policy}_C{row['equal_memory_c']}") for row in report["table"] if row.get("equal_memory_c")
+             for policy in report["args"]["ar_policies"]
+             if f"ratio_sd0_over_ar_{policy}_C{row['equal_memory_c']}" in row]
+    if equal:  # the paper's comparison: AR given the slot memory the speculative engine used at its peak
+        lines += ["", "SD against each AR policy at the speculative engine's peak slot memory (C = P + U_max, U_max the "
+                  "most union slots a block's layer used), the same intervals:", "",
+                  "| source | selector | k | AR config | AR ms/token (copies) | SD / AR (zero drafting) |"
+                  + (" SD with drafting / AR |" if draft_ms else ""),
+                  "|---|---|---|---|---|---|" + ("---|" if draft_ms else "")]
+        for row, label in equal:
+            cells = [row["source"], row["selector"], str(row["k"]), label,
+                     f"{row[f'ar_{label}_ms_per_token']:.3f} ({row[f'ar_{label}_copies_per_token']:.2f})",
+                     ratio_cell(row, "sd0", label)] + ([ratio_cell(row, "sd_drafting", label)] if draft_ms else [])
+            lines.append("| " + " | ".join(cells) + " |")
     ar = {}
     for row in report["table"]:
         for label in report["ar_configs"]:

@@ -4,6 +4,14 @@ random weights on the GPU; ms/token over --tokens teacher-forced tokens at --pos
 of the kernels of 16 tokens (their count per token and GPU time).
 
     PYTHONPATH=. python3 scripts/profile_engine.py --model qwen3.6-35b-a3b [--out runs/profile.txt]
+
+With --drafter, the static AR drafter instead (OLMo-1B-0724's geometry with --model's vocabulary, seeded random
+bf16 weights, on the fused kernels as `StaticARDrafter` chooses them by default, one CUDA graph per step): a
+prompt of --position random tokens, blocks of 16 drafts; ms per step, the bytes a step reads
+(`bench_drafters.ar_step_bytes`) over the measured bandwidth (a device-to-device copy) against that time, and the
+kernel table of one block's 16 steps.
+
+    PYTHONPATH=. python3 scripts/profile_engine.py --drafter --model olmoe-1b-7b --position 2048
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts beside it (--drafter)
 
+from specmoe.drafters import StaticARDrafter  # noqa: E402
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.helpers import random_model_on_device  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
@@ -48,10 +58,15 @@ def main() -> None:
     ap.add_argument("--position", type=int, default=256, help="first position of the timed tokens")
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--out", default=None, help="also write the output to this file")
+    ap.add_argument("--drafter", action="store_true", help="profile the static AR drafter's step instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine.py needs a CUDA device")
     say = Transcript()
+    if args.drafter:
+        profile_drafter(args, say)
+        say.save(args.out)
+        return
     t0 = time.time()
     model, adapter = random_model_on_device(args.model, 0, torch.bfloat16, "cuda")
     store = ExpertStore.from_model(model, adapter, release=True)
@@ -73,6 +88,55 @@ def main() -> None:
     say(f"kernels per token {sum(e.count for e in table) / 16:.1f}")
     say(table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     say.save(args.out)
+
+
+def profile_drafter(args, say: Transcript, k: int = 16, blocks: int = 8) -> None:
+    """--drafter (module docstring)."""
+    from bench_drafters import OLMO_1B_0724, ar_step_bytes
+    from bench_engine import measure_bandwidth
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    from specmoe.models import named_config
+
+    vocab = named_config(args.model).vocab_size
+    if args.position + blocks * (k // 2 + 1) + k + 1 > args.max_seq_len:
+        raise SystemExit(f"--position {args.position} and {blocks} blocks of {k} drafts do not fit --max-seq-len "
+                         f"{args.max_seq_len}")
+    torch.manual_seed(0)
+    bandwidth = measure_bandwidth("cuda")
+    with torch.device("cuda"):
+        model = OlmoForCausalLM(OlmoConfig(**{**OLMO_1B_0724, "vocab_size": vocab})).to(torch.bfloat16).eval()
+    drafter = StaticARDrafter(model, model, max_seq_len=args.max_seq_len)
+    say(f"AR drafter (OLMo-1B-0724 geometry, vocabulary {vocab}); notes {drafter.notes}; "
+        f"launches {drafter.decoder.launch}")
+    rng = np.random.default_rng(0)
+
+    def run(n):  # blocks of k drafts, half accepted; ms per block
+        drafter.reset(torch.from_numpy(rng.integers(0, vocab, args.position)), None)
+        ms = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            drafts, _ = drafter.propose(k)
+            drafter.commit(k // 2, int(drafts[k // 2]) ^ 1)
+            torch.cuda.synchronize()
+            ms.append((time.perf_counter() - t) * 1e3)
+        return ms
+
+    run(2)  # warm-up (graph capture)
+    step_ms = float(np.mean(run(blocks)[1:])) / k  # each block after the first: 1 pending token + k - 1 drafts
+    floor_ms = ar_step_bytes(drafter, args.position + blocks * (k // 2 + 1) // 2) / bandwidth * 1e3
+    say(f"step {step_ms:.3f} ms; bytes floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s: "
+        f"{floor_ms / step_ms:.0%} of the bandwidth")
+    drafter.reset(torch.from_numpy(rng.integers(0, vocab, args.position)), None)
+    drafter.commit(k // 2, int(drafter.propose(k)[0][k // 2]) ^ 1)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        drafter.propose(k)
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    say(f"kernels per step {sum(e.count for e in table) / k:.1f}")
+    say(table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
 
 
 if __name__ == "__main__":

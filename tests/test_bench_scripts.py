@@ -95,6 +95,27 @@ def test_markdown_has_the_drafting_columns_only_with_draft_ms():
             assert "3 requests" in row.split("|")[-2]
 
 
+def test_markdown_compares_sd_with_ar_at_the_peak_slot_memory():
+    """The table of SD against each AR policy at C = P + U_max (the capacity summary_table records per source):
+    the ratio cells are the rows' intervals for that configuration; without an AR row at that capacity, no table."""
+    sources, rounds, details = measured()
+    args = SimpleNamespace(prefetch=[0], block_paths=["host"], draft_ms=2.2)
+    rows = summary_table(sources, rounds, details, [("psr", 8)], args, {"src": 8})
+    assert rows[0]["equal_memory_c"] == 8
+    report = {"date": "today", "machine": {"gpu": "cpu", "torch": "x"}, "command": "bench", "rounds_done": 2,
+              "args": {"rounds": 2, "pool": 6, "ar_policies": ["psr"], "draft_ms": 2.2}, "union_max": 2,
+              "capacities": [6, 8], "copy": {"stream_ms": 0.1}, "table": rows, "ar_configs": ["psr_C8"], "errors": []}
+    lines = markdown(report).splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("SD against each AR policy at the speculative"))
+    header, row = lines[at + 2], lines[at + 4]
+    assert header.count("|") == row.count("|") == lines[at + 3].count("|") == 8
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    low = rows[0]["ratio_sd_drafting_over_ar_psr_C8_over_requests"]["low"]
+    assert cells[:4] == ["src", "exact", "4", "psr_C8"] and f"{low:.3f}" in cells[-1] and "3 requests" in cells[-1]
+    rows = summary_table(sources, rounds, details, [("psr", 8)], args, {"src": 10})  # no AR row at C = 10
+    assert not any(x.startswith("SD against each AR policy") for x in markdown({**report, "table": rows}).splitlines())
+
+
 def test_saved_details_recompute_the_ratios():
     (row,), _, details = table(2.2)
     saved = json.loads(json.dumps(saved_details(details)))  # what the json keeps
