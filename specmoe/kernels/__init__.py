@@ -2,8 +2,9 @@
 token and grouped for the D positions of a step (each distinct slot's expert read once), fused
 RMSNorm and attention prologue (also the static drafters', with the greedy head of `greedy`), attention over a static KV cache (a split-KV Triton kernel that reads only the
 written positions, for one query or a causal block of D, also over MLA's latent cache; torch SDPA as the
-reference and CPU path; flash-attn where installed), and their self-checks on the device (`checks`); the MoE
-kernels' launch parameters are tuned once per device and shape and cached on disk (`tuning`)."""
+reference and CPU path; flash-attn where installed), one-row linear layers on a GEMV kernel where it beats cuBLAS
+(`gemv`), and their self-checks on the device (`checks`); the MoE kernels' and the GEMV's launch parameters are
+tuned once per device and shape and cached on disk (`tuning`)."""
 
 from . import checks, norm_rope, tuning
 from .attention import causal_step_mask, decode_attention, decode_attention_flash, load_flash_attn

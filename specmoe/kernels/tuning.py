@@ -1,4 +1,5 @@
-"""Launch parameters of the Triton MoE kernels, tuned once per device and shape and kept in a cache file.
+"""Launch parameters of the Triton MoE kernels and of the one-row linear layers (`gemv`), tuned once per device
+and shape and kept in a cache file.
 
 An engine on CUDA runs its MoE kernels with the launch parameters (block sizes, warps, stages) that were
 fastest on this device: the first build measures the kernel's candidates (`moe.fastest`) and writes the
