@@ -94,6 +94,10 @@ def test_dispatch_runs_f_linear_off_the_kernel():
             out32 = torch.zeros(x.shape[0], 12)
             assert torch.equal(linear(x, w, params, out32), F.linear(x, w))
             assert torch.equal(out32, F.linear(x, w))
+    # a launch given, but a strided row or weight, which the kernel does not take: F.linear
+    x = torch.randn(1, 80, generator=g)[:, ::2]
+    for xx, ww in ((x, w), (x.contiguous(), torch.randn(40, 12, generator=g).T)):
+        assert torch.equal(linear(xx, ww, GEMV_CANDIDATES[1]), F.linear(xx, ww))
     lin, notes, launch = Linears(), [], {}
     lin.choose([w, torch.zeros(12, 40), torch.zeros(7, 40)], "auto", notes, launch, check_gemv)
     assert lin.params == {(12, 40): CUBLAS, (7, 40): CUBLAS}

@@ -102,11 +102,12 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, params: dict, out: torch.Tenso
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None, out32: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x W^T: the GEMV kernel where `params` name one of its launches and x is one contiguous row in w's dtype,
-    else `F.linear`; out32
-    (optional, float32) receives the result's values (the rounded ones, as F.linear(x, w).float() holds them).
-    Returns the result in x's dtype (None where the kernel wrote only out32)."""
-    if params is None or "cublas" in params or x.shape[0] != 1 or not x.is_contiguous() or x.dtype != w.dtype:
+    """x W^T: the GEMV kernel where `params` name one of its launches and x is one contiguous row [1, K] in the
+    dtype of a contiguous w, else `F.linear`; out32 (optional, float32) receives the result's values (the rounded
+    ones, as F.linear(x, w).float() holds them). Returns the result in x's dtype (None where the kernel wrote only
+    out32)."""
+    kernel = params is not None and "cublas" not in params and x.dim() == 2 and x.shape[0] == 1
+    if not (kernel and x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype):
         y = F.linear(x, w)
         if out32 is not None:
             out32.copy_(y)
