@@ -55,6 +55,20 @@ def kernel_table(prof, steps: int, rows: int = 20) -> tuple[str, float, float]:
     return text, sum(e.count for e in kernels) / steps, busy_us / 1e3 / steps
 
 
+def bytes_floor(selected, decoder, position: int, top_k: int, expert_bytes: int) -> dict:
+    """What a verification block and a target step must read, each weight and KV row once: the decoder's bytes
+    but the routed experts' (`Decoder.bytes_per_token` at `position`), plus the routed experts, the block's
+    distinct ones per layer (mean over `selected`, each block's selections [D, L, K]) and the step's K per layer.
+    Returns {"distinct": mean distinct experts per layer, "block": bytes, "step": bytes, "ratio": block / step}:
+    the block's cost in target steps if both ran at the same share of the bandwidth."""
+    num_layers = selected[0].shape[1]
+    distinct = float(np.mean([[len(np.unique(s[:, layer])) for layer in range(num_layers)] for s in selected]))
+    dense = decoder.bytes_per_token(position)
+    block = dense + distinct * num_layers * expert_bytes
+    step = dense + top_k * num_layers * expert_bytes
+    return {"distinct": distinct, "block": block, "step": step, "ratio": block / step}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="olmoe-1b-7b")
@@ -118,7 +132,8 @@ def main(argv=None) -> None:
         block_ms = float(np.concatenate([x.ms[x.timed] for x in results]).mean())
         n_blocks = sum(int(x.timed.sum()) for x in results)
         selected = [s for x in results for s in x.block_selected]  # [D, L, K] per block
-        distinct = np.mean([[len(np.unique(s[:, layer])) for layer in range(L)] for s in selected])
+        floors = bytes_floor(selected, engine.decoder, args.position + k, K, store.expert_bytes)
+        distinct = floors["distinct"]
         floor_ms = distinct * L * store.expert_bytes / bandwidth * 1e3
         timeline = {p: float(np.mean([x.timeline()[p] for x in results]))
                     for p in ("selection", "copy_issue", "copy_checks")}
@@ -133,11 +148,7 @@ def main(argv=None) -> None:
             f"{per_block:.0f} per block; host parts " + ", ".join(f"{p} {v:.3f}" for p, v in timeline.items()) + " ms")
         say(f"distinct experts per layer {distinct:.1f} of {E}: {distinct * store.expert_bytes * L / 1e9:.2f} GB "
             f"per block, floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s")
-        # what a block and a target step must read (the weights but the routed experts and the KV rows written, once
-        # each: `Decoder.bytes_per_token`; then the routed experts: the block's distinct ones, the step's K per layer):
-        # the block / target-step ratio that kernels of equal efficiency would give
-        dense = engine.decoder.bytes_per_token(args.position + k)
-        block_floor, step_floor = dense + distinct * L * store.expert_bytes, dense + K * L * store.expert_bytes
+        block_floor, step_floor = floors["block"], floors["step"]
         say(f"bytes floor: block {block_floor / 1e9:.2f} GB, target step {step_floor / 1e9:.2f} GB: "
             f"{block_floor / step_floor:.2f} target steps at equal efficiency ({block_ms / step_ms:.2f} measured); "
             f"efficiency block {block_floor / bandwidth * 1e3 / block_ms:.0%}, target step "

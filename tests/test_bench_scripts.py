@@ -447,6 +447,30 @@ def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys)
             profile_blocks.main([])
 
 
+def test_profile_blocks_bytes_floor_counts_each_distinct_expert_once():
+    """profile_blocks.bytes_floor on a real decoder (olmoe-tiny on the CPU) and hand-made selections: the distinct
+    experts per layer averaged over layers and blocks, the dense bytes from `Decoder.bytes_per_token`, the block
+    reading each distinct expert once and the step its K."""
+    import profile_blocks
+    import torch
+
+    from specmoe.models.olmoe import OLMOE_CONFIGS, build_random_olmoe
+    from specmoe.models.olmoe_decode import OlmoeDecoder
+    from transformers import OlmoeConfig
+
+    model = build_random_olmoe(OlmoeConfig(**{**OLMOE_CONFIGS["olmoe-micro"], "num_hidden_layers": 2}), 0,
+                               torch.float32, "cpu")
+    decoder = OlmoeDecoder.from_model(model, 64)
+    # two blocks of D = 3 positions, L = 2 layers, K = 2: distinct per layer 2, 4 (first), 3, 2 (second)
+    first = np.array([[[0, 1], [0, 1]], [[1, 0], [2, 3]], [[0, 1], [3, 2]]])
+    second = np.array([[[5, 6], [7, 8]], [[6, 7], [8, 7]], [[5, 7], [7, 8]]])
+    floors = profile_blocks.bytes_floor([first, second], decoder, 20, 2, 1000)
+    dense = decoder.bytes_per_token(20)
+    assert floors["distinct"] == 2.75 and dense > 0
+    assert floors["block"] == dense + 2.75 * 2 * 1000 and floors["step"] == dense + 2 * 2 * 1000
+    assert floors["ratio"] == floors["block"] / floors["step"] > 1
+
+
 def test_bench_device_select_times_the_host_and_loads_another_kernel_version(tmp_path, capsys):
     """bench_device_select: the host's selection time from the case's blocks, another version of the kernel module
     loaded beside the current one (its helpers from a given device_cache.py), bad sizes refused in one line."""
