@@ -7,7 +7,7 @@ of the kernels of 16 tokens (their count per token and GPU time).
 
 With --drafter, the static AR drafter instead (OLMo-1B-0724's geometry with --model's vocabulary, seeded random
 bf16 weights, on the fused kernels as `StaticARDrafter` chooses them by default, one CUDA graph per step): a
-prompt of --position random tokens, blocks of 16 drafts; ms per step, the bytes a step reads
+prompt of --position random tokens, blocks of 16 drafts (`bench_drafters.DrafterRun`); ms per step, the bytes a step reads
 (`bench_drafters.ar_step_bytes`) over the measured bandwidth (a device-to-device copy) against that time, and the
 kernel table of one block's 16 steps.
 
@@ -92,7 +92,7 @@ def main() -> None:
 
 def profile_drafter(args, say: Transcript, k: int = 16, blocks: int = 8) -> None:
     """--drafter (module docstring)."""
-    from bench_drafters import OLMO_1B_0724, ar_step_bytes
+    from bench_drafters import OLMO_1B_0724, DrafterRun, ar_step_bytes
     from bench_engine import measure_bandwidth
     from torch.profiler import ProfilerActivity, profile
     from transformers import OlmoConfig, OlmoForCausalLM
@@ -110,27 +110,16 @@ def profile_drafter(args, say: Transcript, k: int = 16, blocks: int = 8) -> None
     drafter = StaticARDrafter(model, model, max_seq_len=args.max_seq_len)
     say(f"AR drafter (OLMo-1B-0724 geometry, vocabulary {vocab}); notes {drafter.notes}; "
         f"launches {drafter.decoder.launch}")
-    rng = np.random.default_rng(0)
-
-    def run(n):  # blocks of k drafts, half accepted; ms per block
-        drafter.reset(torch.from_numpy(rng.integers(0, vocab, args.position)), None)
-        ms = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            drafts, _ = drafter.propose(k)
-            drafter.commit(k // 2, int(drafts[k // 2]) ^ 1)
-            torch.cuda.synchronize()
-            ms.append((time.perf_counter() - t) * 1e3)
-        return ms
-
-    run(2)  # warm-up (graph capture)
-    step_ms = float(np.mean(run(blocks)[1:])) / k  # each block after the first: 1 pending token + k - 1 drafts
+    run = DrafterRun(drafter, k, args.position, vocab, 0, seed=0)  # bench_drafters' blocks: k drafts, k // 2 kept
+    run.round(2)  # warm-up (graph capture)
+    timed = run.round(blocks)
+    step_ms = timed["ms"] / timed["steps"]
     floor_ms = ar_step_bytes(drafter, args.position + blocks * (k // 2 + 1) // 2) / bandwidth * 1e3
     say(f"step {step_ms:.3f} ms; bytes floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s: "
         f"{floor_ms / step_ms:.0%} of the bandwidth")
+    rng = np.random.default_rng(0)
     drafter.reset(torch.from_numpy(rng.integers(0, vocab, args.position)), None)
-    drafter.commit(k // 2, int(drafter.propose(k)[0][k // 2]) ^ 1)
+    drafter.commit(k // 2, int(drafter.propose(k)[0][k // 2]) ^ 1)  # then a block of k steps, 1 pending
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         drafter.propose(k)
         torch.cuda.synchronize()

@@ -37,6 +37,7 @@ import torch
 
 from specmoe.geometry import Geometry
 from specmoe.kernels import slot_moe, slot_moe_grouped_triton, slot_moe_vllm
+from specmoe.kernels.greedy import greedy_triton
 from specmoe.routing import RouterScoring
 
 
@@ -147,12 +148,17 @@ def verified(decoder, name: str, fallback: str, check) -> bool:
     return True
 
 
-def use_dense_kernels(decoder, weights, tune) -> None:
-    """For `decoder.use_kernels` on the Triton backend: the one-row linear layers of `weights` (each [N, K]; one
-    launch per shape, the GEMV kernel or cuBLAS, `specmoe.kernels.gemv.Linears.choose`) and the greedy head kernel
-    (checked at the decoder's vocabulary). Sets decoder.linears' launches and decoder.greedy_fused."""
+def use_dense_kernels(decoder, on: bool, weights, tune) -> None:
+    """For `decoder.use_kernels`, where `on` (the Triton backend, its other kernels checked): the one-row linear
+    layers of `weights` (each [N, K]; one launch per shape, the GEMV kernel or cuBLAS,
+    `specmoe.kernels.gemv.Linears.choose`) and the greedy head kernel (checked at the decoder's vocabulary); else
+    F.linear and torch's argmax. Sets decoder.linears' launches and decoder.greedy_fused."""
     from specmoe.kernels import checks
 
+    decoder.linears.clear()
+    decoder.greedy_fused = False
+    if not on:
+        return
     decoder.linears.choose(weights, tune, decoder.notes, decoder.launch, checks.check_gemv)
     vocab = decoder.lm_head.shape[0]
     g = torch.Generator(device=decoder.device).manual_seed(5)
@@ -167,8 +173,6 @@ def greedy_head(decoder, step: "DecodeStep", x: torch.Tensor) -> None:
     torch.argmax."""
     decoder.linears(x, decoder.lm_head, out32=step.out_logits)
     if decoder.greedy_fused:
-        from specmoe.kernels.greedy import greedy_triton
-
         greedy_triton(step.out_logits, step.next_dev, step.next_prob)
     else:
         torch.argmax(step.out_logits, dim=-1, out=step.next_dev)

@@ -205,14 +205,12 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
                     g, self.kv_lora_rank, "split-KV latent attention kernel", self._split_kv_check, self.dtype,
                     self.device)):
                 self.attention = "split_kv"
-        self.fused = self.greedy_fused = False
-        self.linears.clear()
+        self.fused = False
         if backend == "triton" or (backend == "auto" and cuda and triton_available()):
             self.fused = verified(self, "fused dense kernels (RMSNorm, MLA prologue, SwiGLU product)", "torch ops",
                                   self._check_fused)
             use_slot_moe(self, slot_buf, tune)
-            if self.fused:
-                use_dense_kernels(self, [self.lm_head], tune)
+        use_dense_kernels(self, self.fused, [self.lm_head], tune)
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "dense": "fused" if self.fused else "torch"}
 

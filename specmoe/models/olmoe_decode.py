@@ -101,8 +101,6 @@ class OlmoeDecoder(Sourced, FeatureCapture):
         self.flash_attn = self.fused_experts = self.moe_params = None
         self.grouped_moe, self.attention, self.grouped_params = False, "sdpa", {}
         self.launch.clear()
-        self.linears.clear()
-        self.greedy_fused = False
         self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and cuda and triton_available()):
             if verified(self, "split-KV attention", "SDPA", lambda: checks.check_attention(
@@ -124,8 +122,8 @@ class OlmoeDecoder(Sourced, FeatureCapture):
             else:
                 self.moe_params = None
                 self.launch.clear()
-        if self.backend == "triton":
-            use_dense_kernels(self, [self.wqkv[0], self.wo[0], self.router_pair[0], self.lm_head], tune)
+        use_dense_kernels(self, self.backend == "triton",
+                          [self.wqkv[0], self.wo[0], self.router_pair[0], self.lm_head], tune)
         if self.backend == "triton" and self.fused_experts is None:
             use_grouped_moe(self, slot_buf)
         return {"backend": self.backend, "attention": self.attention,

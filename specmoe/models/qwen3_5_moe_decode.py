@@ -238,8 +238,6 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         self.gdn_kernel, self.backend, self.fused, self.router_into = "torch", "torch", False, False
         self.gdn_fused = {"prologue": False, "norm": False}
         self.launch.clear()
-        self.linears.clear()
-        self.greedy_fused = False
         self._tuning = (tune, slot_buf)
         if attention == "split_kv" or (attention == "auto" and triton_ok):
             if verified(self, "split-KV attention", "SDPA", lambda: checks.check_attention(
@@ -261,8 +259,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
             self.router_into = self.dtype == torch.float32 and verified(
                 self, "router GEMM into the float32 logits", "GEMM and copy",
                 lambda: check_linear_into(g.hidden, 2 * g.num_experts, *on))
-            if self.fused:
-                use_dense_kernels(self, [self.lm_head], tune)
+        use_dense_kernels(self, self.fused, [self.lm_head], tune)
         self.notes.append(f"Gated DeltaNet recurrence: {self.gdn_kernel}, rollback by {self.gdn_rollback}")
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "gdn": self.gdn_kernel}
