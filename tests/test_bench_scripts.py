@@ -553,6 +553,7 @@ if (tree / "fail").exists():
     print("the model does not fit", file=sys.stderr)
     sys.exit(3)
 base = {"old": 2.0, "new": 1.0}[tree.name] * args.scale * (1 + 0.01 * (n % 3))  # a little drift per process
+base *= float(os.environ.get("FAKE_SLOW", "1"))
 table = {"all_resident": {"ms_mean": base, "copies_skipped_ms": base / 2, "policy": "exact"},
          "only_" + tree.name: {"ms_mean": 1.0}}
 pathlib.Path(args.out, "bench_engine.json").write_text(json.dumps({"table": table}))
@@ -594,12 +595,28 @@ def test_ab_trees_alternates_the_trees_pairs_the_ratios_and_resumes(tmp_path, ca
     with pytest.raises(SystemExit, match="other bench_args"):  # another comparison does not reuse these processes
         ab_trees.main(base + ["--", "--scale", "4"])
 
+    # one tree, two environments: the old side's processes see FAKE_SLOW=3
+    env_out = tmp_path / "ab_env"
+    assert ab_trees.main(["--old", str(new), "--new", str(new), "--out", str(env_out), "--pairs", "2",
+                          "--old-env", "FAKE_SLOW=3"]) == 0
+    summary = json.loads((env_out / "ab_trees.json").read_text())
+    assert summary["old_env"] == {"FAKE_SLOW": "3"} and summary["new_env"] == {}
+    assert abs(summary["ratios"]["all_resident"]["ms_mean"]["ratio"] - 3.0) < 0.1
+    assert "(FAKE_SLOW=3)" in (env_out / "ab_trees.md").read_text()
+    with pytest.raises(SystemExit, match="other old_env"):
+        ab_trees.main(["--old", str(new), "--new", str(new), "--out", str(env_out), "--pairs", "2",
+                       "--old-env", "FAKE_SLOW=2"])
+
     (old / "fail").touch()
     with pytest.raises(RuntimeError, match="(?s)exit 3.*wrote no table .*the model does not fit"):
         ab_trees.main(["--old", str(old), "--new", str(new), "--out", str(tmp_path / "ab2"), "--pairs", "2"])
     for bad, message in ((["--pairs", "1"], "--pairs must be at least 2"),
                          (["--", "--out", "x"], "leave it out"),
-                         (["--script", "scripts/missing.py"], "scripts/missing.py not found")):
+                         (["--script", "scripts/missing.py"], "scripts/missing.py not found"),
+                         (["--old-env", "FAKE_SLOW"], "NAME=VALUE pairs")):
         with pytest.raises(SystemExit):
             ab_trees.main(["--old", str(old), "--new", str(new), "--out", str(out)] + bad)
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab_trees.main(["--old", str(new), "--new", str(new), "--out", str(out)])
+    assert "nothing to compare" in capsys.readouterr().err
