@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels import BACKENDS, decode_attention, norm_rope, triton_available
+from specmoe.kernels import BACKENDS, decode_attention, norm_rope, pdl, triton_available
 from specmoe.kernels.checks import TOLERANCE, relative_error
 from specmoe.kernels.greedy import greedy_torch, greedy_triton
 from specmoe.kernels.split_kv import make_split_kv_workspace, split_kv_attention
@@ -39,7 +39,10 @@ def choose_kernels(owner, backend: str, check) -> bool:
     if backend == "torch" or (backend == "auto" and not (owner.device.type == "cuda" and triton_available())):
         owner.notes.append("layers: torch ops (the fused kernels' reference)")
         return False
-    return verified(owner, "fused Triton kernels of the layers", "torch ops", check)
+    fused = verified(owner, "fused Triton kernels of the layers", "torch ops", check)
+    if fused:
+        owner.notes.append(pdl.status(owner.device)[1])
+    return fused
 
 
 def add_norm(fused: bool, h: torch.Tensor, x: torch.Tensor, weight, eps: float, style: str) -> torch.Tensor:

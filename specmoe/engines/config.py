@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specmoe.kernels import check_kernel_choice, check_tune
+from specmoe.kernels import check_kernel_choice, check_tune, pdl
 from specmoe.models.decoder import Decoder
 from specmoe.offload import ExpertResidency
 from specmoe.routing import validate
@@ -97,6 +97,9 @@ class EngineConfig:
             decoder.set_state_rollback(self.state_rollback)
         with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             used = decoder.use_kernels(self.backend, self.attention, self.moe, residency.slots.layer(0), self.tune)
+        if used.get("backend") == "triton":  # its kernels start while the one before finishes, where they can
+            used["pdl"], why = pdl.status(residency.device)
+            decoder.notes.append(why)
         if decoder.state_rollback is not None:
             used["state_rollback"] = decoder.state_rollback
         return used

@@ -6,7 +6,7 @@ reference and CPU path; flash-attn where installed), one-row linear layers on a 
 (`gemv`), and their self-checks on the device (`checks`); the MoE kernels' and the GEMV's launch parameters are
 tuned once per device and shape and cached on disk (`tuning`)."""
 
-from . import checks, norm_rope, tuning
+from . import checks, norm_rope, pdl, tuning
 from .attention import causal_step_mask, decode_attention, decode_attention_flash, load_flash_attn
 from .grouped_moe import (GROUPED_DEFAULTS, GroupedMoEWorkspace, grouped_launch_params, grouped_params,
                           make_grouped_workspace, slot_moe_grouped, slot_moe_grouped_torch, slot_moe_grouped_triton)
@@ -32,7 +32,7 @@ def check_kernel_choice(backend: str, attention: str, moe: str) -> None:
 
 __all__ = ["ATTENTIONS", "BACKENDS", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", "LaunchChoice", "MOE_DEFAULTS",
            "MOE_KERNELS", "SplitKVWorkspace", "TUNE_MODES", "causal_step_mask", "check_kernel_choice", "check_tune",
-           "checks", "grouped_launch_params", "grouped_params", "moe_launch_params", "tuning",
+           "checks", "grouped_launch_params", "pdl", "grouped_params", "moe_launch_params", "tuning",
            "decode_attention", "decode_attention_flash", "load_flash_attn", "load_fused_experts",
            "make_grouped_workspace", "make_split_kv_workspace", "norm_rope", "qkv_prologue_torch", "rmsnorm_torch",
            "slot_moe", "slot_moe_grouped", "slot_moe_grouped_torch", "slot_moe_grouped_triton", "slot_moe_torch",

@@ -15,6 +15,10 @@ rounded to x's dtype once: cuBLAS's rounding point (float32 accumulation of the 
 summation order, so outputs can differ from cuBLAS's in the last bit of the model dtype. `out32` receives the
 rounded value as float32 (what `F.linear(x, w).float()` holds) in the same pass.
 
+With programmatic dependent launch (`specmoe.kernels.pdl`, on by default on Hopper) each program loads its first
+tile of weights before it waits for the kernel before it, so the weights of the next projection start to stream
+while the norm or reduction before it finishes; the sums are the same.
+
 `Linears` is a decoder's set of one-row linear layers: per weight shape (N, K, dtype) the launch that was fastest
 on the device among GEMV_CANDIDATES and cuBLAS (`gemv_launch_params`: tuned once with triton's do_bench and kept
 in the tuning cache file, `specmoe.kernels.tuning`), checked against `F.linear` at that shape before use
@@ -27,11 +31,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .tuning import LaunchChoice, check_tune, device_identity, dtype_name, launch_params
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -57,14 +64,28 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, out32_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WRITE: tl.constexpr, WRITE32: tl.constexpr):
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WRITE: tl.constexpr, WRITE32: tl.constexpr,
+                     FIRST_TILE: tl.constexpr = False, PDL: tl.constexpr = False):
         """Rows [pid BLOCK_N, pid BLOCK_N + BLOCK_N) of W x; WRITE: into out (x's dtype), WRITE32: the rounded
-        values as float32 into out32."""
+        values as float32 into out32. FIRST_TILE (with PDL): the first tile of weights is loaded before waiting
+        for the kernel before (`specmoe.kernels.pdl`; no kernel of a step writes weights), x only after; the
+        same sums either way."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         base = w_ptr + rows.to(tl.int64)[:, None] * K
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        if FIRST_TILE:
+            cols = tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            w = tl.load(base + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            enter(PDL)
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc = w.to(tl.float32) * x[None, :]  # = 0 + w x: the sum below is the same with PDL on or off
+            first = BLOCK_K
+        else:
+            enter(PDL)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            first = 0
+        for start in tl.range(first, K, BLOCK_K, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_K)
             col_ok = cols < K
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -80,7 +101,9 @@ if triton is not None:
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, params: dict, out: torch.Tensor | None = None,
                 out32: torch.Tensor | None = None) -> torch.Tensor | None:
     """W x for x [1, K] (or [K]) and w [N, K], both contiguous in one dtype: into out ([1, N] or [N], x's dtype)
-    and / or out32 (float32, the rounded values); with neither, a new out. Returns out (None if only out32)."""
+    and / or out32 (float32, the rounded values); with neither, a new out. Returns out (None if only out32).
+    Where programmatic dependent launch is on (`specmoe.kernels.pdl`) the kernel reads w's first tile before the
+    kernel launched just before it has finished: w must be a weight, not written by that kernel."""
     if triton is None:
         raise ImportError("the GEMV kernel needs Triton (pip install triton)")
     n, k = w.shape
@@ -93,11 +116,11 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, params: dict, out: torch.Tenso
                              f"{t.dtype}")
     if out is None and out32 is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    p = params
+    p, overlap = params, pdl.options(x)
     _gemv_kernel[(triton.cdiv(n, p["block_n"]),)](
         x, w, out if out is not None else out32, out32 if out32 is not None else out, n, K=k,
         BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], STAGES=p["num_stages"], WRITE=out is not None,
-        WRITE32=out32 is not None, num_warps=p["num_warps"])
+        WRITE32=out32 is not None, FIRST_TILE=bool(overlap), num_warps=p["num_warps"], **overlap)
     return out
 
 

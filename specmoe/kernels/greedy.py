@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -40,10 +44,11 @@ if triton is not None:
 
     @triton.jit
     def _greedy_partial_kernel(logits_ptr, max_ptr, arg_ptr, sum_ptr, V, SPLITS, CHUNK: tl.constexpr,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row, split): over the columns [split CHUNK, (split + 1) CHUNK) of the row, in blocks of BLOCK,
         per lane the running maximum, its first index and the sum of exp(logit - maximum); the lanes are
         combined into the split's maximum, first index of it and sum relative to it."""
+        enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         logits_ptr += row * V
@@ -68,9 +73,10 @@ if triton is not None:
 
     @triton.jit
     def _greedy_combine_kernel(max_ptr, arg_ptr, sum_ptr, tok_ptr, prob_ptr, index_ptr, V, SPLITS,
-                               BLOCK_S: tl.constexpr, HAS_INDEX: tl.constexpr):
+                               BLOCK_S: tl.constexpr, HAS_INDEX: tl.constexpr, PDL: tl.constexpr = False):
         """One program per row: the splits' maxima, first indices and sums combined (splits in column order,
         so the smallest index at the maximum is the row's first); probability 1 / the sum relative to it."""
+        enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_S)
         m = offs < SPLITS
@@ -100,7 +106,7 @@ def greedy_triton(logits: torch.Tensor, tokens: torch.Tensor, probs: torch.Tenso
     part_arg = torch.empty(d, splits, dtype=torch.int64, device=logits.device)
     part_sum = torch.empty_like(part_max)
     _greedy_partial_kernel[(d, splits)](logits, part_max, part_arg, part_sum, v, splits, CHUNK=chunk, BLOCK=block,
-                                        num_warps=4)
+                                        num_warps=4, **pdl.options(logits))
     _greedy_combine_kernel[(d,)](part_max, part_arg, part_sum, tokens, probs, tokens if index is None else index, v,
                                  splits, BLOCK_S=triton.next_power_of_2(splits), HAS_INDEX=index is not None,
-                                 num_warps=1)
+                                 num_warps=1, **pdl.options(logits))

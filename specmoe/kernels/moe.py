@@ -28,12 +28,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .fp8 import FP8_BLOCK, fp8_row_layout, is_fp8_rows, unpack_fp8_rows
 from .tuning import LaunchChoice, device_identity, dtype_name, launch_params
 
 try:  # Triton is optional: CPU machines and CI run the torch path
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -112,8 +115,10 @@ if triton is not None:
     @triton.jit
     def _gate_up_act_kernel(x_ptr, buf_ptr, route_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr,
                             W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
-                            SOFF: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr, B: tl.constexpr):
+                            SOFF: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr, B: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """act[j, n] = silu(gate_j[n] . x) * (up_j[n] . x) for the rows n of this program, expert j."""
+        enter(PDL)
         j = tl.program_id(0)
         pid_n = tl.program_id(1)
         dt = act_ptr.dtype.element_ty
@@ -146,8 +151,9 @@ if triton is not None:
     def _down_combine_kernel(act_ptr, buf_ptr, route_ptr, res_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
                              W: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                              FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
-                             B: tl.constexpr):
+                             B: tl.constexpr, PDL: tl.constexpr = False):
         """out[rows] = residual[rows] + sum_j w_j * (down_j[rows] . act_j) for this program's rows."""
+        enter(PDL)
         pid = tl.program_id(0)
         dt = out_ptr.dtype.element_ty
         rows = pid * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -182,10 +188,10 @@ def slot_moe_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: torch.Ten
     fp8 = fp8_kernel_args(slot_buf, hidden, inter, p["block_n"], p["block_h"])
     grid1 = (top_k, triton.cdiv(inter, p["block_n"]))
     _gate_up_act_kernel[grid1](x, slot_buf, route, act, H=hidden, I=inter, W=width,
-                               BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], num_warps=p["warps1"], **fp8)
+                               BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], num_warps=p["warps1"], **fp8, **pdl.options(x))
     grid2 = (triton.cdiv(hidden, p["block_h"]),)
     _down_combine_kernel[grid2](act, slot_buf, route, residual, out, H=hidden, I=inter, W=width, TOP_K=top_k,
-                                BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], num_warps=p["warps2"], **fp8)
+                                BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], num_warps=p["warps2"], **fp8, **pdl.options(x))
 
 
 def load_fused_experts():

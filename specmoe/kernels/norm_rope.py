@@ -24,9 +24,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -169,9 +173,10 @@ if triton is not None:
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, STYLE: tl.constexpr,
-                        HAS_RESIDUAL: tl.constexpr, ADD_TO: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, ADD_TO: tl.constexpr, PDL: tl.constexpr = False):
         """One program per row of x [D, N] (HAS_RESIDUAL: residual += x first, and the sum is normed; ADD_TO:
         out += the norm, out being the residual)."""
+        enter(PDL)
         dt = out_ptr.dtype.element_ty
         row = tl.program_id(0).to(tl.int64)
         x_ptr += row * N
@@ -219,10 +224,11 @@ if triton is not None:
                              S, eps, clip, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
                              QS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                              HAS_CLIP: tl.constexpr, STYLE: tl.constexpr, HEAD_NORM: tl.constexpr,
-                             HAS_NORM: tl.constexpr, ROPE_F32: tl.constexpr):
+                             HAS_NORM: tl.constexpr, ROPE_F32: tl.constexpr, PDL: tl.constexpr = False):
         """One program per head and position: programs [0, NH) write q, [NH, NH + NKV) k, the rest v, for the
         position pos + program_id(1) (row program_id(1) of qkv and q). Head p's q starts at p QS in the row
         (QS = 2 HD where its output gate follows it)."""
+        enter(PDL)
         p = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
         qkv_ptr += row * (NH * QS + 2 * NKV * HD)
@@ -278,9 +284,11 @@ if triton is not None:
 
     @triton.jit
     def _gate_mul_kernel(g_ptr, x_ptr, res_ptr, out_ptr, N, G_ROW, G_INNER, G_OUTER, G_STEP, X_ROW,
-                         BLOCK: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                         BLOCK: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """Program (i, row): columns [i BLOCK, (i + 1) BLOCK) of out[row] = [res +] act(g) * x; column n's gate at
         g + row G_ROW + (n // G_INNER) G_OUTER + (n % G_INNER) G_STEP."""
+        enter(PDL)
         dt = out_ptr.dtype.element_ty
         row = tl.program_id(1).to(tl.int64)
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -313,7 +321,7 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out
     out = add_to if out is None else out
     _rmsnorm_kernel[(x.numel() // n,)](x, res, x if weight is None else weight, out, n, eps,
                                        BLOCK=triton.next_power_of_2(n), STYLE=NORM_STYLES.index(style),
-                                       HAS_RESIDUAL=residual is not None, ADD_TO=add_to is not None, num_warps=8)
+                                       HAS_RESIDUAL=residual is not None, ADD_TO=add_to is not None, num_warps=8, **pdl.options(x))
     return out
 
 
@@ -338,7 +346,7 @@ def qkv_prologue_triton(qkv, q_norm, k_norm, cos, sin, pos, q_out, k_cache, v_ca
                                BLOCK_Q=max(16, triton.next_power_of_2(num_heads * head_dim)),
                                BLOCK_KV=triton.next_power_of_2(num_kv * head_dim), HAS_CLIP=clip is not None,
                                STYLE=NORM_STYLES.index(style), HEAD_NORM=head_norm or not has_norm, HAS_NORM=has_norm,
-                               ROPE_F32=rope_f32, num_warps=4)
+                               ROPE_F32=rope_f32, num_warps=4, **pdl.options(qkv))
 
 
 def gate_mul_triton(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, act: str,
@@ -358,5 +366,5 @@ def gate_mul_triton(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, act: st
     block = min(1024, triton.next_power_of_2(n))
     _gate_mul_kernel[(triton.cdiv(n, block), d)](g, x, out if residual is None else residual, out, n, g3.stride(0),
                                                  inner, outer, step, x.stride(0), BLOCK=block, SILU=act == "silu",
-                                                 HAS_RESIDUAL=residual is not None, num_warps=4)
+                                                 HAS_RESIDUAL=residual is not None, num_warps=4, **pdl.options(out))
     return out

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -30,7 +34,9 @@ if triton is not None:
     @triton.jit
     def _route_sigmoid_kernel(z_ptr, z_stride, bias_ptr, slot_ptr, experts_ptr, route_ptr, scale, E: tl.constexpr,
                               BLOCK_E: tl.constexpr, K: tl.constexpr, RENORMALISE: tl.constexpr,
-                              N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+                              N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        enter(PDL)
         d = tl.program_id(0)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
@@ -79,7 +85,9 @@ if triton is not None:
 
     @triton.jit
     def _route_resident_kernel(z_ptr, z_stride, slot_ptr, experts_ptr, route_ptr, scale, E: tl.constexpr,
-                               BLOCK_E: tl.constexpr, K: tl.constexpr, RENORMALISE: tl.constexpr):
+                               BLOCK_E: tl.constexpr, K: tl.constexpr, RENORMALISE: tl.constexpr,
+                               PDL: tl.constexpr = False):
+        enter(PDL)
         d = tl.program_id(0)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
@@ -116,7 +124,7 @@ def route_resident_triton(z: torch.Tensor, top_k: int, renormalise: bool, scale:
         raise ValueError("route_resident_triton needs z rows of unit stride and contiguous outputs")
     _route_resident_kernel[(num_positions,)](
         z, z.stride(0), slot_of, experts_out, route_out, float(scale), E=num_experts,
-        BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, RENORMALISE=bool(renormalise), num_warps=1)
+        BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, RENORMALISE=bool(renormalise), num_warps=1, **pdl.options(z))
 
 
 def route_sigmoid_triton(z: torch.Tensor, top_k: int, scoring, bias: torch.Tensor, slot_of: torch.Tensor,
@@ -131,4 +139,4 @@ def route_sigmoid_triton(z: torch.Tensor, top_k: int, scoring, bias: torch.Tenso
     _route_sigmoid_kernel[(num_positions,)](
         z, z.stride(0), bias, slot_of, experts_out, route_out, float(scoring.scale), E=num_experts,
         BLOCK_E=triton.next_power_of_2(num_experts), K=top_k, RENORMALISE=bool(scoring.renormalise),
-        N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_G=triton.next_power_of_2(n_group), num_warps=1)
+        N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_G=triton.next_power_of_2(n_group), num_warps=1, **pdl.options(z))

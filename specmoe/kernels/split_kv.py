@@ -38,9 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import pdl
+
 try:  # Triton is optional: CPU machines run the torch reference
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -233,10 +237,11 @@ if triton is not None:
                                  D: tl.constexpr, NH: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
                                  SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  STAGES: tl.constexpr, PRECISION: tl.constexpr, PE: tl.constexpr = 0,
-                                 V_FROM_K: tl.constexpr = False):
+                                 V_FROM_K: tl.constexpr = False, PDL: tl.constexpr = False):
         """Partial attention of one (M block, split, KV head): rows r = query * G + group member. Rows of q and
         of the key cache are HD + PE wide (PE > 0: a latent cache's rotary key part, scored by its own
         product); V_FROM_K: the values are the key rows' first HD columns (v_ptr unused)."""
+        enter(PDL)
         mb = tl.program_id(0)
         split = tl.program_id(1)
         kv = tl.program_id(2)
@@ -310,8 +315,10 @@ if triton is not None:
 
     @triton.jit
     def _split_kv_reduce_kernel(po_ptr, plse_ptr, seq_ptr, out_ptr, S, HD: tl.constexpr, SPLITS: tl.constexpr,
-                                SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                                SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                PDL: tl.constexpr = False):
         """out[row, d block] = the active splits' partials weighted by 2^(lse - max lse), normalised."""
+        enter(PDL)
         row = tl.program_id(0)
         db = tl.program_id(1)
         seq_len = tl.minimum(tl.load(seq_ptr).to(tl.int32), S)
@@ -383,12 +390,12 @@ def _launch(q, k_cache, v_cache, seq_len, scale, out, ws: SplitKVWorkspace, num_
         q, k_cache, v_cache, seq_len, ws.partial_out, ws.partial_lse, float(scale) * LOG2E, max_seq,
         D=num_q, NH=num_heads, G=group, HD=head_dim, SPLITS=ws.num_splits, BLOCK_M=p["block_m"],
         BLOCK_N=p["block_n"], STAGES=p["num_stages"], PRECISION=precision, PE=rope_dim, V_FROM_K=rope_dim > 0,
-        num_warps=p["num_warps"], num_stages=p["num_stages"])
+        num_warps=p["num_warps"], num_stages=p["num_stages"], **pdl.options(q))
     splits_p2 = _next_pow2(ws.num_splits)
     block_d = min(head_dim, max(16, 4096 // splits_p2))
     _split_kv_reduce_kernel[(num_q * num_heads, head_dim // block_d)](
         ws.partial_out, ws.partial_lse, seq_len, out, max_seq, HD=head_dim, SPLITS=ws.num_splits,
-        SPLITS_P2=splits_p2, BLOCK_N=p["block_n"], BLOCK_D=block_d, num_warps=4)
+        SPLITS_P2=splits_p2, BLOCK_N=p["block_n"], BLOCK_D=block_d, num_warps=4, **pdl.options(q))
     return out
 
 
