@@ -72,6 +72,35 @@ def test_every_pdl_kernel_compiles_for_hopper_with_it(monkeypatch):
     assert next(c for name, c in compiled if name == "_gemv_kernel")["FIRST_TILE"]
 
 
+def test_every_kernel_waits_first_and_every_launch_asks_for_pdl():
+    """Across specmoe/kernels: each Triton kernel takes PDL and its first statement (after the docstring) is
+    enter(PDL), but the GEMV's, which loads its first weight tile first under FIRST_TILE; each kernel launch passes
+    **pdl.options(a device tensor of the launch). A kernel added without them would still be correct, only not
+    overlapped; this keeps the rule whole."""
+    import ast
+    from pathlib import Path
+
+    import specmoe.kernels
+
+    kernels, launches = [], []
+    for path in Path(specmoe.kernels.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and node.name.startswith("_"):
+                kernels.append(node.name)
+                assert "PDL" in [a.arg for a in node.args.args], (path.name, node.name)
+                body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+                first = ast.unparse(body[0])
+                assert first == "enter(PDL)" or (node.name == "_gemv_kernel" and "FIRST_TILE" in ast.unparse(body[3])), \
+                    (path.name, node.name, first)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) \
+                    and ast.unparse(node.func.value).endswith("_kernel"):
+                launches.append(ast.unparse(node.func.value))
+                spread = [ast.unparse(k.value) for k in node.keywords if k.arg is None]
+                assert any(v.startswith("pdl.options(") for v in spread) or "PDL=True" in ast.unparse(node) \
+                    or (path.name == "gemv.py" and "overlap" in spread), (path.name, ast.unparse(node.func.value))
+    assert PDL_KERNELS <= set(kernels) and len(kernels) >= 26 and len(launches) >= len(kernels) - 1
+
+
 _INTERPRETED = r"""
 import torch, triton
 from specmoe.kernels.gemv import GEMV_CANDIDATES, _gemv_kernel

@@ -36,9 +36,13 @@ import torch
 from specmoe.routing import LogicalCache, RouterScoring
 from specmoe.routing import kernels as K
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -427,7 +431,9 @@ if triton is not None:
                            LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr, PROTECT: tl.constexpr,
                            RUNNING: tl.constexpr, SIGMOID: tl.constexpr,
                            RENORMALISE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                           BLOCK_G: tl.constexpr, DO_ROUTE: tl.constexpr, DO_PART1: tl.constexpr):
+                           BLOCK_G: tl.constexpr, DO_ROUTE: tl.constexpr, DO_PART1: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        enter(PDL)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
         token = tl.load(token_ptr)
@@ -534,7 +540,8 @@ class DeviceCache:
             self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.displaced_mass, self.fparams,
             self.delta, self.bias, self.pind, self.pexp, self.pval, self.vocab, token, layer, z, g,
             experts_out, route_out, self.demand, self.prefetch, **self._constants,
-            DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=self.warps, enable_fp_fusion=False)
+            DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=self.warps, enable_fp_fusion=False,
+            **pdl.options(self.istate))
 
     def reset(self) -> None:
         """`LogicalCache.reset` on the device: unexecuted prefetches count as unused, then R_l = the warm set in

@@ -49,6 +49,7 @@ from specmoe.verifiers import ExpertPool, SelectorConfig
 from specmoe.verifiers.pool import POSITIONS_PER_BLOCK
 from specmoe.verifiers.selection import ENTROPY_SLACK, TINY
 
+from . import pdl
 from .device_cache import default_warps, triton
 
 # float64 parameters (one tensor: a Python float launch argument would be float32)
@@ -62,6 +63,7 @@ if triton is not None:
     import triton.language as tl
 
     from .device_cache import _order, _pick_int, _rank
+    from .pdl import enter
 
     _F_GAMMA = tl.constexpr(F_GAMMA)
     _F_RESCUE = tl.constexpr(F_RESCUE)
@@ -119,11 +121,12 @@ if triton is not None:
     def _own_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, fs_ptr, own_ptr,
                     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
                     SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                    DEMAND: tl.constexpr):
+                    DEMAND: tl.constexpr, PDL: tl.constexpr = False):
         """Position program_id(0) of the block: its max logit and normaliser (summed over experts in index order)
         into the float scratch (fs_ptr: top [BLOCK_D], norm [BLOCK_D]), its own top-K ranks into own_ptr's row;
         with DEMAND (a block selector) its terms of the demand, alpha_d p / n_d on its own top-K (0 elsewhere),
         into its row of terms, which `_demand_kernel` adds in position order."""
+        enter(PDL)
         d = tl.program_id(0)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
@@ -153,9 +156,10 @@ if triton is not None:
 
     @triton.jit
     def _demand_kernel(fpar_ptr, pool_ptr, D, fs_ptr, own_ptr, elig_ptr,
-                       E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+                       E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
         """A block selector's eligible set (the root's top-K, the extra candidates, pruning against the pool):
         into elig_ptr [BLOCK_E] (1 / 0)."""
+        enter(PDL)
         rows = tl.arange(0, BLOCK_D)
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
@@ -220,9 +224,10 @@ if triton is not None:
                         selected_ptr, weights_ptr, displaced_ptr, route_ptr, RS, WEIGHTS_IN_ROUTE: tl.constexpr,
                         E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, SIGMOID: tl.constexpr,
-                        RENORMALISE: tl.constexpr):
+                        RENORMALISE: tl.constexpr, PDL: tl.constexpr = False):
         """Position program_id(0): what it executes (its own top-K, or the selector's choice among the eligible
         with the top-1 rescue), its execution weights and displaced mass; its executed ranks into exec_ptr's row."""
+        enter(PDL)
         d = tl.program_id(0)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
@@ -272,7 +277,7 @@ if triton is not None:
     def _use_kernel(pool_ptr, slot_ptr, rec_ptr, block_ptr, D, elig_ptr, exec_ptr, eligible_ptr, union_ptr,
                     list_ptr, route_ptr, RS, counts_ptr, pf_rank_ptr, pf_list_ptr, phys_ptr, layer_ptr, free_ptr,
                     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                    P: tl.constexpr, U: tl.constexpr, PREFETCH: tl.constexpr):
+                    P: tl.constexpr, U: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
         """`ExpertPool.use` of the block's executions: the missing experts (ascending) take union slots P, P+1,
         ...; the recency of executed experts; the route rows; the union, eligible and demand lists; the counts,
         and the layer's row layer_ptr [4]: missing experts (counted also past U, where the pool is left unchanged
@@ -283,6 +288,7 @@ if triton is not None:
         slot, then the lowest slot of an unused prefetch, through the scratch row free_ptr), the route rows and the
         demand list (only the copies) get the physical slots, and phys_ptr [U] the physical slot of each logical
         union slot."""
+        enter(PDL)
         rows = tl.arange(0, BLOCK_D)
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
@@ -349,12 +355,13 @@ if triton is not None:
     @triton.jit
     def _prefetch_kernel(exec_ptr, alpha_ptr, pool_ptr, D, rank_ptr, list_ptr,
                          E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
-                         CAP: tl.constexpr):
+                         CAP: tl.constexpr, PDL: tl.constexpr = False):
         """`predict_prefetch` from the predicted executions (exec_ptr, as `_execute_kernel` wrote them for the
         pre-gate logits): the missing experts, at most CAP, the most wanted (the largest sum of alpha over the
         positions executing them, added in position order as the host adds) first, ties to the lower index; their
         ranks (ascending expert order, else -1) into rank_ptr [BLOCK_E], and the copy list (count, experts, slots
         P, P+1, ...) into list_ptr [1 + 2E]."""
+        enter(PDL)
         rows = tl.arange(0, BLOCK_D)
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
@@ -377,11 +384,12 @@ if triton is not None:
     @triton.jit
     def _refill_kernel(pool_ptr, slot_ptr, rec_ptr, warm_rank_ptr, block_ptr, moves_ptr, phys_ptr,
                        E: tl.constexpr, BLOCK_E: tl.constexpr, P: tl.constexpr, U: tl.constexpr,
-                       PREFETCH: tl.constexpr):
+                       PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
         """`ExpertPool.end_block` of layer program_id(0): keep the P most recent experts, entering experts (in
         ascending index) take the freed pool slots (ascending); moves [L, 1 + 2E]: per layer their count, their
         union slots (PREFETCH: the physical ones, phys_ptr [L, U]), their pool slots (a copy list of `expert_copy`
         from the slots to the slots)."""
+        enter(PDL)
         layer = tl.program_id(0)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
@@ -569,7 +577,7 @@ class DevicePool:
                           self.counts, self.prefetch_ranks[layer], self.prefetches[layer], self.physical[layer],
                           self.layer_counts[layer], self.free_scratch, E=c["E"], BLOCK_E=c["BLOCK_E"],
                           BLOCK_D=c["BLOCK_D"], BLOCK=c["BLOCK"], P=c["P"], U=c["U"], PREFETCH=c["PREFETCH"],
-                          num_warps=self.warps)
+                          num_warps=self.warps, **pdl.options(self.pool_mask[layer]))
 
     def _check_block(self, what: str, z: torch.Tensor, alpha: torch.Tensor) -> None:
         """ValueError unless `z` is float32 [D, E] with unit column stride, 1 <= D <= max_positions, and alpha
@@ -590,14 +598,16 @@ class DevicePool:
         shape = dict(E=c["E"], BLOCK_E=c["BLOCK_E"], BLOCK_D=c["BLOCK_D"])
         _own_kernel[(d,)](z, z.stride(0), alpha, layer_bias, self.fparams, fs, own, **shape, K=c["K"],
                           SIGMOID=c["SIGMOID"], N_GROUP=c["N_GROUP"], TOPK_GROUP=c["TOPK_GROUP"],
-                          BLOCK_G=c["BLOCK_G"], DEMAND=c["BLOCK"], num_warps=self.warps, enable_fp_fusion=False)
+                          BLOCK_G=c["BLOCK_G"], DEMAND=c["BLOCK"], num_warps=self.warps, enable_fp_fusion=False,
+                          **pdl.options(z))
         if c["BLOCK"]:
             _demand_kernel[(1,)](self.fparams, self.pool_mask[layer], d, fs, own, elig, **shape, num_warps=self.warps,
-                                 enable_fp_fusion=False)
+                                 enable_fp_fusion=False, **pdl.options(self.fparams))
         _execute_kernel[(d,)](z, z.stride(0), alpha, layer_bias, self.fparams, fs, own, elig, ex, selected,
                               weights, displaced, route, route.stride(0), WEIGHTS_IN_ROUTE=int(weights_in_route),
                               **shape, K=c["K"], BLOCK_K=c["BLOCK_K"], BLOCK=c["BLOCK"], SIGMOID=c["SIGMOID"],
-                              RENORMALISE=c["RENORMALISE"], num_warps=self.warps, enable_fp_fusion=False)
+                              RENORMALISE=c["RENORMALISE"], num_warps=self.warps, enable_fp_fusion=False,
+                              **pdl.options(z))
 
     def predict(self, layer: int, pregate_logits: torch.Tensor, alpha: torch.Tensor) -> None:
         """The block prefetch of `layer` (>= 1; `predict_prefetch`): the block's selector on the D positions'
@@ -615,14 +625,15 @@ class DevicePool:
         self._selection(layer, g, alpha, q, *self.predicted_rows, False)
         _prefetch_kernel[(1,)](q.executed, alpha, self.pool_mask[layer], g.shape[0], self.prefetch_ranks[layer],
                                self.prefetches[layer], E=c["E"], BLOCK_E=c["BLOCK_E"], BLOCK_D=c["BLOCK_D"],
-                               P=c["P"], CAP=c["CAP"], num_warps=self.warps)
+                               P=c["P"], CAP=c["CAP"], num_warps=self.warps, **pdl.options(q.executed))
 
     def end_block(self) -> None:
         """`ExpertPool.end_block` on the device, every layer in one launch (move_lists)."""
         c = self._constants
         _refill_kernel[(self.num_layers,)](self.pool_mask, self.slot, self.recency, self.warm_rank, self.block,
                                            self.move_lists, self.physical, E=c["E"], BLOCK_E=c["BLOCK_E"], P=c["P"],
-                                           U=self.physical.shape[1], PREFETCH=c["PREFETCH"], num_warps=4)
+                                           U=self.physical.shape[1], PREFETCH=c["PREFETCH"], num_warps=4,
+                                           **pdl.options(self.pool_mask))
 
     def state(self) -> dict:
         """The pool's state on the host, named as `ExpertPool`'s attributes (for checks against it)."""

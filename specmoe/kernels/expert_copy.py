@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -38,7 +42,8 @@ if triton is not None:
 
     @triton.jit
     def _expert_copy_kernel(src_ptr, dst_ptr, list_ptr, ROW, MAX_N: tl.constexpr, BLOCK: tl.constexpr,
-                            BLOCKS: tl.constexpr):
+                            BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
+        enter(PDL)
         pid = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         n = tl.load(list_ptr)
@@ -106,7 +111,7 @@ def launch_copy(src: torch.Tensor, dst: torch.Tensor, listing: torch.Tensor, blo
                 block: int = COPY_BLOCK) -> None:
     """The launch of `copy_experts` on word views already made and checked (the device policy makes them once)."""
     _expert_copy_kernel[(blocks,)](src, dst, listing, src.shape[1], MAX_N=(listing.numel() - 1) // 2, BLOCK=block,
-                                   BLOCKS=blocks, num_warps=4)
+                                   BLOCKS=blocks, num_warps=4, **pdl.options(dst))
 
 
 def copy_experts_torch(store_rows: torch.Tensor, slot_rows: torch.Tensor, listing: torch.Tensor) -> None:

@@ -42,9 +42,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
+
 try:  # Triton is optional: CPU machines run the torch reference
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -97,8 +101,9 @@ if triton is not None:
     @triton.jit
     def _gdn_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, state_ptr, hist_ptr, out_ptr, T,
                     NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr, STORE_HISTORY: tl.constexpr):
+                    BV: tl.constexpr, STORE_HISTORY: tl.constexpr, PDL: tl.constexpr = False):
         """Program (value head h, value block j): the state block S[h, :, j*BV:(j+1)*BV] through T positions."""
+        enter(PDL)
         h = tl.program_id(0)
         j = tl.program_id(1)
         kh = h // (NV // NK)
@@ -133,7 +138,7 @@ def gdn_recurrence_triton(q, k, v, decay, beta, state, history=None, out=None, b
     bv = min(block_v, triton.next_power_of_2(dv))
     _gdn_kernel[(nv, triton.cdiv(dv, bv))](q, k, v, decay, beta, state, state if history is None else history, out,
                                            d, NK=nk, NV=nv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-                                           STORE_HISTORY=history is not None, num_warps=num_warps)
+                                           STORE_HISTORY=history is not None, num_warps=num_warps, **pdl.options(q))
     return out
 
 
@@ -224,9 +229,10 @@ if triton is not None:
     def _prologue_kernel(proj_ptr, conv_w_ptr, a_ptr, dt_bias_ptr, state_ptr, conv_in_ptr, q_ptr, k_ptr, v_ptr,
                          decay_ptr, beta_ptr, T, row_stride, b_col, q_scale, eps, threshold,
                          NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         WIDTH: tl.constexpr, BD: tl.constexpr):
+                         WIDTH: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
         """Program p: q head p (p < NK), k head p - NK (p < 2 NK) or v head p - 2 NK, i.e. its channels of the
         convolution, through T positions; a v head's program also writes that head's decay and beta."""
+        enter(PDL)
         p = tl.program_id(0)
         W: tl.constexpr = WIDTH - 1
         dt = conv_in_ptr.dtype.element_ty
@@ -273,8 +279,9 @@ if triton is not None:
 
     @triton.jit
     def _gated_rmsnorm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, gate_row, gate_head, eps, NV: tl.constexpr,
-                              DV: tl.constexpr, BV: tl.constexpr):
+                              DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
         """Program (position t, value head h)."""
+        enter(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         dt = out_ptr.dtype.element_ty
@@ -299,7 +306,7 @@ def gdn_prologue_triton(proj, conv_weight, A, dt_bias, conv_state, conv_in, q, k
     _prologue_kernel[(2 * nk + nv,)](proj, conv_weight, A, dt_bias, conv_state, conv_in, q, k, v, decay, beta, d,
                                      proj.stride(0), b_col, dk ** -0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD, NK=nk, NV=nv,
                                      DK=dk, DV=dv, WIDTH=width, BD=triton.next_power_of_2(max(dk, dv)),
-                                     num_warps=num_warps)
+                                     num_warps=num_warps, **pdl.options(proj))
 
 
 def gated_rmsnorm_triton(x, gate, weight, eps: float, out=None) -> torch.Tensor:
@@ -311,7 +318,7 @@ def gated_rmsnorm_triton(x, gate, weight, eps: float, out=None) -> torch.Tensor:
         raise ValueError("the gated RMSNorm kernel needs the gate with unit last stride")
     out = torch.empty(d, nv, dv, dtype=gate.dtype, device=x.device) if out is None else out
     _gated_rmsnorm_kernel[(d, nv)](x, gate, weight, out, gate.stride(0), gate.stride(1), eps, NV=nv, DV=dv,
-                                   BV=triton.next_power_of_2(dv), num_warps=1 if dv <= 128 else 4)
+                                   BV=triton.next_power_of_2(dv), num_warps=1 if dv <= 128 else 4, **pdl.options(x))
     return out
 
 

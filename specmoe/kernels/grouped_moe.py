@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import pdl
 from .fp8 import is_fp8_rows
 from .moe import compute_dtype, fastest, fp8_kernel_args, slot_moe_torch
 from .tuning import LaunchChoice, device_identity, dtype_name, launch_params
@@ -58,6 +59,7 @@ try:  # Triton is optional: CPU machines run the torch reference
     import triton.language as tl
 
     from .moe import fp8_weights
+    from .pdl import enter
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -158,8 +160,10 @@ if triton is not None:
 
     @triton.jit
     def _group_slots_kernel(route_ptr, groups_ptr, P: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-                            C_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+                            C_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """groups[0 .. n) = the n distinct slots of the P = D * K pairs, ascending; groups[n .. G) = -1."""
+        enter(PDL)
         c = tl.arange(0, C_PAD)
         used = tl.zeros([C_PAD], dtype=tl.int32)
         for p0 in tl.static_range(0, P, BLOCK_P):
@@ -190,9 +194,10 @@ if triton is not None:
                                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, W: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 PRECISION: tl.constexpr, FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr,
-                                NH: tl.constexpr, B: tl.constexpr):
+                                NH: tl.constexpr, B: tl.constexpr, PDL: tl.constexpr = False):
         """act[i, first j on slot, rows] = silu(gate x_i) * (up x_i) for the positions i of this chunk on this
         program's slot (if in [slot_lo, slot_hi)), rows of this program."""
+        enter(PDL)
         slot = tl.load(groups_ptr + tl.program_id(0))
         if (slot < slot_lo) | (slot >= slot_hi):
             return  # fewer distinct slots than programs (-1), or a slot of the other phase
@@ -235,9 +240,10 @@ if triton is not None:
                              H: tl.constexpr, I: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                              FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
-                             B: tl.constexpr):
+                             B: tl.constexpr, PDL: tl.constexpr = False):
         """y[i, j, rows] = down(act_i) for every pair (i, j) of this chunk on this program's slot (if in
         [slot_lo, slot_hi))."""
+        enter(PDL)
         slot = tl.load(groups_ptr + tl.program_id(0))
         if (slot < slot_lo) | (slot >= slot_hi):
             return
@@ -271,9 +277,10 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(y_ptr, route_ptr, res_ptr, out_ptr, K: tl.constexpr, H: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+                        BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
         """out[i, rows] = residual[i, rows] + sum_j round(y[i, j, rows] * round(w_ij)), j in order (the
         per-token kernel's combine)."""
+        enter(PDL)
         i = tl.program_id(0)
         dt = out_ptr.dtype.element_ty
         rows = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -329,7 +336,7 @@ def slot_moe_grouped_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: t
     c_pad = _next_pow2(num_slots)
     _group_slots_kernel[(1,)](route, workspace.groups, P=pairs, K=top_k, C=num_slots, C_PAD=c_pad, G=g,
                               G_PAD=_next_pow2(g), BLOCK_P=min(_next_pow2(pairs), max(16, 8192 // c_pad)),
-                              num_warps=4)
+                              num_warps=4, **pdl.options(route))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16 operands
     fp8 = fp8_kernel_args(slot_buf, hidden, inter, p["block_n"], p["block_h"])
     m_chunks = triton.cdiv(d, p["block_m"])
@@ -342,13 +349,14 @@ def slot_moe_grouped_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: t
         _grouped_gate_up_kernel[(g, triton.cdiv(inter, p["block_n"]), m_chunks)](
             x, slot_buf, route, workspace.groups, workspace.act, lo, hi, D=d, K=top_k, H=hidden, I=inter, W=width,
             BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], PRECISION=precision,
-            num_warps=p["warps"], num_stages=p["stages"], **fp8)
+            num_warps=p["warps"], num_stages=p["stages"], **fp8, **pdl.options(x))
         _grouped_down_kernel[(g, triton.cdiv(hidden, p["block_h"]), m_chunks)](
             workspace.act, slot_buf, route, workspace.groups, workspace.y, lo, hi, D=d, K=top_k, H=hidden, I=inter,
             W=width, BLOCK_M=p["block_m"], BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], PRECISION=precision,
-            num_warps=p["warps"], num_stages=p["stages"], **fp8)
+            num_warps=p["warps"], num_stages=p["stages"], **fp8, **pdl.options(workspace.act))
     _combine_kernel[(d, triton.cdiv(hidden, p["block_c"]))](workspace.y, route, residual, out, K=top_k, H=hidden,
-                                                           BLOCK_C=p["block_c"], num_warps=4)
+                                                           BLOCK_C=p["block_c"], num_warps=4,
+                                                           **pdl.options(workspace.y))
     return out
 
 

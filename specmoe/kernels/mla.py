@@ -23,11 +23,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .norm_rope import rmsnorm_torch
 
 try:  # Triton is optional: CPU machines run the torch version
     import triton
     import triton.language as tl
+
+    from .pdl import enter
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -82,9 +85,10 @@ if triton is not None:
     def _mla_prologue_kernel(kv_ptr, KV_ROW, qpe_ptr, QPE_ROW, QPE_HEAD, qlat_ptr, QLAT_HEAD, QLAT_ROW, w_ptr,
                              cos_ptr, sin_ptr, first_ptr, cache_ptr, query_ptr, eps, NH,
                              R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                             INTERLEAVED: tl.constexpr):
+                             INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
         """Program (i, h): position i's query row of head h (h < NH: q_lat copied, q_pe rotated), or its cache
         row (h = NH: c normed, k_pe rotated), with `mla_prologue_torch`'s rounding points."""
+        enter(PDL)
         dt = query_ptr.dtype.element_ty
         i = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -133,5 +137,5 @@ def mla_prologue_triton(kv: torch.Tensor, q_pe: torch.Tensor, q_lat: torch.Tenso
     _mla_prologue_kernel[(d, nh + 1)](kv, kv.stride(0), q_pe, q_pe.stride(0), q_pe.stride(1), q_lat, q_lat.stride(0),
                                       q_lat.stride(1), kv_norm, cos, sin, first, cache, query, eps, nh, R=r, P=p,
                                       BLOCK_R=triton.next_power_of_2(r), BLOCK_P=triton.next_power_of_2(p // 2),
-                                      INTERLEAVED=interleaved, num_warps=4, enable_fp_fusion=False)
+                                      INTERLEAVED=interleaved, num_warps=4, enable_fp_fusion=False, **pdl.options(kv))
     return query
