@@ -85,22 +85,25 @@ def test_refusals_name_the_problem():
 
 
 def test_dispatch_runs_f_linear_off_the_kernel():
-    """`linear` is F.linear, bit for bit, for cuBLAS's launch, no launch, and more than one row (the out32 copy
-    too); `Linears` off CUDA chooses cuBLAS for every shape and records it."""
+    """`linear` is F.linear, bit for bit, for cuBLAS's launch, no launch, and more than one row (the float32 rows
+    too: written by the GEMM itself for float32 inputs, the rounded values copied for bf16); `Linears` off CUDA chooses cuBLAS for every shape and records it."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(12, 40, generator=g)
     for x in (torch.randn(1, 40, generator=g), torch.randn(3, 40, generator=g)):
         for params in (None, CUBLAS, GEMV_CANDIDATES[1] if x.shape[0] > 1 else None):
             out32 = torch.zeros(x.shape[0], 12)
-            assert torch.equal(linear(x, w, params, out32), F.linear(x, w))
-            assert torch.equal(out32, F.linear(x, w))
+            y = linear(x, w, params, out32)
+            assert y is out32 and torch.equal(out32, F.linear(x, w))  # float32: the GEMM wrote the rows, no copy
+            bf = torch.zeros(x.shape[0], 12)
+            y = linear(x.bfloat16(), w.bfloat16(), params, bf)  # bf16: rounded first, then its float32 values
+            assert y.dtype == torch.bfloat16 and torch.equal(bf, F.linear(x.bfloat16(), w.bfloat16()).float())
     # a launch given, but a strided row or weight, which the kernel does not take: F.linear
     x = torch.randn(1, 80, generator=g)[:, ::2]
     for xx, ww in ((x, w), (x.contiguous(), torch.randn(40, 12, generator=g).T)):
         assert torch.equal(linear(xx, ww, GEMV_CANDIDATES[1]), F.linear(xx, ww))
     lin, notes, launch = Linears(), [], {}
     lin.choose([w, torch.zeros(12, 40), torch.zeros(7, 40)], "auto", notes, launch, check_gemv)
-    assert lin.params == {(12, 40): CUBLAS, (7, 40): CUBLAS}
+    assert lin.params == {(12, 40, torch.float32): CUBLAS, (7, 40, torch.float32): CUBLAS}
     assert launch == {"gemv 12x40": {"params": CUBLAS, "source": "defaults"},
                       "gemv 7x40": {"params": CUBLAS, "source": "defaults"}}
     x = torch.randn(1, 40, generator=g)
@@ -221,7 +224,7 @@ def test_a_launch_that_fails_its_check_falls_back_to_cublas(monkeypatch):
 
     lin, notes, launch = Linears(), [], {}
     lin.choose([torch.zeros(12, 40), torch.zeros(7, 40)], "auto", notes, launch, check)
-    assert lin.params == {(12, 40): GEMV_CANDIDATES[2], (7, 40): CUBLAS}
+    assert lin.params == {(12, 40, torch.float32): GEMV_CANDIDATES[2], (7, 40, torch.float32): CUBLAS}
     assert launch["gemv 7x40"]["source"] == "defaults" and launch["gemv 12x40"]["source"] == "tuned"
     assert any("GEMV kernel for [7, 40] unusable (RuntimeError: GEMV kernel [7, 40] differs" in n and "cuBLAS used" in n
                for n in notes), notes

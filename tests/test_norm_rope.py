@@ -110,7 +110,7 @@ model, adapter = load_model("qwen3.5-moe-tiny", seed=0)
 rows = ExpertStore.from_model(model, adapter, pin=False).layers
 tokens = torch.randint(0, model.config.vocab_size, (17,), generator=torch.Generator().manual_seed(3)).tolist()
 plain, fused = Qwen35MoeDecoder.from_model(model, 40), Qwen35MoeDecoder.from_model(model, 40)
-fused.fused = fused.router_into = True
+fused.fused = True
 compare_decoders(plain, fused, rows, tokens, dict(rtol=1e-4, atol=1e-5))
 print("decoder ok")
 """
@@ -157,7 +157,7 @@ def test_cpu_decoder_notes_the_kernels_unusable():
     decoder.use_kernels("auto", "auto", "slot", rows)
     assert not decoder.fused and not any("zero-centred" in n for n in decoder.notes)  # not asked for on the CPU
     decoder.use_kernels("triton", "sdpa", "slot", rows)
-    assert not decoder.fused and decoder.router_into  # the float32 GEMM into the logits runs on the CPU too
+    assert not decoder.fused and not decoder.linears.params  # every projection on F.linear / torch.mm
     assert any(n.startswith("Triton zero-centred norm") and "unusable" in n for n in decoder.notes)
 
 
@@ -236,7 +236,8 @@ def test_tiny_decoder_on_gpu_with_and_without_the_kernels():
     tokens = torch.randint(0, model.config.vocab_size, (17,), generator=torch.Generator().manual_seed(3)).tolist()
     fused, plain = Qwen35MoeDecoder.from_model(model, 40), Qwen35MoeDecoder.from_model(model, 40)
     fused.use_kernels("triton", "auto", "slot", rows[0])
-    assert fused.fused and fused.router_into and fused.attention == "split_kv", fused.notes
+    assert fused.fused and fused.attention == "split_kv", fused.notes
+    assert "gemv {}x{}".format(*fused.router_pair[0].shape) in fused.launch, fused.launch  # the router's launch
     plain.use_kernels("torch", "sdpa", "slot", rows[0])
-    assert not plain.fused and not plain.router_into
+    assert not plain.fused and not plain.linears.params
     compare_decoders(plain, fused, rows, tokens, dict(rtol=1e-4, atol=1e-4))

@@ -127,10 +127,14 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, params: dict, out: torch.Tenso
 def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None, out32: torch.Tensor | None = None) -> torch.Tensor | None:
     """x W^T: the GEMV kernel where `params` name one of its launches and x is one contiguous row [1, K] in the
     dtype of a contiguous w, else `F.linear`; out32 (optional, float32) receives the result's values (the rounded
-    ones, as F.linear(x, w).float() holds them). Returns the result in x's dtype (None where the kernel wrote only
-    out32)."""
+    ones, as F.linear(x, w).float() holds them; a float32 x and w's GEMM writes straight into an out32 of the
+    result's shape). Returns the result in x's dtype (None where the kernel wrote only out32). The one way a
+    decoder's router writes its float32 logits rows, whatever its dtype."""
     kernel = params is not None and "cublas" not in params and x.dim() == 2 and x.shape[0] == 1
     if not (kernel and x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype):
+        if out32 is not None and x.dtype == w.dtype == torch.float32 and x.dim() == 2 \
+                and out32.shape == (x.shape[0], w.shape[0]):
+            return torch.mm(x, w.t(), out=out32)  # float32 rows: the GEMM writes them, no copy
         y = F.linear(x, w)
         if out32 is not None:
             out32.copy_(y)
@@ -164,7 +168,7 @@ class Linears:
     `F.linear`) until `choose`."""
 
     def __init__(self):
-        self.params: dict[tuple[int, int], dict] = {}
+        self.params: dict[tuple[int, int, torch.dtype], dict] = {}
 
     def choose(self, weights, tune, notes: list, launch: dict, check) -> None:
         """Per distinct shape among `weights` (tensors [N, K] on one device, one dtype): its launch, cached or
@@ -175,7 +179,7 @@ class Linears:
         self.params.clear()
         for w in weights:
             n, k = w.shape
-            if (n, k) in self.params:
+            if (n, k, w.dtype) in self.params:
                 continue
             try:
                 choice = gemv_launch_params(tune, n, k, w.dtype, w.device)
@@ -187,7 +191,7 @@ class Linears:
                 notes.append(f"GEMV kernel for [{n}, {k}] unusable ({type(exc).__name__}: {exc}); cuBLAS used")
                 choice = LaunchChoice(dict(CUBLAS), "defaults")
             notes.extend(choice.notes)
-            self.params[(n, k)] = choice.params
+            self.params[(n, k, w.dtype)] = choice.params
             launch[f"gemv {n}x{k}"] = {"params": choice.params, "source": choice.source}
 
     def clear(self) -> None:
@@ -195,7 +199,7 @@ class Linears:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, out32: torch.Tensor | None = None) -> torch.Tensor | None:
         """x W^T on the launch chosen for w's shape (`linear`)."""
-        return linear(x, w, self.params.get(tuple(w.shape)), out32)
+        return linear(x, w, self.params.get((*w.shape, w.dtype)), out32)
 
 
 __all__ = ["CUBLAS", "GEMV_CANDIDATES", "GEMV_DEFAULTS", "Linears", "gemv_launch_params", "gemv_triton", "linear",

@@ -210,7 +210,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
             self.fused = verified(self, "fused dense kernels (RMSNorm, MLA prologue, SwiGLU product)", "torch ops",
                                   self._check_fused)
             use_slot_moe(self, slot_buf, tune)
-        use_dense_kernels(self, self.fused, [self.lm_head], tune)
+        use_dense_kernels(self, self.fused, [self.router_pair[0], self.lm_head], tune)
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "dense": "fused" if self.fused else "torch"}
 
@@ -321,7 +321,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
             self._dense_layer(step, j)
         j = self.moe_layer_ids[layer]
         m = self._rmsnorm(self._attention(step, j), self.layers[j]["post_ln"], w["moe_in"], residual=w["h"])
-        torch.matmul(m.float(), self.router_pair[layer].T, out=step.logits_dev[layer])  # float32, as transformers
+        self.linears(m.float(), self.router_pair[layer], out32=step.logits_dev[layer])  # float32, as transformers
         if copy_out:
             step.copy_out_logits(layer)
         # the shared experts, resident and ungated, here rather than in `moe`: the engine may run a layer's MoE in

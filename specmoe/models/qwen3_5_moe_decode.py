@@ -15,8 +15,10 @@ and beta into the step's buffers) and its gated RMSNorm run as one Triton launch
 token mixer is five launches (in_proj, prologue, recurrence, gated norm, out_proj); the zero-centred norms (the
 post-attention one with the residual add), the gated attention's prologue (q/k norms, partial rotary, KV write,
 one launch), the output gate and the shared expert's SwiGLU product and gated residual add are one launch each
-(`fused`, `specmoe.kernels.norm_rope`); a float32 model's router writes its logits straight into the step's buffer
-(`router_into`; a bf16 model's router rounds them to bf16 first, as transformers' does, then copies). On the CPU
+(`fused`, `specmoe.kernels.norm_rope`); the router writes its float32 logits rows through the decoder's one-row
+linear layers (`specmoe.kernels.gemv.linear`: at one position the GEMV kernel where it was tuned faster, writing
+the bf16-rounded logits as transformers' router rounds them in the same pass; a float32 model's GEMM straight
+into the rows). On the CPU
 everything is torch: the recurrence position by position. The projections are torch GEMMs everywhere. A step has
 static shapes and reads no host value, so each layer's launch captures into a CUDA graph; a prompt chunk runs
 through the same steps.
@@ -98,22 +100,6 @@ def _check_config(config) -> None:
         raise ModelSourceError("linear_num_value_heads must be a multiple of linear_num_key_heads")
 
 
-def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) written into out (of x's dtype: a float32 model's router logits) without a copy."""
-    return torch.mm(x, weight.t(), out=out)
-
-
-def check_linear_into(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
-    """`linear_into` against F.linear on random input (RuntimeError above `checks.TOLERANCE`)."""
-    g = torch.Generator(device=device).manual_seed(5)
-    x = torch.randn(3, rows, device=device, generator=g).to(dtype)
-    weight = torch.randn(cols, rows, device=device, generator=g).to(dtype)
-    out = linear_into(x, weight, torch.empty(3, cols, device=device))
-    err = checks.relative_error(F.linear(x, weight), out)
-    if not err < checks.TOLERANCE:
-        raise RuntimeError(f"the router GEMM into float32 differs from F.linear: relative error {err:.3g}")
-
-
 class Qwen35MoeDecoder(Sourced, FeatureCapture):
     """Qwen3.5-MoE (Gated DeltaNet and gated attention, gated shared expert) without the routed experts; see the
     module docstring."""
@@ -140,7 +126,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
         self.linears, self.greedy_fused = Linears(), False  # the head's GEMM and greedy kernel (use_kernels)
         # the Triton norm, prologue and gate kernels; the router's direct write into the logits (`use_kernels`)
-        self.fused, self.router_into = False, False
+        self.fused = False
         self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # as OLMoE's (`use_kernels`)
         self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
         # the Gated DeltaNet's recurrence (`specmoe.kernels.gdn`): what was asked, what runs; rollback mode
@@ -224,8 +210,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         D > 1) with tuned launch parameters; the Gated DeltaNet's recurrence through our Triton kernel, else fla's
         kernels where installed (`specmoe.kernels.gdn`; `set_gdn` narrows the choice); with the triton backend the
         Gated DeltaNet's prologue and gated RMSNorm (`gdn_fused`), the fused norm, prologue and gate kernels
-        (`fused`) and, for a float32 model, the router's direct write (`router_into`; see the module docstring);
-        each checked against torch on this device. The returned dict adds "gdn": the recurrence's kernel.
+        (`fused`), the router and the head on the one-row linear layers (`use_dense_kernels`); each checked against torch on this device. The returned dict adds "gdn": the recurrence's kernel.
         flash-attn and vLLM's experts are not implemented here: noted, split-KV / slot used."""
         check_kernel_choice(backend, attention, moe)
         tune = check_tune(tune)
@@ -235,7 +220,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         triton_ok = self.device.type == "cuda" and triton_available()
         g, on = self.geometry, (self.dtype, self.device)
         self.moe_params, self.grouped_moe, self.grouped_params, self.attention = None, False, {}, "sdpa"
-        self.gdn_kernel, self.backend, self.fused, self.router_into = "torch", "torch", False, False
+        self.gdn_kernel, self.backend, self.fused = "torch", "torch", False
         self.gdn_fused = {"prologue": False, "norm": False}
         self.launch.clear()
         self._tuning = (tune, slot_buf)
@@ -254,12 +239,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
             self.fused = verified(self, "Triton zero-centred norm, attention prologue and gate kernels",
                                   "their torch versions", lambda: checks.check_zero_centred_kernels(
                                       g, self.rotary_dim, shared_inter, self.eps, *on))
-            # a bf16 router's logits are rounded to bf16 first, as transformers' router rounds them (exact routing
-            # selects as transformers does, near-ties included); only a float32 model's GEMM writes them directly
-            self.router_into = self.dtype == torch.float32 and verified(
-                self, "router GEMM into the float32 logits", "GEMM and copy",
-                lambda: check_linear_into(g.hidden, 2 * g.num_experts, *on))
-        use_dense_kernels(self, self.fused, [self.lm_head], tune)
+        use_dense_kernels(self, self.fused, [self.router_pair[0], self.lm_head], tune)
         self.notes.append(f"Gated DeltaNet recurrence: {self.gdn_kernel}, rollback by {self.gdn_rollback}")
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "gdn": self.gdn_kernel}
@@ -448,10 +428,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         x = self._norm(w["h"], lw["input_ln"], w["xn"])
         mix = self._linear_attention if self.mixers[layer] == "linear_attention" else self._attention
         m = self._norm(mix(step, layer, x), lw["post_ln"], w["moe_in"], residual=w["h"])
-        if self.router_into:
-            linear_into(m, self.router_pair[layer], step.logits_dev[layer])
-        else:
-            step.logits_dev[layer].copy_(F.linear(m, self.router_pair[layer]))
+        self.linears(m, self.router_pair[layer], out32=step.logits_dev[layer])  # bf16: rounded, as transformers'
         if copy_out:
             step.copy_out_logits(layer)
         # the shared expert, resident and gated, here rather than in `moe` (which may run several times per layer)
