@@ -77,8 +77,9 @@ def same(a, b):
             assert p == q, (p, q)
     assert counted(ca) == counted(cb), (ca, cb)
     assert ca["demand"] > 0 and ca["moved"] > 0, ca
-    if x.info["prefetch"]:
-        assert ca["prefetch_in_time"] > 0 and ca["prefetch_unused"] > 0 and ca["prefetch_late"] == 0, ca
+    if x.info["prefetch"]:  # the blocks' prefetch hits count in time (joined before their layer); a late one can
+        # come only from the prefill's host-path copies, by their timing (counted above), so none is asserted here
+        assert ca["prefetch_in_time"] > 0 and ca["prefetch_unused"] > 0, ca
     return ca
 """
 
