@@ -44,7 +44,6 @@ dequantised weights.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -294,10 +293,6 @@ if triton is not None:
         tl.store(out_ptr + i * H + rows, (res + acc).to(dt), mask=rmask)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def grouped_params(num_positions: int, params: dict | None = None) -> dict:
     """The launch parameters of a call: GROUPED_DEFAULTS, block_m from D, then `params` (ValueError for an
     unknown option or a tile below tl.dot's 16)."""
@@ -364,7 +359,7 @@ def slot_moe_grouped(x, residual, slot_buf, route, out, hidden, inter, workspace
                      params=None, late: tuple | None = None) -> torch.Tensor:
     """out = residual + MoE(x) for D positions; backend "triton" (the CPU without the Triton interpreter
     computes the reference) or "torch"; late as `slot_moe_grouped_triton`'s (the reference waits first)."""
-    if backend == "triton" and (x.is_cuda or _interpreting()):
+    if backend == "triton" and (x.is_cuda or pdl.interpreting()):
         return slot_moe_grouped_triton(x, residual, slot_buf, route, out, hidden, inter, workspace, params, late)
     if late is not None:
         late[1]()

@@ -19,9 +19,9 @@ the same bit for bit with it on or off (tested).
 
 `options(t)`: the launch arguments (`PDL=True` for the kernel's constexpr, `launch_pdl=True` for Triton's
 launcher) where PDL is on for t's device, else none. On: a CUDA device of compute capability 9.0 or later on
-which a probe passed (two dependent launches captured in a CUDA graph give the eager result), unless the
-environment sets SPECMOE_PDL=0 (for an A/B run or a driver that misbehaves). Off: the CPU, Triton's
-interpreter, older GPUs; there the kernels run as they always did.
+which a probe passed (eight dependent launches, eager and captured in a CUDA graph, give the chain's sum),
+unless the environment sets SPECMOE_PDL=0 (for an A/B run or a driver that misbehaves). Off: the CPU, Triton's
+interpreter (`interpreting`), older GPUs; there the kernels run as they always did.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ if triton is not None:
         tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=m) + 1.0, mask=m)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET set: the CPU tests of the kernels)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -98,7 +99,7 @@ def status(device) -> tuple[bool, str]:
     """(on, why) for a device (module docstring); the probe runs once per device, never inside a graph capture
     (there PDL counts as off until a probe outside one has run)."""
     device = torch.device(device)
-    if device.type != "cuda" or triton is None or _interpreting():
+    if device.type != "cuda" or triton is None or interpreting():
         return False, "programmatic dependent launch: not on this device"
     if os.environ.get(ENV, "1") == "0":
         return False, f"programmatic dependent launch off ({ENV}=0)"
@@ -122,4 +123,4 @@ def options(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if t.is_cuda and enabled(t.device) else {}
 
 
-__all__ = ["ENV", "enabled", "enter", "options", "status"]
+__all__ = ["ENV", "enabled", "enter", "interpreting", "options", "status"]

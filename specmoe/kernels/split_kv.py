@@ -31,7 +31,6 @@ partials and the combine pass are the ones above with HD = R.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -336,10 +335,6 @@ if triton is not None:
         tl.store(out_ptr + row * HD + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: torch.Tensor,
                        scale: float, out: torch.Tensor, workspace: SplitKVWorkspace) -> torch.Tensor:
     """Attention of D causal queries over the written positions of one layer's static cache (module doc).
@@ -367,7 +362,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     _check_head_dim(head_dim)
     if ws.rope_dim:
         raise ValueError("this workspace is for a latent cache (split_kv_latent_attention)")
-    if not q.is_cuda and not _interpreting():
+    if not q.is_cuda and not pdl.interpreting():
         out.copy_(split_kv_attention_reference(q, k_cache, v_cache, seq_len, scale))
         return out
     return _launch(q, k_cache, v_cache, seq_len, scale, out, ws, num_kv, head_dim, 0)
@@ -430,7 +425,7 @@ def split_kv_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, seq_l
         raise ValueError("q, the latent cache and out must be contiguous")
     if ws.partial_out.device != q.device:
         raise ValueError(f"the workspace is on {ws.partial_out.device}, q on {q.device}")
-    if not q.is_cuda and not _interpreting():
+    if not q.is_cuda and not pdl.interpreting():
         from .mla import mla_decode_attention
 
         positions = torch.arange(ws.max_seq_len, device=q.device)
