@@ -5,7 +5,8 @@ the two cannot run in one process, e.g. a decoder's kernels).
 The benchmark is a script of the trees (default `scripts/bench_engine.py`) that takes `--out DIR` and writes a
 JSON report there whose "table" (or another key, --table-key) maps row names to numbers (bench_engine's
 `bench_engine.json`: ms_mean, copies_skipped_ms, ...; bench_drafters' `bench_drafters.json` under "rows": ms_per_step,
-...). Pair i runs the script once in each tree (cwd and PYTHONPATH the tree), old first in even
+...) or is a list of rows, each named by its --row-key field (bench_spec_engine's `bench_spec_engine.json`: "key";
+compute_ms_per_token, block_compute_over_target_step, ...). Pair i runs the script once in each tree (cwd and PYTHONPATH the tree), old first in even
 pairs and new first in odd ones (drift in the machine's clocks or temperature falls on both sides); pair i's
 old / new per row and field is one paired unit, and `specmoe.stats.log_ratio_ttest` gives the ratio (the
 geometric mean) with its interval over the pairs (two pairs at least). Give each process one round of the
@@ -49,6 +50,8 @@ def parse(argv):
     ap.add_argument("--report", default="bench_engine.json", help="the JSON report the script writes in its --out")
     ap.add_argument("--table-key", default="table",
                     help="the report's key of its rows (bench_engine: table; bench_drafters: rows)")
+    ap.add_argument("--row-key", default="key",
+                    help="where the rows are a list (bench_spec_engine's table): the field that names each row")
     ap.add_argument("--fields", nargs="+", default=["ms_mean", "copies_skipped_ms"],
                     help="numbers of each table row to compare (rows without one are left out)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per process")
@@ -80,7 +83,7 @@ def run_process(side: str, out: Path, args) -> dict:
     """One process of the script in the side's tree and environment, its table (reused where a finished report is already in `out`);
     RuntimeError naming the process and the end of its output if it fails or writes no table."""
     report = out / args.report
-    table = _table(report, args.table_key)
+    table = _table(report, args.table_key, args.row_key)
     if table:
         return table
     out.mkdir(parents=True, exist_ok=True)
@@ -90,16 +93,20 @@ def run_process(side: str, out: Path, args) -> dict:
     done = subprocess.run([sys.executable, args.script, "--out", str(out.resolve()), *args.bench_args], cwd=tree,
                           env=env, capture_output=True, text=True, timeout=args.timeout)
     (out / "log.txt").write_text(done.stdout + done.stderr)
-    table = _table(report, args.table_key)
+    table = _table(report, args.table_key, args.row_key)
     if not table:
         raise RuntimeError(f"{args.script} in {tree} (exit {done.returncode}, {time.time() - started:.0f} s) wrote no "
                            f"table to {report}; its output ends:\n{(done.stdout + done.stderr)[-2000:]}")
     return table
 
 
-def _table(report: Path, key: str = "table") -> dict | None:
-    """The rows (under `key`) of a finished report, None if there are none."""
-    return json.loads(report.read_text()).get(key) if report.is_file() else None
+def _table(report: Path, key: str = "table", row_key: str = "key") -> dict | None:
+    """The rows (under `key`) of a finished report by name, None if there are none: a dict of rows as it is, a list
+    of rows keyed by each row's `row_key` field."""
+    rows = json.loads(report.read_text()).get(key) if report.is_file() else None
+    if isinstance(rows, list):
+        rows = {str(r[row_key]): r for r in rows if isinstance(r, dict) and row_key in r}
+    return rows or None
 
 
 def ratios(tables: dict, fields) -> dict:

@@ -556,6 +556,8 @@ base = {"old": 2.0, "new": 1.0}[tree.name] * args.scale * (1 + 0.01 * (n % 3))  
 base *= float(os.environ.get("FAKE_SLOW", "1"))
 table = {"all_resident": {"ms_mean": base, "copies_skipped_ms": base / 2, "policy": "exact"},
          "only_" + tree.name: {"ms_mean": 1.0}}
+if os.environ.get("FAKE_LIST"):  # rows as a list, each named by its "key" (bench_spec_engine's table)
+    table = [{"key": name, **row} for name, row in table.items()] + [{"ms_mean": 5.0}]
 pathlib.Path(args.out, "bench_engine.json").write_text(json.dumps({"table": table}))
 '''
 
@@ -606,6 +608,14 @@ def test_ab_trees_alternates_the_trees_pairs_the_ratios_and_resumes(tmp_path, ca
     with pytest.raises(SystemExit, match="other old_env"):
         ab_trees.main(["--old", str(new), "--new", str(new), "--out", str(env_out), "--pairs", "2",
                        "--old-env", "FAKE_SLOW=2"])
+
+    # rows as a list, named by a field of theirs (a row without one left out)
+    list_out = tmp_path / "ab_list"
+    assert ab_trees.main(["--old", str(new), "--new", str(new), "--out", str(list_out), "--pairs", "2",
+                          "--old-env", "FAKE_SLOW=2", "FAKE_LIST=1", "--new-env", "FAKE_LIST=1"]) == 0
+    summary = json.loads((list_out / "ab_trees.json").read_text())
+    assert set(summary["ratios"]) == {"all_resident", "only_new"}
+    assert abs(summary["ratios"]["all_resident"]["ms_mean"]["ratio"] - 2.0) < 0.1
 
     (old / "fail").touch()
     with pytest.raises(RuntimeError, match="(?s)exit 3.*wrote no table .*the model does not fit"):
