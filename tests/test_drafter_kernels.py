@@ -112,7 +112,7 @@ from specmoe.kernels.gemv import GEMV_CANDIDATES
 torch_ops, fused = pair("ar")
 dec = fused.decoder
 for w in (dec.layers[0]["wqkv"], dec.layers[0]["wo"], dec.layers[0]["gate_up"], dec.layers[0]["down"]):
-    dec.linears.params[(*w.shape, w.dtype, 1)] = GEMV_CANDIDATES[-1]  # one row
+    dec.linears.params[(*w.shape, w.dtype)] = GEMV_CANDIDATES[-1]
 walk((torch_ops, fused))
 torch.manual_seed(0)
 config = Olmo2Config(vocab_size=8192, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -16,7 +16,7 @@ from specmoe.kernels import pdl
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 ON = {"PDL": True, "launch_pdl": True}
-PDL_KERNELS = {"_gemv_kernel", "_rows_kernel", "_rmsnorm_kernel", "_qkv_prologue_kernel", "_gate_mul_kernel",
+PDL_KERNELS = {"_gemv_kernel", "_rmsnorm_kernel", "_qkv_prologue_kernel", "_gate_mul_kernel",
                "_split_kv_partial_kernel", "_split_kv_reduce_kernel", "_greedy_partial_kernel",
                "_greedy_combine_kernel", "_route_resident_kernel", "_route_sigmoid_kernel", "_gate_up_act_kernel",
                "_down_combine_kernel"}
@@ -38,7 +38,7 @@ def test_every_pdl_kernel_compiles_for_hopper_with_it(monkeypatch):
 
     from specmoe.kernels import greedy, moe, norm_rope, resident_routing, split_kv
     from specmoe.kernels.checks import compile_launches
-    from specmoe.kernels.gemv import GEMV_CANDIDATES, ROWS_CANDIDATES, gemm_rows_triton, gemv_triton
+    from specmoe.kernels.gemv import GEMV_CANDIDATES, gemv_triton
 
     monkeypatch.setattr(pdl, "options", lambda t: dict(ON))
     bf, i32, i64 = torch.bfloat16, torch.int32, torch.int64
@@ -46,7 +46,6 @@ def test_every_pdl_kernel_compiles_for_hopper_with_it(monkeypatch):
     x = torch.zeros(1, hidden, dtype=bf)
     with compile_launches() as compiled:
         gemv_triton(x, torch.zeros(512, hidden, dtype=bf), GEMV_CANDIDATES[3])
-        gemm_rows_triton(torch.zeros(9, hidden, dtype=bf), torch.zeros(512, hidden, dtype=bf), ROWS_CANDIDATES[1])
         norm_rope.rmsnorm_triton(x, torch.zeros(hidden, dtype=bf), 1e-5, torch.zeros_like(x),
                                  residual=torch.zeros_like(x))
         cos = sin = torch.zeros(seq, hd // 2)
@@ -70,25 +69,13 @@ def test_every_pdl_kernel_compiles_for_hopper_with_it(monkeypatch):
                             torch.zeros(8, inter, dtype=bf), torch.zeros_like(x), hidden, inter)
     assert {name for name, _ in compiled} == PDL_KERNELS
     assert all(constants["PDL"] for _, constants in compiled)
-    assert all(c["FIRST_TILE"] for name, c in compiled if name in ("_gemv_kernel", "_rows_kernel"))
-
-
-def first_tile_ahead(body) -> bool:
-    """A linear kernel's body (`specmoe.kernels.gemv`): no load before `if FIRST_TILE:`, which loads the first weight
-    tile and then waits, and whose other branch waits first."""
-    import ast
-
-    at = next(i for i, b in enumerate(body) if isinstance(b, ast.If) and ast.unparse(b.test) == "FIRST_TILE")
-    ahead, plain = [ast.unparse(b) for b in body[at].body], [ast.unparse(b) for b in body[at].orelse]
-    first_load = next(i for i, b in enumerate(ahead) if "tl.load" in b)
-    return not any("tl.load" in ast.unparse(b) for b in body[:at]) and "enter(PDL)" in ahead[first_load + 1:] \
-        and plain[0] == "enter(PDL)"
+    assert next(c for name, c in compiled if name == "_gemv_kernel")["FIRST_TILE"]
 
 
 def test_every_kernel_waits_first_and_every_launch_asks_for_pdl():
     """Across specmoe/kernels: each Triton kernel takes PDL and its first statement (after the docstring) is
-    enter(PDL), but the linear kernels', which load their first weight tile first under FIRST_TILE; each kernel
-    launch passes **pdl.options(a device tensor of the launch). A kernel added without them would still be correct, only not
+    enter(PDL), but the GEMV's, which loads its first weight tile first under FIRST_TILE; each kernel launch passes
+    **pdl.options(a device tensor of the launch). A kernel added without them would still be correct, only not
     overlapped; this keeps the rule whole."""
     import ast
     from pathlib import Path
@@ -103,7 +90,7 @@ def test_every_kernel_waits_first_and_every_launch_asks_for_pdl():
                 assert "PDL" in [a.arg for a in node.args.args], (path.name, node.name)
                 body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
                 first = ast.unparse(body[0])
-                assert first == "enter(PDL)" or (path.name == "gemv.py" and first_tile_ahead(body)), \
+                assert first == "enter(PDL)" or (node.name == "_gemv_kernel" and "FIRST_TILE" in ast.unparse(body[3])), \
                     (path.name, node.name, first)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) \
                     and ast.unparse(node.func.value).endswith("_kernel"):

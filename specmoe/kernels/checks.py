@@ -333,24 +333,21 @@ def check_greedy(logits: torch.Tensor) -> None:
     _agree("greedy head kernel's probabilities", outs[0][1], outs[1][1])
 
 
-def check_gemv(n: int, k: int, params: dict, dtype: torch.dtype, device: torch.device, rows: int = 1) -> None:
-    """The linear kernel of `rows` input rows (`specmoe.kernels.gemv`: the GEMV at one row, the few-row kernel
-    at 2 to ROWS_MAX) with launch `params` against F.linear for a weight [n, k]: its output in the model dtype
-    and its float32 copy (the same values)."""
-    from .gemv import gemm_rows_triton, gemv_triton
+def check_gemv(n: int, k: int, params: dict, dtype: torch.dtype, device: torch.device) -> None:
+    """The one-row linear kernel (`specmoe.kernels.gemv`) with launch `params` against F.linear for a weight
+    [n, k]: its output in the model dtype and its float32 copy (the same values)."""
+    from .gemv import gemv_triton
 
-    run = gemv_triton if rows == 1 else gemm_rows_triton
-    what = "GEMV kernel" if rows == 1 else f"few-row linear kernel at {rows} rows"
     g = torch.Generator(device=device).manual_seed(11)
     w = torch.randn(n, k, device=device, generator=g).to(dtype) / k ** 0.5
-    x = torch.randn(rows, k, device=device, generator=g).to(dtype)
+    x = torch.randn(1, k, device=device, generator=g).to(dtype)
     ref = torch.nn.functional.linear(x, w)
-    out32 = torch.full((rows, n), float("nan"), device=device)
-    out = run(x, w, params)
-    run(x, w, params, out32=out32)
-    _agree(f"{what} [{n}, {k}]", ref, out)
-    if not torch.equal(out.float(), out32):
-        raise RuntimeError(f"{what} [{n}, {k}]: its float32 output is not its {dtype} output's values")
+    out32 = torch.full((n,), float("nan"), device=device)
+    out = gemv_triton(x, w, params)
+    gemv_triton(x, w, params, out32=out32)
+    _agree(f"GEMV kernel [{n}, {k}]", ref, out)
+    if not torch.equal(out.float().flatten(), out32):
+        raise RuntimeError(f"GEMV kernel [{n}, {k}]: its float32 output is not its {dtype} output's values")
 
 
 def check_grouped_moe(s: Geometry, slot_buf: torch.Tensor, dtype: torch.dtype, device: torch.device,

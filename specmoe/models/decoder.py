@@ -149,10 +149,9 @@ def verified(decoder, name: str, fallback: str, check) -> bool:
 
 
 def use_dense_kernels(decoder, on: bool, weights, tune) -> None:
-    """For `decoder.use_kernels`, where `on` (the Triton backend, its other kernels checked): the linear layers of
-    `weights` (each [N, K]; one launch per shape and row block, the GEMV or few-row kernel or cuBLAS,
-    `specmoe.kernels.gemv.Linears`: one row now, the rows of each step made so far and of later ones when they
-    are made, `choose_linear_rows`) and the greedy head kernel (checked at the decoder's vocabulary); else
+    """For `decoder.use_kernels`, where `on` (the Triton backend, its other kernels checked): the one-row linear
+    layers of `weights` (each [N, K]; one launch per shape, the GEMV kernel or cuBLAS,
+    `specmoe.kernels.gemv.Linears.choose`) and the greedy head kernel (checked at the decoder's vocabulary); else
     F.linear and torch's argmax. Sets decoder.linears' launches and decoder.greedy_fused."""
     from specmoe.kernels import checks
 
@@ -161,19 +160,10 @@ def use_dense_kernels(decoder, on: bool, weights, tune) -> None:
     if not on:
         return
     decoder.linears.choose(weights, tune, decoder.notes, decoder.launch, checks.check_gemv)
-    for d in [d for d in decoder._steps if d > 1]:  # steps made before; later ones: `choose_linear_rows`
-        choose_linear_rows(decoder, d)
     vocab = decoder.lm_head.shape[0]
     g = torch.Generator(device=decoder.device).manual_seed(5)
     decoder.greedy_fused = verified(decoder, "greedy head kernel", "torch argmax", lambda: checks.check_greedy(
         (torch.randn(2, vocab, device=decoder.device, generator=g) * 4).to(decoder.dtype)))
-
-
-def choose_linear_rows(decoder, num_positions: int) -> None:
-    """The linear layers' launches for a step of D = num_positions rows (`Linears.choose_rows`, when the step is
-    made, before any graph captures it): nothing before `use_dense_kernels` chose the one-row launches, at D = 1
-    or above the few-row kernel's ROWS_MAX (F.linear)."""
-    decoder.linears.choose_rows(num_positions, decoder.notes, decoder.launch)
 
 
 def greedy_head(decoder, step: "DecodeStep", x: torch.Tensor) -> None:

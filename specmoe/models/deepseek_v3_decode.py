@@ -71,8 +71,8 @@ from specmoe.kernels.split_kv import split_kv_latent_attention
 from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
-from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params, choose_linear_rows, greedy_head,
-                      residual_work, routed_moe, use_dense_kernels, use_slot_moe, verified)
+from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params, greedy_head, residual_work,
+                      routed_moe, use_dense_kernels, use_slot_moe, verified)
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
 
@@ -246,7 +246,6 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
                 step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
                 if self.grouped_moe:
                     choose_grouped_params(self, d)
-                choose_linear_rows(self, d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 

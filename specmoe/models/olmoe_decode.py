@@ -25,9 +25,8 @@ from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, 
 
 from specmoe.kernels.gemv import Linears
 
-from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params, choose_linear_rows, greedy_head,
-                      residual_work, routed_moe, split_kv_check, tune_slot_moe, use_dense_kernels, use_grouped_moe,
-                      verified)
+from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params, greedy_head, residual_work,
+                      routed_moe, split_kv_check, tune_slot_moe, use_dense_kernels, use_grouped_moe, verified)
 from .olmoe import OlmoeAdapter
 
 
@@ -154,7 +153,6 @@ class OlmoeDecoder(Sourced, FeatureCapture):
                 step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
                 if self.grouped_moe:
                     choose_grouped_params(self, d)
-                choose_linear_rows(self, d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 

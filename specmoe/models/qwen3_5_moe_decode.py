@@ -72,9 +72,8 @@ from specmoe.kernels.gdn import (fla_missing, gated_rmsnorm, gated_rmsnorm_trito
                                  gdn_prologue_triton, gdn_recurrence, load_fla)
 
 from .adapter import ModelSourceError
-from .decoder import (DecodeStep, FeatureCapture, Sourced, checkpoint_source, choose_grouped_params,
-                      choose_linear_rows, greedy_head, residual_work, routed_moe, split_kv_check, use_dense_kernels,
-                      use_slot_moe, verified)
+from .decoder import (DecodeStep, FeatureCapture, Sourced, checkpoint_source, choose_grouped_params, greedy_head,
+                      residual_work, routed_moe, split_kv_check, use_dense_kernels, use_slot_moe, verified)
 from .qwen3_5_moe import Qwen35MoeAdapter
 
 GDN_KERNEL_CHOICES = ("auto", "fla", "triton", "torch")  # "auto": fla where installed and checked, else ours
@@ -326,7 +325,6 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
                 step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
                 if self.grouped_moe:
                     choose_grouped_params(self, d)
-                choose_linear_rows(self, d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
