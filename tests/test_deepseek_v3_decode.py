@@ -281,9 +281,20 @@ decoder = DeepseekV3Decoder.from_model(model, 40)
 used = decoder.use_kernels(BACKEND, "split_kv", "slot", rows[0])
 assert used["attention"] == "split_kv", decoder.notes
 assert used["dense"] == ("fused" if BACKEND == "triton" else "torch"), decoder.notes
+called = set()
+if BACKEND == "triton":  # every projection without a bias on a GEMV launch at one position (forced; CPU: cuBLAS)
+    import specmoe.kernels.gemv as gemv
+    decoder.linears.params = {(*w.shape, w.dtype): gemv.GEMV_CANDIDATES[4] for w in decoder.dense_weights()}
+    kernel = gemv.gemv_triton
+    gemv.gemv_triton = lambda x, w, *a, **k: called.add(tuple(w.shape)) or kernel(x, w, *a, **k)
 logits = [run_step(decoder, model, rows, tokens[:8], 0)]
 logits += [run_step(decoder, model, rows, tokens[p:p + 1], p) for p in range(8, 11)]
 torch.testing.assert_close(torch.cat(logits), expected, atol=1e-4, rtol=1e-4)
+if BACKEND == "triton":  # q_a, kv_a and o have biases in this config: F.linear
+    lw = decoder.layers[1]
+    gemv_weights = (lw["q_b"], lw["gate_up"], lw["down"], decoder.layers[0]["gate_up"], decoder.layers[0]["down"],
+                    decoder.router_pair[0], decoder.lm_head)
+    assert called == {tuple(w.shape) for w in gemv_weights}, called
 assert decoder.bytes_per_token(3) < decoder.bytes_per_token(30)  # split-KV reads the written positions only
 print("split-KV decoder ok")
 """

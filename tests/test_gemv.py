@@ -108,6 +108,11 @@ def test_dispatch_runs_f_linear_off_the_kernel():
                       "gemv 7x40": {"params": CUBLAS, "source": "defaults"}}
     x = torch.randn(1, 40, generator=g)
     assert torch.equal(lin(x, w), F.linear(x, w))
+    bias = torch.randn(12, generator=g)
+    lin.params[(12, 40, torch.float32)] = GEMV_CANDIDATES[1]  # a projection with a bias: F.linear, whatever the launch
+    assert torch.equal(lin(x, w, bias=bias), F.linear(x, w, bias))
+    with pytest.raises(ValueError, match="a bias and out32"):
+        lin(x, w, torch.zeros(1, 12), bias=bias)
     with pytest.raises(ValueError, match="tune must be"):
         lin.choose([w], "sometimes", notes, launch, check_gemv)
 

@@ -197,8 +197,14 @@ class Linears:
     def clear(self) -> None:
         self.params.clear()
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, out32: torch.Tensor | None = None) -> torch.Tensor | None:
-        """x W^T on the launch chosen for w's shape (`linear`)."""
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out32: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x W^T (+ bias) on the launch chosen for w's shape (`linear`); with a bias (an attention bias some
+        checkpoints have) F.linear, into its own output (no out32)."""
+        if bias is not None:
+            if out32 is not None:
+                raise ValueError("Linears: a bias and out32 together are not supported")
+            return F.linear(x, w, bias)
         return linear(x, w, self.params.get((*w.shape, w.dtype)), out32)
 
 

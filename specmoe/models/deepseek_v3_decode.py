@@ -29,8 +29,11 @@ the decoder's shapes, `checks.check_mla_kernels`; `kernels["dense"]` says which 
 (`norm_rope.rmsnorm_triton`; the post-attention norm with the output projection's residual add), the attention's
 prologue one launch (`mla.mla_prologue_triton`: the latent norm, both rotations, the cache rows and the queries;
 about thirty torch launches otherwise), the SwiGLU product of the dense MLPs and shared experts one launch
-(`norm_rope.gate_mul_triton`), the float32 router product written straight into the step's logits rows. The
-torch path (CPU, or a failed check) runs the same arithmetic as torch ops.
+(`norm_rope.gate_mul_triton`), the float32 router product written straight into the step's logits rows; every
+dense projection (the attention's, the dense and shared MLPs', routers and head) goes through the decoder's linear
+layers (`specmoe.kernels.gemv.Linears`: at one position the GEMV kernel per weight shape where it was tuned faster
+than cuBLAS; a projection with a bias, and every step of several positions, on F.linear). The torch path (CPU, or
+a failed check) runs the same arithmetic as torch ops.
 
 MLA at decode (`specmoe.kernels.mla`): the cache keeps, per decoder layer and position, the normed latent c
 (kv_lora_rank) and the rotated key part k_pe (qk_rope_head_dim) in one [S, R + P] row block; queries are
@@ -60,7 +63,6 @@ e_score_correction_bias, group-limited choice, norm_topk_prob renormalisation an
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, make_grouped_workspace,
@@ -130,7 +132,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
         self.device, self.dtype = torch.device(device), dtype
         self.scoring = deepseek_v3_scoring(config, weight)
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
-        self.linears, self.greedy_fused = Linears(), False  # the head's GEMM and greedy kernel (use_kernels)
+        self.linears, self.greedy_fused = Linears(), False  # one-row GEMMs and the greedy head (use_kernels)
         self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # set by use_kernels
         self.fused = False  # the dense parts on the fused kernels (use_kernels)
         self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
@@ -210,9 +212,16 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
             self.fused = verified(self, "fused dense kernels (RMSNorm, MLA prologue, SwiGLU product)", "torch ops",
                                   self._check_fused)
             use_slot_moe(self, slot_buf, tune)
-        use_dense_kernels(self, self.fused, [self.router_pair[0], self.lm_head], tune)
+        use_dense_kernels(self, self.fused, self.dense_weights(), tune)
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "dense": "fused" if self.fused else "torch"}
+
+    def dense_weights(self) -> list[torch.Tensor]:
+        """Every dense projection's weight (attention, dense and shared-expert MLPs, routers, head), the set
+        `use_dense_kernels` chooses one-row launches for (one per distinct shape)."""
+        names = ("q", "q_a", "q_b", "kv_a", "o", "gate_up", "down")
+        return [lw[n] for lw in self.layers for n in names if lw.get(n) is not None] + [self.router_pair[0],
+                                                                                         self.lm_head]
 
     def _check_fused(self) -> None:
         g = self.geometry
@@ -276,27 +285,27 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
         heads = self.geometry.num_heads
         x = self._rmsnorm(w["h"], lw["input_ln"], w["xn"])
         if self.q_lora_rank is None:
-            q = F.linear(x, lw["q"])
+            q = self.linears(x, lw["q"])
         else:
-            q = F.linear(self._rmsnorm(F.linear(x, lw["q_a"], lw["q_a_bias"]), lw["q_a_ln"], eps=LATENT_NORM_EPS),
-                         lw["q_b"])
+            q_a = self.linears(x, lw["q_a"], bias=lw["q_a_bias"])
+            q = self.linears(self._rmsnorm(q_a, lw["q_a_ln"], eps=LATENT_NORM_EPS), lw["q_b"])
         q_nope, q_pe = q.view(d, heads, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         q_lat = torch.bmm(q_nope.transpose(0, 1), lw["w_uk"])  # [NH, D, R]
         prologue = mla_prologue_triton if self.fused else mla_prologue_torch
         cache = self.latent_cache[j]
-        query = prologue(F.linear(x, lw["kv_a"], lw["kv_a_bias"]), q_pe, q_lat, lw["kv_a_ln"], LATENT_NORM_EPS,
+        query = prologue(self.linears(x, lw["kv_a"], bias=lw["kv_a_bias"]), q_pe, q_lat, lw["kv_a_ln"], LATENT_NORM_EPS,
                          self.cos, self.sin, step.input_dev[d:], cache, w["query"], self.interleaved)
         if self.attention == "split_kv":
             out_lat = split_kv_latent_attention(query, cache, w["seqlens"], self.scale, w["att"], w["split_kv"])
         else:
             out_lat = mla_decode_attention(query, cache, w["mask"], self.scale, self.kv_lora_rank)  # [D, NH, R]
         out = torch.bmm(out_lat.transpose(0, 1), lw["w_uv"]).transpose(0, 1).reshape(d, heads * self.v_head_dim)
-        return F.linear(out, lw["o"], lw["o_bias"])
+        return self.linears(out, lw["o"], bias=lw["o_bias"])
 
     def _mlp(self, x, gate_up, down):
         """A dense SwiGLU MLP (the dense layers' and the shared experts'): the gate and up rows in one product; on
         the fused path the activation and product in one launch (`norm_rope.swiglu`)."""
-        return F.linear(norm_rope.swiglu(self.fused, F.linear(x, gate_up)), down)
+        return self.linears(norm_rope.swiglu(self.fused, self.linears(x, gate_up)), down)
 
     def _dense_layer(self, step: DecodeStep, j: int) -> None:
         """Decoder layer j with a dense MLP, entirely; its features where named."""

@@ -15,11 +15,12 @@ and beta into the step's buffers) and its gated RMSNorm run as one Triton launch
 token mixer is five launches (in_proj, prologue, recurrence, gated norm, out_proj); the zero-centred norms (the
 post-attention one with the residual add), the gated attention's prologue (q/k norms, partial rotary, KV write,
 one launch), the output gate and the shared expert's SwiGLU product and gated residual add are one launch each
-(`fused`, `specmoe.kernels.norm_rope`); the router writes its float32 logits rows through the decoder's one-row
-linear layers (`specmoe.kernels.gemv.linear`: at one position the GEMV kernel where it was tuned faster, writing
-the bf16-rounded logits as transformers' router rounds them in the same pass; a float32 model's GEMM straight
-into the rows). On the CPU
-everything is torch: the recurrence position by position. The projections are torch GEMMs everywhere. A step has
+(`fused`, `specmoe.kernels.norm_rope`). Every projection (in_proj and out_proj, the attention's, the shared
+expert's, routers and head) goes through the decoder's linear layers (`specmoe.kernels.gemv.Linears`: at one
+position the GEMV kernel per weight shape where it was tuned faster than cuBLAS, elsewhere F.linear); the router
+writes its float32 logits rows there (the bf16-rounded logits as transformers' router rounds them, in the GEMV's
+pass; a float32 model's GEMM straight into the rows). On the CPU everything is torch: the recurrence position by
+position. A step has
 static shapes and reads no host value, so each layer's launch captures into a CUDA graph; a prompt chunk runs
 through the same steps.
 
@@ -61,7 +62,6 @@ after the final norm.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
@@ -124,7 +124,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         self.device, self.dtype = torch.device(device), dtype
         self.scoring = adapter.router_scoring(weight)
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
-        self.linears, self.greedy_fused = Linears(), False  # the head's GEMM and greedy kernel (use_kernels)
+        self.linears, self.greedy_fused = Linears(), False  # one-row GEMMs and the greedy head (use_kernels)
         # the Triton norm, prologue and gate kernels; the router's direct write into the logits (`use_kernels`)
         self.fused = False
         self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # as OLMoE's (`use_kernels`)
@@ -210,7 +210,8 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         D > 1) with tuned launch parameters; the Gated DeltaNet's recurrence through our Triton kernel, else fla's
         kernels where installed (`specmoe.kernels.gdn`; `set_gdn` narrows the choice); with the triton backend the
         Gated DeltaNet's prologue and gated RMSNorm (`gdn_fused`), the fused norm, prologue and gate kernels
-        (`fused`), the router and the head on the one-row linear layers (`use_dense_kernels`); each checked against torch on this device. The returned dict adds "gdn": the recurrence's kernel.
+        (`fused`), the projections on the one-row linear layers (`use_dense_kernels`); each checked against torch
+        on this device. The returned dict adds "gdn": the recurrence's kernel.
         flash-attn and vLLM's experts are not implemented here: noted, split-KV / slot used."""
         check_kernel_choice(backend, attention, moe)
         tune = check_tune(tune)
@@ -239,7 +240,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
             self.fused = verified(self, "Triton zero-centred norm, attention prologue and gate kernels",
                                   "their torch versions", lambda: checks.check_zero_centred_kernels(
                                       g, self.rotary_dim, shared_inter, self.eps, *on))
-        use_dense_kernels(self, self.fused, [self.router_pair[0], self.lm_head], tune)
+        use_dense_kernels(self, self.fused, self.dense_weights(), tune)
         self.notes.append(f"Gated DeltaNet recurrence: {self.gdn_kernel}, rollback by {self.gdn_rollback}")
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "gdn": self.gdn_kernel}
@@ -365,6 +366,12 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         self.conv_state.zero_()
         self.recurrent_state.zero_()
 
+    def dense_weights(self) -> list[torch.Tensor]:
+        """Every dense projection's weight (Gated DeltaNet and attention in and out, the shared expert, routers,
+        head), the set `use_dense_kernels` chooses one-row launches for (one per distinct shape)."""
+        names = ("in_proj", "out", "qkv", "o", "shared_in", "down")
+        return [lw[n] for lw in self.layers for n in names if n in lw] + [self.router_pair[0], self.lm_head]
+
     # -- device steps (graph bodies) -------------------------------------------------------------------
     def _linear_attention(self, step: DecodeStep, j: int, x: torch.Tensor) -> torch.Tensor:
         """Layer j's Gated DeltaNet on the normed input x [D, H] (its state advanced, each position's kept): in_proj,
@@ -372,7 +379,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         Triton launch), the recurrence, the gated RMSNorm (`gdn_fused`: one launch), out_proj."""
         w, lw, d, i = step.work, self.layers[j], step.num_positions, self.state_index[j]
         value_dim = self.nv * self.dv
-        proj = F.linear(x, lw["in_proj"])  # [D, C + value_dim + 2 NV]: qkv, z, b, a
+        proj = self.linears(x, lw["in_proj"])  # [D, C + value_dim + 2 NV]: qkv, z, b, a
         q, k, v, decay, beta = (w[name][i] for name in ("gdn_q", "gdn_k", "gdn_v", "gdn_decay", "gdn_beta"))
         prologue = gdn_prologue_triton if self.gdn_fused["prologue"] else gdn_prologue_torch
         prologue(proj, lw["conv"], lw["A"], lw["dt_bias"], self.conv_state[i], w["conv_in"][i], q, k, v, decay, beta)
@@ -386,7 +393,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
             out = gated_rmsnorm_triton(out, z, lw["norm"], self.eps)
         else:
             out = gated_rmsnorm(out.to(x.dtype), z, lw["norm"], self.eps)
-        return F.linear(out.reshape(d, value_dim), lw["out"])
+        return self.linears(out.reshape(d, value_dim), lw["out"])
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
               residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -402,7 +409,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         """Layer j's gated attention on the normed input x [D, H] (its KV rows written)."""
         w, lw, d, c, i = step.work, self.layers[j], step.num_positions, self.geometry, self.cache_index[j]
         nh, hd = c.num_heads, c.head_dim
-        qkv = F.linear(x, lw["qkv"])  # per head [q | gate], then k, v
+        qkv = self.linears(x, lw["qkv"])  # per head [q | gate], then k, v
         prologue = norm_rope.qkv_prologue_triton if self.fused else norm_rope.qkv_prologue_torch
         prologue(qkv, lw["q_norm"], lw["k_norm"], self.cos, self.sin, step.input_dev[d:], w["q"], self.k_cache[i],
                  self.v_cache[i], self.eps, None, zero_centred=True, head_norm=True, gated=True)
@@ -412,7 +419,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         else:
             att = decode_attention(w["q"], self.k_cache[i], self.v_cache[i], w["mask"], self.scale)
         gate = qkv[:, :2 * nh * hd].view(d, nh, 2 * hd)[..., hd:]
-        return F.linear(self._gate_mul(gate, att, att, "sigmoid"), lw["o"])
+        return self.linears(self._gate_mul(gate, att, att, "sigmoid"), lw["o"])
 
     def attention_router(self, step: DecodeStep, layer: int, copy_out: bool = True) -> None:
         w, d, lw = step.work, step.num_positions, self.layers[layer]
@@ -433,9 +440,9 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
             step.copy_out_logits(layer)
         # the shared expert, resident and gated, here rather than in `moe` (which may run several times per layer)
         inter = lw["down"].shape[1]
-        gate_up = F.linear(m, lw["shared_in"])  # [D, 2 I + 1]: gate, up, the logit of its sigmoid gate
+        gate_up = self.linears(m, lw["shared_in"])  # [D, 2 I + 1]: gate, up, the logit of its sigmoid gate
         act = self._gate_mul(gate_up[:, :inter], gate_up[:, inter:2 * inter], w["shared_act"], "silu")
-        self._gate_mul(gate_up[:, 2 * inter:], F.linear(act, lw["down"]), w["h"], "sigmoid", residual=w["h"])
+        self._gate_mul(gate_up[:, 2 * inter:], self.linears(act, lw["down"]), w["h"], "sigmoid", residual=w["h"])
 
     def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True,
             late: tuple | None = None) -> None:
