@@ -26,7 +26,7 @@ for n, k in ((5, 48), (64, 256), (33, 1100)):
     for dtype in (torch.float32, torch.bfloat16):
         w, x = torch.randn(n, k).to(dtype), torch.randn(1, k).to(dtype)
         exact = (w.double() @ x.double().T).T  # [1, n]
-        for p in GEMV_CANDIDATES[1:]:
+        for p in GEMV_CANDIDATES:
             out = gemv_triton(x, w, p)
             assert out.shape == (1, n) and out.dtype == dtype, (out.shape, out.dtype)
             if dtype == torch.float32:
@@ -55,6 +55,34 @@ def test_every_candidate_against_the_exact_product_in_the_interpreter():
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
+_TUNER = r"""
+import torch
+import specmoe.kernels.moe as moe
+from specmoe.kernels.gemv import GEMV_CANDIDATES, tune_gemv
+ran = []
+def every(candidates, run, what):  # moe.fastest without do_bench: each candidate once, on the tuner's own inputs
+    for i, cand in enumerate(candidates):
+        run(cand)
+        ran.append(i)
+    return dict(candidates[0]), {i: 1.0 for i in ran}
+moe.fastest = every
+for dtype in (torch.bfloat16, torch.float32):
+    ran.clear()
+    tune_gemv(40, 96, dtype, "cpu")
+    assert ran == list(range(len(GEMV_CANDIDATES))), ran
+print("OK")
+"""
+
+
+@needs_triton
+def test_the_tuner_runs_every_candidate_on_its_inputs():
+    """`tune_gemv` times each candidate on inputs it makes itself; each must run on them (a candidate that raised
+    there was skipped by the tuner without a word: the earlier cuBLAS candidate, whose float32 output had the wrong
+    shape, never ran on the GPU)."""
+    res = run_in_interpreter(_TUNER)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
 @needs_triton
 def test_every_candidate_compiles_for_the_gpu():
     """Each launch candidate, bf16 with and without the float32 copy, through Triton's front end for an H200."""
@@ -63,11 +91,11 @@ def test_every_candidate_compiles_for_the_gpu():
 
     w, x = torch.zeros(128, 2048, dtype=torch.bfloat16), torch.zeros(1, 2048, dtype=torch.bfloat16)
     with compile_launches() as compiled:
-        for p in GEMV_CANDIDATES[1:]:
+        for p in GEMV_CANDIDATES:
             gemv_triton(x, w, p, out=torch.zeros(1, 128, dtype=torch.bfloat16))
             gemv_triton(x, w, p, out32=torch.zeros(128))
     assert {name for name, _ in compiled} == {"_gemv_kernel"}
-    assert len(compiled) == 2 * (len(GEMV_CANDIDATES) - 1)
+    assert len(compiled) == 2 * len(GEMV_CANDIDATES)
 
 
 @needs_triton
@@ -120,8 +148,8 @@ def test_dispatch_runs_f_linear_off_the_kernel():
 @pytest.mark.gpu
 def test_candidates_tuning_and_cache_on_the_gpu(tmp_path, monkeypatch):
     """At OLMoE's and OLMo-1B's one-row shapes in bf16: every candidate within one rounding of the float32
-    product of the same bf16 inputs and its float32 copy equal; `Linears.choose` tunes (cuBLAS among the
-    candidates), writes the cache, and a second choice reads it; the chosen launch reproduces its outputs."""
+    product of the same bf16 inputs and its float32 copy equal; `Linears.choose` tunes, writes the cache (every
+    candidate timed), and a second choice reads it; the chosen launch reproduces its outputs."""
     monkeypatch.setenv("SPECMOE_TUNING_CACHE", str(tmp_path / "tuning.json"))
     from specmoe.kernels.gemv import gemv_triton
 
@@ -132,7 +160,7 @@ def test_candidates_tuning_and_cache_on_the_gpu(tmp_path, monkeypatch):
     for w in weights:
         x = torch.randn(1, w.shape[1], device=dev, generator=g).to(torch.bfloat16)
         exact = (w.double() @ x.double().T).T
-        for p in GEMV_CANDIDATES[1:]:
+        for p in GEMV_CANDIDATES:
             out32 = torch.empty(w.shape[0], device=dev)
             out = gemv_triton(x, w, p)
             gemv_triton(x, w, p, out32=out32)
@@ -144,6 +172,8 @@ def test_candidates_tuning_and_cache_on_the_gpu(tmp_path, monkeypatch):
     assert {key: v["source"] for key, v in launch.items()} == {f"gemv {n}x{k}": "tuned" for n, k in shapes}
     entries = json.loads((tmp_path / "tuning.json").read_text())["entries"]
     assert len([key for key in entries if '"kernel":"gemv"' in key]) == len(shapes)
+    for entry in entries.values():  # every candidate timed: none skipped
+        assert set(entry["times_ms"]) == {str(i) for i in range(len(GEMV_CANDIDATES))}, entry
     again, notes2, launch2 = Linears(), [], {}
     again.choose(weights, "auto", notes2, launch2, check_gemv)
     assert again.params == lin.params and {v["source"] for v in launch2.values()} == {"cache"}

@@ -2,7 +2,7 @@
 token and grouped for the D positions of a step (each distinct slot's expert read once), fused
 RMSNorm and attention prologue (also the static drafters', with the greedy head of `greedy`), attention over a static KV cache (a split-KV Triton kernel that reads only the
 written positions, for one query or a causal block of D, also over MLA's latent cache; torch SDPA as the
-reference and CPU path; flash-attn where installed), one-row linear layers on a GEMV kernel where it beats cuBLAS
+reference and CPU path; flash-attn where installed), one-row linear layers on a GEMV kernel
 (`gemv`), and their self-checks on the device (`checks`); the MoE kernels' and the GEMV's launch parameters are
 tuned once per device and shape and cached on disk (`tuning`)."""
 

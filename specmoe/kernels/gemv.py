@@ -1,5 +1,5 @@
-"""Linear layers of one row (GEMV: y = W x, W [N, K] row-major, x one row of K): a Triton kernel where it beats
-cuBLAS on the device, cuBLAS (`F.linear`) everywhere else.
+"""Linear layers of one row (GEMV: y = W x, W [N, K] row-major, x one row of K): a Triton kernel on CUDA, cuBLAS
+(`F.linear`) everywhere else.
 
 Why our own: a decode step's dense projections run at one row, and there cuBLAS's heuristics choose tiles of 64
 or more output rows. On the H200 (`scripts/profile_engine.py`, OLMoE at a 2k context) OLMoE's query/key/value
@@ -19,11 +19,18 @@ With programmatic dependent launch (`specmoe.kernels.pdl`, on by default on Hopp
 tile of weights before it waits for the kernel before it, so the weights of the next projection start to stream
 while the norm or reduction before it finishes; the sums are the same.
 
-`Linears` is a decoder's set of one-row linear layers: per weight shape (N, K, dtype) the launch that was fastest
-on the device among GEMV_CANDIDATES and cuBLAS (`gemv_launch_params`: tuned once with triton's do_bench and kept
-in the tuning cache file, `specmoe.kernels.tuning`), checked against `F.linear` at that shape before use
-(`checks.check_gemv`). tune=False and the CPU run cuBLAS / torch, so outputs stay those of `F.linear`; rows
-D > 1 (verification blocks, prefill chunks) always run `F.linear`, which tiles a block of rows well.
+`Linears` is a decoder's set of one-row linear layers: per weight shape (N, K, dtype) the launch of
+GEMV_CANDIDATES that was fastest on the device (`gemv_launch_params`: tuned once with triton's do_bench and kept in
+the tuning cache file, `specmoe.kernels.tuning`), checked against `F.linear` at that shape before use
+(`checks.check_gemv`; cuBLAS where the check fails). tune=False and the CPU run cuBLAS / torch, so outputs stay
+those of `F.linear`; rows D > 1 (verification blocks, prefill chunks) always run `F.linear`, which tiles a block of
+rows well.
+
+cuBLAS is not a tuning candidate. Timed alone (do_bench), it is faster than the GEMV at two of OLMoE's shapes on
+the H200 (the output projection [2048, 2048] and the router pair [128, 2048]); but in a token the GEMV's launch
+and first weight tile overlap the kernel before it (programmatic dependent launch), cuBLAS's do not, and the
+tokens measured with every projection on the GEMV were faster than those on cuBLAS (OLMoE 1.115x, Moonlight and
+Qwen3.6 1.17x: BENCHMARKS.md). A mix chosen by isolated timings has not been measured in the token.
 """
 
 from __future__ import annotations
@@ -42,9 +49,8 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-CUBLAS = {"cublas": 1}  # the candidate "F.linear as it is"
+CUBLAS = {"cublas": 1}  # the launch "F.linear as it is": the default off CUDA and where a check fails
 GEMV_CANDIDATES = (  # rows per program x columns per step; few rows per program = many programs in flight
-    CUBLAS,
     dict(block_n=1, block_k=1024, num_warps=4, num_stages=2),
     dict(block_n=2, block_k=1024, num_warps=4, num_stages=2),
     dict(block_n=4, block_k=512, num_warps=4, num_stages=3),
@@ -143,9 +149,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None, out32: torch.T
 
 
 def tune_gemv(n: int, k: int, dtype: torch.dtype, device) -> tuple[dict, dict]:
-    """The fastest of GEMV_CANDIDATES (cuBLAS among them) for a weight [n, k] on this CUDA device: (params,
-    {candidate index: median ms}), each timed by triton's do_bench with the L2 cache flushed (the weights come
-    from HBM in a decode step)."""
+    """The fastest of GEMV_CANDIDATES for a weight [n, k] on this CUDA device: (params, {candidate index: median
+    ms}), each timed by triton's do_bench with the L2 cache flushed (the weights come from HBM in a decode step).
+    Not cuBLAS (module docstring)."""
     from .moe import fastest
 
     g = torch.Generator(device=device).manual_seed(0)

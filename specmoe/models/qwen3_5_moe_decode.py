@@ -17,7 +17,7 @@ post-attention one with the residual add), the gated attention's prologue (q/k n
 one launch), the output gate and the shared expert's SwiGLU product and gated residual add are one launch each
 (`fused`, `specmoe.kernels.norm_rope`). Every projection (in_proj and out_proj, the attention's, the shared
 expert's, routers and head) goes through the decoder's linear layers (`specmoe.kernels.gemv.Linears`: at one
-position the GEMV kernel per weight shape where it was tuned faster than cuBLAS, elsewhere F.linear); the router
+position the GEMV kernel, its launch tuned per weight shape, elsewhere F.linear); the router
 writes its float32 logits rows there (the bf16-rounded logits as transformers' router rounds them, in the GEMV's
 pass; a float32 model's GEMM straight into the rows). On the CPU everything is torch: the recurrence position by
 position. A step has
