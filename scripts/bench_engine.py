@@ -34,7 +34,8 @@ context costs, whatever its values), with the ratio of each position's time to t
 `--first-position P` puts the timed windows at positions P onwards over random keys and values below them (attention
 at a real context length; routing unchanged).
 `--configs NAME ...` runs a subset (all_resident always); the names come from the arguments and the named config's
-E and K alone (`config_rows`), so an unknown name exits at once with the known list, before any model is built.
+E and K alone (`config_rows`), so an unknown name exits at once with the known list, before any model is built;
+only the engines the subset (and the position sweep) run are built (`needed_engines`).
 
     PYTHONPATH=. python3 scripts/bench_engine.py --out runs/bench_engine
 """
@@ -286,6 +287,19 @@ def config_rows(args, num_experts: int, top_k: int) -> dict[str, list]:
     return rows
 
 
+def needed_engines(rows: dict, args, num_experts: int) -> set:
+    """The engines (keys as in `config_rows`: E, "host", C, "C_host_policy") that the configurations --configs
+    selects (all without it) and the position sweep (--positions: E, "host", every C) run; E always (the
+    calibration and the reference). A full-size model's engines each hold decode buffers and tuning scratch, so
+    only these are built."""
+    keys = {num_experts}
+    for group in rows.values():
+        keys |= {c for name, c, _ in group if not args.configs or name in args.configs}
+    if args.positions:
+        keys |= {"host", *args.capacities}
+    return keys
+
+
 def check_configs(wanted, rows: dict) -> None:
     """Exit with the unknown names and the known list where --configs names a configuration `config_rows` does
     not make."""
@@ -489,16 +503,19 @@ def main(argv=None) -> int:
                                     {"model": f"{args.model} random (device draws) seed {args.seed}",
                                      "text": "uniform random tokens, seed 100"})
     engines[E].configure(calibration=calib)
+    needed = needed_engines(rows, args, E)
     for c in args.capacities:
-        engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg_device, residency=unit)
-        if "host" in args.policy_paths:  # the same capacity with the policy on the host (a round trip per layer)
+        if c in needed:
+            engines[c] = build_engine(model, preset("exact_lru", c, K), calib, cfg_device, residency=unit)
+        if f"{c}_host_policy" in needed:  # the same capacity with the policy on the host (a round trip per layer)
             engines[f"{c}_host_policy"] = build_engine(
                 model, preset("exact_lru", c, K), calib, EngineConfig(max_seq_len=args.max_seq_len,
                                                                       attention=args.attention, policy_device="off"),
                 residency=unit)
-    engines["host"] = build_engine(model, preset("exact_lru", E, K), calib,  # all resident, routed on the host
-                                   EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention,
-                                                device_routing="off"), residency=unit)
+    if "host" in needed:
+        engines["host"] = build_engine(model, preset("exact_lru", E, K), calib,  # all resident, routed on the host
+                                       EngineConfig(max_seq_len=args.max_seq_len, attention=args.attention,
+                                                    device_routing="off"), residency=unit)
     report["engine_notes"] = {str(c): e.notes for c, e in engines.items()}
     report["kernels"] = engines[E].kernels
     if args.unbatched_copies:
@@ -506,9 +523,10 @@ def main(argv=None) -> int:
             if getattr(engine.copies, "runtime", None) is not None:
                 engine.copies.runtime.batched, engine.copies.runtime.note = False, "--unbatched-copies"
     report["copy_issue_path"] = engines[E].copies.issue_path
-    if engines[E].copies.cuda:
-        report["issue_us"] = measure_issue_us(engines[min(args.capacities)].copies)
-        engines[min(args.capacities)].reset()  # re-copies the slots the measurement overwrote
+    offloaded = [c for c in args.capacities if c in engines]
+    if engines[E].copies.cuda and offloaded:
+        report["issue_us"] = measure_issue_us(engines[min(offloaded)].copies)
+        engines[min(offloaded)].reset()  # re-copies the slots the measurement overwrote
         print("host µs to issue copies:", report["issue_us"], flush=True)
     report["setup_s"]["engines"] = time.time() - t0
     print("engines ready", report["engine_notes"], flush=True)

@@ -164,6 +164,15 @@ def test_bench_engine_configs_are_checked_before_a_model_is_built(monkeypatch, t
         (f"b_C{c}_{p}{path}", f"{c}{path}" if path else c) for c in (32, 16) for p in policies
         for path in ("", "_host_policy")]
     assert rows["b_"][7][2].name == rows[""][9][2].name  # the same policy, C32 psr on the host path
+    # the engines built: what the selected rows and the position sweep run, and all resident always
+    args.configs, args.positions = ["b_C16_psr_host_policy"], []
+    assert bench_engine.needed_engines(rows, args, 64) == {64, "16_host_policy"}
+    args.configs = ["C32_psr", "all_resident_host_routing"]
+    assert bench_engine.needed_engines(rows, args, 64) == {64, 32, "host"}
+    args.positions = [100, 500]  # the sweep: all resident on both routings and PSR at every capacity
+    assert bench_engine.needed_engines(rows, args, 64) == {64, 32, 16, "host"}
+    args.configs, args.positions = None, []
+    assert bench_engine.needed_engines(rows, args, 64) == {64, "host", 32, 16, "32_host_policy", "16_host_policy"}
     args.trace_calibration = ["olmoe-like"]
     with pytest.raises(SystemExit, match="one per --trace"):
         bench_engine.config_rows(args, 64, 8)
@@ -351,6 +360,8 @@ def test_bench_engine_times_windows_at_the_first_position(monkeypatch, tmp_path)
     bench_engine.main(base + ["--first-position", "40"])
     report = json.loads((tmp_path / "out" / "bench_engine.json").read_text())
     assert report["rounds_done"] == 1 and not report["errors"], report["errors"]
+    # only the engines the selected configuration needs (and all resident): no sweep, no other capacity or path
+    assert set(report["engine_notes"]) == {str(max(skipped_c for skipped_c, _, _ in feeds)), "16_host_policy"}
     assert positions and set(positions) == {40}  # rounds, the instrumented and the copies-skipped passes
     assert randomized  # the context below the windows holds random keys and values
     # the compute-only pass follows the recorded routing where copies are skipped (C < E), and its own router with

@@ -67,9 +67,10 @@ def every(candidates, run, what):  # moe.fastest without do_bench: each candidat
     return dict(candidates[0]), {i: 1.0 for i in ran}
 moe.fastest = every
 for dtype in (torch.bfloat16, torch.float32):
-    ran.clear()
-    tune_gemv(40, 96, dtype, "cpu")
-    assert ran == list(range(len(GEMV_CANDIDATES))), ran
+    for weight in (None, torch.randn(40, 96).to(dtype)):  # a random weight, or the layer's own
+        ran.clear()
+        tune_gemv(40, 96, dtype, "cpu", weight)
+        assert ran == list(range(len(GEMV_CANDIDATES))), ran
 print("OK")
 """
 
@@ -114,7 +115,8 @@ def test_refusals_name_the_problem():
 
 def test_dispatch_runs_f_linear_off_the_kernel():
     """`linear` is F.linear, bit for bit, for cuBLAS's launch, no launch, and more than one row (the float32 rows
-    too: written by the GEMM itself for float32 inputs, the rounded values copied for bf16); `Linears` off CUDA chooses cuBLAS for every shape and records it."""
+    too: written by the GEMM itself for float32 inputs, the rounded values copied for bf16); `Linears` off CUDA
+    chooses cuBLAS for every shape and records it; a bias: F.linear."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(12, 40, generator=g)
     for x in (torch.randn(1, 40, generator=g), torch.randn(3, 40, generator=g)):
@@ -250,7 +252,7 @@ def test_a_launch_that_fails_its_check_falls_back_to_cublas(monkeypatch):
     import specmoe.kernels.gemv as gemv
     from specmoe.kernels.tuning import LaunchChoice
 
-    monkeypatch.setattr(gemv, "gemv_launch_params", lambda tune, n, k, dtype, device: LaunchChoice(
+    monkeypatch.setattr(gemv, "gemv_launch_params", lambda tune, n, k, dtype, device, weight: LaunchChoice(
         dict(GEMV_CANDIDATES[2]), "tuned", (f"gemv [{n}, {k}] tuned",)))
 
     def check(n, k, params, dtype, device):

@@ -130,7 +130,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, params: dict, out: torch.Tenso
     return out
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None, out32: torch.Tensor | None = None) -> torch.Tensor | None:
+def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None,
+           out32: torch.Tensor | None = None) -> torch.Tensor | None:
     """x W^T: the GEMV kernel where `params` name one of its launches and x is one contiguous row [1, K] in the
     dtype of a contiguous w, else `F.linear`; out32 (optional, float32) receives the result's values (the rounded
     ones, as F.linear(x, w).float() holds them; a float32 x and w's GEMM writes straight into an out32 of the
@@ -148,25 +149,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None, out32: torch.T
     return gemv_triton(x, w, params, out32=out32)
 
 
-def tune_gemv(n: int, k: int, dtype: torch.dtype, device) -> tuple[dict, dict]:
+def tune_gemv(n: int, k: int, dtype: torch.dtype, device, weight: torch.Tensor | None = None) -> tuple[dict, dict]:
     """The fastest of GEMV_CANDIDATES for a weight [n, k] on this CUDA device: (params, {candidate index: median
     ms}), each timed by triton's do_bench with the L2 cache flushed (the weights come from HBM in a decode step).
-    Not cuBLAS (module docstring)."""
+    Not cuBLAS (module docstring). Timed on `weight` where given (the layer's own, only read: no copy of a large
+    head is allocated beside a loaded model), else on a seeded random one."""
     from .moe import fastest
 
     g = torch.Generator(device=device).manual_seed(0)
-    w = torch.randn(n, k, device=device, dtype=dtype, generator=g)
+    usable = weight is not None and weight.shape == (n, k) and weight.dtype == dtype and weight.is_contiguous()
+    w = weight if usable else torch.randn(n, k, device=device, dtype=dtype, generator=g)
     x = torch.randn(1, k, device=device, dtype=dtype, generator=g)
     out32 = torch.empty(n, device=device, dtype=torch.float32)
     return fastest(GEMV_CANDIDATES, lambda cand: linear(x, w, cand, out32), "GEMV")
 
 
-def gemv_launch_params(tune, n: int, k: int, dtype: torch.dtype, device) -> LaunchChoice:
+def gemv_launch_params(tune, n: int, k: int, dtype: torch.dtype, device,
+                       weight: torch.Tensor | None = None) -> LaunchChoice:
     """The launch of a one-row linear layer with weight [n, k] (`tuning.launch_params`: cached, tuned now with
-    `tune_gemv`, or cuBLAS)."""
+    `tune_gemv` on `weight` where given, or cuBLAS)."""
     shape = {"n": n, "k": k, "dtype": dtype_name(dtype)}
     return launch_params(tune, "gemv", shape, device_identity(device), GEMV_CANDIDATES, GEMV_DEFAULTS,
-                         lambda: tune_gemv(n, k, dtype, device))
+                         lambda: tune_gemv(n, k, dtype, device, weight))
 
 
 class Linears:
@@ -188,7 +192,7 @@ class Linears:
             if (n, k, w.dtype) in self.params:
                 continue
             try:
-                choice = gemv_launch_params(tune, n, k, w.dtype, w.device)
+                choice = gemv_launch_params(tune, n, k, w.dtype, w.device, w)
                 if "cublas" not in choice.params:
                     check(n, k, choice.params, w.dtype, w.device)
             except Exception as exc:  # a failed tune or check must not cost the run

@@ -32,8 +32,8 @@ about thirty torch launches otherwise), the SwiGLU product of the dense MLPs and
 (`norm_rope.gate_mul_triton`), the float32 router product written straight into the step's logits rows; every
 dense projection (the attention's, the dense and shared MLPs', routers and head) goes through the decoder's linear
 layers (`specmoe.kernels.gemv.Linears`: at one position the GEMV kernel, its launch tuned per weight shape; a
-projection with a bias, and every step of several positions, on F.linear). The torch path (CPU, or
-a failed check) runs the same arithmetic as torch ops.
+projection with a bias, and every step of several positions, on F.linear). The torch path (CPU, or a failed
+check) runs the same arithmetic as torch ops.
 
 MLA at decode (`specmoe.kernels.mla`): the cache keeps, per decoder layer and position, the normed latent c
 (kv_lora_rank) and the rotated key part k_pe (qk_rope_head_dim) in one [S, R + P] row block; queries are
