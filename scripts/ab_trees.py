@@ -6,11 +6,11 @@ The benchmark is a script of the trees (default `scripts/bench_engine.py`) that 
 JSON report there whose "table" (or another key, --table-key) maps row names to numbers (bench_engine's
 `bench_engine.json`: ms_mean, copies_skipped_ms, ...; bench_drafters' `bench_drafters.json` under "rows": ms_per_step,
 ...) or is a list of rows, each named by its --row-key field (bench_spec_engine's `bench_spec_engine.json`: "key";
-compute_ms_per_token, block_compute_over_target_step, ...). Pair i runs the script once in each tree (cwd and PYTHONPATH the tree), old first in even
-pairs and new first in odd ones (drift in the machine's clocks or temperature falls on both sides); pair i's
-old / new per row and field is one paired unit, and `specmoe.stats.log_ratio_ttest` gives the ratio (the
-geometric mean) with its interval over the pairs (two pairs at least). Give each process one round of the
-benchmark's own (`--rounds 1`): the pairs are the rounds.
+compute_ms_per_token, compute_ms_per_block, ...). Pair i runs the script once in each tree (cwd and PYTHONPATH the
+tree), old first in even pairs and new first in odd ones (drift in the machine's clocks or temperature falls on
+both sides); pair i's old / new per row and field is one paired unit, and `specmoe.stats.log_ratio_ttest` gives
+the ratio (the geometric mean) with its interval over the pairs (two pairs at least). Give each process one round
+of the benchmark's own (`--rounds 1`): the pairs are the rounds.
 
 The two sides may also be one tree run with two environments (`--old-env` / `--new-env` NAME=VALUE, e.g. a
 kernel switch such as SPECMOE_PDL=0 against the default): --old and --new may then be the same tree.

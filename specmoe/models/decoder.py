@@ -148,9 +148,9 @@ def verified(decoder, name: str, fallback: str, check) -> bool:
     return True
 
 
-def use_dense_kernels(decoder, on: bool, weights, tune) -> None:
+def use_dense_kernels(decoder, on: bool, tune) -> None:
     """For `decoder.use_kernels`, where `on` (the Triton backend, its other kernels checked): the one-row linear
-    layers of `weights` (each [N, K]; one launch per shape, the GEMV kernel or cuBLAS,
+    layers of `decoder.dense_weights()` (each [N, K]; one launch per shape, the GEMV kernel or cuBLAS,
     `specmoe.kernels.gemv.Linears.choose`) and the greedy head kernel (checked at the decoder's vocabulary); else
     F.linear and torch's argmax. Sets decoder.linears' launches and decoder.greedy_fused."""
     from specmoe.kernels import checks
@@ -159,7 +159,7 @@ def use_dense_kernels(decoder, on: bool, weights, tune) -> None:
     decoder.greedy_fused = False
     if not on:
         return
-    decoder.linears.choose(weights, tune, decoder.notes, decoder.launch, checks.check_gemv)
+    decoder.linears.choose(decoder.dense_weights(), tune, decoder.notes, decoder.launch, checks.check_gemv)
     vocab = decoder.lm_head.shape[0]
     g = torch.Generator(device=decoder.device).manual_seed(5)
     decoder.greedy_fused = verified(decoder, "greedy head kernel", "torch argmax", lambda: checks.check_greedy(

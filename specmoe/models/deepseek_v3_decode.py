@@ -212,7 +212,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
             self.fused = verified(self, "fused dense kernels (RMSNorm, MLA prologue, SwiGLU product)", "torch ops",
                                   self._check_fused)
             use_slot_moe(self, slot_buf, tune)
-        use_dense_kernels(self, self.fused, self.dense_weights(), tune)
+        use_dense_kernels(self, self.fused, tune)
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "dense": "fused" if self.fused else "torch"}
 

@@ -122,12 +122,16 @@ class OlmoeDecoder(Sourced, FeatureCapture):
             else:
                 self.moe_params = None
                 self.launch.clear()
-        use_dense_kernels(self, self.backend == "triton",
-                          [self.wqkv[0], self.wo[0], self.router_pair[0], self.lm_head], tune)
+        use_dense_kernels(self, self.backend == "triton", tune)
         if self.backend == "triton" and self.fused_experts is None:
             use_grouped_moe(self, slot_buf)
         return {"backend": self.backend, "attention": self.attention,
                 "moe": "slot" if self.fused_experts is None else "vllm", "launch": self.launch}
+
+    def dense_weights(self) -> list[torch.Tensor]:
+        """The dense projections' weights, one per distinct shape (query/key/value, output, router pair, head): the
+        set `use_dense_kernels` chooses one-row launches for."""
+        return [self.wqkv[0], self.wo[0], self.router_pair[0], self.lm_head]
 
     def _tune_and_check(self, slot_buf: torch.Tensor, tune) -> None:
         tune_slot_moe(self, slot_buf, tune, record=self.fused_experts is None)

@@ -17,11 +17,10 @@ post-attention one with the residual add), the gated attention's prologue (q/k n
 one launch), the output gate and the shared expert's SwiGLU product and gated residual add are one launch each
 (`fused`, `specmoe.kernels.norm_rope`). Every projection (in_proj and out_proj, the attention's, the shared
 expert's, routers and head) goes through the decoder's linear layers (`specmoe.kernels.gemv.Linears`: at one
-position the GEMV kernel, its launch tuned per weight shape, elsewhere F.linear); the router
-writes its float32 logits rows there (the bf16-rounded logits as transformers' router rounds them, in the GEMV's
-pass; a float32 model's GEMM straight into the rows). On the CPU everything is torch: the recurrence position by
-position. A step has
-static shapes and reads no host value, so each layer's launch captures into a CUDA graph; a prompt chunk runs
+position the GEMV kernel, its launch tuned per weight shape, elsewhere F.linear); the router writes its float32
+logits rows there (the bf16-rounded logits as transformers' router rounds them, in the GEMV's pass; a float32
+model's GEMM straight into the rows). On the CPU everything is torch: the recurrence position by position. A step
+has static shapes and reads no host value, so each layer's launch captures into a CUDA graph; a prompt chunk runs
 through the same steps.
 
 Layers. Every decoder layer is an MoE layer (MoE layer l = decoder layer l). Its token mixer is, by the config's
@@ -125,7 +124,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         self.scoring = adapter.router_scoring(weight)
         self.backend, self.attention, self.notes, self.launch = "torch", "sdpa", [], {}
         self.linears, self.greedy_fused = Linears(), False  # one-row GEMMs and the greedy head (use_kernels)
-        # the Triton norm, prologue and gate kernels; the router's direct write into the logits (`use_kernels`)
+        # the Triton norm, prologue and gate kernels (`use_kernels`)
         self.fused = False
         self.moe_params, self.grouped_moe, self.grouped_params = None, False, {}  # as OLMoE's (`use_kernels`)
         self._tuning = (False, None)  # (tune, slot buffer) for the grouped kernel's params of later steps
@@ -240,7 +239,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
             self.fused = verified(self, "Triton zero-centred norm, attention prologue and gate kernels",
                                   "their torch versions", lambda: checks.check_zero_centred_kernels(
                                       g, self.rotary_dim, shared_inter, self.eps, *on))
-        use_dense_kernels(self, self.fused, self.dense_weights(), tune)
+        use_dense_kernels(self, self.fused, tune)
         self.notes.append(f"Gated DeltaNet recurrence: {self.gdn_kernel}, rollback by {self.gdn_rollback}")
         return {"backend": self.backend, "attention": self.attention, "moe": "slot", "launch": self.launch,
                 "gdn": self.gdn_kernel}
