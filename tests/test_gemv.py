@@ -57,9 +57,12 @@ def test_every_candidate_against_the_exact_product_in_the_interpreter():
 
 _TUNER = r"""
 import torch
+import specmoe.kernels.gemv as gemv
 import specmoe.kernels.moe as moe
 from specmoe.kernels.gemv import GEMV_CANDIDATES, tune_gemv
-ran = []
+ran, timed_on = [], []
+plain = gemv.linear
+gemv.linear = lambda x, w, *a: timed_on.append(w) or plain(x, w, *a)
 def every(candidates, run, what):  # moe.fastest without do_bench: each candidate once, on the tuner's own inputs
     for i, cand in enumerate(candidates):
         run(cand)
@@ -68,9 +71,10 @@ def every(candidates, run, what):  # moe.fastest without do_bench: each candidat
 moe.fastest = every
 for dtype in (torch.bfloat16, torch.float32):
     for weight in (None, torch.randn(40, 96).to(dtype)):  # a random weight, or the layer's own
-        ran.clear()
+        ran.clear(), timed_on.clear()
         tune_gemv(40, 96, dtype, "cpu", weight)
         assert ran == list(range(len(GEMV_CANDIDATES))), ran
+        assert all(w is weight for w in timed_on) if weight is not None else timed_on[0].shape == (40, 96)
 print("OK")
 """
 
@@ -79,7 +83,7 @@ print("OK")
 def test_the_tuner_runs_every_candidate_on_its_inputs():
     """`tune_gemv` times each candidate on inputs it makes itself; each must run on them (a candidate that raised
     there was skipped by the tuner without a word: the earlier cuBLAS candidate, whose float32 output had the wrong
-    shape, never ran on the GPU)."""
+    shape, never ran on the GPU). Given the layer's weight it times on that weight, not on a new random one."""
     res = run_in_interpreter(_TUNER)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
