@@ -112,6 +112,44 @@ def test_device_cache_refuses_other_groups_than_the_cache():
         DeviceCache(cache, RouterScoring("sigmoid", n_group=8, topk_group=3), "cpu")
 
 
+_PREFETCH_OUT = r"""
+import numpy as np, torch
+from specmoe.kernels.checks import device_cache_case
+from specmoe.kernels.device_cache import DeviceCache
+from specmoe.routing import LogicalCache, RouterScoring, preset
+calibration, z, g, tokens = device_cache_case(3, 64, 1, seed=4)
+host = LogicalCache(preset("psr", 16, 8, insert_budget=2, window=4), calibration, 3, 64)
+host.reset()
+a, b = (DeviceCache(host, RouterScoring("softmax"), "cpu") for _ in range(2))
+token = torch.tensor(tokens[:1], dtype=torch.int64)
+a.step(token, 1, pregate_logits=torch.from_numpy(g[0, 1]))
+mine = torch.full_like(b.prefetch, -7)
+b.prefetch.fill_(-5)
+b.step(token, 1, pregate_logits=torch.from_numpy(g[0, 1]), prefetch_out=mine)
+assert a.prefetch[0] > 0, a.prefetch                              # part 1 inserted something
+assert torch.equal(mine, a.prefetch), (mine, a.prefetch)          # the same list, in the buffer given
+assert bool((b.prefetch == -5).all()), b.prefetch                 # the default list untouched
+for name, x, y in zip(("istate", "fstate"), (a.istate, a.fstate), (b.istate, b.fstate)):
+    assert torch.equal(x, y), name
+try:
+    b.step(token, 1, pregate_logits=torch.from_numpy(g[0, 1]), prefetch_out=mine[1:])
+except ValueError as e:
+    assert "prefetch_out must be int64" in str(e), e
+else:
+    raise AssertionError("a short prefetch_out was accepted")
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_part1_writes_its_list_where_asked():
+    """`DeviceCache.step(prefetch_out=)`: part 1's list in the given buffer (each layer's own on the device
+    policy's branch), the same list and state as into the default one, which is left alone; a buffer of the
+    wrong shape is refused by name."""
+    done = run_in_interpreter(_PREFETCH_OUT)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def test_cache_step_warps_grow_with_the_expert_row():
     """One warp per 64 entries of the padded expert row (two entries per thread), 1 to 8; a DeviceCache takes
     another count of 1, 2, 4 or 8 and refuses the rest in one line."""

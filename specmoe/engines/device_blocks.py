@@ -25,10 +25,12 @@ copies-skipped mode, whose graph has no copy launches), moved = the refill's mov
 the host pool at the run's end (`finish`), so that the next run, on either path, starts right.
 
 The block prefetch (`SpeculativeConfig.prefetch` > 0): layer l + 1's prediction (`DevicePool.predict` on the
-pre-gate logits g_{l+1}, which exist after layer l's attention) and its copies run on a side stream forked there,
-beside layer l's selection and MoE; layer l + 1 joins the branch before its selection's demand copies (which may
-take an unused prefetch's slot) and its MoE. `DevicePool.select` places the missing experts as the host's
-`place_union` (hits stay in their prefetch slots), the route rows and the refill moves read the physical slots.
+pre-gate logits g_{l+1}, which exist after layer l's attention) and its copies run on a branch forked there
+(`PrefetchBranch`, as the AR device policy's), beside layer l's selection and MoE; layer l + 1 joins the branch
+before its selection (whose demand copies may take an unused prefetch's slot) and its MoE, and waits for its own
+prefetch copies only, not for the next layer's prediction and copies queued behind them. `DevicePool.select`
+places the missing experts as the host's `place_union` (hits stay in their prefetch slots), the route rows and
+the refill moves read the physical slots.
 Counts: demand = the copies left, prefetch hits in time (joined before the layer), unused = prefetched - hits.
 With a feed the staged rows hold the recorded pre-gate logits beside the router logits, as the step's logits rows
 do ([L, D, 2E]: z_l, then g_{l+1}).
@@ -52,7 +54,8 @@ import torch
 
 from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS
 
-from .device_policy import captured, copy_delays, copy_views, delayed_copy, kernels_reason, launch, staged
+from .device_policy import (PrefetchBranch, captured, copy_delays, copy_views, delayed_copy, kernels_reason, launch,
+                            staged)
 
 
 def block_device_reason(choice: str, cuda: bool, router, settings) -> str | None:
@@ -107,7 +110,7 @@ class DeviceBlocks:
         self.skip, self.delays, self.fed = False, None, False
         self.first_union_slot = router.config.pool_size  # the union slots, which the demand copies write
         if self.cuda:
-            self.side = torch.cuda.Stream(device=device)  # the block prefetch's branch
+            self.branches = PrefetchBranch(device, g.num_layers)  # the block prefetch's prediction and copies
             # the demand copies' branch (high priority: its few programs start while the MoE fills the GPU)
             self.copier = torch.cuda.Stream(device=device, priority=-1)
             self.ev_done = torch.cuda.Event()
@@ -122,19 +125,18 @@ class DeviceBlocks:
         self.alpha_dev.copy_(self.alpha_host, non_blocking=True)
         if fed:
             self.feed_dev.copy_(self.feed_host, non_blocking=True)
-        branch = self.cuda and self.prefetch > 0
+        branch = self.branches if self.cuda and self.prefetch > 0 else None
         for layer in range(self.num_layers):
             dec.attention_router(step, layer, copy_out=False)
             logits = self.feed_dev[layer] if fed else step.logits_dev[layer]
             if self.prefetch and layer < last:  # the next layer's prefetch, beside this layer's selection and MoE
-                if branch:
-                    self.side.wait_stream(self.stream)
-                with torch.cuda.stream(self.side) if branch else contextlib.nullcontext():
+                with branch.deciding(self.stream) if branch else contextlib.nullcontext():
                     pool.predict(layer + 1, logits[:, e:], self.alpha_dev)
+                with branch.copying(layer + 1) if branch else contextlib.nullcontext():
                     if not skip:
                         self._copy(layer + 1, pool.prefetches[layer + 1], delays, 3 * layer + 2)
             if branch and layer > 0:  # this layer's prefetch copies land before its demand copies and MoE
-                self.stream.wait_stream(self.side)
+                branch.join(self.stream, layer)
             pool.select(layer, logits[:, :e], self.alpha_dev, step.route_dev[layer])
             late = None
             if not skip and self.cuda:  # the demand copies beside the MoE of the pool's experts
@@ -145,6 +147,8 @@ class DeviceBlocks:
             elif not skip:
                 self._copy(layer, pool.demands[layer], delays, 3 * layer)
             dec.moe(step, layer, self.residency.slots.layer(layer), copy_in=False, late=late)
+        if branch:
+            branch.close(self.stream)
         dec.head(step, copy_out=False)
         pool.end_block()
         if not skip:  # the refill's moves: union slot -> pool slot, within each layer's slots

@@ -2,15 +2,16 @@
 device, one CUDA graph per token, no host round trip per layer (`EngineConfig.policy_device`).
 
 Per layer l the token runs, on the compute stream: attention, router and pre-gate (`Decoder.attention_router`);
-the join of layer l's branch (below: the route may evict a prefetched slot and demand-copy into it); the fork of
-layer l + 1's branch; `DeviceCache.step` routing l over the logical cache (the host `LogicalCache`'s decisions bit
+the fork of layer l + 1's branch; the join of layer l's (below: the route may evict a prefetched slot and
+demand-copy into it); `DeviceCache.step` routing l over the logical cache (the host `LogicalCache`'s decisions bit
 for bit, `kernels.device_cache`), writing the selection and the route row straight into the step's rows; the
 demand copy kernel (`kernels.expert_copy`: the demand list's experts from the pinned store into layer l's slots);
-and the MoE over the route row. Layer l + 1's branch, on a side stream forked once the pre-gate logits exist and
-joined at layer l + 1, runs part 1 of l + 1 (its insertions of predicted experts, `DeviceCache.step` on the
-pre-gate) and then the prefetch copy kernel of l + 1, so both overlap the route, demand copy and MoE of l and the
-attention of l + 1. Part 1 of l + 1 and the route of l touch disjoint state (each layer's rows, counters and
-lists), so running them side by side makes the decisions of the host's order (route l, then part 1 of l + 1).
+and the MoE over the route row. Layer l + 1's branch (`PrefetchBranch`), forked once the pre-gate logits exist
+and joined at layer l + 1 (an event recorded right after its copies), runs part 1 of l + 1 (its insertions of
+predicted experts, `DeviceCache.step` on the pre-gate, into layer l + 1's own list) and then the prefetch copy
+kernel of l + 1 on a side stream, so both overlap the route, demand copy and MoE of l and the attention of
+l + 1. Part 1 of l + 1 and the route of l touch disjoint state (each layer's rows, counters and lists), so running
+them side by side makes the decisions of the host's order (route l, then part 1 of l + 1).
 Then the head, and one device-to-host copy of the logits, selections, next token and the copy counters.
 
 With a logit feed (trace-following, `LogitFeed`) the token's routing reads the feed, not the model's router: the
@@ -55,6 +56,7 @@ POLICY_DEVICE = ("auto", "on", "off")
 # the copy kernel's rate on the device path and at the copy engine's on the host path, which made PSR 11-17%
 # slower on the device; at E = 256 the device step's rankings still pick one expert at a time.
 AUTO_MAX_EXPERTS = 64
+SEPARATE_COPIER_ENV = "SPECMOE_PREFETCH_COPIER"  # "1": prefetch copies on a stream of their own (`PrefetchBranch`)
 _STATE = ("istate", "iscalar", "fstate", "fscalar", "counters", "displaced_mass")
 
 
@@ -138,6 +140,55 @@ def delayed_copy(src: torch.Tensor, dst: torch.Tensor, listing: torch.Tensor, de
     launch_copy(src, dst, listing, blocks, block)
 
 
+class PrefetchBranch:
+    """Layer l + 1's prefetch beside layer l on the side of a device path (`DevicePolicy`, `DeviceBlocks`): its
+    decision (part 1, the block prediction) forked once layer l's attention has written the pre-gate logits, then
+    its copies; layer l + 1 joins `landed[l + 1]`, recorded right after its copies (so it waits for its own
+    copies, not for the next layer's decision or copies queued behind them), before its route or selection.
+
+    separate_copier: the copies run on a stream of their own (`copier`), after their decision and the previous
+    layer's copies, so the decision of l + 1 runs while layer l's copies move; else (the default) decision and
+    copies share one side stream, so each decision waits for the copies before it. Measured on the H200
+    (BENCHMARKS.md, 2026-12-03): the AR device PSR token was 4% slower with the separate copy stream (4.45 against
+    4.27 ms, 2 pairs), so it is an option (`SEPARATE_COPIER_ENV`=1 for A/B runs). Each layer's list must be its own
+    either way (the next decision may run before this layer's copy kernel has read its list)."""
+
+    def __init__(self, device, num_layers: int, separate_copier: bool | None = None):
+        if separate_copier is None:
+            separate_copier = os.environ.get(SEPARATE_COPIER_ENV, "0") not in ("", "0")
+        self.separate_copier = separate_copier
+        self.decide = torch.cuda.Stream(device=device)
+        self.copier = torch.cuda.Stream(device=device) if separate_copier else self.decide
+        self.landed = [torch.cuda.Event() for _ in range(num_layers)]
+
+    @contextlib.contextmanager
+    def deciding(self, compute):
+        """Run the next layer's decision on `decide`, after what `compute` has queued (the layer's attention)."""
+        self.decide.wait_stream(compute)
+        with torch.cuda.stream(self.decide):
+            yield
+
+    @contextlib.contextmanager
+    def copying(self, layer: int):
+        """Run `layer`'s prefetch copies on `copier`, after its decision; `landed[layer]` marks their end (and the
+        decision's, with copies skipped)."""
+        if self.separate_copier:
+            self.copier.wait_stream(self.decide)
+        with torch.cuda.stream(self.copier):
+            yield
+        self.landed[layer].record(self.copier)
+
+    def join(self, compute, layer: int) -> None:
+        """`compute` waits for `layer`'s decision and copies (before the layer's route)."""
+        compute.wait_event(self.landed[layer])
+
+    def close(self, compute) -> None:
+        """`compute` joins the side streams (the end of a captured graph)."""
+        compute.wait_stream(self.decide)
+        if self.separate_copier:
+            compute.wait_stream(self.copier)
+
+
 def staged(shape, dtype, device, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A host buffer (pinned on CUDA) that the host writes before a launch, and its device copy, which the
     step's graph fills first (one host-to-device copy on the compute stream)."""
@@ -178,7 +229,7 @@ class DevicePolicy:
     the rule routing applies (`CacheRouter.feed_rule`; default the model's). Build it before a request (its
     warm-up writes the KV rows of position 0)."""
 
-    branch = True  # layer l + 1's part 1 and prefetch copies on a side stream (False: in line, on the compute stream)
+    branch = True  # layer l + 1's part 1 and prefetch copies on the side (False: in line, on the compute stream)
 
     def __init__(self, decoder, step, residency, router, stream, cuda_graphs: bool = True,
                  copy_in_graph: bool = True, blocks: int = COPY_BLOCKS, block: int = COPY_BLOCK, scoring=None):
@@ -201,6 +252,9 @@ class DevicePolicy:
         self.feed_host, self.feed_dev = staged((g.num_layers, 2 * g.num_experts), torch.float32, device, pin)
         self.feed_np = self.feed_host.numpy()
         self.experts_dev = torch.zeros(g.num_layers, g.top_k, dtype=torch.int64, device=device)
+        # each layer's part-1 list (count, experts, slots), its own: the next layer's part 1 may run before this
+        # layer's copy kernel has read it (`PrefetchBranch`)
+        self.prefetches = torch.zeros(g.num_layers, *self.cache.prefetch.shape, dtype=torch.int64, device=device)
         self.experts_host = torch.zeros(self.experts_dev.shape, dtype=torch.int64, pin_memory=pin)
         n = g.num_layers * K.N_COUNTERS
         self.records_dev = torch.zeros(n + 1, dtype=torch.int64, device=device)  # counters, then prefetches pending
@@ -212,7 +266,7 @@ class DevicePolicy:
         self.skip, self.delays, self.fed = False, None, False
         self._last = np.zeros(K.N_COUNTERS + 1, np.int64)
         if self.cuda:
-            self.side = torch.cuda.Stream(device=device)
+            self.branches = PrefetchBranch(device, g.num_layers)
             self.ev_done = torch.cuda.Event()
             with torch.no_grad(), torch.cuda.stream(stream):
                 self._warm_up()
@@ -225,23 +279,25 @@ class DevicePolicy:
         token = step.input_dev[:1]
         if fed:
             self.feed_dev.copy_(self.feed_host, non_blocking=True)
-        branch = self.cuda and self.branch
+        branch = self.branches if self.cuda and self.branch else None
         for layer in range(self.num_layers):
             dec.attention_router(step, layer, copy_out=False)
-            if branch and self.inserts and layer > 0:
-                self.stream.wait_stream(self.side)  # this layer's branch (part 1, prefetch copies), forked at the last
             logits = self.feed_dev[layer] if fed else step.logits_dev[layer, 0]
             if self.inserts and layer < last:  # the next layer's branch, beside this layer's route and MoE
-                if branch:
-                    self.side.wait_stream(self.stream)
-                with torch.cuda.stream(self.side) if branch else contextlib.nullcontext():
-                    cache.step(token, layer + 1, pregate_logits=logits[e:])
+                deciding = branch.deciding(self.stream) if branch else contextlib.nullcontext()
+                with deciding:
+                    cache.step(token, layer + 1, pregate_logits=logits[e:], prefetch_out=self.prefetches[layer + 1])
+                with branch.copying(layer + 1) if branch else contextlib.nullcontext():
                     if not skip:
-                        self._copy(layer + 1, cache.prefetch, delays, 2 * layer + 1)
+                        self._copy(layer + 1, self.prefetches[layer + 1], delays, 2 * layer + 1)
+            if branch and self.inserts and layer > 0:
+                branch.join(self.stream, layer)  # part 1 and prefetch copies of this layer, forked at the last
             cache.step(token, layer, logits[:e], None, self.experts_dev[layer], step.route_dev[layer, 0])
             if not skip:
                 self._copy(layer, cache.demand, delays, 2 * layer)
             dec.moe(step, layer, self.residency.slots.layer(layer), copy_in=False)
+        if branch and self.inserts:
+            branch.close(self.stream)
         dec.head(step, copy_out=False)
         n = self.num_layers * K.N_COUNTERS
         self.records_dev[:n].copy_(cache.counters.view(-1))

@@ -511,13 +511,14 @@ class DeviceCache:
 
     def step(self, token: torch.Tensor, layer: int, router_logits: torch.Tensor | None = None,
              pregate_logits: torch.Tensor | None = None, experts_out: torch.Tensor | None = None,
-             route_out: torch.Tensor | None = None) -> None:
+             route_out: torch.Tensor | None = None, prefetch_out: torch.Tensor | None = None) -> None:
         """One launch: `route` of `layer` from router_logits [E] float32 (if given), then part 1 of the next
         layer (`layer` itself when no router logits are given) from pregate_logits [E] float32 (if given; the
         raw logits: a sigmoid router's selection scores are computed here). token: int64 [1] on the device, the
         position's input token (the token prior's row). experts_out int64 [K] / route_out int32 [2K] (contiguous):
         where the selection and the route row go instead of `experts` / `route` (a step's own rows, so that the
-        MoE reads them where they are)."""
+        MoE reads them where they are); prefetch_out int64 [1 + 2N]: where part 1's list goes instead of
+        `prefetch` (a layer's own, so that the next layer's part 1 can run before its copies have read it)."""
         do_route, do_part1 = router_logits is not None, pregate_logits is not None and self.policy.insert_budget > 0
         target = layer + int(do_route) if do_part1 else layer
         if not 0 <= target < self.num_layers or not 0 <= layer < self.num_layers:
@@ -534,12 +535,16 @@ class DeviceCache:
         if experts_out.shape != (k,) or experts_out.dtype != torch.int64 or not experts_out.is_contiguous() \
                 or route_out.shape != (2 * k,) or route_out.dtype != torch.int32 or not route_out.is_contiguous():
             raise ValueError(f"experts_out must be int64 [{k}] and route_out int32 [{2 * k}], contiguous")
+        prefetch_out = self.prefetch if prefetch_out is None else prefetch_out
+        if prefetch_out.shape != self.prefetch.shape or prefetch_out.dtype != torch.int64 \
+                or not prefetch_out.is_contiguous():
+            raise ValueError(f"prefetch_out must be int64 {list(self.prefetch.shape)}, contiguous")
         z = router_logits if do_route else self._dummy
         g = pregate_logits if do_part1 else self._dummy
         _cache_step_kernel[(1,)](
             self.istate, self.iscalar, self.fstate, self.fscalar, self.counters, self.displaced_mass, self.fparams,
             self.delta, self.bias, self.pind, self.pexp, self.pval, self.vocab, token, layer, z, g,
-            experts_out, route_out, self.demand, self.prefetch, **self._constants,
+            experts_out, route_out, self.demand, prefetch_out, **self._constants,
             DO_ROUTE=int(do_route), DO_PART1=int(do_part1), num_warps=self.warps, enable_fp_fusion=False,
             **pdl.options(self.istate))
 
