@@ -78,7 +78,7 @@ from specmoe.models import load_model
 
 model, _ = load_model(str(family_path("target")))
 SEQ = 64
-STEPS = [(6, 6, 5), (3, 0, 7), (5, 2, 11)]  # (k, accepted, bonus): all, none and some drafts accepted
+STEPS = [(4, 4, 5), (2, 0, 7), (3, 1, 11)]  # (k, accepted, bonus): all, none and some drafts accepted
 
 def pair(name, **kw):
     torch_ops = build_drafter(DrafterConfig(name, runtime="static", max_seq_len=SEQ, backend="torch",
@@ -105,9 +105,9 @@ def walk(drafters, width=0):
         for d in drafters:
             d.commit(accepted, bonus, rows)
 
-walk(pair("ar"))
-# the layers' one-row GEMMs on the GEMV kernel (on the CPU the choice is cuBLAS's F.linear; forced here; the head's
-# vocabulary-wide GEMV is left out for the interpreter's time, test_gemv runs it in OLMoE's decoder): same drafts
+# the AR drafter with its layers' one-row GEMMs on the GEMV kernel, as on a GPU (on the CPU the choice is F.linear;
+# forced here; the head's vocabulary-wide GEMV is left out for the interpreter's time, test_gemv runs it in OLMoE's
+# decoder; the OLMo-2 drafter below keeps F.linear): same drafts
 from specmoe.kernels.gemv import GEMV_CANDIDATES
 torch_ops, fused = pair("ar")
 dec = fused.decoder
