@@ -149,9 +149,10 @@ class PrefetchBranch:
     separate_copier: the copies run on a stream of their own (`copier`), after their decision and the previous
     layer's copies, so the decision of l + 1 runs while layer l's copies move; else (the default) decision and
     copies share one side stream, so each decision waits for the copies before it. Measured on the H200
-    (BENCHMARKS.md, 2026-12-03): the AR device PSR token was 4% slower with the separate copy stream (4.45 against
-    4.27 ms, 2 pairs), so it is an option (`SEPARATE_COPIER_ENV`=1 for A/B runs). Each layer's list must be its own
-    either way (the next decision may run before this layer's copy kernel has read its list)."""
+    (BENCHMARKS.md, 2026-12-03): with the separate copy stream the AR device PSR token was 4% slower (4.45 against
+    4.27 ms) and a verification block with the block prefetch 7% (1.302 against 1.219 ms per committed token), so
+    it is an option for A/B runs on other machines (`SEPARATE_COPIER_ENV`=1). Each layer's list must be its own
+    with it (the next decision may run before this layer's copy kernel has read its list)."""
 
     def __init__(self, device, num_layers: int, separate_copier: bool | None = None):
         if separate_copier is None:
