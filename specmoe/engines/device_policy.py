@@ -285,8 +285,7 @@ class DevicePolicy:
             dec.attention_router(step, layer, copy_out=False)
             logits = self.feed_dev[layer] if fed else step.logits_dev[layer, 0]
             if self.inserts and layer < last:  # the next layer's branch, beside this layer's route and MoE
-                deciding = branch.deciding(self.stream) if branch else contextlib.nullcontext()
-                with deciding:
+                with branch.deciding(self.stream) if branch else contextlib.nullcontext():
                     cache.step(token, layer + 1, pregate_logits=logits[e:], prefetch_out=self.prefetches[layer + 1])
                 with branch.copying(layer + 1) if branch else contextlib.nullcontext():
                     if not skip:
