@@ -107,7 +107,7 @@ def test_shipped_configs_run_five_rounds_over_at_least_four_units(path):
 
 
 def test_later_rounds_re_time_without_recomputing_the_divergence(tmp_path, monkeypatch, capsys):
-    """A quickstart-shaped run (AR policies and SD selectors, generation, 4 prompts, 3 rounds) on a tiny model:
+    """A quickstart-shaped run (AR policies and SD selectors, generation, 3 prompts, 2 rounds) on a tiny model:
     exact routing's forward for the KL runs once per configuration and request, not once per round; every round
     gives the same figures; `specmoe run` prints the ratios with an interval over the 4 requests."""
     import specmoe.harness as harness
@@ -116,20 +116,20 @@ def test_later_rounds_re_time_without_recomputing_the_divergence(tmp_path, monke
     calls = []
     divergence = harness.divergence_from_exact
     monkeypatch.setattr(harness, "divergence_from_exact", lambda *a, **k: calls.append(1) or divergence(*a, **k))
-    text = (MICRO.replace("rounds = 2", "rounds = 3").replace("count = 2", "count = 4")
+    text = (MICRO.replace("count = 2", "count = 3")
             + '[sd]\npool = 16\nk = 3\ndrafters = ["synthetic"]\nselectors = ["exact", "acceptmoe"]\n')
     path = write(tmp_path, text)
     assert main(["run", str(path), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     table = pd.read_parquet(tmp_path / "run" / "results.parquet")
     configs = table.config.nunique()
-    assert configs == 5 and len(table) == 15 and 0 < len(calls) <= configs * 4
+    assert configs == 5 and len(table) == 10 and 0 < len(calls) <= configs * 3  # per round it would be 30
     figures = ["tau", "copies_per_token", "kl", "excess_nll", "displaced_per_token_layer", "tokens", "request_tokens"]
     for _, group in table.groupby("config"):
         assert group[figures].astype(str).nunique().max() == 1  # the same in every round
     base, unit, ratios = latency_ratios(table, "generation")
     assert (base, unit) == (0, "request") and len(ratios) == configs - 1
-    assert (ratios.units == 4).all() and (ratios.rounds == 3).all() and (ratios.lo95 <= ratios.hi95).all()
+    assert (ratios.units == 3).all() and (ratios.rounds == 2).all() and (ratios.lo95 <= ratios.hi95).all()
     assert "95% interval over the requests" in out and any(v in out for v in ("within noise", "faster", "slower"))
 
 
