@@ -109,7 +109,7 @@ def test_shipped_configs_run_five_rounds_over_at_least_four_units(path):
 def test_later_rounds_re_time_without_recomputing_the_divergence(tmp_path, monkeypatch, capsys):
     """A quickstart-shaped run (AR policies and SD selectors, generation, 3 prompts, 2 rounds) on a tiny model:
     exact routing's forward for the KL runs once per configuration and request, not once per round; every round
-    gives the same figures; `specmoe run` prints the ratios with an interval over the 4 requests."""
+    gives the same figures; `specmoe run` prints the ratios with an interval over the 3 requests."""
     import specmoe.harness as harness
     from specmoe.experiments.report import latency_ratios
 
