@@ -52,7 +52,7 @@ import contextlib
 import numpy as np
 import torch
 
-from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS
+from specmoe.kernels.expert_copy import launch_shape
 
 from .device_policy import (PrefetchBranch, captured, copy_delays, copy_views, delayed_copy, kernels_reason, launch,
                             staged)
@@ -84,7 +84,7 @@ class DeviceBlocks:
     writes the KV rows of positions 0 .. D - 1)."""
 
     def __init__(self, decoder, step, residency, router, stream, cuda_graphs: bool = True,
-                 copy_in_graph: bool = True, blocks: int = COPY_BLOCKS, block: int = COPY_BLOCK):
+                 copy_in_graph: bool = True, blocks: int | None = None, block: int | None = None):
         from specmoe.kernels.device_select import DevicePool
 
         g = decoder.geometry
@@ -94,7 +94,6 @@ class DeviceBlocks:
         d, device, pin = step.num_positions, residency.device, stream is not None
         self.prefetch = router.config.prefetch
         self.pool = DevicePool(router.pool, router.config.selector, router.scoring, d, device, self.prefetch)
-        self.blocks, self.block = blocks, block
         self.alpha_host, self.alpha_dev = staged((d,), torch.float64, device, pin)
         # a feed laid out as the step's logits [L, D, 2E]: row l holds z_l, then g_{l+1} (module docstring)
         self.feed_host, self.feed_dev = staged((g.num_layers, d, 2 * g.num_experts), torch.float32, device, pin)
@@ -104,6 +103,8 @@ class DeviceBlocks:
         self.selections_host = torch.zeros(self.pool.selections.shape, dtype=torch.int64, pin_memory=pin)
         self.displaced_host = torch.zeros(self.pool.displaced_rows.shape, dtype=torch.float64, pin_memory=pin)
         self.src, self.dst = copy_views(residency, g.num_layers)
+        shape = launch_shape(device, self.src[0].shape[1])  # the copy launches' (`kernels.expert_copy`)
+        self.blocks, self.block = blocks or shape[0], block or shape[1]
         self.copy_in_graph = copy_in_graph
         self.graphs: dict = {}
         self.use_graphs = self.cuda and cuda_graphs

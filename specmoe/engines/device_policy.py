@@ -46,7 +46,7 @@ import os
 import numpy as np
 import torch
 
-from specmoe.kernels.expert_copy import COPY_BLOCK, COPY_BLOCKS, launch_copy, word_view
+from specmoe.kernels.expert_copy import launch_copy, launch_shape, word_view
 from specmoe.routing import LogicalCache
 from specmoe.routing import kernels as K
 
@@ -233,7 +233,7 @@ class DevicePolicy:
     branch = True  # layer l + 1's part 1 and prefetch copies on the side (False: in line, on the compute stream)
 
     def __init__(self, decoder, step, residency, router, stream, cuda_graphs: bool = True,
-                 copy_in_graph: bool = True, blocks: int = COPY_BLOCKS, block: int = COPY_BLOCK, scoring=None):
+                 copy_in_graph: bool = True, blocks: int | None = None, block: int | None = None, scoring=None):
         from specmoe.kernels.device_cache import DeviceCache
 
         g = decoder.geometry
@@ -241,7 +241,6 @@ class DevicePolicy:
         self.stream, self.cuda = stream, stream is not None
         self.num_layers, self.num_experts, self.top_k = g.num_layers, g.num_experts, g.top_k
         self.capacity = router.policy.capacity
-        self.blocks, self.block = blocks, block
         self.scoring = decoder.scoring if scoring is None else scoring
         host = LogicalCache(router.policy, router.calibration, g.num_layers, g.num_experts,
                             groups=self.scoring.groups)
@@ -261,6 +260,8 @@ class DevicePolicy:
         self.records_dev = torch.zeros(n + 1, dtype=torch.int64, device=device)  # counters, then prefetches pending
         self.records_host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=pin)
         self.src, self.dst = copy_views(residency, g.num_layers)
+        shape = launch_shape(device, self.src[0].shape[1])  # the copy launches' (`kernels.expert_copy`)
+        self.blocks, self.block = blocks or shape[0], block or shape[1]
         self.copy_in_graph = copy_in_graph
         self.graphs: dict = {}
         self.use_graphs = self.cuda and cuda_graphs

@@ -37,6 +37,18 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 COPY_BLOCKS = 32  # programs per launch (module docstring: measured)
 COPY_BLOCK = 1024  # words per program and chunk (8 KiB of int64)
+INTERPRETER_CHUNK = 1 << 16  # the most words per chunk in Triton's interpreter (`launch_shape`)
+
+
+def launch_shape(device: torch.device, row_words: int) -> tuple[int, int]:
+    """(programs, words per chunk) of the copy launches on `device` for rows of `row_words` words: the measured
+    shape on CUDA; on the CPU, where only Triton's interpreter runs the kernel and every operation of every program
+    is a NumPy call, one program whose chunk holds a whole row (at most 64 Ki words, 512 KiB of int64): the same
+    words moved in a few calls per expert rather than a few per 8 KiB chunk and program. The shape changes neither
+    what is copied nor where."""
+    if torch.device(device).type != "cuda":
+        return 1, min(1 << max(row_words - 1, 0).bit_length(), INTERPRETER_CHUNK)  # a power of two
+    return COPY_BLOCKS, COPY_BLOCK
 
 if triton is not None:
 
