@@ -9,7 +9,8 @@ import pytest
 import torch
 from _interpreter import run_in_interpreter
 
-from specmoe.kernels.expert_copy import check_copy_args, copy_experts_torch, word_view
+from specmoe.kernels.expert_copy import (COPY_BLOCK, COPY_BLOCKS, check_copy_args, copy_experts_torch,
+                                        launch_shape, word_view)
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
@@ -110,3 +111,11 @@ def test_expert_copy_kernel_reads_the_pinned_store_on_the_device():
     listing = torch.tensor([0, 0, 0], dtype=torch.int64, device="cuda")
     with pytest.raises(ValueError, match="pinned"):
         copy_experts(torch.zeros(2, 8), torch.zeros(2, 8, device="cuda"), listing)
+
+
+def test_launch_shape_per_device():
+    """The measured shape on CUDA whatever the row; in the interpreter (CPU) one program whose chunk, a power of
+    two, holds the whole row, up to 64 Ki words."""
+    assert launch_shape(torch.device("cuda", 0), 5) == launch_shape("cuda", 10**7) == (COPY_BLOCKS, COPY_BLOCK)
+    assert [launch_shape("cpu", n) for n in (1, 3072, 3073, 1 << 16, 10**7)] == \
+        [(1, 1), (1, 4096), (1, 4096), (1, 1 << 16), (1, 1 << 16)]
