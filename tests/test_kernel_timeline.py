@@ -31,17 +31,34 @@ def test_timeline_splits_a_block_by_kernel_class():
 
 def test_copies_beside_other_kernels_count_where_nothing_else_runs():
     """A demand copy beside the MoE of the pool's experts, waited for at the join: only the part with no other
-    kernel running is exposed, the rest hidden; two overlapping copies count once as exposed."""
-    spans = [KernelSpan("_grouped_gate_up_kernel", 0.0, 100.0),
-             KernelSpan("_expert_copy_kernel", 50.0, 150.0),
+    kernel running is exposed, the rest hidden; two overlapping copies count once."""
+    spans = [KernelSpan("_use_kernel", 0.0, 50.0),
+             KernelSpan("_expert_copy_kernel", 50.0, 150.0),  # the demand copy, on its branch
+             KernelSpan("_grouped_gate_up_kernel", 55.0, 100.0),  # the pool's experts, beside it
              KernelSpan("_expert_copy_kernel", 60.0, 140.0),  # e.g. a prefetch copy at the same time
              KernelSpan("_grouped_down_kernel", 150.0, 200.0),
              KernelSpan("_expert_copy_kernel", 200.0, 210.0)]  # a refill move, in line
     out = timeline(spans, blocks=1, step_ms=0.25)
-    assert out["copy_wait"] == pytest.approx(0.06)  # 50 µs at the join + the 10 µs move
-    assert out["copies_hidden"] == pytest.approx(0.19 - 0.06)  # 190 µs of copy kernels in all
-    assert out["compute"] == pytest.approx(0.15)
+    assert out["copy_wait"] == pytest.approx(0.065)  # 55 µs at the join + the 10 µs move
+    assert out["copies_hidden"] == pytest.approx(0.045)  # beside the gate/up kernel
+    assert out["selection"] == pytest.approx(0.05) and out["compute"] == pytest.approx(0.095)
     assert out["idle_other"] == pytest.approx(0.25 - 0.21)
+
+
+def test_kernels_that_start_early_and_wait_count_from_when_they_can_run():
+    """Under programmatic dependent launch each kernel starts while the one before it runs and waits for it (the
+    profiler's span holds the wait): a kernel counts from the end of the last kernel that started before it and
+    ended before it did, so nothing counts twice and an in-line copy that the next kernel waits for is exposed."""
+    spans = [KernelSpan("gemv_kernel", 0.0, 100.0),
+             KernelSpan("_use_kernel", 5.0, 130.0),  # runs 100-130
+             KernelSpan("_expert_copy_kernel", 10.0, 330.0),  # runs 130-330
+             KernelSpan("gemv_kernel", 20.0, 400.0)]  # runs 330-400
+    out = timeline(spans, blocks=1, step_ms=0.45)
+    assert out["compute"] == pytest.approx(0.17) and out["selection"] == pytest.approx(0.03)
+    assert out["copy_wait"] == pytest.approx(0.2) and out["copies_hidden"] == 0.0
+    assert out["idle_other"] == pytest.approx(0.05)
+    assert [(s.start_us, s.end_us) for s in kernel_timeline.running(spans)] == \
+        [(0.0, 100.0), (100.0, 130.0), (130.0, 330.0), (330.0, 400.0)]
 
 
 def test_timeline_refuses_empty_input():
@@ -105,3 +122,4 @@ def test_gpu_timeline_of_device_blocks():
     # the GPU's busy time (kernels at once counted once) within the plain pass's wall time
     busy_ms = sum(b - a for a, b in kernel_timeline._merged((s.start_us, s.end_us) for s in spans)) / 1e3 / n
     assert busy_ms < 1.05 * step_ms, (busy_ms, out)
+    assert out["idle_other"] > -0.05 * step_ms, out  # the parts count each instant once (PDL's waits included)

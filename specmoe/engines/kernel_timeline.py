@@ -9,23 +9,33 @@ profiler (`timeline`'s step_ms), so the profiler's overhead is not charged to an
 graph with branches runs its kernels on streams of the driver's choosing (a block's kernels showed up on 17), so
 what ran beside what is read from the times alone.
 
+Under programmatic dependent launch (`kernels.pdl`, on by default on Hopper) a kernel starts while the one before
+it runs and waits for it, and the profiler's record of the kernel holds that wait: summed, the spans count the
+same microseconds two or three times. So each kernel counts from when it could run (`running`): its start moved
+to the latest end among the kernels that started before it and ended before it did. A kernel truly beside another
+(a demand copy beside the pool's MoE, the block prefetch's prediction) that started after a shorter one loses the
+overlap with it; the exposed copies are unaffected (the part no other kernel covers), the hidden ones can come
+out a little short. Then each instant of the block counts once, for the part of the kernel that started first
+among those running (`_owned`).
+
 The parts are `DecodeResult.timeline`'s, so both paths print as one table; they add up to the step:
-- "selection": the block selection's kernels (`kernels.device_select`: the positions' own sets, demand,
-  execution, the pool's use, the refill), their time;
-- "compute": every other kernel but the copies (attention, router, grouped MoE, head), their time;
+- "selection": the instants the block selection's kernels (`kernels.device_select`: the positions' own sets,
+  demand, execution, the pool's use, the refill) run;
+- "compute": the instants every other kernel but the copies runs (attention, router, grouped MoE, head);
 - "copy_wait": the exposed copies: the time a copy kernel runs while no other kernel does (the refill's moves, in
   line; a demand copy the MoE waits for at the join);
 - "copy_issue", "copy_checks": 0 (no host copy step on this path);
 - "idle_other": the rest of the block's wall time: launch gaps inside the graph, the graph's launch, the host's
-  acceptance and the next block's input (less the time two non-copy kernels ran at once, e.g. the block
-  prefetch's prediction beside the layer's kernels);
+  acceptance and the next block's input;
 - "copies_hidden": the copy kernels' time beside other kernels (the demand copies under the MoE of the pool's
   experts, the prefetch's copies), not a part of the step; "draft": the drafting charged per block.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import heapq
 from collections.abc import Iterable
 
 SELECTION_KERNELS = ("_own_kernel", "_demand_kernel", "_execute_kernel", "_use_kernel", "_prefetch_kernel",
@@ -89,24 +99,55 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
+def running(spans: Iterable[KernelSpan]) -> list[KernelSpan]:
+    """The spans from when each kernel could run: a kernel's start moved to the latest end of the kernels that
+    started before it and ended before it did (module docstring: under programmatic dependent launch a kernel
+    starts while the one before it runs and waits for it; the profiler records the wait as the kernel's)."""
+    out, ends = [], []
+    for s in sorted(spans, key=lambda s: (s.start_us, s.end_us)):
+        i = bisect.bisect_right(ends, s.end_us)
+        waited = ends[i - 1] if i else s.start_us
+        out.append(KernelSpan(s.name, min(max(s.start_us, waited), s.end_us), s.end_us))
+        bisect.insort(ends, s.end_us)
+    return out
+
+
+def _owned(spans: list[KernelSpan]) -> dict[str, float]:
+    """The union of the spans' time (µs), each instant given to the part of the kernel that started first among
+    those running then (two kernels at once count once)."""
+    order = sorted(range(len(spans)), key=lambda i: (spans[i].start_us, spans[i].end_us))
+    bounds = sorted({t for s in spans for t in (s.start_us, s.end_us)})
+    owned = dict.fromkeys(("selection", "copy_wait", "compute"), 0.0)
+    heap: list[tuple[float, int]] = []
+    nxt = 0
+    for t0, t1 in zip(bounds, bounds[1:]):
+        while nxt < len(order) and spans[order[nxt]].start_us <= t0:
+            heapq.heappush(heap, (spans[order[nxt]].start_us, order[nxt]))
+            nxt += 1
+        while heap and spans[heap[0][1]].end_us <= t0:
+            heapq.heappop(heap)
+        if heap:
+            owned[kernel_part(spans[heap[0][1]].name)] += t1 - t0
+    return owned
+
+
 def timeline(spans: Iterable[KernelSpan], blocks: int, step_ms: float, draft_ms: float = 0.0) -> dict:
     """The mean per-block timeline (ms, module docstring) of `blocks` blocks whose kernels are `spans`, each block
     taking step_ms of wall time."""
     if blocks < 1:
         raise ValueError(f"a timeline needs at least one block, got {blocks}")
-    spans = list(spans)
+    spans = running(spans)
     if not spans:
         raise ValueError("no kernels in the profile: the pass ran no GPU work (or the profiler had no CUDA "
                          "activity)")
-    sums = {"selection": 0.0, "copy_wait": 0.0, "compute": 0.0}
-    for s in spans:
-        sums[kernel_part(s.name)] += s.us
-    others = _merged((s.start_us, s.end_us) for s in spans if kernel_part(s.name) != "copy_wait")
+    others = [s for s in spans if kernel_part(s.name) != "copy_wait"]
+    owned = _owned(others)
     copies = _merged((s.start_us, s.end_us) for s in spans if kernel_part(s.name) == "copy_wait")
-    exposed = sum(b - a for a, b in copies) - _overlap(copies, others)
+    copy_us = sum(b - a for a, b in copies)
+    exposed = copy_us - _overlap(copies, _merged((s.start_us, s.end_us) for s in others))
     ms = 1e-3 / blocks
-    out = {"draft": draft_ms, "selection": sums["selection"] * ms, "copy_issue": 0.0, "copy_checks": 0.0,
-           "copy_wait": exposed * ms, "compute": sums["compute"] * ms,
-           "copies_hidden": (sums["copy_wait"] - exposed) * ms, "step": step_ms}
+    out = {"draft": draft_ms, "selection": owned["selection"] * ms, "copy_issue": 0.0, "copy_checks": 0.0,
+           "copy_wait": exposed * ms, "compute": owned["compute"] * ms, "copies_hidden": (copy_us - exposed) * ms,
+           "step": step_ms}
     out["idle_other"] = step_ms - out["selection"] - out["copy_wait"] - out["compute"]
     return out
