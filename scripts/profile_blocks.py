@@ -21,6 +21,7 @@ For the target step (every expert resident, the engine's default) and for each k
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import itertools
 import sys
@@ -46,13 +47,23 @@ from specmoe.verifiers import selector_preset  # noqa: E402
 
 
 def kernel_table(prof, steps: int, rows: int = 20) -> tuple[str, float, float]:
-    """(the profiler's table of GPU operations, kernels per step, the kernels' GPU ms per step; memory copies are
-    in the table, not in the two figures)."""
-    table = prof.key_averages()
-    kernels = [e for e in table if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("Memcpy")]
-    busy_us = sum(e.self_device_time_total for e in kernels)
-    text = table.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
-    return text, sum(e.count for e in kernels) / steps, busy_us / 1e3 / steps
+    """(a table of the profiled kernels by name: calls per step, ms per step as the profiler recorded them and as
+    they could run (`kernel_timeline.running`: under PDL a kernel's recorded span holds its wait for the kernel
+    before), µs per call as they ran; kernels per step; the GPU's busy ms per step, instants with a kernel running
+    counted once). Memory copies and memsets are left out."""
+    spans = kernel_timeline.profiled_spans(prof)
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for raw, ran in zip(spans, kernel_timeline.running(spans), strict=True):
+        entry = by_name[raw.name]
+        entry[0] += 1
+        entry[1] += raw.us
+        entry[2] += ran.us
+    order = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:rows]
+    lines = ["| kernel | calls per step | recorded ms per step | running ms per step | running µs per call |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {name[:70]} | {n / steps:.1f} | {raw / 1e3 / steps:.3f} | {ran / 1e3 / steps:.3f} | {ran / n:.1f} |"
+              for name, (n, raw, ran) in order]
+    return "\n".join(lines), len(spans) / steps, kernel_timeline.busy_us(spans) / 1e3 / steps
 
 
 def bytes_floor(selected, decoder, position: int, top_k: int, expert_bytes: int) -> dict:
@@ -115,7 +126,7 @@ def main(argv=None) -> None:
         torch.cuda.synchronize()
     text, per_step, busy = kernel_table(prof, 16, 12)
     say(f"\n## target step (every expert resident, routing {r.info['routing']}): {step_ms:.3f} ms; "
-        f"{per_step:.0f} kernels, {busy:.3f} ms of GPU time per step")
+        f"{per_step:.0f} kernels, GPU busy {busy:.3f} ms per step")
     say(text)
 
     fingerprint = adapter_for(model.config).fingerprint(model)
@@ -144,7 +155,7 @@ def main(argv=None) -> None:
         text, per_block, busy = kernel_table(prof, profiled)
         say(f"\n## k = {k} ({args.selector}, P = {args.pool}, tau {blocks.tau:.2f}, {n_blocks} blocks, copies skipped, "
             f"path {results[0].info['verify']})")
-        say(f"block {block_ms:.3f} ms = {block_ms / step_ms:.2f} target steps; kernels {busy:.3f} ms of GPU time, "
+        say(f"block {block_ms:.3f} ms = {block_ms / step_ms:.2f} target steps; GPU busy {busy:.3f} ms, kernels "
             f"{per_block:.0f} per block; host parts " + ", ".join(f"{p} {v:.3f}" for p, v in timeline.items()) + " ms")
         say(f"distinct experts per layer {distinct:.1f} of {E}: {distinct * store.expert_bytes * L / 1e9:.2f} GB "
             f"per block, floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s")

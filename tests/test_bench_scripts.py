@@ -458,6 +458,32 @@ def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys)
             profile_blocks.main([])
 
 
+def test_profile_blocks_kernel_table_counts_from_when_kernels_could_run():
+    """profile_blocks.kernel_table on a profiler's record of two steps of a PDL chain (each kernel starts while the
+    one before runs): per name, calls and ms per step as recorded and as they could run, busy time counted once;
+    memory copies left out."""
+    from types import SimpleNamespace
+
+    import profile_blocks
+    import pytest
+    import torch
+
+    def event(name, start, end):
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = []
+    for t in (0.0, 1000.0):  # two steps: gemv runs 0-100, norm 100-130 (recorded from 5), gemv 130-200 (from 10)
+        events += [event("gemv", t, t + 100), event("norm", t + 5, t + 130), event("gemv", t + 10, t + 200),
+                   event("Memcpy HtoD (Pinned -> Device)", t + 300, t + 900)]
+    events.append(SimpleNamespace(name="host op", device_type=torch.autograd.DeviceType.CPU, time_range=None))
+    text, per_step, busy = profile_blocks.kernel_table(SimpleNamespace(events=lambda: events), steps=2)
+    assert per_step == 3 and busy == pytest.approx(0.2)
+    rows = [line.split(" | ") for line in text.splitlines()[2:]]
+    assert [r[0].strip("| ") for r in rows] == ["gemv", "norm"]
+    assert rows[0][1:] == ["2.0", "0.290", "0.170", "85.0 |"] and rows[1][1:] == ["1.0", "0.125", "0.030", "30.0 |"]
+
+
 def test_profile_blocks_bytes_floor_counts_each_distinct_expert_once():
     """profile_blocks.bytes_floor on a real decoder (olmoe-tiny on the CPU) and hand-made selections: the distinct
     experts per layer averaged over layers and blocks, the dense bytes from `Decoder.bytes_per_token`, the block

@@ -102,12 +102,16 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 def running(spans: Iterable[KernelSpan]) -> list[KernelSpan]:
     """The spans from when each kernel could run: a kernel's start moved to the latest end of the kernels that
     started before it and ended before it did (module docstring: under programmatic dependent launch a kernel
-    starts while the one before it runs and waits for it; the profiler records the wait as the kernel's)."""
-    out, ends = [], []
-    for s in sorted(spans, key=lambda s: (s.start_us, s.end_us)):
-        i = bisect.bisect_right(ends, s.end_us)
-        waited = ends[i - 1] if i else s.start_us
-        out.append(KernelSpan(s.name, min(max(s.start_us, waited), s.end_us), s.end_us))
+    starts while the one before it runs and waits for it; the profiler records the wait as the kernel's); in the
+    order given."""
+    spans = list(spans)
+    out: list = [None] * len(spans)
+    ends: list[float] = []
+    for i in sorted(range(len(spans)), key=lambda i: (spans[i].start_us, spans[i].end_us)):
+        s = spans[i]
+        j = bisect.bisect_right(ends, s.end_us)
+        waited = ends[j - 1] if j else s.start_us
+        out[i] = KernelSpan(s.name, min(max(s.start_us, waited), s.end_us), s.end_us)
         bisect.insort(ends, s.end_us)
     return out
 
@@ -129,6 +133,11 @@ def _owned(spans: list[KernelSpan]) -> dict[str, float]:
         if heap:
             owned[kernel_part(spans[heap[0][1]].name)] += t1 - t0
     return owned
+
+
+def busy_us(spans: Iterable[KernelSpan]) -> float:
+    """The time (µs) some kernel of `spans` runs, kernels at once counted once."""
+    return sum(b - a for a, b in _merged((s.start_us, s.end_us) for s in spans))
 
 
 def timeline(spans: Iterable[KernelSpan], blocks: int, step_ms: float, draft_ms: float = 0.0) -> dict:
