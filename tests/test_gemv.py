@@ -20,7 +20,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 _INTERPRETED = r"""
 import torch, torch.nn.functional as F
 from specmoe.kernels import checks
-from specmoe.kernels.gemv import GEMV_CANDIDATES, gemv_triton
+from specmoe.kernels.gemv import GEMV_CANDIDATES, gemv_triton, linear
 torch.manual_seed(0)
 for n, k in ((5, 48), (64, 256), (33, 1100)):
     for dtype in (torch.float32, torch.bfloat16):
@@ -42,6 +42,16 @@ for n, k in ((5, 48), (64, 256), (33, 1100)):
             gemv_triton(x[0], w, p, out=both, out32=out32)
             assert torch.equal(both, out[0]) and torch.equal(out32, out.float()[0])
         checks.check_gemv(n, k, GEMV_CANDIDATES[3], dtype, torch.device("cpu"))
+        # several rows in one launch: each row's values those of its own one-row launch, bit for bit; `linear`
+        # takes them for a float32 copy of a small weight's product (a router's logits)
+        xs = torch.randn(3, k).to(dtype)
+        for p in (GEMV_CANDIDATES[0], GEMV_CANDIDATES[-1]):
+            alone = torch.stack([gemv_triton(xs[i:i + 1], w, p)[0] for i in range(3)])
+            out, out32 = torch.zeros(3, n, dtype=dtype), torch.full((3, n), float("nan"))
+            assert gemv_triton(xs, w, p, out=out, out32=out32) is out
+            assert torch.equal(out, alone) and torch.equal(out32, alone.float()), (n, k, p)
+            out32.fill_(float("nan"))
+            assert linear(xs, w, p, out32) is None and torch.equal(out32, alone.float())
 print("OK")
 """
 
@@ -109,28 +119,42 @@ def test_refusals_name_the_problem():
 
     w = torch.zeros(8, 16)
     p = GEMV_CANDIDATES[1]
-    with pytest.raises(ValueError, match="one contiguous row of 16 values"):
-        gemv_triton(torch.zeros(2, 16), w, p)
-    with pytest.raises(ValueError, match="one contiguous row"):
+    with pytest.raises(ValueError, match="contiguous rows of 16 values"):
+        gemv_triton(torch.zeros(2, 15), w, p)
+    with pytest.raises(ValueError, match="contiguous rows"):
         gemv_triton(torch.zeros(1, 16, dtype=torch.bfloat16), w, p)
-    with pytest.raises(ValueError, match="out32 must be 8 contiguous torch.float32"):
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gemv_triton(torch.zeros(2, 32)[:, ::2], w, p)
+    with pytest.raises(ValueError, match="out32 must be 1 x 8 contiguous torch.float32"):
         gemv_triton(torch.zeros(1, 16), w, p, out32=torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out must be 3 x 8 contiguous"):
+        gemv_triton(torch.zeros(3, 16), w, p, out=torch.zeros(1, 8))
 
 
-def test_dispatch_runs_f_linear_off_the_kernel():
-    """`linear` is F.linear, bit for bit, for cuBLAS's launch, no launch, and more than one row (the float32 rows
-    too: written by the GEMM itself for float32 inputs, the rounded values copied for bf16); `Linears` off CUDA
-    chooses cuBLAS for every shape and records it; a bias: F.linear."""
+def test_dispatch_runs_f_linear_off_the_kernel(monkeypatch):
+    """`linear` is F.linear, bit for bit, for cuBLAS's launch, no launch, and more than one row but where it takes
+    the GEMV's rows (a float32 copy of a small weight's product; the float32 rows: written by the GEMM itself for
+    float32 inputs, the rounded values copied for bf16); `Linears` off CUDA chooses cuBLAS for every shape and
+    records it; a bias: F.linear."""
+    import specmoe.kernels.gemv as gemv
+
     g = torch.Generator().manual_seed(3)
     w = torch.randn(12, 40, generator=g)
-    for x in (torch.randn(1, 40, generator=g), torch.randn(3, 40, generator=g)):
+    small = gemv.ROWS_MAX_WEIGHT_BYTES
+    monkeypatch.setattr(gemv, "ROWS_MAX_WEIGHT_BYTES", w.numel() * 2 - 1)  # w "large" (bf16 too): F.linear's rows
+    for x in (torch.randn(1, 40, generator=g), torch.randn(3, 40, generator=g),
+              torch.randn(gemv.ROWS_MAX + 1, 40, generator=g)):
         for params in (None, CUBLAS, GEMV_CANDIDATES[1] if x.shape[0] > 1 else None):
+            if x.shape[0] > gemv.ROWS_MAX:
+                monkeypatch.setattr(gemv, "ROWS_MAX_WEIGHT_BYTES", small)  # small, but too many rows: F.linear
             out32 = torch.zeros(x.shape[0], 12)
             y = linear(x, w, params, out32)
             assert y is out32 and torch.equal(out32, F.linear(x, w))  # float32: the GEMM wrote the rows, no copy
             bf = torch.zeros(x.shape[0], 12)
             y = linear(x.bfloat16(), w.bfloat16(), params, bf)  # bf16: rounded first, then its float32 values
             assert y.dtype == torch.bfloat16 and torch.equal(bf, F.linear(x.bfloat16(), w.bfloat16()).float())
+        x3 = torch.randn(3, 40, generator=g)  # several rows without a float32 copy: F.linear, whatever the weight
+        assert torch.equal(linear(x3, w, GEMV_CANDIDATES[1]), F.linear(x3, w))
     # a launch given, but a strided row or weight, which the kernel does not take: F.linear
     x = torch.randn(1, 80, generator=g)[:, ::2]
     for xx, ww in ((x, w), (x.contiguous(), torch.randn(40, 12, generator=g).T)):

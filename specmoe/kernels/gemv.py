@@ -23,8 +23,8 @@ while the norm or reduction before it finishes; the sums are the same.
 GEMV_CANDIDATES that was fastest on the device (`gemv_launch_params`: tuned once with triton's do_bench and kept in
 the tuning cache file, `specmoe.kernels.tuning`), checked against `F.linear` at that shape before use
 (`checks.check_gemv`; cuBLAS where the check fails). tune=False and the CPU run cuBLAS / torch, so outputs stay
-those of `F.linear`; rows D > 1 (verification blocks, prefill chunks) always run `F.linear`, which tiles a block of
-rows well.
+those of `F.linear`; rows D > 1 (verification blocks, prefill chunks) run `F.linear`, which tiles a block of rows
+well, except a router's: a small weight whose float32 logits are asked for runs on the GEMV row by row (`linear`).
 
 cuBLAS is not a tuning candidate. Timed alone (do_bench), it is faster than the GEMV at two of OLMoE's shapes on
 the H200 (the output projection [2048, 2048] and the router pair [128, 2048]); but in a token the GEMV's launch
@@ -72,12 +72,17 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, out32_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WRITE: tl.constexpr, WRITE32: tl.constexpr,
                      FIRST_TILE: tl.constexpr = False, PDL: tl.constexpr = False):
-        """Rows [pid BLOCK_N, pid BLOCK_N + BLOCK_N) of W x; WRITE: into out (x's dtype), WRITE32: the rounded
+        """Rows [pid BLOCK_N, pid BLOCK_N + BLOCK_N) of W x for row program_id(1) of x (and of out / out32: x
+        [D, K], out [D, N]); WRITE: into out (x's dtype), WRITE32: the rounded
         values as float32 into out32. FIRST_TILE (with PDL): the first tile of weights is loaded before waiting
         for the kernel before (`specmoe.kernels.pdl`; no kernel of a step writes weights), x only after; the
         same sums either way."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
+        position = tl.program_id(1)  # which row of x (several: `linear`'s rows of a small weight)
+        x_ptr += position * K
+        out_ptr += position * N
+        out32_ptr += position * N
         base = w_ptr + rows.to(tl.int64)[:, None] * K
         if FIRST_TILE:
             cols = tl.arange(0, BLOCK_K)
@@ -106,28 +111,36 @@ if triton is not None:
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, params: dict, out: torch.Tensor | None = None,
                 out32: torch.Tensor | None = None) -> torch.Tensor | None:
-    """W x for x [1, K] (or [K]) and w [N, K], both contiguous in one dtype: into out ([1, N] or [N], x's dtype)
-    and / or out32 (float32, the rounded values); with neither, a new out. Returns out (None if only out32).
-    Where programmatic dependent launch is on (`specmoe.kernels.pdl`) the kernel reads w's first tile before the
-    kernel launched just before it has finished: w must be a weight, not written by that kernel."""
+    """W x for x [D, K] (or [K]) and w [N, K], both contiguous in one dtype: into out ([D, N] or [N], x's dtype)
+    and / or out32 (float32, the rounded values); with neither, a new out [D, N]. Returns out (None if only
+    out32). Each row of x is summed as a one-row launch sums it (the grid's second axis is the row), so a row's
+    result does not depend on the rows beside it; each row reads all of w (`linear` takes several rows only for
+    a small weight). Where programmatic dependent launch is on (`specmoe.kernels.pdl`) the kernel reads w's first
+    tile before the kernel launched just before it has finished: w must be a weight, not written by that
+    kernel."""
     if triton is None:
         raise ImportError("the GEMV kernel needs Triton (pip install triton)")
     n, k = w.shape
-    if x.numel() != k or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
-        raise ValueError(f"gemv_triton takes one contiguous row of {k} values in the weight's dtype {w.dtype} and a "
+    if x.shape[-1] != k or x.dim() > 2 or x.dtype != w.dtype or not (x.is_contiguous() and w.is_contiguous()):
+        raise ValueError(f"gemv_triton takes contiguous rows of {k} values in the weight's dtype {w.dtype} and a "
                          f"contiguous weight; got x {tuple(x.shape)} {x.dtype}, weight {tuple(w.shape)}")
+    d = x.numel() // k
     for name, t, dtype in (("out", out, x.dtype), ("out32", out32, torch.float32)):
-        if t is not None and (t.numel() != n or t.dtype != dtype or not t.is_contiguous()):
-            raise ValueError(f"gemv_triton's {name} must be {n} contiguous {dtype} values, got {tuple(t.shape)} "
-                             f"{t.dtype}")
+        if t is not None and (t.numel() != d * n or t.dtype != dtype or not t.is_contiguous()):
+            raise ValueError(f"gemv_triton's {name} must be {d} x {n} contiguous {dtype} values, got "
+                             f"{tuple(t.shape)} {t.dtype}")
     if out is None and out32 is None:
-        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(d, n, dtype=x.dtype, device=x.device)
     p, overlap = params, pdl.options(x)
-    _gemv_kernel[(triton.cdiv(n, p["block_n"]),)](
+    _gemv_kernel[(triton.cdiv(n, p["block_n"]), d)](
         x, w, out if out is not None else out32, out32 if out32 is not None else out, n, K=k,
         BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], STAGES=p["num_stages"], WRITE=out is not None,
         WRITE32=out32 is not None, FIRST_TILE=bool(overlap), num_warps=p["num_warps"], **overlap)
     return out
+
+
+ROWS_MAX = 64  # `linear`: the most rows of x run on the GEMV (a verification block's k + 1, a prefill chunk's more)
+ROWS_MAX_WEIGHT_BYTES = 4 << 20  # ... and the largest weight: each row reads it all, from L2 once it is there
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None,
@@ -136,9 +149,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None,
     dtype of a contiguous w, else `F.linear`; out32 (optional, float32) receives the result's values (the rounded
     ones, as F.linear(x, w).float() holds them; a float32 x and w's GEMM writes straight into an out32 of the
     result's shape). Returns the result in x's dtype (None where the kernel wrote only out32). The one way a
-    decoder's router writes its float32 logits rows, whatever its dtype."""
-    kernel = params is not None and "cublas" not in params and x.dim() == 2 and x.shape[0] == 1
-    if not (kernel and x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype):
+    decoder's router writes its float32 logits rows, whatever its dtype.
+
+    Several rows (a verification block, a prefill chunk) run on the GEMV too where out32 is asked for and w is
+    small (at most ROWS_MAX rows, ROWS_MAX_WEIGHT_BYTES of weight: a router's logits): one launch with
+    programmatic dependent launch in place of cuBLAS's GEMM and the copy into float32, two kernels that take
+    none, and each row's logits are those its one-row step computes."""
+    one_row = x.dim() == 2 and x.shape[0] == 1
+    small = out32 is not None and x.dim() == 2 and x.shape[0] <= ROWS_MAX \
+        and w.numel() * w.element_size() <= ROWS_MAX_WEIGHT_BYTES
+    kernel = params is not None and "cublas" not in params and (one_row or small) and x.is_contiguous() \
+        and w.is_contiguous() and x.dtype == w.dtype
+    if not kernel:
         if out32 is not None and x.dtype == w.dtype == torch.float32 and x.dim() == 2 \
                 and out32.shape == (x.shape[0], w.shape[0]):
             return torch.mm(x, w.t(), out=out32)  # float32 rows: the GEMM writes them, no copy
