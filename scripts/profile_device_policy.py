@@ -20,8 +20,18 @@ import os
 import sys
 import time
 
-import numpy as np
-import torch
+# the arguments first: a bad one is refused before torch and the package are imported
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--module", help="also run Cache-Prior and PSR on this version of device_cache.py")
+parser.add_argument("--rounds", type=int, default=5)
+args = parser.parse_args()
+if args.rounds < 1:
+    parser.error(f"--rounds must be at least 1, got {args.rounds}")
+if args.module and not os.path.isfile(args.module):
+    parser.error(f"--module {args.module}: no such file (another version of specmoe/kernels/device_cache.py)")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine, beside this script
 from bench_device_cache import load_file  # noqa: E402
@@ -34,14 +44,6 @@ from specmoe.kernels import device_cache  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.routing import preset  # noqa: E402
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--module", help="also run Cache-Prior and PSR on this version of device_cache.py")
-parser.add_argument("--rounds", type=int, default=5)
-args = parser.parse_args()
-if args.rounds < 1:
-    parser.error(f"--rounds must be at least 1, got {args.rounds}")
-if args.module and not os.path.isfile(args.module):
-    parser.error(f"--module {args.module}: no such file (another version of specmoe/kernels/device_cache.py)")
 OUT = os.environ.get("OUT", "/tmp/prof")
 if not torch.cuda.is_available():
     raise SystemExit("profile_device_policy.py profiles CUDA graphs: it needs a CUDA device")
