@@ -156,7 +156,7 @@ model, adapter = load_model("olmoe-tiny", seed=0)
 model.set_experts_implementation("eager")
 drafter = build_drafter(DrafterConfig("synthetic", acceptance=0.6), model)
 prompt = np.random.default_rng(7).integers(4, adapter.vocab_size, 12).tolist()
-gen = lambda e: e.generate(prompt, 8, drafter=drafter, record=True)  # noqa
+gen = lambda e: e.generate(prompt, 5, drafter=drafter, record=True)  # noqa
 dev, host = engines(model, adapter, "acceptmoe", 4, 32, 8, 64, union_slots=10)  # the worst case: min(32, 5 x 8)
 assert dev.device_blocks() is None
 print("ok fits", same(run(dev, gen), run(host, gen)), dev.union_used, flush=True)
