@@ -21,7 +21,6 @@ For the target step (every expert resident, the engine's default) and for each k
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import itertools
 import sys
@@ -37,6 +36,7 @@ from bench_spec_engine import in_vocabulary  # noqa: E402
 from profile_engine import Transcript  # noqa: E402
 
 from specmoe.engines import Engine, EngineConfig, build_engine, kernel_timeline  # noqa: E402
+from specmoe.engines.kernel_timeline import kernel_table  # noqa: E402
 from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
@@ -44,26 +44,6 @@ from specmoe.records import AcceptanceProfile, synthetic_blocks  # noqa: E402
 from specmoe.routing import Calibration, preset  # noqa: E402
 from specmoe.speculation import SpeculativeConfig  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
-
-
-def kernel_table(prof, steps: int, rows: int = 20) -> tuple[str, float, float]:
-    """(a table of the profiled kernels by name: calls per step, ms per step as the profiler recorded them and as
-    they could run (`kernel_timeline.running`: under PDL a kernel's recorded span holds its wait for the kernel
-    before), µs per call as they ran; kernels per step; the GPU's busy ms per step, instants with a kernel running
-    counted once). Memory copies and memsets are left out."""
-    spans = kernel_timeline.profiled_spans(prof)
-    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for raw, ran in zip(spans, kernel_timeline.running(spans), strict=True):
-        entry = by_name[raw.name]
-        entry[0] += 1
-        entry[1] += raw.us
-        entry[2] += ran.us
-    order = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:rows]
-    lines = ["| kernel | calls per step | recorded ms per step | running ms per step | running µs per call |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {name[:70]} | {n / steps:.1f} | {raw / 1e3 / steps:.3f} | {ran / 1e3 / steps:.3f} | {ran / n:.1f} |"
-              for name, (n, raw, ran) in order]
-    return "\n".join(lines), len(spans) / steps, kernel_timeline.busy_us(spans) / 1e3 / steps
 
 
 def bytes_floor(selected, decoder, position: int, top_k: int, expert_bytes: int) -> dict:

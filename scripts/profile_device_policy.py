@@ -3,9 +3,10 @@ GPU), C = 32, routing following the olmoe-like source (4 windows of 96 tokens fr
 cache). Times, in 5 interleaved rounds (medians of the per-round means, ms per token), the token with every expert
 resident (the reference of issue 21's targets), the device policy with Cache-Prior, with PSR (part 1 of the next
 layer and its prefetch copies on a side stream, `DevicePolicy.branch`), and with PSR in line
-(`DevicePolicy.branch = False`), each with copies skipped and with copies; then a torch.profiler kernel table of 8
-tokens of each (copies skipped), and for Cache-Prior and PSR the GPU operations (name, stream, start, duration)
-as $OUT/kernels_NAME.json.gz, from which the cache step's time per launch and stream is read
+(`DevicePolicy.branch = False`), each with copies skipped and with copies; then the kernels of 8 tokens of each
+under torch's profiler (copies skipped; `kernel_timeline.kernel_table`, per token), and for Cache-Prior and PSR the
+GPU operations (name, stream, start, duration) as $OUT/kernels_NAME.json.gz, from which the GPU's busy time and the
+cache step's time per launch and stream are read, each operation from when it could run (`kernel_timeline.running`)
 (`_cache_step_kernel`: on the compute stream the routes, on the side stream PSR's part 1).
 `--module FILE` also runs Cache-Prior and PSR on another version of `specmoe/kernels/device_cache.py` (rows
 "cp_other", "psr_other"; e.g. the file before a change) in the same rounds and profiles, so that the two compare
@@ -40,6 +41,7 @@ from bench_engine import load_trace_windows, policies, randomize_caches, ratio_c
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.device_policy import DevicePolicy  # noqa: E402
 from specmoe.engines.helpers import random_model_on_device  # noqa: E402
+from specmoe.engines.kernel_timeline import KernelSpan, busy_us, kernel_table, running  # noqa: E402
 from specmoe.kernels import device_cache  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.routing import preset  # noqa: E402
@@ -112,8 +114,7 @@ for n in names[1:]:
         run(n, True)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             r = engine.teacher_forced(wins[0][:8], feed=feeds[0], first_position=2048)
-        table = prof.key_averages()
-        tables[n] = table.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+        tables[n] = kernel_table(prof, len(r.ms), 25)[0]
         print(f"== {n} ms {r.ms.mean():.3f}\n", tables[n], flush=True)
         if n in ("psr", "cp", "psr_other", "cp_other"):
             path = f"{OUT}/trace_{n}.json"
@@ -126,14 +127,15 @@ for n in names[1:]:
             with gzip.open(f"{OUT}/kernels_{n}.json.gz", "wt") as fh:
                 json.dump(ks, fh)
             os.remove(path)
-            ks.sort(key=lambda x: x[2])
-            busy = sum(k[3] for k in ks)
-            span = ks[-1][2] + ks[-1][3] - ks[0][2]
-            print(f"{n}: {len(ks)} GPU ops, busy {busy / 1e3:.2f} ms over a span of {span / 1e3:.2f} ms", flush=True)
+            # each op from when it could run (`kernel_timeline.running`: PDL's early starts wait inside the span)
+            ran = running([KernelSpan(name, ts, ts + dur) for name, _, ts, dur in ks])
+            span = max(op.end_us for op in ran) - min(op.start_us for op in ran)
+            print(f"{n}: {len(ks)} GPU ops, busy {busy_us(ran) / 1e3:.2f} ms over a span of {span / 1e3:.2f} ms",
+                  flush=True)
             steps: dict = {}  # the cache step's launches per stream (compute: routes; side: PSR's part 1)
-            for name, stream, _, dur in ks:
+            for (name, stream, _, _), op in zip(ks, ran, strict=True):
                 if name == "_cache_step_kernel":
-                    steps.setdefault(stream, []).append(dur)
+                    steps.setdefault(stream, []).append(op.us)
             for stream, durs in steps.items():
                 print(f"{n}: cache step on stream {stream}: {len(durs)} launches, median {np.median(durs):.1f} us, "
                       f"p10 {np.percentile(durs, 10):.1f}, p90 {np.percentile(durs, 90):.1f}", flush=True)

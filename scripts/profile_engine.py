@@ -1,7 +1,8 @@
 """Where a decode step's GPU time goes: the engine as `build_engine` makes it with default settings, every expert
 resident (one CUDA graph per token where the policy routes on the device), a named full-size config with seeded
-random weights on the GPU; ms/token over --tokens teacher-forced tokens at --position, then a torch.profiler table
-of the kernels of 16 tokens (their count per token and GPU time).
+random weights on the GPU; ms/token over --tokens teacher-forced tokens at --position, then the kernels of 16
+tokens under torch's profiler (`kernel_timeline.kernel_table`: their count per token, their time as recorded and as
+they could run, which programmatic dependent launch's early starts make differ, and the GPU's busy time).
 
     PYTHONPATH=. python3 scripts/profile_engine.py --model qwen3.6-35b-a3b [--out runs/profile.txt]
 
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench scripts be
 from specmoe.drafters import StaticARDrafter  # noqa: E402
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.helpers import random_model_on_device  # noqa: E402
+from specmoe.engines.kernel_timeline import kernel_table  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.routing import Calibration, preset  # noqa: E402
 
@@ -84,9 +86,10 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.teacher_forced(tokens[:16], first_position=args.position)
-    table = prof.key_averages()
-    say(f"kernels per token {sum(e.count for e in table) / 16:.1f}")
-    say(table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+        torch.cuda.synchronize()
+    text, per_token, busy = kernel_table(prof, 16, 30)
+    say(f"kernels per token {per_token:.1f}, GPU busy {busy:.3f} ms per token")
+    say(text)
     say.save(args.out)
 
 
@@ -123,9 +126,9 @@ def profile_drafter(args, say: Transcript, k: int = 16, blocks: int = 8) -> None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         drafter.propose(k)
         torch.cuda.synchronize()
-    table = prof.key_averages()
-    say(f"kernels per step {sum(e.count for e in table) / k:.1f}")
-    say(table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+    text, per_step, busy = kernel_table(prof, k, 30)
+    say(f"kernels per step {per_step:.1f}, GPU busy {busy:.3f} ms per step")
+    say(text)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ The parts are `DecodeResult.timeline`'s, so both paths print as one table; they 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import heapq
 from collections.abc import Iterable
@@ -138,6 +139,27 @@ def _owned(spans: list[KernelSpan]) -> dict[str, float]:
 def busy_us(spans: Iterable[KernelSpan]) -> float:
     """The time (µs) some kernel of `spans` runs, kernels at once counted once."""
     return sum(b - a for a, b in _merged((s.start_us, s.end_us) for s in spans))
+
+
+def kernel_table(prof, steps: int, rows: int = 20) -> tuple[str, float, float]:
+    """(a markdown table of the kernels of a `torch.profiler.profile` run over `steps` steps, by name: calls per
+    step, ms per step as the profiler recorded them and as they could run (`running`: under PDL a kernel's recorded
+    span holds its wait for the kernel before, which the profiler's own table counts), µs per call as they ran;
+    kernels per step; the GPU's busy ms per step, instants with a kernel running counted once). Memory copies and
+    memsets are left out (`profiled_spans`)."""
+    spans = profiled_spans(prof)
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for raw, ran in zip(spans, running(spans), strict=True):
+        entry = by_name[raw.name]
+        entry[0] += 1
+        entry[1] += raw.us
+        entry[2] += ran.us
+    order = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:rows]
+    lines = ["| kernel | calls per step | recorded ms per step | running ms per step | running µs per call |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {name[:70]} | {n / steps:.1f} | {raw / 1e3 / steps:.3f} | {ran / 1e3 / steps:.3f} | {ran / n:.1f} |"
+              for name, (n, raw, ran) in order]
+    return "\n".join(lines), len(spans) / steps, busy_us(spans) / 1e3 / steps
 
 
 def timeline(spans: Iterable[KernelSpan], blocks: int, step_ms: float, draft_ms: float = 0.0) -> dict:
