@@ -273,7 +273,8 @@ def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkey
 
     timelines = []
 
-    def timeline_pass(engine, blocks, first_position, draft_ms):
+    def timeline_pass(engine, blocks, first_position, draft_ms, results):
+        assert len(results) >= 1 and all(r.info["verify"] == "host" for r in results)  # main's plain pass
         timelines.append((owner(engine), draft_ms))
         return {**dict.fromkeys(bench_spec_engine.TIMELINE_PARTS, 0.5), "per_token": {"step": 0.25}, "verify": "host"}
 
@@ -461,7 +462,8 @@ def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys)
 def test_profile_blocks_kernel_table_counts_from_when_kernels_could_run():
     """profile_blocks.kernel_table on a profiler's record of two steps of a PDL chain (each kernel starts while the
     one before runs): per name, calls and ms per step as recorded and as they could run, busy time counted once;
-    memory copies left out."""
+    memory copies left out; the idle time before each (the 800 µs between the steps, before the second's first
+    kernel)."""
     from types import SimpleNamespace
 
     import profile_blocks
@@ -481,7 +483,8 @@ def test_profile_blocks_kernel_table_counts_from_when_kernels_could_run():
     assert per_step == 3 and busy == pytest.approx(0.2)
     rows = [line.split(" | ") for line in text.splitlines()[2:]]
     assert [r[0].strip("| ") for r in rows] == ["gemv", "norm"]
-    assert rows[0][1:] == ["2.0", "0.290", "0.170", "85.0 |"] and rows[1][1:] == ["1.0", "0.125", "0.030", "30.0 |"]
+    assert rows[0][1:] == ["2.0", "0.290", "0.170", "85.0", "200.0 |"]
+    assert rows[1][1:] == ["1.0", "0.125", "0.030", "30.0", "0.0 |"]
 
 
 def test_profile_blocks_bytes_floor_counts_each_distinct_expert_once():
@@ -559,7 +562,8 @@ def test_timeline_pass_on_the_cpu():
     calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
     engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=64),
                           speculative=SpeculativeConfig(selector_preset("acceptmoe"), k=3, pool_size=8))
-    line = bench_spec_engine.timeline_pass(engine, blocks, 4, draft_ms=2.0)
+    plain = engine.follow(blocks, first_position=4, draft_cost_s=2e-3)
+    line = bench_spec_engine.timeline_pass(engine, blocks, 4, draft_ms=2.0, results=plain)
     assert not engine.settings.instrument and line["verify"] == "host"
     assert line["draft"] == pytest.approx(2.0) and line["selection"] > 0
     parts = ("selection", "copy_issue", "copy_checks", "copy_wait", "compute")

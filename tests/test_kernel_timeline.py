@@ -61,6 +61,20 @@ def test_kernels_that_start_early_and_wait_count_from_when_they_can_run():
         [(0.0, 100.0), (100.0, 130.0), (130.0, 330.0), (330.0, 400.0)]
 
 
+def test_idle_before_finds_the_gaps_where_no_kernel_could_run():
+    """The GPU's idle time before each kernel, from when the kernels could run: none under a PDL chain or beside a
+    longer kernel, the launch gap after a kernel that takes no PDL, the host's time before the next step's first
+    kernel; in the order given."""
+    spans = [KernelSpan("gemv_kernel", 0.0, 100.0),
+             KernelSpan("_use_kernel", 5.0, 130.0),  # PDL: starts early, runs 100-130, no gap
+             KernelSpan("cublas_gemm", 138.0, 200.0),  # no PDL: launched 8 µs after the kernel before ended
+             KernelSpan("_expert_copy_kernel", 150.0, 180.0),  # beside the GEMM
+             KernelSpan("gemv_kernel", 600.0, 650.0)]  # the next step, after the host's 400 µs
+    gaps = kernel_timeline.idle_before(kernel_timeline.running(spans))
+    assert gaps == [0.0, 0.0, 8.0, 0.0, 400.0]
+    assert kernel_timeline.idle_before(list(reversed(spans[2:]))) == [400.0, 0.0, 0.0]
+
+
 def test_timeline_refuses_empty_input():
     with pytest.raises(ValueError, match="at least one block"):
         timeline([KernelSpan("gemm", 0.0, 1.0)], blocks=0, step_ms=1.0)

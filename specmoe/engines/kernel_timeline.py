@@ -141,24 +141,45 @@ def busy_us(spans: Iterable[KernelSpan]) -> float:
     return sum(b - a for a, b in _merged((s.start_us, s.end_us) for s in spans))
 
 
+def idle_before(spans: Iterable[KernelSpan]) -> list[float]:
+    """Per span (in the order given), the GPU's idle time (µs) just before it could run: from the latest end of the
+    kernels that could run before it to its start, 0 where one still ran. Give it `running`'s spans (the recorded
+    ones hold PDL's waits). The gap before a step's first kernel holds the host's time between steps (a block's
+    acceptance and the next block's input, the graph's launch); gaps inside a step are launch gaps (a kernel that
+    cannot start early because the one before takes no PDL, or is not in the graph)."""
+    spans = list(spans)
+    out = [0.0] * len(spans)
+    latest = None
+    for i in sorted(range(len(spans)), key=lambda i: (spans[i].start_us, spans[i].end_us)):
+        s = spans[i]
+        if latest is not None:
+            out[i] = max(0.0, s.start_us - latest)
+        latest = s.end_us if latest is None else max(latest, s.end_us)
+    return out
+
+
 def kernel_table(prof, steps: int, rows: int = 20) -> tuple[str, float, float]:
     """(a markdown table of the kernels of a `torch.profiler.profile` run over `steps` steps, by name: calls per
     step, ms per step as the profiler recorded them and as they could run (`running`: under PDL a kernel's recorded
-    span holds its wait for the kernel before, which the profiler's own table counts), µs per call as they ran;
-    kernels per step; the GPU's busy ms per step, instants with a kernel running counted once). Memory copies and
-    memsets are left out (`profiled_spans`)."""
+    span holds its wait for the kernel before, which the profiler's own table counts), µs per call as they ran, the
+    GPU's idle µs per call just before them (`idle_before`: where a step's idle time is); kernels per step; the
+    GPU's busy ms per step, instants with a kernel running counted once). Memory copies and memsets are left out
+    (`profiled_spans`)."""
     spans = profiled_spans(prof)
-    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for raw, ran in zip(spans, running(spans), strict=True):
+    ran = running(spans)
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for raw, r, gap in zip(spans, ran, idle_before(ran), strict=True):
         entry = by_name[raw.name]
         entry[0] += 1
         entry[1] += raw.us
-        entry[2] += ran.us
-    order = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:rows]
-    lines = ["| kernel | calls per step | recorded ms per step | running ms per step | running µs per call |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {name[:70]} | {n / steps:.1f} | {raw / 1e3 / steps:.3f} | {ran / 1e3 / steps:.3f} | {ran / n:.1f} |"
-              for name, (n, raw, ran) in order]
+        entry[2] += r.us
+        entry[3] += gap
+    order = sorted(by_name.items(), key=lambda kv: -(kv[1][2] + kv[1][3]))[:rows]  # its share of the step
+    lines = ["| kernel | calls per step | recorded ms per step | running ms per step | running µs per call "
+             "| idle µs before, per call |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {name[:70]} | {n / steps:.1f} | {raw / 1e3 / steps:.3f} | {r / 1e3 / steps:.3f} | {r / n:.1f} "
+              f"| {gap / n:.1f} |" for name, (n, raw, r, gap) in order]
     return "\n".join(lines), len(spans) / steps, busy_us(spans) / 1e3 / steps
 
 
