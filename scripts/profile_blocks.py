@@ -21,6 +21,7 @@ For the target step (every expert resident, the engine's default) and for each k
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import itertools
 import sys
@@ -60,6 +61,37 @@ def bytes_floor(selected, decoder, position: int, top_k: int, expert_bytes: int)
     return {"distinct": distinct, "block": block, "step": step, "ratio": block / step}
 
 
+def launch_split(engine, blocks, position: int) -> dict:
+    """A pass over `blocks` on the device path with its one launch per block timed (ms per block): the wall time
+    per block (the engine's), the graph's span on the GPU (CUDA events around the replay), and the host's part:
+    the `replay()` call, the wait after it, and the rest (the engine's acceptance and the next block's input)."""
+    from specmoe.engines import device_blocks
+
+    plain, times = device_blocks.launch, collections.defaultdict(list)
+
+    def timed(path):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(path.stream)
+        t0 = time.perf_counter()
+        device_blocks.captured(path).replay()
+        t1 = time.perf_counter()
+        after.record(path.stream)
+        after.synchronize()
+        times["replay"].append(t1 - t0)
+        times["wait"].append(time.perf_counter() - t1)
+        times["events"].append((before, after))
+
+    device_blocks.launch = timed
+    try:
+        results = engine.follow(blocks, first_position=position)
+    finally:
+        device_blocks.launch = plain
+    wall = float(np.concatenate([x.ms for x in results]).mean())
+    gpu = float(np.mean([a.elapsed_time(b) for a, b in times["events"]]))
+    replay, wait = 1e3 * float(np.mean(times["replay"])), 1e3 * float(np.mean(times["wait"]))
+    return {"wall": wall, "gpu": gpu, "replay": replay, "wait": wait, "rest": wall - replay - wait}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="olmoe-1b-7b")
@@ -97,19 +129,16 @@ def main(argv=None) -> None:
     say(f"{args.model}: set up in {time.time() - t0:.0f} s; HBM copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
         f"kernels {target.kernels}")
 
+    # Every wall time first, every profiler pass after: once torch's profiler has recorded CUDA activity, CUPTI
+    # stays attached to the process and each later graph launch costs about 0.6 µs per node on the host (a
+    # block's 268 nodes: ~0.17 ms, in the block's time), so a time measured after a profiled pass is not the
+    # engine's.
     tokens = np.random.default_rng(1).integers(0, V, 48)
     for _ in range(2):
         r = target.teacher_forced(tokens, first_position=args.position)
     step_ms = float(r.ms[r.timed].mean())
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        target.teacher_forced(tokens[:16], first_position=args.position)
-        torch.cuda.synchronize()
-    text, per_step, busy = kernel_table(prof, 16, 12)
-    say(f"\n## target step (every expert resident, routing {r.info['routing']}): {step_ms:.3f} ms; "
-        f"{per_step:.0f} kernels, GPU busy {busy:.3f} ms per step")
-    say(text)
-
     fingerprint = adapter_for(model.config).fingerprint(model)
+    runs = []
     for k, path in itertools.product(args.k, args.paths):
         blocks = in_vocabulary(synthetic_blocks(trace, k, AcceptanceProfile.for_tau(args.tau, k), seed=0,
                                                 max_blocks=args.blocks, blocks_per_request=max(1, args.blocks // 4)), V)
@@ -120,6 +149,18 @@ def main(argv=None) -> None:
         engine.configure(skip_copies=True)
         for _ in range(2):  # the first pass warms up
             results = engine.follow(blocks, first_position=args.position, record=True)
+        device = results[0].info["verify"] == "device"
+        runs.append((k, blocks, engine, results, launch_split(engine, blocks, args.position) if device else None))
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        target.teacher_forced(tokens[:16], first_position=args.position)
+        torch.cuda.synchronize()
+    text, per_step, busy = kernel_table(prof, 16, 12)
+    say(f"\n## target step (every expert resident, routing {r.info['routing']}): {step_ms:.3f} ms; "
+        f"{per_step:.0f} kernels, GPU busy {busy:.3f} ms per step")
+    say(text)
+
+    for k, blocks, engine, results, split in runs:
         block_ms = float(np.concatenate([x.ms[x.timed] for x in results]).mean())
         n_blocks = sum(int(x.timed.sum()) for x in results)
         selected = [s for x in results for s in x.block_selected]  # [D, L, K] per block
@@ -137,6 +178,12 @@ def main(argv=None) -> None:
             f"path {results[0].info['verify']})")
         say(f"block {block_ms:.3f} ms = {block_ms / step_ms:.2f} target steps; GPU busy {busy:.3f} ms, kernels "
             f"{per_block:.0f} per block; host parts " + ", ".join(f"{p} {v:.3f}" for p, v in timeline.items()) + " ms")
+        if split is not None:
+            say(f"launch split, ms per block: wall {split['wall']:.3f} = GPU {split['gpu']:.3f} (from an event "
+                f"before the graph's launch to one after it: the launch's latency, the graph's kernels and copies) + "
+                f"host {split['wall'] - split['gpu']:.3f}; of the host: replay() {split['replay']:.3f}, waiting "
+                f"after it {split['wait']:.3f} (GPU still running), the rest {split['rest']:.3f} (acceptance, the "
+                f"next block's input)")
         say(f"distinct experts per layer {distinct:.1f} of {E}: {distinct * store.expert_bytes * L / 1e9:.2f} GB "
             f"per block, floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s")
         block_floor, step_floor = floors["block"], floors["step"]
