@@ -9,11 +9,17 @@ For the target step (every expert resident, the engine's default) and for each k
   copy bandwidth: the MoE's floor; the bytes a block and a target step read in all (`Decoder.bytes_per_token`
   plus the routed experts) and their ratio: the block's cost in target steps at equal efficiency, a floor for a
   target ratio such as issue 21's 1.8 on this routing source, and each one's efficiency (floor / measured);
-- a torch.profiler table of the GPU operations of a pass over the blocks (count per block and GPU time), and the
+- on the device path, the block's wall time split: the graph's `replay()` call, the GPU's span (an event before the
+  launch to one after), the host's other work (acceptance, the next block's input);
+- a torch.profiler table of the GPU operations of a pass over the blocks (`kernel_timeline.kernel_table`: count
+  per block, GPU time as recorded and as each kernel could run, the GPU's idle time just before each), and the
   kernels' GPU time per block (memory copies left out: with copies skipped those are the requests' warm-pool
   loads, outside the blocks); on the device path the block's timeline from the same pass
   (`specmoe.engines.kernel_timeline`: selection, compute, in-line copies (the refill's moves are skipped too),
   idle and host, in ms and target steps).
+
+Every wall time is taken before the first profiled pass: torch's profiler leaves CUPTI attached to the process,
+and graph launches after it cost more on the host.
 
     PYTHONPATH=. python3 scripts/profile_blocks.py [--out runs/profile_blocks.txt]
 """
@@ -130,9 +136,9 @@ def main(argv=None) -> None:
         f"kernels {target.kernels}")
 
     # Every wall time first, every profiler pass after: once torch's profiler has recorded CUDA activity, CUPTI
-    # stays attached to the process and each later graph launch costs about 0.6 µs per node on the host (a
-    # block's 268 nodes: ~0.17 ms, in the block's time), so a time measured after a profiled pass is not the
-    # engine's.
+    # stays attached to the process and each later graph launch costs more on the host (a full-size OLMoE block's
+    # replay() on the H200: 0.19 ms after, 0.04 ms before; BENCHMARKS.md), so a time measured after a profiled
+    # pass is not the engine's.
     tokens = np.random.default_rng(1).integers(0, V, 48)
     for _ in range(2):
         r = target.teacher_forced(tokens, first_position=args.position)

@@ -447,6 +447,20 @@ def test_profile_device_policy_refuses_bad_arguments(tmp_path):
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+def test_graph_launch_check_refuses_a_machine_without_cuda():
+    """scripts/graph_launch_check.py names what it needs on a machine without CUDA (and takes --help there)."""
+    import subprocess
+
+    import torch
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "graph_launch_check.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "profiled pass" in done.stdout, done.stderr
+    if not torch.cuda.is_available():
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+        assert done.returncode == 1 and "needs a CUDA device" in done.stderr, done.stderr
+
+
 def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys):
     import profile_blocks
     import pytest

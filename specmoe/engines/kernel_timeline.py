@@ -5,9 +5,11 @@ The host path times each layer's host step and the GPU's gaps around it (`RunSet
 timeline comes from the GPU's own record of the kernels it ran: a pass over the blocks under torch's profiler
 (CUPTI records every kernel of a replayed graph with its start and end), each kernel classed by name
 (`KERNEL_PARTS`), summed per class and divided by the blocks. The block's wall time comes from a pass without the
-profiler (`timeline`'s step_ms), so the profiler's overhead is not charged to any part. Streams are not used: a
-graph with branches runs its kernels on streams of the driver's choosing (a block's kernels showed up on 17), so
-what ran beside what is read from the times alone.
+profiler (`timeline`'s step_ms), so the profiler's overhead is not charged to any part; that pass must run before
+any profiled one in the process: torch's profiler leaves CUPTI attached, and every later graph launch costs more on
+the host (a full-size OLMoE block's launch on the H200: 0.19 ms after a profiled pass, 0.04 ms before). Streams
+are not used: a graph with branches runs its kernels on streams of the driver's choosing (a block's kernels showed
+up on 17), so what ran beside what is read from the times alone.
 
 Under programmatic dependent launch (`kernels.pdl`, on by default on Hopper) a kernel starts while the one before
 it runs and waits for it, and the profiler's record of the kernel holds that wait: summed, the spans count the
