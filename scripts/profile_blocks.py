@@ -10,7 +10,8 @@ For the target step (every expert resident, the engine's default) and for each k
   plus the routed experts) and their ratio: the block's cost in target steps at equal efficiency, a floor for a
   target ratio such as issue 21's 1.8 on this routing source, and each one's efficiency (floor / measured);
 - on the device path, the block's wall time split: the graph's `replay()` call, the GPU's span (an event before the
-  launch to one after), the host's other work (acceptance, the next block's input);
+  launch to one after), the host's other work (acceptance, the next block's input); and the host functions with the
+  most time of their own over a pass under cProfile (`host_profile`);
 - a torch.profiler table of the GPU operations of a pass over the blocks (`kernel_timeline.kernel_table`: count
   per block, GPU time as recorded and as each kernel could run, the GPU's idle time just before each), and the
   kernels' GPU time per block (memory copies left out: with copies skipped those are the requests' warm-pool
@@ -65,6 +66,27 @@ def bytes_floor(selected, decoder, position: int, top_k: int, expert_bytes: int)
     block = dense + distinct * num_layers * expert_bytes
     step = dense + top_k * num_layers * expert_bytes
     return {"distinct": distinct, "block": block, "step": step, "ratio": block / step}
+
+
+def host_profile(engine, blocks, position: int, rows: int = 12) -> str:
+    """The host's side of a pass over `blocks` under cProfile (which slows Python code down: the times are for
+    ranking, not adding up to the launch split's): a markdown table of the functions with the most time of
+    their own, per block: calls, µs of their own, µs with what they call."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    results = engine.follow(blocks, first_position=position)
+    profiler.disable()
+    n = sum(len(x.ms) for x in results)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, ...)}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:rows]
+    lines = ["| function | calls per block | own µs per block | cumulative µs per block |", "|---|---|---|---|"]
+    for (file, line, name), (_, calls, own, cumulative, _) in top:
+        where = f"{Path(file).name}:{line} {name}" if line else name
+        lines.append(f"| {where[:70]} | {calls / n:.1f} | {own / n * 1e6:.1f} | {cumulative / n * 1e6:.1f} |")
+    return "\n".join(lines)
 
 
 def launch_split(engine, blocks, position: int) -> dict:
@@ -156,7 +178,9 @@ def main(argv=None) -> None:
         for _ in range(2):  # the first pass warms up
             results = engine.follow(blocks, first_position=args.position, record=True)
         device = results[0].info["verify"] == "device"
-        runs.append((k, blocks, engine, results, launch_split(engine, blocks, args.position) if device else None))
+        split = launch_split(engine, blocks, args.position) if device else None
+        host_table = host_profile(engine, blocks, args.position) if device else None
+        runs.append((k, blocks, engine, results, split, host_table))
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         target.teacher_forced(tokens[:16], first_position=args.position)
@@ -166,7 +190,7 @@ def main(argv=None) -> None:
         f"{per_step:.0f} kernels, GPU busy {busy:.3f} ms per step")
     say(text)
 
-    for k, blocks, engine, results, split in runs:
+    for k, blocks, engine, results, split, host_table in runs:
         block_ms = float(np.concatenate([x.ms[x.timed] for x in results]).mean())
         n_blocks = sum(int(x.timed.sum()) for x in results)
         selected = [s for x in results for s in x.block_selected]  # [D, L, K] per block
@@ -185,6 +209,7 @@ def main(argv=None) -> None:
         say(f"block {block_ms:.3f} ms = {block_ms / step_ms:.2f} target steps; GPU busy {busy:.3f} ms, kernels "
             f"{per_block:.0f} per block; host parts " + ", ".join(f"{p} {v:.3f}" for p, v in timeline.items()) + " ms")
         if split is not None:
+            say("host functions over a pass (cProfile):\n" + host_table)
             say(f"launch split, ms per block: wall {split['wall']:.3f} = GPU {split['gpu']:.3f} (from an event "
                 f"before the graph's launch to one after it: the launch's latency, the graph's kernels and copies) + "
                 f"host {split['wall'] - split['gpu']:.3f}; of the host: replay() {split['replay']:.3f}, waiting "

@@ -501,6 +501,41 @@ def test_profile_blocks_kernel_table_counts_from_when_kernels_could_run():
     assert rows[1][1:] == ["1.0", "0.125", "0.030", "30.0", "0.0 |"]
 
 
+def test_profile_blocks_host_profile_ranks_the_host_functions_of_a_pass():
+    """profile_blocks.host_profile on a real engine (olmoe-tiny on the CPU, the host block path, synthetic blocks):
+    a markdown table of the functions with the most time of their own, per block: the engine's `_verify` runs
+    once per block and holds at least the own time of everything it calls."""
+    import dataclasses
+
+    import profile_blocks
+
+    from specmoe.engines import EngineConfig, build_engine
+    from specmoe.models import load_model
+    from specmoe.records import AcceptanceProfile, synthetic_blocks
+    from specmoe.records.synthetic import SOURCES, synthetic_trace
+    from specmoe.routing import Calibration
+    from specmoe.speculation import SpeculativeConfig
+    from specmoe.verifiers import selector_preset
+
+    model, adapter = load_model("olmoe-tiny", seed=0)
+    trace = synthetic_trace(SOURCES["olmoe-like"].replace(num_layers=adapter.num_moe_layers), tokens=64, seed=1)
+    blocks = synthetic_blocks(trace, 3, AcceptanceProfile.geometric(0.6), seed=2, max_blocks=6)
+    blocks = dataclasses.replace(blocks, tokens=blocks.tokens % adapter.vocab_size)
+    calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
+    engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=64),
+                          speculative=SpeculativeConfig(selector_preset("acceptmoe"), k=3, pool_size=8))
+    text = profile_blocks.host_profile(engine, blocks, 4, rows=200)
+    lines = text.splitlines()
+    assert lines[0] == "| function | calls per block | own µs per block | cumulative µs per block |"
+    rows = [line.strip("| ").split(" | ") for line in lines[2:]]
+    own = [float(r[2]) for r in rows]
+    assert own == sorted(own, reverse=True) and own[0] > 0
+    verify = [r for r in rows if r[0].startswith("speculative.py:") and r[0].endswith(" _verify")]
+    assert len(verify) == 1 and float(verify[0][1]) == 1.0, rows[:5]
+    assert float(verify[0][3]) >= float(verify[0][2]) > 0
+    assert len(profile_blocks.host_profile(engine, blocks, 4).splitlines()) == 2 + 12
+
+
 def test_profile_blocks_bytes_floor_counts_each_distinct_expert_once():
     """profile_blocks.bytes_floor on a real decoder (olmoe-tiny on the CPU) and hand-made selections: the distinct
     experts per layer averaged over layers and blocks, the dense bytes from `Decoder.bytes_per_token`, the block
