@@ -115,7 +115,8 @@ for n in names[1:]:
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             r = engine.teacher_forced(wins[0][:8], feed=feeds[0], first_position=2048)
         tables[n] = kernel_table(prof, len(r.ms), 25)[0]
-        print(f"== {n} ms {r.ms.mean():.3f}\n", tables[n], flush=True)
+        print(f"== {n} (ms per token under the profiler, not the rounds' time: {r.ms.mean():.3f})\n", tables[n],
+              flush=True)
         if n in ("psr", "cp", "psr_other", "cp_other"):
             path = f"{OUT}/trace_{n}.json"
             prof.export_chrome_trace(path)
