@@ -225,9 +225,9 @@ class DeviceBlocks:
             raise ValueError(f"verification block at position {root}: layer {int(over[0])} misses more than the "
                              f"U={self.router.union_slots} union slots' worth of experts in block "
                              f"{self.block_number}; make the pool with more union_slots")
-        displaced = np.zeros(step.num_positions)
-        for row in self.displaced_host.numpy():  # layer by layer, as `BlockRouter.route` adds them
-            displaced += row
+        # layer by layer, as `BlockRouter.route` adds them: accumulate's running sum is that order by definition
+        # (a sum over axis 0 need not be: NumPy may pair the rows), and 0 + the first row is the first row
+        displaced = np.add.accumulate(self.displaced_host.numpy(), axis=0)[-1]
         return step.next_np.tolist(), displaced, self.selections_host.numpy().transpose(1, 0, 2)
 
     def end_step(self, accepted: int) -> None:
