@@ -512,24 +512,26 @@ def main(argv=None) -> int:
         save()
 
     if args.timeline:  # after the rounds, not part of them: each configuration on its own block path
-        report["timeline"], plain = {}, {}
+        def attempt(key, run, *run_args, **run_kwargs):  # a failed configuration is reported, the others go on
+            try:
+                return run(*run_args, **run_kwargs)
+            except Exception as exc:
+                report["errors"].append(f"{key} timeline: {exc!r}\n{traceback.format_exc()[-1500:]}")
+                return None
+
         keys = [(key, engines[(trace_of[source], k, name, budget, path)], per_selector[name][0])
                 for source, (k, per_selector, _) in sources.items()
                 for name, budget, path, key in sd_keys(source, per_selector, args.prefetch, args.block_paths)]
-        for key, engine, blocks in keys:  # every plain pass before the first profiled one (timeline_pass)
-            try:
-                plain[key] = engine.follow(blocks, first_position=args.first_position,
-                                           draft_cost_s=args.draft_ms / 1e3)
-            except Exception as exc:
-                report["errors"].append(f"{key} timeline: {exc!r}\n{traceback.format_exc()[-1500:]}")
+        plain = {key: attempt(key, engine.follow, blocks, first_position=args.first_position,
+                              draft_cost_s=args.draft_ms / 1e3)
+                 for key, engine, blocks in keys}  # every plain pass before the first profiled one (timeline_pass)
+        report["timeline"] = {}
         for key, engine, blocks in keys:
-            if key not in plain:
+            if plain[key] is None:  # its plain pass failed (reported)
                 continue
-            try:
-                report["timeline"][key] = timeline_pass(engine, blocks, args.first_position, args.draft_ms,
-                                                        plain[key])
-            except Exception as exc:
-                report["errors"].append(f"{key} timeline: {exc!r}\n{traceback.format_exc()[-1500:]}")
+            line = attempt(key, timeline_pass, engine, blocks, args.first_position, args.draft_ms, plain[key])
+            if line is not None:
+                report["timeline"][key] = line
         save()
     report["total_s"] = time.time() - t0  # the table and markdown are the last round's
     save()

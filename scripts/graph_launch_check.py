@@ -25,13 +25,11 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine, bench_spec_engine beside it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from bench_engine import read_tiled  # noqa: E402
-from bench_spec_engine import in_vocabulary  # noqa: E402
+from profile_blocks import block_engine, tau_blocks  # noqa: E402
 
-from specmoe.engines import Engine, EngineConfig  # noqa: E402
+from specmoe.engines import EngineConfig  # noqa: E402
 from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
-from specmoe.models import adapter_for, decoder_for  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
-from specmoe.records import AcceptanceProfile, synthetic_blocks  # noqa: E402
 from specmoe.speculation import SpeculativeConfig  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
 
@@ -42,13 +40,9 @@ free_routed_experts(model)
 L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
 unit = ExpertResidency(store, E, "cuda")
 trace, calibration = read_tiled("olmoe-like:tokens=8192,skew=1", "olmoe-like:skew=1", L, E, K)
-cfg = EngineConfig(max_seq_len=4096, block_device="auto")
-blocks = in_vocabulary(synthetic_blocks(trace, 16, AcceptanceProfile.for_tau(5.0, 16), seed=0, max_blocks=8,
-                                        blocks_per_request=2), V)
-engine = Engine(decoder_for(model.config).from_model(model, 4096), unit, None, calibration, cfg,
-                fingerprint=adapter_for(model.config).fingerprint(model),
-                speculative=SpeculativeConfig(selector_preset("acceptmoe"), k=16, pool_size=32))
-engine.configure(skip_copies=True)
+blocks = tau_blocks(trace, 16, 5.0, 8, V)
+engine = block_engine(model, unit, calibration, EngineConfig(max_seq_len=4096),
+                      SpeculativeConfig(selector_preset("acceptmoe"), k=16, pool_size=32), "device")
 engine.follow(blocks, first_position=2048)
 dev = next(iter(engine._device_blocks.values()))
 dec, step, pool, e = dev.decoder, dev.step, dev.pool, dev.num_experts

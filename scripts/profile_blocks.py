@@ -68,6 +68,23 @@ def bytes_floor(selected, decoder, position: int, top_k: int, expert_bytes: int)
     return {"distinct": distinct, "block": block, "step": step, "ratio": block / step}
 
 
+def tau_blocks(trace, k: int, tau: float, count: int, vocab_size: int):
+    """`count` synthetic blocks of k drafts at tau over `trace` (4 requests of count / 4 blocks), tokens wrapped
+    into the target's vocabulary."""
+    return in_vocabulary(synthetic_blocks(trace, k, AcceptanceProfile.for_tau(tau, k), seed=0, max_blocks=count,
+                                          blocks_per_request=max(1, count // 4)), vocab_size)
+
+
+def block_engine(model, unit, calibration, config: EngineConfig, speculative: SpeculativeConfig, path: str) -> Engine:
+    """An engine verifying blocks of `speculative` on block path `path` ("device": `block_device` auto, the
+    default; "host": off) over the shared expert unit, copies skipped (compute only)."""
+    engine = Engine(decoder_for(model.config).from_model(model, config.max_seq_len), unit, None, calibration,
+                    dataclasses.replace(config, block_device="auto" if path == "device" else "off"),
+                    fingerprint=adapter_for(model.config).fingerprint(model), speculative=speculative)
+    engine.configure(skip_copies=True)
+    return engine
+
+
 def host_profile(engine, blocks, position: int, rows: int = 12) -> str:
     """The host's side of a pass over `blocks` under cProfile (which slows Python code down: the times are for
     ranking, not adding up to the launch split's): a markdown table of the functions with the most time of
@@ -92,12 +109,16 @@ def host_profile(engine, blocks, position: int, rows: int = 12) -> str:
 def launch_split(engine, blocks, position: int) -> dict:
     """A pass over `blocks` on the device path with its one launch per block timed (ms per block): the wall time
     per block (the engine's), the graph's span on the GPU (CUDA events around the replay), and the host's part:
-    the `replay()` call, the wait after it, and the rest (the engine's acceptance and the next block's input)."""
+    the `replay()` call, the wait after it, and the rest (the engine's acceptance and the next block's input).
+    None where the blocks do not run as one captured graph holding its copy-out (`device_policy.launch`'s other
+    forms, run as they are)."""
     from specmoe.engines import device_blocks
 
     plain, times = device_blocks.launch, collections.defaultdict(list)
 
     def timed(path):
+        if not (path.use_graphs and path.copy_in_graph):
+            return plain(path)
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record(path.stream)
         t0 = time.perf_counter()
@@ -114,6 +135,8 @@ def launch_split(engine, blocks, position: int) -> dict:
         results = engine.follow(blocks, first_position=position)
     finally:
         device_blocks.launch = plain
+    if not times["events"]:
+        return None
     wall = float(np.concatenate([x.ms for x in results]).mean())
     gpu = float(np.mean([a.elapsed_time(b) for a, b in times["events"]]))
     replay, wait = 1e3 * float(np.mean(times["replay"])), 1e3 * float(np.mean(times["wait"]))
@@ -165,20 +188,15 @@ def main(argv=None) -> None:
     for _ in range(2):
         r = target.teacher_forced(tokens, first_position=args.position)
     step_ms = float(r.ms[r.timed].mean())
-    fingerprint = adapter_for(model.config).fingerprint(model)
     runs = []
     for k, path in itertools.product(args.k, args.paths):
-        blocks = in_vocabulary(synthetic_blocks(trace, k, AcceptanceProfile.for_tau(args.tau, k), seed=0,
-                                                max_blocks=args.blocks, blocks_per_request=max(1, args.blocks // 4)), V)
-        config = SpeculativeConfig(selector_preset(args.selector), k=k, pool_size=args.pool)
-        engine = Engine(decoder_for(model.config).from_model(model, args.max_seq_len), unit, None, calibration,
-                        dataclasses.replace(cfg, block_device="auto" if path == "device" else "off"),
-                        fingerprint=fingerprint, speculative=config)
-        engine.configure(skip_copies=True)
+        blocks = tau_blocks(trace, k, args.tau, args.blocks, V)
+        engine = block_engine(model, unit, calibration, cfg,
+                              SpeculativeConfig(selector_preset(args.selector), k=k, pool_size=args.pool), path)
         for _ in range(2):  # the first pass warms up
             results = engine.follow(blocks, first_position=args.position, record=True)
         device = results[0].info["verify"] == "device"
-        split = launch_split(engine, blocks, args.position) if device else None
+        split = launch_split(engine, blocks, args.position) if device else None  # None: no single graph
         host_table = host_profile(engine, blocks, args.position) if device else None
         runs.append((k, blocks, engine, results, split, host_table))
 
