@@ -20,10 +20,16 @@ args = ap.parse_args()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():
-    raise SystemExit("graph_launch_check.py times CUDA graph launches: it needs a CUDA device")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine, bench_spec_engine beside it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from specmoe.models import ModelSourceError, named_config  # noqa: E402
+
+try:
+    named_config(args.model)
+except ModelSourceError as exc:
+    ap.error(str(exc))
+if not torch.cuda.is_available():
+    raise SystemExit("graph_launch_check.py times CUDA graph launches: it needs a CUDA device")
 from bench_engine import read_tiled  # noqa: E402
 from profile_blocks import block_engine, tau_blocks  # noqa: E402
 

@@ -448,7 +448,8 @@ def test_profile_device_policy_refuses_bad_arguments(tmp_path):
 
 
 def test_graph_launch_check_refuses_a_machine_without_cuda():
-    """scripts/graph_launch_check.py names what it needs on a machine without CUDA (and takes --help there)."""
+    """scripts/graph_launch_check.py refuses an unknown model by name and names what it needs on a machine without
+    CUDA (and takes --help there)."""
     import subprocess
 
     import torch
@@ -456,6 +457,8 @@ def test_graph_launch_check_refuses_a_machine_without_cuda():
     script = Path(__file__).resolve().parents[1] / "scripts" / "graph_launch_check.py"
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "profiled pass" in done.stdout, done.stderr
+    done = subprocess.run([sys.executable, str(script), "no-such-model"], capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown named config 'no-such-model'" in done.stderr, done.stderr
     if not torch.cuda.is_available():
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
         assert done.returncode == 1 and "needs a CUDA device" in done.stderr, done.stderr
