@@ -15,7 +15,7 @@ read (distinct slots x 3 * H * I * 2 bytes) and what the per-position loop reads
 both paths in µs, the speed-up, and the achieved GB/s of each over the distinct bytes (and over the loop's
 own bytes), next to the device bandwidth measured here (a 1 GiB device-to-device copy, read + write bytes over
 time). `--check` first compares the grouped kernel with the torch reference and the per-token kernel;
-`--tune` also times each of `GROUPED_CANDIDATES`.
+`--tune` also times each of `GATE_UP_CANDIDATES` and `DOWN_CANDIDATES` (the other kernel at its defaults).
 
     PYTHONPATH=. python3 scripts/bench_grouped_moe.py --out runs/grouped_moe.json [--check] [--tune]
 """
@@ -144,7 +144,10 @@ def run(args, report) -> None:
                 print(f"D={d} a={a} failed: {exc!r}", flush=True)
             report["rows"].append(row)
             if args.tune and time.monotonic() - start < args.budget_s:
-                for idx, cand in enumerate(gm.GROUPED_CANDIDATES):
+                # each kernel's candidates with the other kernel's defaults (the tuner chooses the two apart)
+                tried = [(f"gate_up {i}", c) for i, c in enumerate(gm.GATE_UP_CANDIDATES)] + \
+                    [(f"down {i}", c) for i, c in enumerate(gm.DOWN_CANDIDATES)]
+                for idx, cand in tried:
                     try:
                         timer = GraphTimer([lambda i=i: gm.slot_moe_grouped_triton(
                             xs[i], res[i], bufs[i], routes[i], outs[i], HIDDEN, INTER, ws[i], cand)
@@ -166,10 +169,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the report as JSON here")
     ap.add_argument("--check", action="store_true", help="compare with the torch reference and the per-token kernel")
-    ap.add_argument("--tune", action="store_true", help="also time each of GROUPED_CANDIDATES")
+    ap.add_argument("--tune", action="store_true", help="also time each gate/up and down candidate")
     ap.add_argument("--positions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 9, 17])
-    ap.add_argument("--zipf", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.2],
-                    help="popularity exponents a of the routes (0: uniform)")
+    ap.add_argument("--zipf", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.2, 3.0],
+                    help="popularity exponents a of the routes (0: uniform; 3: the tuner's, a trained model's blocks)")
     ap.add_argument("--layers", type=int, default=16, help="layer slot buffers rotated through in one graph")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip further candidates after this many seconds")

@@ -86,6 +86,69 @@ def test_kernels_compile_for_the_gpu_with_and_without_late_slots():
     assert len(waits) == 4  # the late phase waited once per call
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_every_tuning_candidate_compiles_for_the_gpu():
+    """Each of GATE_UP_CANDIDATES and DOWN_CANDIDATES (the tuner's choices, `tune_grouped_moe`) goes through
+    Triton's front end for an H200 at D = 17 in bf16 (a candidate that did not would only be skipped by the tuner,
+    silently); each launch carries its kernel's own warps and stages."""
+    from specmoe.kernels import grouped_moe as gm
+    from specmoe.kernels.checks import compile_launches
+
+    h, inter, k, slots, d = 256, 128, 2, 8, 17
+    x = torch.zeros(d, h, dtype=torch.bfloat16)
+    route = torch.zeros(d, 2 * k, dtype=torch.int32)
+    buf = torch.zeros(slots, 3 * h * inter, dtype=torch.bfloat16)
+    ws = make_grouped_workspace(d, k, h, inter, torch.bfloat16, "cpu")
+    with compile_launches() as compiled:
+        for cand in gm.GATE_UP_CANDIDATES:
+            gm._launch_gate_up(x, buf, route, ws, 0, slots, grouped_params(d, cand))
+        for cand in gm.DOWN_CANDIDATES:
+            gm._launch_down(buf, route, ws, 0, slots, grouped_params(d, cand))
+    tiles = [(name, c["BLOCK_N"] if "BLOCK_N" in c else c["BLOCK_H"], c["BLOCK_K"]) for name, c in compiled]
+    assert tiles == [("_grouped_gate_up_kernel", c["block_n"], c["block_k"]) for c in gm.GATE_UP_CANDIDATES] + \
+        [("_grouped_down_kernel", c["block_h"], c["block_k2"]) for c in gm.DOWN_CANDIDATES]
+
+
+def test_tuner_picks_gate_up_and_down_apart(monkeypatch):
+    """`tune_grouped_moe` times each weight kernel alone over its own candidates (stand-ins for the launches and
+    for `fastest`'s timings): the choice joins the fastest of each, is one of GROUPED_CANDIDATES (what the tuning
+    cache accepts), and the times name the kernel and candidate; the routes are TUNE_ZIPF's."""
+    from specmoe.kernels import grouped_moe as gm
+
+    launched, exponents = [], []
+    monkeypatch.setattr(gm, "_launch_grouping", lambda route, ws, c: launched.append(("grouping", c)))
+    monkeypatch.setattr(gm, "_launch_gate_up", lambda x, buf, route, ws, lo, hi, p: launched.append(("up", p)))
+    monkeypatch.setattr(gm, "_launch_down", lambda buf, route, ws, lo, hi, p: launched.append(("down", p)))
+    plain_routes = gm.zipf_routes
+    monkeypatch.setattr(gm, "zipf_routes", lambda *a: exponents.append(a[4]) or plain_routes(*a))
+    fast_up = {**gm.GATE_UP_CANDIDATES[0], "block_n": 32, "block_k": 128, "warps": 2, "stages": 3}
+    fast_down = {**gm.DOWN_CANDIDATES[0], "block_h": 16, "block_k2": 256, "warps2": 4, "stages2": 3}
+
+    def fastest(candidates, run, what):
+        times = {}
+        for i, cand in enumerate(candidates):
+            run(cand)
+            times[i] = 0.1 if cand in (fast_up, fast_down) else 0.5
+        best = min(times, key=times.get)
+        return dict(candidates[best]), times
+
+    monkeypatch.setattr(gm, "fastest", fastest)
+    buf = torch.zeros(64, 3 * 16 * 8, dtype=torch.bfloat16)
+    params, times = gm.tune_grouped_moe(buf, 17, 8, 16, 8)
+    assert params == {**fast_up, **fast_down} and params in gm.GROUPED_CANDIDATES
+    assert exponents == [gm.TUNE_ZIPF]
+    assert launched[0] == ("grouping", 64)
+    ups = [p for kind, p in launched if kind == "up"]
+    downs = [p for kind, p in launched if kind == "down"]
+    assert [{key: p[key] for key in cand} for p, cand in zip(ups, gm.GATE_UP_CANDIDATES)] == \
+        list(gm.GATE_UP_CANDIDATES)
+    assert [{key: p[key] for key in cand} for p, cand in zip(downs, gm.DOWN_CANDIDATES)] == list(gm.DOWN_CANDIDATES)
+    assert all(p["block_m"] == 32 for p in ups + downs)  # D = 17's tile of positions
+    assert sorted(times) == sorted([f"gate_up {i}" for i in range(len(gm.GATE_UP_CANDIDATES))] +
+                                   [f"down {i}" for i in range(len(gm.DOWN_CANDIDATES))])
+    assert times[f"gate_up {gm.GATE_UP_CANDIDATES.index(fast_up)}"] == 0.1
+
+
 def test_input_checks_and_launch_parameters():
     d, k, h, i, c = 3, 2, 16, 8, 5
     buf, x, res, route = make_case(d, k, h, i, c)
@@ -194,7 +257,10 @@ CASES = [  # D, slots C, routes, launch parameters (None: the defaults), compare
     (17, 80, "zipf", None, False),  # more slots than pairs: G = D * K programs
     (5, 9, "same", None, True), (17, 9, "one", None, False), (5, 12, "repeat", None, True),
     (17, 12, "zipf", dict(block_m=16, block_k=32, block_k2=16), False),  # two chunks of positions
-    (5, 6, "zipf", dict(block_n=64, block_h=16, block_k=16, block_c=32), False)]
+    (5, 6, "zipf", dict(block_n=64, block_h=16, block_k=16, block_c=32), False),
+    # the down kernel's own warps and stages (apart from gate/up's)
+    (9, 12, "zipf", dict(block_n=16, block_k=32, warps=2, stages=4, block_h=32, block_k2=16, warps2=8, stages2=2),
+     False)]
 g = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
     for d, c, kind, params, compare in CASES if dtype == torch.float32 else [c for c in CASES if c[3] is None]:

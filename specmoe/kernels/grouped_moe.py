@@ -62,20 +62,42 @@ try:  # Triton is optional: CPU machines run the torch reference
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-# Launch parameters (block_m is chosen from D unless given: positions per tile, 16 .. 64); on CUDA
-# `grouped_launch_params` picks the fastest of GROUPED_CANDIDATES once per device and shape. The defaults were
-# the fastest of GROUPED_CANDIDATES on the H200 for D = 9 and 17 at OLMoE's size (scripts/bench_grouped_moe.py --tune; within 1% of the fastest at D = 1).
-GROUPED_DEFAULTS = dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3, block_c=256)
-GROUPED_CANDIDATES = (
-    dict(block_n=64, block_k=128, block_h=64, block_k2=128, warps=4, stages=3),
-    dict(block_n=16, block_k=256, block_h=16, block_k2=256, warps=4, stages=3),
-    dict(block_n=64, block_k=64, block_h=64, block_k2=64, warps=4, stages=4),
-    dict(block_n=32, block_k=128, block_h=32, block_k2=128, warps=4, stages=3),
-    dict(block_n=32, block_k=256, block_h=32, block_k2=256, warps=4, stages=2),
-    dict(block_n=16, block_k=128, block_h=16, block_k2=128, warps=2, stages=4),
-    dict(block_n=32, block_k=64, block_h=32, block_k2=64, warps=4, stages=5),
-    dict(block_n=128, block_k=64, block_h=128, block_k2=64, warps=8, stages=3),
+# Launch parameters (block_m is chosen from D unless given: positions per tile, 16 .. 64): the gate/up kernel's
+# (block_n, block_k, warps, stages) and the down kernel's (block_h, block_k2, warps2, stages2) are chosen apart. On
+# CUDA `grouped_launch_params` picks the fastest of GATE_UP_CANDIDATES and of DOWN_CANDIDATES once per device and
+# shape (`tune_grouped_moe`, each kernel timed alone). The defaults (tune=False, or off CUDA) were the fastest one
+# choice for both kernels on the H200 at D = 9 and 17 at OLMoE's size (scripts/bench_grouped_moe.py --tune).
+GROUPED_DEFAULTS = dict(block_n=64, block_k=128, warps=4, stages=3, block_h=64, block_k2=128, warps2=4, stages2=3,
+                        block_c=256)
+# the fastest tiles of a sweep of 55-60 per kernel on the H200 (D = 17, BENCHMARKS.md, 2026-12-03) and smaller ones,
+# which give more programs where a block's layer reads few distinct experts
+GATE_UP_CANDIDATES = (
+    dict(block_n=64, block_k=128, warps=4, stages=3),
+    dict(block_n=64, block_k=64, warps=4, stages=4),
+    dict(block_n=32, block_k=128, warps=2, stages=3),
+    dict(block_n=32, block_k=128, warps=4, stages=3),
+    dict(block_n=32, block_k=64, warps=4, stages=4),
+    dict(block_n=16, block_k=128, warps=2, stages=4),
+    dict(block_n=16, block_k=128, warps=2, stages=3),
+    dict(block_n=16, block_k=256, warps=4, stages=3),
 )
+DOWN_CANDIDATES = (
+    dict(block_h=64, block_k2=128, warps2=4, stages2=3),
+    dict(block_h=64, block_k2=64, warps2=4, stages2=4),
+    dict(block_h=32, block_k2=128, warps2=2, stages2=3),
+    dict(block_h=32, block_k2=128, warps2=4, stages2=3),
+    dict(block_h=32, block_k2=64, warps2=4, stages2=4),
+    dict(block_h=64, block_k2=256, warps2=4, stages2=3),
+    dict(block_h=16, block_k2=128, warps2=2, stages2=4),
+    dict(block_h=16, block_k2=256, warps2=4, stages2=3),
+)
+# every pairing: what a tuning cache entry may name
+GROUPED_CANDIDATES = tuple({**up, **down} for up in GATE_UP_CANDIDATES for down in DOWN_CANDIDATES)
+# The tuner's routes share experts as a trained model's verification blocks do: a Zipf-like popularity of exponent
+# 3 over 64 slots gives 20.6 distinct experts per layer at D = 17 and 16.9 at D = 9, where the olmoe-like routing
+# source's blocks read 20.1 and 18.0 (scripts/profile_blocks.py). The number of distinct experts sets how many
+# programs the kernels have, hence which tiles fill the chip.
+TUNE_ZIPF = 3.0
 _OPTIONS = frozenset(GROUPED_DEFAULTS) | {"block_m"}
 
 
@@ -324,35 +346,56 @@ def slot_moe_grouped_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: t
     if late is not None and (not 0 <= late[0] <= slot_buf.shape[0] or not callable(late[1])):
         raise ValueError(f"late must be (first slot in [0, {slot_buf.shape[0]}], a callable), got {late!r}")
     p = grouped_params(x.shape[0], params)
-    d, top_k = x.shape[0], route.shape[1] // 2
-    num_slots, width = slot_buf.shape[0], slot_buf.stride(0)
-    pairs = d * top_k
-    g = min(pairs, num_slots)
-    c_pad = _next_pow2(num_slots)
-    _group_slots_kernel[(1,)](route, workspace.groups, P=pairs, K=top_k, C=num_slots, C_PAD=c_pad, G=g,
-                              G_PAD=_next_pow2(g), BLOCK_P=min(_next_pow2(pairs), max(16, 8192 // c_pad)),
-                              num_warps=4, **pdl.options(route))
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16 operands
-    fp8 = fp8_kernel_args(slot_buf, hidden, inter, p["block_n"], p["block_h"])
-    m_chunks = triton.cdiv(d, p["block_m"])
+    num_slots = slot_buf.shape[0]
+    _launch_grouping(route, workspace, num_slots)
     phases = [(0, num_slots, False)] if late is None else [(0, late[0], False), (late[0], num_slots, True)]
     for lo, hi, after_copies in phases:
         if after_copies:
             late[1]()  # the late slots are written from here on
         if lo == hi:
             continue
-        _grouped_gate_up_kernel[(g, triton.cdiv(inter, p["block_n"]), m_chunks)](
-            x, slot_buf, route, workspace.groups, workspace.act, lo, hi, D=d, K=top_k, H=hidden, I=inter, W=width,
-            BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], PRECISION=precision,
-            num_warps=p["warps"], num_stages=p["stages"], **fp8, **pdl.options(x))
-        _grouped_down_kernel[(g, triton.cdiv(hidden, p["block_h"]), m_chunks)](
-            workspace.act, slot_buf, route, workspace.groups, workspace.y, lo, hi, D=d, K=top_k, H=hidden, I=inter,
-            W=width, BLOCK_M=p["block_m"], BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"], PRECISION=precision,
-            num_warps=p["warps"], num_stages=p["stages"], **fp8, **pdl.options(workspace.act))
-    _combine_kernel[(d, triton.cdiv(hidden, p["block_c"]))](workspace.y, route, residual, out, K=top_k, H=hidden,
-                                                           BLOCK_C=p["block_c"], num_warps=4,
-                                                           **pdl.options(workspace.y))
+        _launch_gate_up(x, slot_buf, route, workspace, lo, hi, p)
+        _launch_down(slot_buf, route, workspace, lo, hi, p)
+    _combine_kernel[(x.shape[0], triton.cdiv(hidden, p["block_c"]))](
+        workspace.y, route, residual, out, K=route.shape[1] // 2, H=hidden, BLOCK_C=p["block_c"], num_warps=4,
+        **pdl.options(workspace.y))
     return out
+
+
+def _launch_grouping(route: torch.Tensor, ws: GroupedMoEWorkspace, num_slots: int) -> None:
+    """Launch 1 (module doc): the distinct slots of `route` into ws.groups."""
+    pairs = route.shape[0] * (route.shape[1] // 2)
+    g, c_pad = min(pairs, num_slots), _next_pow2(num_slots)
+    _group_slots_kernel[(1,)](route, ws.groups, P=pairs, K=route.shape[1] // 2, C=num_slots, C_PAD=c_pad, G=g,
+                              G_PAD=_next_pow2(g), BLOCK_P=min(_next_pow2(pairs), max(16, 8192 // c_pad)),
+                              num_warps=4, **pdl.options(route))
+
+
+def _weight_args(x_or_act: torch.Tensor, slot_buf: torch.Tensor, route: torch.Tensor, ws: GroupedMoEWorkspace,
+                 p: dict) -> tuple[tuple, dict]:
+    """The grid's first and third extents and the constants both weight kernels take."""
+    d, top_k = route.shape[0], route.shape[1] // 2
+    precision = "ieee" if x_or_act.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16 operands
+    fp8 = fp8_kernel_args(slot_buf, ws.hidden, ws.inter, p["block_n"], p["block_h"])
+    return ((min(d * top_k, slot_buf.shape[0]), triton.cdiv(d, p["block_m"])),
+            dict(D=d, K=top_k, H=ws.hidden, I=ws.inter, W=slot_buf.stride(0), BLOCK_M=p["block_m"],
+                 PRECISION=precision, **fp8))
+
+
+def _launch_gate_up(x, slot_buf, route, ws: GroupedMoEWorkspace, lo: int, hi: int, p: dict) -> None:
+    """Launch 2 (module doc) over the slots in [lo, hi), with the gate/up parameters of `p` (`grouped_params`)."""
+    (g, m_chunks), const = _weight_args(x, slot_buf, route, ws, p)
+    _grouped_gate_up_kernel[(g, triton.cdiv(ws.inter, p["block_n"]), m_chunks)](
+        x, slot_buf, route, ws.groups, ws.act, lo, hi, **const, BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
+        num_warps=p["warps"], num_stages=p["stages"], **pdl.options(x))
+
+
+def _launch_down(slot_buf, route, ws: GroupedMoEWorkspace, lo: int, hi: int, p: dict) -> None:
+    """Launch 3 (module doc) over the slots in [lo, hi), with the down parameters of `p` (`grouped_params`)."""
+    (g, m_chunks), const = _weight_args(ws.act, slot_buf, route, ws, p)
+    _grouped_down_kernel[(g, triton.cdiv(ws.hidden, p["block_h"]), m_chunks)](
+        ws.act, slot_buf, route, ws.groups, ws.y, lo, hi, **const, BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"],
+        num_warps=p["warps2"], num_stages=p["stages2"], **pdl.options(ws.act))
 
 
 def slot_moe_grouped(x, residual, slot_buf, route, out, hidden, inter, workspace, backend: str = "torch",
@@ -390,19 +433,24 @@ def grouped_moe_bytes(route: torch.Tensor, hidden: int, inter: int, itemsize: in
 
 
 def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hidden: int, inter: int,
-                     exponent: float = 1.2, seed: int = 0) -> tuple[dict, dict]:
-    """Pick the fastest of GROUPED_CANDIDATES for D = num_positions on this device (CUDA only), on Zipf-like
-    routes (`zipf_routes`). Returns (params, {candidate index: median ms}); candidates that fail to compile
-    are skipped."""
+                     exponent: float = TUNE_ZIPF, seed: int = 0) -> tuple[dict, dict]:
+    """Pick the fastest of GATE_UP_CANDIDATES and, apart, of DOWN_CANDIDATES for D = num_positions on this
+    device (CUDA only), each weight kernel timed alone on one Zipf-like route (`zipf_routes`; TUNE_ZIPF: a trained
+    model's blocks). Returns (params: one of GROUPED_CANDIDATES, {"gate_up i" / "down i": median ms}); candidates
+    that fail to compile are skipped."""
     device, dtype = slot_buf.device, compute_dtype(slot_buf)
     g = torch.Generator().manual_seed(seed)
     route = zipf_routes(1, num_positions, top_k, slot_buf.shape[0], exponent, g, device)[0]
     x = torch.randn(num_positions, hidden, generator=g).to(device=device, dtype=dtype)
-    res = torch.zeros_like(x)
-    out = torch.empty_like(x)
     ws = make_grouped_workspace(num_positions, top_k, hidden, inter, dtype, device)
-    return fastest(GROUPED_CANDIDATES, lambda cand: slot_moe_grouped_triton(x, res, slot_buf, route, out, hidden, inter,
-                                                                            ws, cand), "grouped Triton MoE")
+    _launch_grouping(route, ws, slot_buf.shape[0])
+    num_slots = slot_buf.shape[0]
+    up, up_ms = fastest(GATE_UP_CANDIDATES, lambda cand: _launch_gate_up(
+        x, slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand)), "grouped Triton MoE (gate/up)")
+    down, down_ms = fastest(DOWN_CANDIDATES, lambda cand: _launch_down(
+        slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand)), "grouped Triton MoE (down)")
+    times = {**{f"gate_up {i}": t for i, t in up_ms.items()}, **{f"down {i}": t for i, t in down_ms.items()}}
+    return {**up, **down}, times
 
 
 def grouped_launch_params(tune, slot_buf: torch.Tensor, num_positions: int, top_k: int, hidden: int,
@@ -416,6 +464,7 @@ def grouped_launch_params(tune, slot_buf: torch.Tensor, num_positions: int, top_
                          GROUPED_DEFAULTS, lambda: tune_grouped_moe(slot_buf, num_positions, top_k, hidden, inter))
 
 
-__all__ = ["GROUPED_CANDIDATES", "GROUPED_DEFAULTS", "GroupedMoEWorkspace", "default_block_m",
-           "grouped_launch_params", "grouped_moe_bytes", "grouped_params", "make_grouped_workspace", "slot_moe_grouped",
-           "slot_moe_grouped_torch", "slot_moe_grouped_triton", "tune_grouped_moe", "zipf_routes"]
+__all__ = ["DOWN_CANDIDATES", "GATE_UP_CANDIDATES", "GROUPED_CANDIDATES", "GROUPED_DEFAULTS", "TUNE_ZIPF",
+           "GroupedMoEWorkspace", "default_block_m", "grouped_launch_params", "grouped_moe_bytes", "grouped_params",
+           "make_grouped_workspace", "slot_moe_grouped", "slot_moe_grouped_torch", "slot_moe_grouped_triton",
+           "tune_grouped_moe", "zipf_routes"]
