@@ -226,6 +226,9 @@ def main(argv=None) -> None:
             f"path {results[0].info['verify']})")
         say(f"block {block_ms:.3f} ms = {block_ms / step_ms:.2f} target steps; GPU busy {busy:.3f} ms, kernels "
             f"{per_block:.0f} per block; host parts " + ", ".join(f"{p} {v:.3f}" for p, v in timeline.items()) + " ms")
+        grouped = getattr(engine.decoder, "launch", {}).get(f"grouped_slot_moe D={k + 1}")
+        if grouped is not None:
+            say(f"grouped MoE launch parameters at D = {k + 1} ({grouped['source']}): {grouped['params']}")
         if split is not None:
             say("host functions over a pass (cProfile):\n" + host_table)
             say(f"launch split, ms per block: wall {split['wall']:.3f} = GPU {split['gpu']:.3f} (from an event "

@@ -102,6 +102,10 @@ class DeviceBlocks:
         self.counts_host = torch.zeros(self.counts_dev.shape, dtype=torch.int64, pin_memory=pin)
         self.selections_host = torch.zeros(self.pool.selections.shape, dtype=torch.int64, pin_memory=pin)
         self.displaced_host = torch.zeros(self.pool.displaced_rows.shape, dtype=torch.float64, pin_memory=pin)
+        # numpy views of the staged and copied-out buffers, made once (each block reads or writes them all)
+        self.alpha_np, self.feed_np = self.alpha_host.numpy(), self.feed_host.numpy()
+        self.counts_np, self.displaced_np = self.counts_host.numpy(), self.displaced_host.numpy()
+        self.selections_np = self.selections_host.numpy().transpose(1, 0, 2)  # [D, L, K]
         self.src, self.dst = copy_views(residency, g.num_layers)
         shape = launch_shape(device, self.src[0].shape[1])  # the copy launches' (`kernels.expert_copy`)
         self.blocks, self.block = blocks or shape[0], block or shape[1]
@@ -211,38 +215,38 @@ class DeviceBlocks:
         if feed is not None and self.prefetch and pregate is None:
             raise ValueError("a fed block with a prefetch budget needs its recorded pre-gate logits")
         step.set_input(ids, root, self.decoder.geometry.max_seq_len)
-        self.alpha_host.numpy()[:] = alpha  # the previous block has ended: its graph no longer reads these
+        self.alpha_np[:] = alpha  # the previous block has ended: its graph no longer reads these
         if feed is not None:
-            staged_feed = self.feed_host.numpy()
-            staged_feed[:, :, :e] = np.asarray(feed, dtype=np.float32).transpose(1, 0, 2)
+            self.feed_np[:, :, :e] = np.asarray(feed, dtype=np.float32).transpose(1, 0, 2)
             if pregate is not None:  # g_{l+1} beside z_l, as the step's logits rows hold them
-                staged_feed[:-1, :, e:] = np.asarray(pregate, dtype=np.float32)[:, 1:].transpose(1, 0, 2)
+                self.feed_np[:-1, :, e:] = np.asarray(pregate, dtype=np.float32)[:, 1:].transpose(1, 0, 2)
         launch(self)
-        missing = self.counts_host.numpy()[2]
-        over = np.flatnonzero(missing > self.router.union_slots)
-        if over.size:  # the host path's error (`ExpertPool.use`); this block's outputs are not valid
+        missing = self.counts_np[2]
+        if missing.max() > self.router.union_slots:  # the host path's error (`ExpertPool.use`); outputs not valid
             self.finish()  # the slots' bookkeeping follows what the device wrote: the unit stays usable
-            raise ValueError(f"verification block at position {root}: layer {int(over[0])} misses more than the "
+            raise ValueError(f"verification block at position {root}: layer "
+                             f"{int(np.argmax(missing > self.router.union_slots))} misses more than the "
                              f"U={self.router.union_slots} union slots' worth of experts in block "
                              f"{self.block_number}; make the pool with more union_slots")
         # layer by layer, as `BlockRouter.route` adds them: accumulate's running sum is that order by definition
         # (a sum over axis 0 need not be: NumPy may pair the rows), and 0 + the first row is the first row
-        displaced = np.add.accumulate(self.displaced_host.numpy(), axis=0)[-1]
-        return step.next_np.tolist(), displaced, self.selections_host.numpy().transpose(1, 0, 2)
+        displaced = np.add.accumulate(self.displaced_np, axis=0)[-1]
+        return step.next_np.tolist(), displaced, self.selections_np
 
     def end_step(self, accepted: int) -> None:
         """After the block's acceptance (as `BlockRouter.end_step`): the commitment rates, the union slots used,
         the pool's counters and the copy stream's counts of the block (module docstring)."""
         router, pool = self.router, self.router.pool
         router.commit_rate.update(accepted, router.config.k)
-        copies, moves, missing, prefetched, hits, written = self.counts_host.numpy()
+        counts = self.counts_np
+        _, moves, missing, _, _, written = counts
+        n_copies, n_moves, _, n_prefetched, n_hits, _ = counts.sum(axis=1).tolist()
         router.union_used = max(router.union_used, int(written.max()))
         self.block_number += 1
         pool.copies += missing
         pool.moves += moves
         pool.blocks += 1
         stats = self.residency.copies.stats
-        n_copies, n_prefetched, n_hits = int(copies.sum()), int(prefetched.sum()), int(hits.sum())
         stats.demand += n_copies
         stats.prefetch += n_prefetched
         stats.prefetch_in_time += n_hits  # joined before the layer's demand copies and MoE (module docstring)
@@ -251,7 +255,7 @@ class DeviceBlocks:
             stats.skipped += n_copies + n_prefetched
         else:
             stats.issued += n_copies + n_prefetched
-        stats.moved += int(moves.sum())
+        stats.moved += n_moves
 
     def finish(self) -> None:
         """After the run: the host pool takes the device pool's state (slot table, members, recency, block
