@@ -175,7 +175,8 @@ def test_decoder_records_the_launch_parameters_that_run(monkeypatch, tmp_path):
 def test_second_build_reads_the_cache_and_picks_the_same_params(monkeypatch, tmp_path):
     """On CUDA: the first build tunes (source "tuned"), the second reads the cache file ("cache") and runs
     the same launch parameters, for the per-token kernel and the grouped kernel of a D = 5 step (chosen when
-    the step is made); tune=False runs the defaults."""
+    the step is made), and the cache holds those and the one-row linears' entries; tune=False runs the
+    defaults."""
     from specmoe.engines import build_engine
     from specmoe.engines.helpers import random_model_on_device
     from specmoe.kernels import MOE_DEFAULTS, grouped_params
@@ -193,8 +194,10 @@ def test_second_build_reads_the_cache_and_picks_the_same_params(monkeypatch, tmp
         assert engine.kernels["backend"] == "triton", engine.notes
         engine.decoder.step(5)  # a verification block's step: the grouped kernel's parameters for D = 5
         launch = engine.kernels["launch"]
+        first_launch.update(launch)
         return launch["slot_moe"], launch["grouped_slot_moe D=5"]
 
+    first_launch = {}
     first, second = build("auto"), build("auto")
     for a, b in zip(first, second):
         assert a["source"] == "tuned" and b["source"] == "cache"
@@ -202,7 +205,10 @@ def test_second_build_reads_the_cache_and_picks_the_same_params(monkeypatch, tmp
     # the per-token kernel, and the grouped kernel at D = 5 and at the prefill chunk's D (the engine's own runner)
     kernels = sorted(json.loads(key)["kernel"] + str(json.loads(key)["shape"].get("positions", ""))
                      for key in read_cache(tmp_path / "tuning.json")[0])
-    assert kernels == sorted(["slot_moe", "grouped_slot_moe5", f"grouped_slot_moe{EngineConfig().prefill_chunk}"])
+    moe = [name for name in kernels if name != "gemv"]
+    assert moe == sorted(["slot_moe", "grouped_slot_moe5", f"grouped_slot_moe{EngineConfig().prefill_chunk}"])
+    # and one entry per shape of the one-row linear layers (`gemv`), as the engine's launch table names them
+    assert kernels.count("gemv") == sum(name.startswith("gemv ") for name in first_launch) > 0
     fixed = build(False)
     assert fixed[0] == {"params": MOE_DEFAULTS, "source": "defaults"}
     assert fixed[1] == {"params": grouped_params(5), "source": "defaults"}
