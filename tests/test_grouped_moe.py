@@ -110,25 +110,27 @@ def test_every_tuning_candidate_compiles_for_the_gpu():
 
 
 def test_tuner_picks_gate_up_and_down_apart(monkeypatch):
-    """`tune_grouped_moe` times each weight kernel alone over its own candidates (stand-ins for the launches and
-    for `fastest`'s timings): the choice joins the fastest of each, is one of GROUPED_CANDIDATES (what the tuning
-    cache accepts), and the times name the kernel and candidate; the routes are TUNE_ZIPF's."""
+    """`tune_grouped_moe` times each weight kernel alone over its own candidates, each timing a CUDA graph's worth
+    of launches over TUNE_ROUTES routes of TUNE_ZIPF (stand-ins for the launches and for `fastest`'s timings): the
+    choice joins the fastest of each, is one of GROUPED_CANDIDATES (what the tuning cache accepts), and the times
+    name the kernel and candidate, per call."""
     from specmoe.kernels import grouped_moe as gm
 
-    launched, exponents = [], []
+    launched, drawn, benches = [], [], []
     monkeypatch.setattr(gm, "_launch_grouping", lambda route, ws, c: launched.append(("grouping", c)))
     monkeypatch.setattr(gm, "_launch_gate_up", lambda x, buf, route, ws, lo, hi, p: launched.append(("up", p)))
     monkeypatch.setattr(gm, "_launch_down", lambda buf, route, ws, lo, hi, p: launched.append(("down", p)))
     plain_routes = gm.zipf_routes
-    monkeypatch.setattr(gm, "zipf_routes", lambda *a: exponents.append(a[4]) or plain_routes(*a))
+    monkeypatch.setattr(gm, "zipf_routes", lambda *a: drawn.append((a[0], a[4])) or plain_routes(*a))
     fast_up = {**gm.GATE_UP_CANDIDATES[0], "block_n": 32, "block_k": 128, "warps": 2, "stages": 3}
     fast_down = {**gm.DOWN_CANDIDATES[0], "block_h": 16, "block_k2": 256, "warps2": 4, "stages2": 3}
 
-    def fastest(candidates, run, what):
+    def fastest(candidates, run, what, bench=None):
+        benches.append(bench)
         times = {}
         for i, cand in enumerate(candidates):
             run(cand)
-            times[i] = 0.1 if cand in (fast_up, fast_down) else 0.5
+            times[i] = 0.4 if cand in (fast_up, fast_down) else 2.0
         best = min(times, key=times.get)
         return dict(candidates[best]), times
 
@@ -136,17 +138,20 @@ def test_tuner_picks_gate_up_and_down_apart(monkeypatch):
     buf = torch.zeros(64, 3 * 16 * 8, dtype=torch.bfloat16)
     params, times = gm.tune_grouped_moe(buf, 17, 8, 16, 8)
     assert params == {**fast_up, **fast_down} and params in gm.GROUPED_CANDIDATES
-    assert exponents == [gm.TUNE_ZIPF]
-    assert launched[0] == ("grouping", 64)
+    n = gm.TUNE_ROUTES
+    assert drawn == [(n, gm.TUNE_ZIPF)] and benches == [gm._graph_ms, gm._graph_ms]
+    assert launched[:n] == [("grouping", 64)] * n
     ups = [p for kind, p in launched if kind == "up"]
     downs = [p for kind, p in launched if kind == "down"]
-    assert [{key: p[key] for key in cand} for p, cand in zip(ups, gm.GATE_UP_CANDIDATES)] == \
+    assert len(ups) == n * len(gm.GATE_UP_CANDIDATES) and len(downs) == n * len(gm.DOWN_CANDIDATES)
+    assert [{key: p[key] for key in cand} for p, cand in zip(ups[::n], gm.GATE_UP_CANDIDATES)] == \
         list(gm.GATE_UP_CANDIDATES)
-    assert [{key: p[key] for key in cand} for p, cand in zip(downs, gm.DOWN_CANDIDATES)] == list(gm.DOWN_CANDIDATES)
+    assert [{key: p[key] for key in cand} for p, cand in zip(downs[::n], gm.DOWN_CANDIDATES)] == \
+        list(gm.DOWN_CANDIDATES)
     assert all(p["block_m"] == 32 for p in ups + downs)  # D = 17's tile of positions
     assert sorted(times) == sorted([f"gate_up {i}" for i in range(len(gm.GATE_UP_CANDIDATES))] +
                                    [f"down {i}" for i in range(len(gm.DOWN_CANDIDATES))])
-    assert times[f"gate_up {gm.GATE_UP_CANDIDATES.index(fast_up)}"] == 0.1
+    assert times[f"gate_up {gm.GATE_UP_CANDIDATES.index(fast_up)}"] == 0.4 / n  # per call of the graph's n
 
 
 def test_input_checks_and_launch_parameters():
@@ -584,5 +589,9 @@ def test_tuning_picks_the_fastest_candidate_that_compiles(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton.testing", testing)  # found there first: triton itself is not imported
     params, times = fastest(candidates, run, "test")
     assert params == {"n": 3} and times == {0: 0.5, 2: 0.2}
+    # a timer of the caller's (the grouped tuner's graph replays) in place of do_bench
+    timed = []
+    params, times = fastest(candidates, run, "test", bench=lambda fn: timed.append(fn()) or {1: 0.3, 3: 0.4}[last["n"]])
+    assert params == {"n": 1} and times == {0: 0.3, 2: 0.4} and len(timed) == 2
     with pytest.raises(RuntimeError, match="no test configuration compiled"):
         fastest(candidates[1:2], run, "test")

@@ -98,6 +98,7 @@ GROUPED_CANDIDATES = tuple({**up, **down} for up in GATE_UP_CANDIDATES for down 
 # source's blocks read 20.1 and 18.0 (scripts/profile_blocks.py). The number of distinct experts sets how many
 # programs the kernels have, hence which tiles fill the chip.
 TUNE_ZIPF = 3.0
+TUNE_ROUTES = 4  # routes the tuner's graph cycles through (each its own ranking: less reuse of experts in L2)
 _OPTIONS = frozenset(GROUPED_DEFAULTS) | {"block_m"}
 
 
@@ -435,22 +436,41 @@ def grouped_moe_bytes(route: torch.Tensor, hidden: int, inter: int, itemsize: in
 def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hidden: int, inter: int,
                      exponent: float = TUNE_ZIPF, seed: int = 0) -> tuple[dict, dict]:
     """Pick the fastest of GATE_UP_CANDIDATES and, apart, of DOWN_CANDIDATES for D = num_positions on this
-    device (CUDA only), each weight kernel timed alone on one Zipf-like route (`zipf_routes`; TUNE_ZIPF: a trained
-    model's blocks). Returns (params: one of GROUPED_CANDIDATES, {"gate_up i" / "down i": median ms}); candidates
-    that fail to compile are skipped."""
+    device (CUDA only): each weight kernel timed alone over TUNE_ROUTES Zipf-like routes (`zipf_routes`;
+    TUNE_ZIPF: a trained model's blocks), launched back to back in a CUDA graph as the decoder's step runs them
+    (`_graph_ms`). Returns (params: one of GROUPED_CANDIDATES, {"gate_up i" / "down i": median ms per call});
+    candidates that fail to compile are skipped."""
     device, dtype = slot_buf.device, compute_dtype(slot_buf)
     g = torch.Generator().manual_seed(seed)
-    route = zipf_routes(1, num_positions, top_k, slot_buf.shape[0], exponent, g, device)[0]
-    x = torch.randn(num_positions, hidden, generator=g).to(device=device, dtype=dtype)
-    ws = make_grouped_workspace(num_positions, top_k, hidden, inter, dtype, device)
-    _launch_grouping(route, ws, slot_buf.shape[0])
     num_slots = slot_buf.shape[0]
-    up, up_ms = fastest(GATE_UP_CANDIDATES, lambda cand: _launch_gate_up(
-        x, slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand)), "grouped Triton MoE (gate/up)")
-    down, down_ms = fastest(DOWN_CANDIDATES, lambda cand: _launch_down(
-        slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand)), "grouped Triton MoE (down)")
-    times = {**{f"gate_up {i}": t for i, t in up_ms.items()}, **{f"down {i}": t for i, t in down_ms.items()}}
+    routes = zipf_routes(TUNE_ROUTES, num_positions, top_k, num_slots, exponent, g, device)
+    x = torch.randn(num_positions, hidden, generator=g).to(device=device, dtype=dtype)
+    spaces = [make_grouped_workspace(num_positions, top_k, hidden, inter, dtype, device) for _ in routes]
+    for route, ws in zip(routes, spaces):
+        _launch_grouping(route, ws, num_slots)
+
+    def per_call(ms: float) -> float:
+        return ms / len(spaces)
+
+    up, up_ms = fastest(GATE_UP_CANDIDATES, lambda cand: [
+        _launch_gate_up(x, slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand))
+        for route, ws in zip(routes, spaces)], "grouped Triton MoE (gate/up)", bench=_graph_ms)
+    down, down_ms = fastest(DOWN_CANDIDATES, lambda cand: [
+        _launch_down(slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand))
+        for route, ws in zip(routes, spaces)], "grouped Triton MoE (down)", bench=_graph_ms)
+    times = {**{f"gate_up {i}": per_call(t) for i, t in up_ms.items()},
+             **{f"down {i}": per_call(t) for i, t in down_ms.items()}}
     return {**up, **down}, times
+
+
+def _graph_ms(fn) -> float:
+    """Median ms of `fn` replayed in a CUDA graph (triton's do_bench_cudagraph), as the decoder's step runs the
+    kernels. A weight kernel takes 20-60 µs at OLMoE's size, of the order of an eager launch's host latency, which
+    do_bench's events include: timed eagerly, the H200's down kernel at D = 17 took 46-123 µs over the candidates
+    against 28 µs in the decoder's graph (BENCHMARKS.md, 2026-12-03), too noisy to rank tiles."""
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
 
 
 def grouped_launch_params(tune, slot_buf: torch.Tensor, num_positions: int, top_k: int, hidden: int,

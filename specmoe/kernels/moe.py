@@ -272,16 +272,21 @@ def moe_launch_params(tune, slot_buf: torch.Tensor, top_k: int, hidden: int, int
                          lambda: tune_moe(slot_buf, top_k, hidden, inter, compute_dtype(slot_buf)))
 
 
-def fastest(candidates, run, what: str) -> tuple[dict, dict]:
-    """The candidate launch parameters with which `run(params)` is fastest on this device (triton's do_bench,
-    median): (params, {candidate index: median ms}). Candidates the compiler rejects are skipped."""
-    from triton.testing import do_bench
+def fastest(candidates, run, what: str, bench=None) -> tuple[dict, dict]:
+    """The candidate launch parameters with which `run(params)` is fastest on this device (median ms of
+    `bench(fn)`, default triton's do_bench): (params, {candidate index: median ms}). Candidates the compiler
+    rejects are skipped."""
+    if bench is None:
+        from triton.testing import do_bench
+
+        def bench(fn):
+            return do_bench(fn, warmup=5, rep=20, return_mode="median")
 
     times = {}
     for i, cand in enumerate(candidates):
         try:
             run(cand)
-            times[i] = float(do_bench(lambda: run(cand), warmup=5, rep=20, return_mode="median"))  # noqa: B023
+            times[i] = float(bench(lambda: run(cand)))  # noqa: B023
         except Exception:  # a candidate the compiler rejects on this device is simply not used
             continue
     if not times:
