@@ -464,6 +464,26 @@ def test_graph_launch_check_refuses_a_machine_without_cuda():
         assert done.returncode == 1 and "needs a CUDA device" in done.stderr, done.stderr
 
 
+def test_sweep_grouped_moe_covers_the_tuners_candidates_and_needs_cuda(monkeypatch):
+    """scripts/sweep_grouped_moe.py: its grid of tiles holds every candidate the grouped MoE's tuner picks from
+    (gate/up and down, as (rows, block_k, warps, stages)), and it names what it needs on a machine without CUDA."""
+    import pytest
+    import sweep_grouped_moe
+    import torch
+
+    from specmoe.kernels import grouped_moe as gm
+
+    grid = sweep_grouped_moe.tiles()
+    assert len(grid) == len(set(grid)) == 60
+    for c in gm.GATE_UP_CANDIDATES:
+        assert (c["block_n"], c["block_k"], c["warps"], c["stages"]) in grid, c
+    for c in gm.DOWN_CANDIDATES:
+        assert (c["block_h"], c["block_k2"], c["warps2"], c["stages2"]) in grid, c
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        sweep_grouped_moe.main([])
+
+
 def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys):
     import profile_blocks
     import pytest

@@ -69,8 +69,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 # choice for both kernels on the H200 at D = 9 and 17 at OLMoE's size (scripts/bench_grouped_moe.py --tune).
 GROUPED_DEFAULTS = dict(block_n=64, block_k=128, warps=4, stages=3, block_h=64, block_k2=128, warps2=4, stages2=3,
                         block_c=256)
-# the fastest tiles of a sweep of 55-60 per kernel on the H200 (D = 17, BENCHMARKS.md, 2026-12-03) and smaller ones,
-# which give more programs where a block's layer reads few distinct experts
+# the fastest tiles of a sweep of 60 per kernel on the H200 (D = 17, scripts/sweep_grouped_moe.py; BENCHMARKS.md,
+# 2026-12-03) and smaller ones, which give more programs where a block's layer reads few distinct experts
 GATE_UP_CANDIDATES = (
     dict(block_n=64, block_k=128, warps=4, stages=3),
     dict(block_n=64, block_k=64, warps=4, stages=4),
