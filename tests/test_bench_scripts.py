@@ -2,6 +2,7 @@
 block and the per-request details its json keeps (without a model), and its rows per --trace (olmoe-tiny, the
 timed passes stood in for)."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from bench_spec_engine import markdown, request_ratio, saved_details, summary_table  # noqa: E402
@@ -462,6 +464,25 @@ def test_graph_launch_check_refuses_a_machine_without_cuda():
     if not torch.cuda.is_available():
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
         assert done.returncode == 1 and "needs a CUDA device" in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_host_block_time_times_the_device_paths_host_work_without_a_gpu():
+    """scripts/host_block_time.py (a subprocess: it sets TRITON_INTERPRET before Triton is imported) follows
+    synthetic blocks on the device path with the launch stubbed out and prints the host's µs per block per pass,
+    then the functions under cProfile; bad arguments are refused by name."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "host_block_time.py"
+    done = subprocess.run([sys.executable, str(script), "--k", "3", "--tau", "2.5", "--blocks", "8", "--passes", "2",
+                           "--profile", "5"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    passes = [line for line in done.stdout.splitlines() if line.startswith("pass ")]
+    assert [p.split(":")[0] for p in passes] == ["pass 0", "pass 1"]
+    assert all(float(p.split()[2]) > 0 and "(host only, 8 blocks)" in p for p in passes), passes
+    assert "Ordered by: internal time" in done.stdout and "function calls" in done.stdout
+    done = subprocess.run([sys.executable, str(script), "--tau", "9", "--k", "3"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--tau in [1, k + 1)" in done.stderr
 
 
 def test_sweep_grouped_moe_covers_the_tuners_candidates_and_needs_cuda(monkeypatch):
