@@ -71,26 +71,12 @@ GROUPED_DEFAULTS = dict(block_n=64, block_k=128, warps=4, stages=3, block_h=64, 
                         block_c=256)
 # the fastest tiles of a sweep of 60 per kernel on the H200 (D = 17, scripts/sweep_grouped_moe.py; BENCHMARKS.md,
 # 2026-12-03) and smaller ones, which give more programs where a block's layer reads few distinct experts
-GATE_UP_CANDIDATES = (
-    dict(block_n=64, block_k=128, warps=4, stages=3),
-    dict(block_n=64, block_k=64, warps=4, stages=4),
-    dict(block_n=32, block_k=128, warps=2, stages=3),
-    dict(block_n=32, block_k=128, warps=4, stages=3),
-    dict(block_n=32, block_k=64, warps=4, stages=4),
-    dict(block_n=16, block_k=128, warps=2, stages=4),
-    dict(block_n=16, block_k=128, warps=2, stages=3),
-    dict(block_n=16, block_k=256, warps=4, stages=3),
-)
-DOWN_CANDIDATES = (
-    dict(block_h=64, block_k2=128, warps2=4, stages2=3),
-    dict(block_h=64, block_k2=64, warps2=4, stages2=4),
-    dict(block_h=32, block_k2=128, warps2=2, stages2=3),
-    dict(block_h=32, block_k2=128, warps2=4, stages2=3),
-    dict(block_h=32, block_k2=64, warps2=4, stages2=4),
-    dict(block_h=64, block_k2=256, warps2=4, stages2=3),
-    dict(block_h=16, block_k2=128, warps2=2, stages2=4),
-    dict(block_h=16, block_k2=256, warps2=4, stages2=3),
-)
+GATE_UP_CANDIDATES = tuple(dict(block_n=n, block_k=k, warps=w, stages=st) for n, k, w, st in (
+    (64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 2, 3), (32, 128, 4, 3), (32, 64, 4, 4), (16, 128, 2, 4),
+    (16, 128, 2, 3), (16, 256, 4, 3)))
+DOWN_CANDIDATES = tuple(dict(block_h=n, block_k2=k, warps2=w, stages2=st) for n, k, w, st in (
+    (64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 2, 3), (32, 128, 4, 3), (32, 64, 4, 4), (64, 256, 4, 3),
+    (16, 128, 2, 4), (16, 256, 4, 3)))
 # every pairing: what a tuning cache entry may name
 GROUPED_CANDIDATES = tuple({**up, **down} for up in GATE_UP_CANDIDATES for down in DOWN_CANDIDATES)
 # The tuner's routes share experts as a trained model's verification blocks do: a Zipf-like popularity of exponent
