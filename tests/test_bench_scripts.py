@@ -505,6 +505,36 @@ def test_sweep_grouped_moe_covers_the_tuners_candidates_and_needs_cuda(monkeypat
         sweep_grouped_moe.main([])
 
 
+def test_tuning_spread_swaps_the_tuners_timer_and_tabulates_the_steps(monkeypatch):
+    """scripts/tuning_spread.py: `use_timer("eager")` puts do_bench on one operand in every tuner's place and
+    `use_timer("graph")` the package's own back; the table gives each timer's step range, spread and distinct
+    choices; it names what it needs on a machine without CUDA."""
+    import pytest
+    import torch
+    import tuning_spread
+
+    from specmoe.kernels import gemv, moe, tuning
+
+    own = (tuning.graph_ms, moe.rotation, gemv.rotation)
+    monkeypatch.setattr(tuning, "graph_ms", own[0])  # restored after the test whatever use_timer leaves
+    monkeypatch.setattr(moe, "rotation", own[1])
+    monkeypatch.setattr(gemv, "rotation", own[2])
+    tuning_spread.use_timer("eager")
+    assert tuning.graph_ms is tuning_spread.eager_timer
+    assert moe.rotation(1, "cuda") == gemv.rotation(1, "cuda") == 1
+    tuning_spread.use_timer("graph")
+    assert (tuning.graph_ms, moe.rotation, gemv.rotation) == own
+    rows = [{"timer": "graph", "step_ms": 1.10, "choice": "a"}, {"timer": "eager", "step_ms": 1.24, "choice": "b"},
+            {"timer": "graph", "step_ms": 1.12, "choice": "a"}, {"timer": "eager", "step_ms": 1.10, "choice": "c"},
+            {"timer": "graph", "step_ms": 1.16, "choice": "d"}, {"timer": "eager", "step_ms": 1.26, "choice": "b"}]
+    table = tuning_spread.spread_table(rows).splitlines()
+    assert table[2] == "| graph | 3 | 1.100 | 1.120 | 1.160 | 1.055 | 2 (2: 1.110, 1: 1.160) |"
+    assert table[3] == "| eager | 3 | 1.100 | 1.240 | 1.260 | 1.145 | 2 (2: 1.250, 1: 1.100) |"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        tuning_spread.main([])
+
+
 def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys):
     import profile_blocks
     import pytest

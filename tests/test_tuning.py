@@ -95,8 +95,8 @@ def test_true_tunes_again_and_overwrites_false_and_cpu_use_the_defaults(tmp_path
 
 @pytest.mark.parametrize("content,what", [("{not json", "is not valid JSON"),
                                           ('{"some": "other tool"}', "is not a 'specmoe kernel tuning' file"),
-                                          (json.dumps({"format": "specmoe kernel tuning", "version": 99,
-                                                       "entries": {}}), "of version 1"),
+                                          (json.dumps({"format": "specmoe kernel tuning", "version": 1,
+                                                       "entries": {}}), "of version 2"),  # timed eagerly
                                           (b"\xff\xfe\x00", "unreadable")])
 def test_corrupt_or_foreign_cache_is_ignored_with_a_note_and_replaced(tmp_path, content, what):
     path = tmp_path / "tuning.json"
@@ -212,3 +212,92 @@ def test_second_build_reads_the_cache_and_picks_the_same_params(monkeypatch, tmp
     fixed = build(False)
     assert fixed[0] == {"params": MOE_DEFAULTS, "source": "defaults"}
     assert fixed[1] == {"params": grouped_params(5), "source": "defaults"}
+
+
+def test_tuning_picks_the_fastest_candidate_that_compiles(monkeypatch):
+    """`fastest` (every tuner's): the candidate with the lowest timing wins, one that raises is skipped, none
+    compiling is an error naming the kernel. Timings come from a stand-in for triton.testing's
+    do_bench_cudagraph (the default timer, `graph_ms`), a module put in sys.modules in place of triton.testing,
+    so this runs without Triton too."""
+    import sys
+    import types
+
+    from specmoe.kernels.tuning import fastest
+
+    candidates = ({"n": 1}, {"n": 2}, {"n": 3})
+    last, graphed = {}, []
+
+    def run(params):
+        if params["n"] == 2:
+            raise RuntimeError("does not compile")
+        last["n"] = params["n"]
+
+    def cudagraph(fn, rep, return_mode):
+        fn()
+        graphed.append((rep, return_mode))
+        return {1: 0.5, 3: 0.2}[last["n"]]
+
+    testing = types.ModuleType("triton.testing")
+    testing.do_bench_cudagraph = cudagraph
+    monkeypatch.setitem(sys.modules, "triton.testing", testing)  # found there first: triton itself is not imported
+    params, times = fastest(candidates, run, "test")
+    assert params == {"n": 3} and times == {0: 0.5, 2: 0.2} and graphed == [(20, "median")] * 2
+    timed = []  # a timer of the caller's in place of the graphs
+    params, times = fastest(candidates, run, "test", bench=lambda fn: timed.append(fn()) or {1: 0.3, 3: 0.4}[last["n"]])
+    assert params == {"n": 1} and times == {0: 0.3, 2: 0.4} and len(timed) == 2
+    with pytest.raises(RuntimeError, match="no test configuration compiled"):
+        fastest(candidates[1:2], run, "test")
+
+
+def test_rotation_reads_past_twice_the_l2(monkeypatch):
+    """`rotation`: enough operands of a size that a batch reads at least twice the L2, at least one, at most
+    `most`; none off CUDA (no L2 to defeat)."""
+    from specmoe.kernels.tuning import l2_bytes, rotation
+
+    assert l2_bytes("cpu") == 0 and rotation(1000, "cpu") == 1
+    monkeypatch.setattr(tuning, "l2_bytes", lambda device: 50 * 2**20)
+    mb = 2**20
+    assert rotation(206 * mb, "cuda") == 1  # a head that alone is four L2s
+    assert rotation(25 * mb, "cuda") == 4 and rotation(24 * mb, "cuda") == 5  # ceil(100 / size)
+    assert rotation(mb // 4, "cuda") == 400 and rotation(mb // 8, "cuda") == 512  # capped at `most`
+    assert rotation(mb // 8, "cuda", most=64) == 64 and rotation(0, "cuda", most=64) == 64
+
+
+def test_per_token_and_gemv_tuners_time_batches_that_read_past_the_l2(monkeypatch):
+    """`tune_moe` times each candidate over tokens whose routes hold K distinct slots and go through every slot
+    before reading one again, as many as `rotation` asks for the K experts' bytes; `tune_gemv` over that many
+    weights of the shape, the layer's own first (none other for a head larger than the L2). Both time with
+    `fastest`'s own timer (CUDA graphs) and report ms per launch. Stand-ins for the launches and the timer."""
+    from specmoe.kernels import gemv, moe
+
+    monkeypatch.setattr(tuning, "l2_bytes", lambda device: 384 * 2**10)
+    timed = []
+
+    def fastest(candidates, run, what, bench=None):
+        timed.append(bench)
+        run(candidates[1])
+        return dict(candidates[1]), {1: 6.0}
+
+    routes, weights = [], []
+    monkeypatch.setattr(moe, "fastest", fastest)
+    monkeypatch.setattr(gemv, "fastest", fastest)
+    monkeypatch.setattr(moe, "slot_moe_triton", lambda x, res, buf, route, *a: routes.append(route.clone()))
+    monkeypatch.setattr(gemv, "linear", lambda x, w, params, out32: weights.append(w))
+    H, I, K, C = 64, 32, 4, 10
+    buf = torch.zeros(C, 3 * H * I, dtype=torch.bfloat16)  # 12 KiB per expert: 2 x 384 KiB is 16 tokens of 4
+    params, times = moe.tune_moe(buf, K, H, I, torch.bfloat16)
+    n = -(-2 * 384 * 2**10 // (K * 3 * H * I * 2))
+    assert len(routes) == n == 16 and params == moe.MOE_CANDIDATES[1] and times == {1: 6.0 / n}
+    slots = torch.stack(routes)[:, :K]
+    assert all(len(set(r.tolist())) == K for r in slots)
+    flat = slots.flatten().tolist()
+    assert all(sorted(flat[i:i + C]) == list(range(C)) for i in range(0, len(flat) - C, C))  # every slot per cycle
+    assert torch.equal(torch.stack(routes)[:, K:].view(torch.float32), torch.full((n, K), 1 / K))
+    own = torch.randn(128, 512).to(torch.bfloat16)  # 128 KiB: 6 weights
+    params, times = gemv.tune_gemv(128, 512, torch.bfloat16, "cpu", own)
+    assert len(weights) == 6 and weights[0] is own and len({id(w) for w in weights}) == 6
+    assert all(w.shape == (128, 512) and w.dtype == torch.bfloat16 for w in weights) and times == {1: 6.0 / 6}
+    weights.clear()
+    gemv.tune_gemv(512, 1024, torch.bfloat16, "cpu", None)  # 1 MiB, past 2 L2s alone: one random weight
+    assert len(weights) == 1 and weights[0].shape == (512, 1024)
+    assert timed == [None, None, None]

@@ -20,9 +20,10 @@ tile of weights before it waits for the kernel before it, so the weights of the 
 while the norm or reduction before it finishes; the sums are the same.
 
 `Linears` is a decoder's set of one-row linear layers: per weight shape (N, K, dtype) the launch of
-GEMV_CANDIDATES that was fastest on the device (`gemv_launch_params`: tuned once with triton's do_bench and kept in
-the tuning cache file, `specmoe.kernels.tuning`), checked against `F.linear` at that shape before use
-(`checks.check_gemv`; cuBLAS where the check fails). tune=False and the CPU run cuBLAS / torch, so outputs stay
+GEMV_CANDIDATES that was fastest on the device (`gemv_launch_params`: tuned once, each candidate timed in a CUDA
+graph of products over weights that do not fit the L2, and kept in the tuning cache file,
+`specmoe.kernels.tuning`), checked against `F.linear` at that shape before use (`checks.check_gemv`; cuBLAS
+where the check fails). tune=False and the CPU run cuBLAS / torch, so outputs stay
 those of `F.linear`; rows D > 1 (verification blocks, prefill chunks) run `F.linear`, which tiles a block of rows
 well, except a router's: a small weight whose float32 logits are asked for runs on the GEMV row by row (`linear`).
 
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import pdl
-from .tuning import LaunchChoice, check_tune, device_identity, dtype_name, launch_params
+from .tuning import LaunchChoice, check_tune, device_identity, dtype_name, fastest, launch_params, rotation
 
 try:
     import triton
@@ -173,17 +174,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, params: dict | None,
 
 def tune_gemv(n: int, k: int, dtype: torch.dtype, device, weight: torch.Tensor | None = None) -> tuple[dict, dict]:
     """The fastest of GEMV_CANDIDATES for a weight [n, k] on this CUDA device: (params, {candidate index: median
-    ms}), each timed by triton's do_bench with the L2 cache flushed (the weights come from HBM in a decode step).
-    Not cuBLAS (module docstring). Timed on `weight` where given (the layer's own, only read: no copy of a large
-    head is allocated beside a loaded model), else on a seeded random one."""
-    from .moe import fastest
-
+    ms per product}), each candidate timed over a batch of products that rotates through enough weights of the
+    shape to read past the L2 (`tuning.rotation`: a decode step reads each weight from HBM), launched back to back
+    in a CUDA graph (`tuning.fastest`). Not cuBLAS (module docstring). The first weight is `weight` where given
+    (the layer's own, only read: a large head needs no other), the rest seeded random ones."""
     g = torch.Generator(device=device).manual_seed(0)
     usable = weight is not None and weight.shape == (n, k) and weight.dtype == dtype and weight.is_contiguous()
-    w = weight if usable else torch.randn(n, k, device=device, dtype=dtype, generator=g)
+    count = rotation(n * k * torch.empty((), dtype=dtype).element_size(), device)
+    weights = [weight] if usable else []
+    weights += [torch.randn(n, k, device=device, dtype=dtype, generator=g) for _ in range(count - len(weights))]
     x = torch.randn(1, k, device=device, dtype=dtype, generator=g)
     out32 = torch.empty(n, device=device, dtype=torch.float32)
-    return fastest(GEMV_CANDIDATES, lambda cand: linear(x, w, cand, out32), "GEMV")
+
+    def batch(cand):
+        for w in weights:
+            linear(x, w, cand, out32)
+
+    params, times = fastest(GEMV_CANDIDATES, batch, "GEMV")
+    return params, {i: t / count for i, t in times.items()}
 
 
 def gemv_launch_params(tune, n: int, k: int, dtype: torch.dtype, device,

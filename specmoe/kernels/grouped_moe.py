@@ -50,8 +50,8 @@ import torch
 
 from . import pdl
 from .fp8 import is_fp8_rows
-from .moe import compute_dtype, fastest, fp8_kernel_args, slot_moe_torch
-from .tuning import LaunchChoice, device_identity, dtype_name, launch_params
+from .moe import compute_dtype, fp8_kernel_args, slot_moe_torch
+from .tuning import LaunchChoice, device_identity, dtype_name, fastest, launch_params
 
 try:  # Triton is optional: CPU machines run the torch reference
     import triton
@@ -424,7 +424,7 @@ def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hid
     """Pick the fastest of GATE_UP_CANDIDATES and, apart, of DOWN_CANDIDATES for D = num_positions on this
     device (CUDA only): each weight kernel timed alone over TUNE_ROUTES Zipf-like routes (`zipf_routes`;
     TUNE_ZIPF: a trained model's blocks), launched back to back in a CUDA graph as the decoder's step runs them
-    (`_graph_ms`). Returns (params: one of GROUPED_CANDIDATES, {"gate_up i" / "down i": median ms per call});
+    (`tuning.fastest`). Returns (params: one of GROUPED_CANDIDATES, {"gate_up i" / "down i": median ms per call});
     candidates that fail to compile are skipped."""
     device, dtype = slot_buf.device, compute_dtype(slot_buf)
     g = torch.Generator().manual_seed(seed)
@@ -440,23 +440,13 @@ def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hid
 
     up, up_ms = fastest(GATE_UP_CANDIDATES, lambda cand: [
         _launch_gate_up(x, slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand))
-        for route, ws in zip(routes, spaces)], "grouped Triton MoE (gate/up)", bench=_graph_ms)
+        for route, ws in zip(routes, spaces)], "grouped Triton MoE (gate/up)")
     down, down_ms = fastest(DOWN_CANDIDATES, lambda cand: [
         _launch_down(slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand))
-        for route, ws in zip(routes, spaces)], "grouped Triton MoE (down)", bench=_graph_ms)
+        for route, ws in zip(routes, spaces)], "grouped Triton MoE (down)")
     times = {**{f"gate_up {i}": per_call(t) for i, t in up_ms.items()},
              **{f"down {i}": per_call(t) for i, t in down_ms.items()}}
     return {**up, **down}, times
-
-
-def _graph_ms(fn) -> float:
-    """Median ms of `fn` replayed in a CUDA graph (triton's do_bench_cudagraph), as the decoder's step runs the
-    kernels. A weight kernel takes 20-60 µs at OLMoE's size, of the order of an eager launch's host latency, which
-    do_bench's events include: timed eagerly, the H200's down kernel at D = 17 took 46-123 µs over the candidates
-    against 28 µs in the decoder's graph (BENCHMARKS.md, 2026-12-03), too noisy to rank tiles."""
-    from triton.testing import do_bench_cudagraph
-
-    return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
 
 
 def grouped_launch_params(tune, slot_buf: torch.Tensor, num_positions: int, top_k: int, hidden: int,

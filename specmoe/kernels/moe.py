@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import pdl
 from .fp8 import FP8_BLOCK, fp8_row_layout, is_fp8_rows, unpack_fp8_rows
-from .tuning import LaunchChoice, device_identity, dtype_name, launch_params
+from .tuning import LaunchChoice, device_identity, dtype_name, fastest, launch_params, rotation
 
 try:  # Triton is optional: CPU machines and CI run the torch path
     import triton
@@ -246,21 +246,33 @@ def compute_dtype(slot_buf: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if is_fp8_rows(slot_buf) else slot_buf.dtype
 
 
-def tune_moe(slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int, dtype: torch.dtype) -> tuple[dict, dict]:
-    """Pick the fastest of MOE_CANDIDATES on this device for one layer's slot buffer (CUDA only).
-
-    Returns (params, {candidate index: median ms}). Candidates that fail to compile are skipped."""
+def tune_moe(slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+             seed: int = 0) -> tuple[dict, dict]:
+    """Pick the fastest of MOE_CANDIDATES on this device for one layer's slot buffer (CUDA only): each candidate
+    timed over a batch of tokens whose routes (K distinct slots each, seeded) rotate through the slots so that
+    the batch reads past the L2 (`tuning.rotation`; every slot once before any is read again), launched back to
+    back in a CUDA graph (`tuning.fastest`). Returns (params, {candidate index: median ms per token});
+    candidates that fail to compile are skipped."""
     device = slot_buf.device
     num_slots = slot_buf.shape[0]
-    x = torch.randn(hidden, device=device, dtype=dtype)
-    res = torch.randn(hidden, device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    tokens = rotation(top_k * slot_buf[0].numel() * slot_buf.element_size(), device, 64)
+    cycle = torch.randperm(num_slots, generator=g)  # token r: the K slots from r K on, cyclically (distinct, K <= C)
+    routes = torch.zeros(tokens, 2 * top_k, dtype=torch.int32)
+    routes[:, :top_k] = cycle[(torch.arange(tokens)[:, None] * top_k + torch.arange(top_k)) % num_slots]
+    routes[:, top_k:].view(torch.float32)[:] = 1.0 / top_k
+    routes = routes.to(device)
+    x = torch.randn(hidden, generator=g).to(device=device, dtype=dtype)
+    res = torch.randn(hidden, generator=g).to(device=device, dtype=dtype)
     out = torch.empty_like(res)
     act = torch.empty(top_k, inter, device=device, dtype=dtype)
-    route = torch.zeros(2 * top_k, dtype=torch.int32, device=device)
-    route[:top_k] = torch.randperm(num_slots, device=device)[:top_k].int()
-    route[top_k:].view(torch.float32)[:] = 1.0 / top_k
-    return fastest(MOE_CANDIDATES, lambda cand: slot_moe_triton(x, res, slot_buf, route, act, out, hidden, inter,
-                                                                   cand), "Triton MoE")
+
+    def batch(cand):
+        for route in routes:
+            slot_moe_triton(x, res, slot_buf, route, act, out, hidden, inter, cand)
+
+    params, times = fastest(MOE_CANDIDATES, batch, "Triton MoE")
+    return params, {i: t / tokens for i, t in times.items()}
 
 
 def moe_launch_params(tune, slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int) -> LaunchChoice:
@@ -270,26 +282,3 @@ def moe_launch_params(tune, slot_buf: torch.Tensor, top_k: int, hidden: int, int
     shape = {"hidden": hidden, "inter": inter, "top_k": top_k, "dtype": dtype_name(slot_buf.dtype)}
     return launch_params(tune, "slot_moe", shape, device_identity(slot_buf.device), MOE_CANDIDATES, MOE_DEFAULTS,
                          lambda: tune_moe(slot_buf, top_k, hidden, inter, compute_dtype(slot_buf)))
-
-
-def fastest(candidates, run, what: str, bench=None) -> tuple[dict, dict]:
-    """The candidate launch parameters with which `run(params)` is fastest on this device (median ms of
-    `bench(fn)`, default triton's do_bench): (params, {candidate index: median ms}). Candidates the compiler
-    rejects are skipped."""
-    if bench is None:
-        from triton.testing import do_bench
-
-        def bench(fn):
-            return do_bench(fn, warmup=5, rep=20, return_mode="median")
-
-    times = {}
-    for i, cand in enumerate(candidates):
-        try:
-            run(cand)
-            times[i] = float(bench(lambda: run(cand)))  # noqa: B023
-        except Exception:  # a candidate the compiler rejects on this device is simply not used
-            continue
-    if not times:
-        raise RuntimeError(f"no {what} configuration compiled on this device")
-    best = min(times, key=times.get)
-    return dict(candidates[best]), times

@@ -2,10 +2,11 @@
 and shape and kept in a cache file.
 
 An engine on CUDA runs its MoE kernels with the launch parameters (block sizes, warps, stages) that were
-fastest on this device: the first build measures the kernel's candidates (`moe.fastest`) and writes the
-choice to the cache file; later builds read it and measure nothing. An entry's key is the device (name and
-compute capability), the torch and Triton versions, the kernel and its shape and dtype (`cache_key`), so a
-new GPU, a new torch or Triton, or another model shape is tuned again.
+fastest on this device: the first build measures the kernel's candidates (`fastest`: each timed in a CUDA
+graph of launches that read past the L2, `graph_ms` and `rotation`) and writes the choice to the cache file;
+later builds read it and measure nothing. An entry's key is the device (name and compute capability), the torch
+and Triton versions, the kernel and its shape and dtype (`cache_key`), so a new GPU, a new torch or Triton, or
+another model shape is tuned again.
 
 `tune` (`EngineConfig.tune`, `Decoder.use_kernels`): "auto" (default: the cached entry, else tune once and
 cache it), True (tune now and overwrite the entry), False (the kernel's fixed defaults, for exact
@@ -35,7 +36,7 @@ from specmoe.files import write_text_atomic
 TUNE_MODES = ("auto", True, False)
 CACHE_ENV = "SPECMOE_TUNING_CACHE"
 FORMAT = "specmoe kernel tuning"
-VERSION = 1
+VERSION = 2  # 2: every entry timed in a CUDA graph past the L2 (`fastest`); version 1 files are tuned again
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,51 @@ def write_entry(path: Path, key: str, entry: dict) -> None:
                                        sort_keys=True) + "\n")
 
 
+def graph_ms(fn) -> float:
+    """Median ms of `fn` (a tuner's batch of launches) replayed in a CUDA graph (triton's do_bench_cudagraph): the
+    kernels run back to back as in the decoder's step graph, each starting while the one before finishes
+    (programmatic dependent launch), with no host latency between them. A decode step's kernels take 2-60 µs,
+    of the order of an eager launch's host latency, which do_bench's events include: timed eagerly, the grouped
+    down kernel's candidates at D = 17 took 46-123 µs on the H200 against 28 µs in the decoder's graph
+    (BENCHMARKS.md). Every tuner times with this (`fastest`); a batch must read more memory than the L2 holds
+    (`rotation`), or the graph times the L2."""
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
+
+
+def l2_bytes(device) -> int:
+    """The L2 cache's size of a CUDA device (0 elsewhere)."""
+    device = torch.device(device)
+    return int(torch.cuda.get_device_properties(device).L2_cache_size) if device.type == "cuda" else 0
+
+
+def rotation(nbytes: int, device, most: int = 512) -> int:
+    """How many distinct operands of `nbytes` each a tuner's batch of launches rotates through so that the batch
+    reads at least twice the device's L2 (`l2_bytes`): one launch's operand is then no longer in L2 when the
+    batch comes back to it, as a decode step's weights are not (every layer's others stream in between). At
+    least 1, at most `most` (a router's 0.25 MB weight: 400 copies on the H200's 50 MB L2)."""
+    return max(1, min(most, -(-2 * l2_bytes(device) // max(1, int(nbytes)))))
+
+
+def fastest(candidates, run, what: str, bench=None) -> tuple[dict, dict]:
+    """The candidate launch parameters with which `run(params)` is fastest on this device: (params, {candidate
+    index: median ms of one `run`}), timed by `bench(fn)`, default `graph_ms`. `run` should launch a batch that
+    reads past the L2 (`rotation`). Candidates the compiler rejects are skipped."""
+    bench = bench or graph_ms
+    times = {}
+    for i, cand in enumerate(candidates):
+        try:
+            run(cand)
+            times[i] = float(bench(lambda: run(cand)))  # noqa: B023
+        except Exception:  # a candidate the compiler rejects on this device is simply not used
+            continue
+    if not times:
+        raise RuntimeError(f"no {what} configuration compiled on this device")
+    best = min(times, key=times.get)
+    return dict(candidates[best]), times
+
+
 def launch_params(tune, kernel: str, shape: dict, identity: dict | None, candidates, defaults: dict, tuner,
                   path: Path | None = None) -> LaunchChoice:
     """The launch parameters of `kernel` at `shape` on the device of `identity` (`device_identity`):
@@ -158,4 +204,4 @@ def launch_params(tune, kernel: str, shape: dict, identity: dict | None, candida
 
 
 __all__ = ["CACHE_ENV", "LaunchChoice", "TUNE_MODES", "cache_key", "cache_path", "check_tune", "device_identity",
-           "dtype_name", "launch_params", "read_cache", "write_entry"]
+           "dtype_name", "fastest", "graph_ms", "l2_bytes", "launch_params", "read_cache", "rotation", "write_entry"]
