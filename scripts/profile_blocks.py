@@ -4,7 +4,8 @@ tau --tau for each --k, verified by the engine with default settings on each blo
 path, the default on CUDA, and the host path) with copies skipped (compute only), pool P = --pool.
 
 For the target step (every expert resident, the engine's default) and for each k and path it prints:
-- ms per step (per verification block) and the block in target steps; the host path's host parts per block;
+- ms per step (per verification block) and the block in target steps, also apart for each request's first block
+  and its later ones (`first_and_later`); the host path's host parts per block;
 - the distinct experts a block's layer reads (mean over blocks and layers) and their bytes at the measured
   copy bandwidth: the MoE's floor; the bytes a block and a target step read in all (`Decoder.bytes_per_token`
   plus the routed experts) and their ratio: the block's cost in target steps at equal efficiency, a floor for a
@@ -73,6 +74,14 @@ def tau_blocks(trace, k: int, tau: float, count: int, vocab_size: int):
     into the target's vocabulary."""
     return in_vocabulary(synthetic_blocks(trace, k, AcceptanceProfile.for_tau(tau, k), seed=0, max_blocks=count,
                                           blocks_per_request=max(1, count // 4)), vocab_size)
+
+
+def first_and_later(results) -> tuple[float, float]:
+    """Mean ms of each request's first timed block (which follows the request's start: its pool's warm-up copies
+    and the recorder's reset) and of its later ones (nan where no request has two)."""
+    timed = [x.ms[x.timed] for x in results if x.timed.any()]
+    later = np.concatenate([ms[1:] for ms in timed])
+    return float(np.mean([ms[0] for ms in timed])), float(later.mean()) if len(later) else float("nan")
 
 
 def block_engine(model, unit, calibration, config: EngineConfig, speculative: SpeculativeConfig, path: str) -> Engine:
@@ -226,6 +235,9 @@ def main(argv=None) -> None:
             f"path {results[0].info['verify']})")
         say(f"block {block_ms:.3f} ms = {block_ms / step_ms:.2f} target steps; GPU busy {busy:.3f} ms, kernels "
             f"{per_block:.0f} per block; host parts " + ", ".join(f"{p} {v:.3f}" for p, v in timeline.items()) + " ms")
+        first, later = first_and_later(results)
+        say(f"a request's first block {first:.3f} ms (its pool's warm-up ahead of it), the later ones {later:.3f} ms = "
+            f"{later / step_ms:.2f} target steps")
         grouped = getattr(engine.decoder, "launch", {}).get(f"grouped_slot_moe D={k + 1}")
         if grouped is not None:
             say(f"grouped MoE launch parameters at D = {k + 1} ({grouped['source']}): {grouped['params']}")

@@ -547,6 +547,21 @@ def test_profile_blocks_refuses_bad_arguments_and_a_machine_without_cuda(capsys)
             profile_blocks.main([])
 
 
+def test_profile_blocks_splits_each_requests_first_block_from_the_later_ones():
+    """profile_blocks.first_and_later: each request's first timed block apart from its later ones (untimed steps
+    left out; a request of one block has no later ones)."""
+    import profile_blocks
+
+    def request(ms, timed):
+        return SimpleNamespace(ms=np.array(ms), timed=np.array(timed))
+
+    results = [request([9.0, 3.0, 2.0, 2.2], [False, True, True, True]), request([4.0, 2.4], [True, True]),
+               request([5.0], [True]), request([7.0], [False])]
+    first, later = profile_blocks.first_and_later(results)
+    assert first == pytest.approx((3.0 + 4.0 + 5.0) / 3) and later == pytest.approx((2.0 + 2.2 + 2.4) / 3)
+    assert np.isnan(profile_blocks.first_and_later([request([5.0], [True])])[1])
+
+
 def test_profile_blocks_kernel_table_counts_from_when_kernels_could_run():
     """profile_blocks.kernel_table on a profiler's record of two steps of a PDL chain (each kernel starts while the
     one before runs): per name, calls and ms per step as recorded and as they could run, busy time counted once;
