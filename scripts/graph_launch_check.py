@@ -34,17 +34,13 @@ from bench_engine import read_tiled  # noqa: E402
 from profile_blocks import block_engine, tau_blocks  # noqa: E402
 
 from specmoe.engines import EngineConfig  # noqa: E402
-from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
-from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
+from specmoe.engines.helpers import resident_model_on_device  # noqa: E402
 from specmoe.speculation import SpeculativeConfig  # noqa: E402
 from specmoe.verifiers import selector_preset  # noqa: E402
 
 name = args.model
-model, adapter = random_model_on_device(name, 0, torch.bfloat16, "cuda")
-store = ExpertStore.from_model(model, adapter)
-free_routed_experts(model)
+model, adapter, store, unit = resident_model_on_device(name, 0, torch.bfloat16, "cuda")
 L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
-unit = ExpertResidency(store, E, "cuda")
 trace, calibration = read_tiled("olmoe-like:tokens=8192,skew=1", "olmoe-like:skew=1", L, E, K)
 blocks = tau_blocks(trace, 16, 5.0, 8, V)
 engine = block_engine(model, unit, calibration, EngineConfig(max_seq_len=4096),

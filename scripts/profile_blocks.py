@@ -46,9 +46,8 @@ from profile_engine import Transcript  # noqa: E402
 
 from specmoe.engines import Engine, EngineConfig, build_engine, kernel_timeline  # noqa: E402
 from specmoe.engines.kernel_timeline import kernel_table  # noqa: E402
-from specmoe.engines.helpers import free_routed_experts, random_model_on_device  # noqa: E402
+from specmoe.engines.helpers import resident_model_on_device  # noqa: E402
 from specmoe.models import adapter_for, decoder_for  # noqa: E402
-from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
 from specmoe.records import AcceptanceProfile, synthetic_blocks  # noqa: E402
 from specmoe.routing import Calibration, preset  # noqa: E402
 from specmoe.speculation import SpeculativeConfig  # noqa: E402
@@ -177,11 +176,8 @@ def main(argv=None) -> None:
 
     say = Transcript()
     t0 = time.time()
-    model, adapter = random_model_on_device(args.model, 0, torch.bfloat16, "cuda")
-    store = ExpertStore.from_model(model, adapter)
-    free_routed_experts(model)
+    model, adapter, store, unit = resident_model_on_device(args.model, 0, torch.bfloat16, "cuda")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
-    unit = ExpertResidency(store, E, "cuda")
     bandwidth = measure_bandwidth("cuda", 2 * 1024**3)
     trace, calibration = read_tiled(args.trace, args.calibration, L, E, K)
     cfg = EngineConfig(max_seq_len=args.max_seq_len)

@@ -93,18 +93,14 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("tuning_spread.py times tuned CUDA kernels: it needs a CUDA device")
 
     from specmoe.engines import EngineConfig, build_engine
-    from specmoe.engines.helpers import free_routed_experts, random_model_on_device
+    from specmoe.engines.helpers import resident_model_on_device
     from specmoe.files import write_text_atomic
     from specmoe.kernels import tuning
-    from specmoe.offload import ExpertResidency, ExpertStore
     from specmoe.routing import Calibration, preset
 
     t0 = time.time()
-    model, adapter = random_model_on_device(args.model, 0, torch.bfloat16, "cuda")
-    store = ExpertStore.from_model(model, adapter)
-    free_routed_experts(model)
+    model, adapter, _, unit = resident_model_on_device(args.model, 0, torch.bfloat16, "cuda")
     L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
-    unit = ExpertResidency(store, E, "cuda")
     tokens = np.random.default_rng(1).integers(0, V, args.tokens)
     print(f"{args.model}: set up in {time.time() - t0:.0f} s", flush=True)
     rows, previous = [], os.environ.get(tuning.CACHE_ENV)

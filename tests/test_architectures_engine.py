@@ -102,3 +102,18 @@ def test_an_engine_over_a_model_whose_experts_were_freed_decodes_the_same(tiny, 
     after = make_engine((model, adapter, store), "psr", 6).teacher_forced(tokens, prompt_len=4, return_logits=True)
     np.testing.assert_array_equal(after.logits, before.logits)
     np.testing.assert_array_equal(after.selected, before.selected)
+
+
+def test_resident_model_on_device_holds_every_expert_in_the_store_and_the_unit():
+    """`resident_model_on_device` (the profile scripts' target): the store holds every expert of the seeded random
+    model, the model's own copies are freed, and the unit keeps all E of every layer resident on the device."""
+    from specmoe.engines.helpers import random_model_on_device, resident_model_on_device
+    from specmoe.offload import ExpertStore
+
+    model, adapter, store, unit = resident_model_on_device("olmoe-micro", 3, torch.float32, "cpu")
+    reference, _ = random_model_on_device("olmoe-micro", 3, torch.float32, "cpu")
+    again = ExpertStore.from_model(reference, adapter)
+    assert (store.num_layers, store.num_experts) == (adapter.num_moe_layers, adapter.num_experts)
+    assert all(torch.equal(a, b) for a, b in zip(store.layers, again.layers))
+    assert all(p.numel() == 0 for n, p in model.named_parameters() if ".experts." in n)
+    assert unit.slots.capacity == adapter.num_experts and unit.store is store

@@ -42,6 +42,18 @@ def random_model_on_device(name: str, seed: int, dtype: torch.dtype, device):
     return model, adapter_for(config)
 
 
+def resident_model_on_device(name: str, seed: int, dtype: torch.dtype, device):
+    """A named config with seeded random weights on `device` (`random_model_on_device`), its routed experts moved
+    into an `ExpertStore` (the model's copies freed: `free_routed_experts`) and a residency unit holding every
+    expert on the device: (model, adapter, store, unit), the all-resident target the profile scripts measure."""
+    from specmoe.offload import ExpertResidency, ExpertStore
+
+    model, adapter = random_model_on_device(name, seed, dtype, device)
+    store = ExpertStore.from_model(model, adapter)
+    free_routed_experts(model)
+    return model, adapter, store, ExpertResidency(store, adapter.num_experts, device)
+
+
 def free_routed_experts(model) -> int:
     """Release a transformers MoE model's routed expert weights once an `ExpertStore` holds them: the engines read
     experts from the store and their decoders every other weight from the model, so a full-size model and a slot
