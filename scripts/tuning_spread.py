@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -76,6 +77,29 @@ def spread_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fresh_step(model, adapter, unit, tokens, args) -> dict:
+    """The target engine built over the all-resident `unit` (tuned into the cache file the environment names) and
+    its step timed: {"step_ms": the median of --passes after one to warm up, "passes_ms", "build_s", "choice",
+    "sources"}."""
+    from specmoe.engines import EngineConfig, build_engine
+    from specmoe.routing import Calibration, preset
+
+    L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
+    t0 = time.time()
+    engine = build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, V),
+                          EngineConfig(max_seq_len=args.max_seq_len), residency=unit)
+    built = time.time() - t0
+    passes = []
+    for _ in range(args.passes + 1):  # the first warms up
+        r = engine.teacher_forced(tokens, first_position=args.position)
+        passes.append(float(r.ms[r.timed].mean()))
+    launch = engine.kernels["launch"]
+    del engine, r
+    torch.cuda.empty_cache()
+    return {"step_ms": statistics.median(passes[1:]), "passes_ms": passes[1:], "build_s": built,
+            "choice": choice_of(launch), "sources": sorted({entry["source"] for entry in launch.values()})}
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="olmoe-1b-7b", help="a named config of specmoe.models")
@@ -92,45 +116,27 @@ def main(argv=None) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("tuning_spread.py times tuned CUDA kernels: it needs a CUDA device")
 
-    from specmoe.engines import EngineConfig, build_engine
     from specmoe.engines.helpers import resident_model_on_device
     from specmoe.files import write_text_atomic
     from specmoe.kernels import tuning
-    from specmoe.routing import Calibration, preset
 
     t0 = time.time()
     model, adapter, _, unit = resident_model_on_device(args.model, 0, torch.bfloat16, "cuda")
-    L, E, K, V = adapter.num_moe_layers, adapter.num_experts, adapter.top_k, adapter.vocab_size
-    tokens = np.random.default_rng(1).integers(0, V, args.tokens)
+    tokens = np.random.default_rng(1).integers(0, adapter.vocab_size, args.tokens)
     print(f"{args.model}: set up in {time.time() - t0:.0f} s", flush=True)
-    rows, previous = [], os.environ.get(tuning.CACHE_ENV)
-    with tempfile.TemporaryDirectory() as scratch:
-        for n, timer in enumerate(t for _ in range(args.rounds) for t in args.timers):
-            use_timer(timer)
-            path = Path(scratch) / f"tuning{n}.json"  # a fresh cache: everything is tuned again
-            t1 = time.time()
-            os.environ[tuning.CACHE_ENV] = str(path)
-            engine = build_engine(model, preset("exact_lru", E, K), Calibration.uniform(L, E, V),
-                                  EngineConfig(max_seq_len=args.max_seq_len), residency=unit)
-            built = time.time() - t1
-            passes = []
-            for _ in range(args.passes + 1):  # the first warms up
-                r = engine.teacher_forced(tokens, first_position=args.position)
-                passes.append(float(r.ms[r.timed].mean()))
-            launch = engine.kernels["launch"]
-            sources = {entry["source"] for entry in launch.values()}
-            row = {"round": n // len(args.timers), "timer": timer, "step_ms": statistics.median(passes[1:]),
-                   "passes_ms": passes[1:], "build_s": built, "choice": choice_of(launch), "sources": sorted(sources)}
-            rows.append(row)
-            print(f"round {row['round']} {timer}: step {row['step_ms']:.3f} ms (passes "
-                  f"{', '.join(f'{x:.3f}' for x in passes[1:])}), built and tuned in {built:.0f} s, "
-                  f"sources {row['sources']}; {row['choice']}", flush=True)
-            del engine, r
-            torch.cuda.empty_cache()
-    if previous is None:
-        os.environ.pop(tuning.CACHE_ENV)
-    else:
-        os.environ[tuning.CACHE_ENV] = previous
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as scratch, mock.patch.dict(os.environ):  # the environment restored
+            for n, timer in enumerate(t for _ in range(args.rounds) for t in args.timers):
+                use_timer(timer)
+                os.environ[tuning.CACHE_ENV] = str(Path(scratch) / f"tuning{n}.json")  # a fresh cache
+                row = {"round": n // len(args.timers), "timer": timer, **fresh_step(model, adapter, unit, tokens, args)}
+                rows.append(row)
+                print(f"round {row['round']} {timer}: step {row['step_ms']:.3f} ms (passes "
+                      f"{', '.join(f'{x:.3f}' for x in row['passes_ms'])}), built and tuned in "
+                      f"{row['build_s']:.0f} s, sources {row['sources']}; {row['choice']}", flush=True)
+    finally:
+        use_timer("graph")  # the package's own timer back, whatever ran last
     table = spread_table(rows)
     print(table, flush=True)
     if args.out:

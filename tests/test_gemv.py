@@ -72,7 +72,7 @@ from specmoe.kernels.gemv import GEMV_CANDIDATES, tune_gemv
 ran, timed_on = [], []
 plain = gemv.linear
 gemv.linear = lambda x, w, *a: timed_on.append(w) or plain(x, w, *a)
-def every(candidates, run, what):  # `fastest` without its timer: each candidate once, on the tuner's own inputs
+def every(candidates, run, what, launches=1):  # `fastest` without its timer: each candidate once, on the tuner's own inputs
     for i, cand in enumerate(candidates):
         run(cand)
         ran.append(i)

@@ -245,6 +245,8 @@ def test_tuning_picks_the_fastest_candidate_that_compiles(monkeypatch):
     timed = []  # a timer of the caller's in place of the graphs
     params, times = fastest(candidates, run, "test", bench=lambda fn: timed.append(fn()) or {1: 0.3, 3: 0.4}[last["n"]])
     assert params == {"n": 1} and times == {0: 0.3, 2: 0.4} and len(timed) == 2
+    params, times = fastest(candidates, run, "test", bench=lambda fn: {1: 0.3, 3: 0.4}[last["n"]], launches=4)
+    assert params == {"n": 1} and times == {0: 0.3 / 4, 2: 0.4 / 4}  # ms per launch of a batch of 4
     with pytest.raises(RuntimeError, match="no test configuration compiled"):
         fastest(candidates[1:2], run, "test")
 
@@ -273,10 +275,10 @@ def test_per_token_and_gemv_tuners_time_batches_that_read_past_the_l2(monkeypatc
     monkeypatch.setattr(tuning, "l2_bytes", lambda device: 384 * 2**10)
     timed = []
 
-    def fastest(candidates, run, what, bench=None):
+    def fastest(candidates, run, what, bench=None, launches=1):  # ms per launch, as `fastest` reports them
         timed.append(bench)
         run(candidates[1])
-        return dict(candidates[1]), {1: 6.0}
+        return dict(candidates[1]), {1: 6.0 / launches}
 
     routes, weights = [], []
     monkeypatch.setattr(moe, "fastest", fastest)

@@ -435,17 +435,13 @@ def tune_grouped_moe(slot_buf: torch.Tensor, num_positions: int, top_k: int, hid
     for route, ws in zip(routes, spaces):
         _launch_grouping(route, ws, num_slots)
 
-    def per_call(ms: float) -> float:
-        return ms / len(spaces)
-
     up, up_ms = fastest(GATE_UP_CANDIDATES, lambda cand: [
         _launch_gate_up(x, slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand))
-        for route, ws in zip(routes, spaces)], "grouped Triton MoE (gate/up)")
+        for route, ws in zip(routes, spaces)], "grouped Triton MoE (gate/up)", launches=len(spaces))
     down, down_ms = fastest(DOWN_CANDIDATES, lambda cand: [
         _launch_down(slot_buf, route, ws, 0, num_slots, grouped_params(num_positions, cand))
-        for route, ws in zip(routes, spaces)], "grouped Triton MoE (down)")
-    times = {**{f"gate_up {i}": per_call(t) for i, t in up_ms.items()},
-             **{f"down {i}": per_call(t) for i, t in down_ms.items()}}
+        for route, ws in zip(routes, spaces)], "grouped Triton MoE (down)", launches=len(spaces))
+    times = {**{f"gate_up {i}": t for i, t in up_ms.items()}, **{f"down {i}": t for i, t in down_ms.items()}}
     return {**up, **down}, times
 
 

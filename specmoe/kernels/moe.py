@@ -271,8 +271,7 @@ def tune_moe(slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int, dtype:
         for route in routes:
             slot_moe_triton(x, res, slot_buf, route, act, out, hidden, inter, cand)
 
-    params, times = fastest(MOE_CANDIDATES, batch, "Triton MoE")
-    return params, {i: t / tokens for i, t in times.items()}
+    return fastest(MOE_CANDIDATES, batch, "Triton MoE", launches=tokens)
 
 
 def moe_launch_params(tune, slot_buf: torch.Tensor, top_k: int, hidden: int, inter: int) -> LaunchChoice:

@@ -146,16 +146,17 @@ def rotation(nbytes: int, device, most: int = 512) -> int:
     return max(1, min(most, -(-2 * l2_bytes(device) // max(1, int(nbytes)))))
 
 
-def fastest(candidates, run, what: str, bench=None) -> tuple[dict, dict]:
+def fastest(candidates, run, what: str, bench=None, launches: int = 1) -> tuple[dict, dict]:
     """The candidate launch parameters with which `run(params)` is fastest on this device: (params, {candidate
-    index: median ms of one `run`}), timed by `bench(fn)`, default `graph_ms`. `run` should launch a batch that
-    reads past the L2 (`rotation`). Candidates the compiler rejects are skipped."""
+    index: median ms per launch}), a `run` timed by `bench(fn)` (default `graph_ms`) over the `launches` it
+    makes. `run` should launch a batch that reads past the L2 (`rotation`). Candidates the compiler rejects are
+    skipped."""
     bench = bench or graph_ms
     times = {}
     for i, cand in enumerate(candidates):
         try:
             run(cand)
-            times[i] = float(bench(lambda: run(cand)))  # noqa: B023
+            times[i] = float(bench(lambda: run(cand))) / launches  # noqa: B023
         except Exception:  # a candidate the compiler rejects on this device is simply not used
             continue
     if not times:
