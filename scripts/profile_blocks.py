@@ -117,38 +117,65 @@ def host_profile(engine, blocks, position: int, rows: int = 12) -> str:
 def launch_split(engine, blocks, position: int) -> dict:
     """A pass over `blocks` on the device path with its one launch per block timed (ms per block): the wall time
     per block (the engine's), the graph's span on the GPU (CUDA events around the replay), and the host's part:
-    the `replay()` call, the wait after it, and the rest (the engine's acceptance and the next block's input).
-    None where the blocks do not run as one captured graph holding its copy-out (`device_policy.launch`'s other
-    forms, run as they are)."""
+    the `replay()` call, the wait after it, and the rest (the engine's acceptance and the next block's input),
+    itself split by the host's clock at `DeviceBlocks.verify`'s entry and exit: "staging" (verify's entry to the
+    launch: the block's input, weights and recorded logits staged), "reading" (the launch's end to verify's exit:
+    the outputs read, the union-slot check, the displaced mass) and "between" (verify's exit to the next block's
+    verify: acceptance, rollback, the pool's and copy stream's counters, the recorder, the next block's weights;
+    part of it outside the engine's wall time per block). None where the blocks do not run as one captured graph
+    holding its copy-out (`device_policy.launch`'s other forms, run as they are)."""
     from specmoe.engines import device_blocks
 
-    plain, times = device_blocks.launch, collections.defaultdict(list)
+    plain, verify, times = device_blocks.launch, device_blocks.DeviceBlocks.verify, collections.defaultdict(list)
+    stamps = []  # (verify's entry, the launch's entry, the launch's exit, verify's exit) per block
 
     def timed(path):
         if not (path.use_graphs and path.copy_in_graph):
             return plain(path)
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stamps[-1].append(time.perf_counter())
         before.record(path.stream)
         t0 = time.perf_counter()
         device_blocks.captured(path).replay()
         t1 = time.perf_counter()
         after.record(path.stream)
         after.synchronize()
+        stamps[-1].append(time.perf_counter())
         times["replay"].append(t1 - t0)
-        times["wait"].append(time.perf_counter() - t1)
+        times["wait"].append(stamps[-1][-1] - t1)
         times["events"].append((before, after))
 
-    device_blocks.launch = timed
+    def stamped(self, *args, **kwargs):
+        stamps.append([time.perf_counter()])
+        out = verify(self, *args, **kwargs)
+        stamps[-1].append(time.perf_counter())
+        return out
+
+    device_blocks.launch, device_blocks.DeviceBlocks.verify = timed, stamped
     try:
         results = engine.follow(blocks, first_position=position)
     finally:
-        device_blocks.launch = plain
+        device_blocks.launch, device_blocks.DeviceBlocks.verify = plain, verify
     if not times["events"]:
         return None
     wall = float(np.concatenate([x.ms for x in results]).mean())
     gpu = float(np.mean([a.elapsed_time(b) for a, b in times["events"]]))
     replay, wait = 1e3 * float(np.mean(times["replay"])), 1e3 * float(np.mean(times["wait"]))
-    return {"wall": wall, "gpu": gpu, "replay": replay, "wait": wait, "rest": wall - replay - wait}
+    return {"wall": wall, "gpu": gpu, "replay": replay, "wait": wait, "rest": wall - replay - wait,
+            **host_clock_split(stamps)}
+
+
+def host_clock_split(stamps) -> dict:
+    """ms per block by the host's clock from `launch_split`'s stamps (seconds: verify's entry, the launch's entry,
+    the launch's exit, verify's exit; a block without all four, not launched as one graph, is left out): "staging"
+    and "reading" (means), "between" (the median of verify's exit to the next block's entry, within and across
+    requests; nan with fewer than two blocks)."""
+    s = np.array([x for x in stamps if len(x) == 4], dtype=float).reshape(-1, 4)
+    if not len(s):
+        return {"staging": float("nan"), "reading": float("nan"), "between": float("nan")}
+    between = s[1:, 0] - s[:-1, 3]
+    return {"staging": 1e3 * float(np.mean(s[:, 1] - s[:, 0])), "reading": 1e3 * float(np.mean(s[:, 3] - s[:, 2])),
+            "between": 1e3 * float(np.median(between)) if len(between) else float("nan")}
 
 
 def main(argv=None) -> None:
@@ -243,7 +270,8 @@ def main(argv=None) -> None:
                 f"before the graph's launch to one after it: the launch's latency, the graph's kernels and copies) + "
                 f"host {split['wall'] - split['gpu']:.3f}; of the host: replay() {split['replay']:.3f}, waiting "
                 f"after it {split['wait']:.3f} (GPU still running), the rest {split['rest']:.3f} (acceptance, the "
-                f"next block's input)")
+                f"next block's input); by the host's clock: staging {split['staging']:.3f}, reading the outputs "
+                f"{split['reading']:.3f}, between blocks (median) {split['between']:.3f}")
         say(f"distinct experts per layer {distinct:.1f} of {E}: {distinct * store.expert_bytes * L / 1e9:.2f} GB "
             f"per block, floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s")
         block_floor, step_floor = floors["block"], floors["step"]

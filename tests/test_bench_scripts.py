@@ -562,6 +562,23 @@ def test_profile_blocks_splits_each_requests_first_block_from_the_later_ones():
     assert np.isnan(profile_blocks.first_and_later([request([5.0], [True])])[1])
 
 
+def test_profile_blocks_splits_the_host_time_by_its_clock():
+    """profile_blocks.host_clock_split: per block staging (verify's entry to the launch) and reading (the launch's
+    end to verify's exit) as means, the time between blocks as the median; a block not launched as one graph (two
+    stamps) is left out; nan where there is nothing to split."""
+    import profile_blocks
+
+    stamps = [[0.000, 0.001, 0.003, 0.0035], [0.0045, 0.0065, 0.008, 0.009], [0.0, 0.1],
+              [0.0095, 0.0105, 0.012, 0.0125], [0.0175, 0.0185, 0.020, 0.0205]]
+    split = profile_blocks.host_clock_split(stamps)
+    assert split["staging"] == pytest.approx((1 + 2 + 1 + 1) / 4)
+    assert split["reading"] == pytest.approx((0.5 + 1 + 0.5 + 0.5) / 4)
+    assert split["between"] == pytest.approx(1.0)  # the gaps 1.0, 0.5, 5.0 (ms)
+    one = profile_blocks.host_clock_split([[0.0, 0.001, 0.002, 0.003]])
+    assert one["staging"] == pytest.approx(1.0) and np.isnan(one["between"])
+    assert all(np.isnan(v) for v in profile_blocks.host_clock_split([[0.0, 0.1]]).values())
+
+
 def test_profile_blocks_kernel_table_counts_from_when_kernels_could_run():
     """profile_blocks.kernel_table on a profiler's record of two steps of a PDL chain (each kernel starts while the
     one before runs): per name, calls and ms per step as recorded and as they could run, busy time counted once;
@@ -613,6 +630,7 @@ def test_profile_blocks_host_profile_ranks_the_host_functions_of_a_pass():
     calibration = Calibration.uniform(adapter.num_moe_layers, adapter.num_experts, adapter.vocab_size)
     engine = build_engine(model, None, calibration, EngineConfig(max_seq_len=64),
                           speculative=SpeculativeConfig(selector_preset("acceptmoe"), k=3, pool_size=8))
+    engine.follow(blocks, first_position=4)  # as the script profiles: after a pass, with numba's functions compiled
     text = profile_blocks.host_profile(engine, blocks, 4, rows=200)
     lines = text.splitlines()
     assert lines[0] == "| function | calls per block | own µs per block | cumulative µs per block |"
