@@ -49,7 +49,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 # float64 parameters (one tensor: a Python float launch argument would be float32)
 F_BONUS, F_SCALE, F_FAST, F_SLOW, F_FAST_GAIN, F_SLOW_GAIN, F_EPS = range(7)
 N_FPARAMS = 7
-PAIRWISE_MAX = 64  # experts up to which `_order` ranks by one [E, E] comparison (its tile: 16 KB of flags)
+PAIRWISE_MAX = 64  # experts up to which `_order` compares every pair in one [E, E] tile (at E = 64 on one warp)
+ORDER_PICKS = 24  # past PAIRWISE_MAX, the largest limit `_order` ranks by picks; above it, by tiles
+ORDER_TILE = 8  # the width of `_order`'s [E, ORDER_TILE] tiles past PAIRWISE_MAX (a thread holds whole rows)
 PRIOR_CHUNK = 16  # token-prior entries read per step of a priority snapshot ([BLOCK_E, 16] comparisons each)
 
 
@@ -96,11 +98,23 @@ if triton is not None:
     _F_SLOW_GAIN = tl.constexpr(F_SLOW_GAIN)
     _F_EPS = tl.constexpr(F_EPS)
     _PAIRWISE_MAX = tl.constexpr(PAIRWISE_MAX)
+    _ORDER_TILE = tl.constexpr(ORDER_TILE)
+    _ORDER_PICKS = tl.constexpr(ORDER_PICKS)
 
     @triton.jit
     def _pick_int(vec, idx, i):
         """vec[i] of an integer vector."""
         return tl.sum(tl.where(idx == i, vec, 0), axis=0)
+
+    @triton.jit
+    def _ahead_count(score, raw, avail, idx, s_f, r_f, a_f, i_f):
+        """For each expert e of the vectors, how many of the experts f (s_f, r_f, a_f, i_f: their scores, raws,
+        availability, indices; any length) are available and rank ahead of e: higher score, then higher raw, then
+        lower index (`kernels._ahead`; the order is total)."""
+        s_e, r_e, i_e = score[:, None], raw[:, None], idx[:, None]
+        s_f, r_f, i_f = s_f[None, :], r_f[None, :], i_f[None, :]
+        ahead = (s_f > s_e) | ((s_f == s_e) & ((r_f > r_e) | ((r_f == r_e) & (i_f < i_e))))
+        return tl.sum((ahead & a_f[None, :]).to(tl.int32), axis=1)
 
     @triton.jit
     def _best(score, raw, avail, idx, BLOCK_E: tl.constexpr):
@@ -113,15 +127,22 @@ if triton is not None:
     @triton.jit
     def _order(score, raw, avail, idx, limit, BLOCK_E: tl.constexpr):
         """rank[e] = the position (0 .. limit-1) of expert e of `avail` in `_best`'s order (score, then raw, then
-        lower index): `_best`'s pick number, -1 for the others and past `limit`. Up to PAIRWISE_MAX experts every
-        expert's rank is counted at once, the experts of `avail` ahead of it in an [E, E] comparison (one
-        reduction instead of `limit` dependent `_best` picks of three each: the order is total, so the counts
-        are the picks' numbers); past that the comparison tile would spill, and the picks run in turn."""
+        lower index), -1 for the others and past `limit`. The order is total, so an expert's position is the number
+        of available experts ahead of it: up to PAIRWISE_MAX experts every rank is counted at once in one [E, E]
+        comparison. Past that, `limit` dependent `_best` picks of three reductions each (each crossing the warps),
+        or, for a limit above ORDER_PICKS (a block's extra candidates), the counts in [E, ORDER_TILE] tiles, the
+        other experts' values gathered a tile's width at a time: a fixed cost, more than a top-K's picks and less
+        than the extra candidates' (docs/device-cache.md, "Block selection on the device", has the two measured)."""
         if BLOCK_E <= _PAIRWISE_MAX:
-            s_e, r_e, i_e = score[:, None], raw[:, None], idx[:, None]
-            s_f, r_f, i_f = score[None, :], raw[None, :], idx[None, :]
-            ahead = (s_f > s_e) | ((s_f == s_e) & ((r_f > r_e) | ((r_f == r_e) & (i_f < i_e))))
-            count = tl.sum((ahead & avail[None, :]).to(tl.int32), axis=1)
+            count = _ahead_count(score, raw, avail, idx, score, raw, avail, idx)
+            rank = tl.where(avail & (count < limit), count, -1)
+        elif limit > _ORDER_PICKS:
+            count = tl.zeros([BLOCK_E], tl.int32)
+            avail_int = avail.to(tl.int32)
+            for c in range(0, BLOCK_E, _ORDER_TILE):
+                f = c + tl.arange(0, _ORDER_TILE)
+                count += _ahead_count(score, raw, avail, idx, tl.gather(score, f, 0), tl.gather(raw, f, 0),
+                                      tl.gather(avail_int, f, 0) != 0, f)
             rank = tl.where(avail & (count < limit), count, -1)
         else:
             rank = tl.full([BLOCK_E], -1, tl.int32)
