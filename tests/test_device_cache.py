@@ -104,6 +104,33 @@ def test_cache_step_compiles_for_the_gpu_for_every_case():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_cache_step_fits_its_registers_at_e64_and_e256():
+    """The whole compile for an H200 here, without one (`compile_launches(full=True)`: PTX, then ptxas's register
+    report), of Cache-Prior's and PSR's launches at E = 64 and 256, and of a PSR window of 32 at E = 256 (its
+    pre-gate ranking past `ORDER_PICKS`, by comparison tiles): nothing spills."""
+    import torch
+
+    from specmoe.kernels.checks import compile_launches, device_cache_case
+    from specmoe.kernels.device_cache import ORDER_PICKS, DeviceCache
+
+    cases = [(base, E, {}) for base in ("cache_prior", "psr") for E in (64, 256)]
+    cases.append(("psr", 256, {"window": ORDER_PICKS + 8, "insert_budget": 4}))
+    with compile_launches(full=True) as compiled:
+        for base, E, overrides in cases:
+            calibration = device_cache_case(2, E, 2, seed=0)[0]
+            scoring = scoring_of("softmax_renorm", 2, E)
+            cache = LogicalCache(preset(base, 32, 8, **overrides), calibration, 2, E, groups=scoring.groups)
+            dev = DeviceCache(cache, scoring, "cpu")
+            token, logits = torch.zeros(1, dtype=torch.int64), torch.zeros(E, dtype=torch.float32)
+            dev.step(token, 0, router_logits=logits)
+            dev.step(token, 1, pregate_logits=logits)
+    assert any(c["M"] > ORDER_PICKS for _, c, _ in compiled)
+    assert {c["E"] for _, c, _ in compiled} == {64, 256} and len(compiled) >= 6
+    for name, constants, usage in compiled:
+        assert usage["spill_stores"] == 0 and usage["registers"] <= 255, (constants["E"], constants["M"], usage)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_device_cache_refuses_other_groups_than_the_cache():
     from specmoe.kernels.device_cache import DeviceCache
 

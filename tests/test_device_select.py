@@ -71,6 +71,38 @@ def test_block_selection_compiles_for_the_gpu_for_every_case():
                      "_refill_kernel"}, names
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_block_selection_fits_its_registers_at_e64_and_e256():
+    """The whole compile for an H200 here, without one (`compile_launches(full=True)`: PTX, then ptxas's register
+    report), of a block selector's and the block prefetch's launches at E = 64 and 256, D = 17: the rankings'
+    comparison tiles fit the registers. `_order` with [256, 64] tiles compiled, then ran 3-6x slower on the
+    H200 from 5.9 KB of spill stores (BENCHMARKS.md); `_use_kernel`'s [D, E] tiles spill a little (24-96 bytes
+    here), which the bound below keeps from growing unseen."""
+    import torch
+
+    from specmoe.kernels.checks import compile_launches
+    from specmoe.kernels.device_select import DevicePool
+
+    chosen = [c for c in CASES if c[0] in ("acceptmoe", "acceptmoe_e256", "confidence_e256_groups")]
+    chosen += [c[:8] + (c[8],) for c in PREFETCH_CASES if c[0] == "exact_prefetch_e256"]
+    with compile_launches(full=True) as compiled:
+        for name, kind, overrides, E, P, scoring, _, _, *budget in chosen:
+            pool = ExpertPool(2, E, 8, P, np.tile(np.arange(E), (2, 1)))
+            dev = DevicePool(pool, selector_preset(kind, **overrides), scoring_of(scoring, 2, E), 17, "cpu",
+                             prefetch=budget[0] if budget else 0)
+            z, alpha = torch.zeros(17, E, dtype=torch.float32), torch.ones(17, dtype=torch.float64)
+            if budget:
+                dev.predict(1, z, alpha)
+            dev.select(0, z, alpha)
+            dev.end_block()
+    assert {(name, c["E"]) for name, c, _ in compiled} >= {
+        (k, e) for k in ("_own_kernel", "_demand_kernel", "_execute_kernel", "_use_kernel", "_refill_kernel")
+        for e in (64, 256)} | {("_prefetch_kernel", 256)}
+    for name, constants, usage in compiled:
+        bound = 128 if name == "_use_kernel" else 0
+        assert usage["spill_stores"] <= bound and usage["registers"] <= 255, (name, constants["E"], usage)
+
+
 # the block prefetch: (name, selector, overrides, E, P, scoring, D, blocks, budget, tight); tight: U set to the most
 # experts one layer of one block misses, so that demand copies must take unused prefetches' slots
 PREFETCH_CASES = [

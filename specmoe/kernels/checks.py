@@ -7,6 +7,7 @@ used, and the decoder's notes say why."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import numpy as np
 import torch
@@ -705,14 +706,16 @@ def _arg_type(arg) -> str:
     return "i32" if -2 ** 31 <= int(arg) < 2 ** 31 else "i64"
 
 
-def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: int = 90, **options) -> None:
+def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: int = 90, full: bool = False,
+                    **options) -> dict | None:
     """Run a Triton kernel's front end for a CUDA GPU of compute capability `arch` (default 90: Hopper) without
     one: its Python source to Triton IR, where the language's type rules apply (a loop-carried variable that
     changes type, pointer arithmetic of mixed types), which Triton's interpreter on the CPU does not enforce; such
-    a kernel raises here as its first launch would on the device. The later stages (layouts, PTX) are the
-    compiler's own and are not run. args: the launch's non-constexpr arguments in parameter order (tensors by
-    dtype, Python ints as 32-bit integers where they fit, as a launch types them); constants: its constexprs by
-    name."""
+    a kernel raises here as its first launch would on the device. args: the launch's non-constexpr arguments in
+    parameter order (tensors by dtype, Python ints as 32-bit integers where they fit, as a launch types them);
+    constants: its constexprs by name. With `full`, the whole pipeline runs (layouts, PTX, and Triton's bundled
+    ptxas on the PTX) and returns `ptxas_usage` of it: registers and spills, which only the machine code shows
+    (a comparison tile too wide for the registers compiles, then runs several times slower); else None."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -727,19 +730,50 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
     source = ASTSource(kernel, signature, constexprs)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
+    if full:
+        import triton
+
+        return ptxas_usage(triton.compile(source, target=target, options=dict(options, num_warps=num_warps)).asm["ptx"],
+                           arch)
     parsed = backend.parse_options(dict(options, num_warps=num_warps))
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
     source.make_ir(target, parsed, backend.get_codegen_implementation(parsed), backend.get_module_map(), context)
+    return None
+
+
+def ptxas_usage(ptx: str, arch: int = 90) -> dict:
+    """ptxas's report on one kernel's PTX, assembled for sm_{arch}a by the ptxas Triton ships: {"registers",
+    "spill_stores", "spill_loads", "stack"} (the last three in bytes)."""
+    import pathlib
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(path), "-o", str(path) + ".o"],
+                              capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ptxas failed on the kernel's PTX: {done.stderr[-2000:]}")
+    found = {key: re.search(pattern, done.stderr) for key, pattern in (
+        ("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
+        ("spill_loads", r"(\d+) bytes spill loads"), ("stack", r"(\d+) bytes stack frame"))}
+    if found["registers"] is None:
+        raise RuntimeError(f"ptxas -v reported no register use: {done.stderr[-2000:]}")
+    return {key: int(m.group(1)) if m else 0 for key, m in found.items()}
 
 
 @contextlib.contextmanager
-def compile_launches(arch: int = 90):
+def compile_launches(arch: int = 90, full: bool = False):
     """Within the block, every Triton launch (`kernel[grid](...)`) runs `compile_for_gpu` on its arguments instead
     of the kernel, once per kernel and specialisation (constexprs and argument types), and returns; nothing runs
     and no output is written, so only code whose host side reads no kernel output can run inside. Yields the list
-    of (kernel name, constexprs) compiled. Not under Triton's interpreter (its kernels are not compiled)."""
+    of (kernel name, constexprs) compiled; with `full`, (kernel name, constexprs, `ptxas_usage`) from the whole
+    pipeline. Not under Triton's interpreter (its kernels are not compiled)."""
     import inspect
 
     from triton.runtime.jit import JITFunction
@@ -758,8 +792,8 @@ def compile_launches(arch: int = 90):
                tuple(_arg_type(a) for a in launch))
         if key not in seen:
             seen.add(key)
-            compile_for_gpu(self, launch, constants, options.pop("num_warps", 4), arch, **options)
-            compiled.append((self.fn.__name__, constants))
+            usage = compile_for_gpu(self, launch, constants, options.pop("num_warps", 4), arch, full, **options)
+            compiled.append((self.fn.__name__, constants) + ((usage,) if full else ()))
 
     JITFunction.run = run
     try:
