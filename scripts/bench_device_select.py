@@ -88,6 +88,15 @@ def device_us(module, selector, scoring, pool: ExpertPool, z: np.ndarray, alpha:
             "refill_us": float(np.median([time_graph(refill) for _ in range(rounds)]))}
 
 
+def union_slots(selector: str, union: int, positions: int, top_k: int, num_experts: int, pool_size: int) -> int:
+    """The geometry's union slots U; for exact selection at least as many as a block can miss (min(D K, E - P)):
+    every position runs its own top-K, and the pool refuses a block that misses more than U experts (Qwen3.6's
+    U = 64 at D = 17 did)."""
+    if selector == "exact":
+        return max(union, min(positions * top_k, num_experts - pool_size))
+    return union
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -121,12 +130,13 @@ def main(argv=None) -> None:
         for selector_name, positions in ((s, d) for s in args.selectors for d in args.positions):
             selector = selector_preset(selector_name)
             z, alpha = device_select_case(args.blocks, num_layers, positions, num_experts, seed=positions)
-            row = {"geometry": name, "selector": selector_name, "D": positions,
+            slots = union_slots(selector_name, union, positions, top_k, num_experts, pool_size)
+            row = {"geometry": name, "selector": selector_name, "D": positions, "U": slots,
                    "host_us": host_select_us(selector, scoring, ExpertPool(num_layers, num_experts, top_k, pool_size,
-                                                                           warm, union), z, alpha)}
+                                                                           warm, slots), z, alpha)}
             for label, module in modules.items():
                 got = device_us(module, selector, scoring, ExpertPool(num_layers, num_experts, top_k, pool_size, warm,
-                                                                      union), z, alpha, args.rounds)
+                                                                      slots), z, alpha, args.rounds)
                 row.update({f"{label}_{key}": value for key, value in got.items()})
             print(json.dumps(row), flush=True)
             report["rows"].append(row)

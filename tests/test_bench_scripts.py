@@ -685,6 +685,17 @@ def test_bench_device_select_times_the_host_and_loads_another_kernel_version(tmp
     other = bench.load_module(device_select.__file__, device_cache.__file__)
     assert other is not device_select and other.DevicePool.__name__ == "DevicePool"
     assert bench.sys.modules["specmoe.kernels.device_cache"] is device_cache  # restored
+    # exact selection at Qwen3.6's geometry: a block of 17 can miss more than the geometry's 64 union slots
+    layers, experts, top_k, pool_size, union, kind = bench.GEOMETRIES["qwen3.6-35b-a3b"]
+    slots = bench.union_slots("exact", union, 17, top_k, experts, pool_size)
+    assert slots == min(17 * top_k, experts - pool_size) > union
+    assert bench.union_slots("acceptmoe", union, 17, top_k, experts, pool_size) == union
+    assert bench.union_slots("exact", union, 2, top_k, experts, pool_size) == union
+    z, alpha = bench.device_select_case(2, 2, 17, experts)
+    scoring = bench.scoring_of(kind, 2, experts)
+    warm = np.stack([np.random.default_rng(layer).permutation(experts) for layer in range(2)])
+    assert bench.host_select_us(selector_preset("exact"), scoring, ExpertPool(2, experts, top_k, pool_size, warm,
+                                                                              slots), z, alpha) > 0
     for extra, message in ((["--positions", "0"], "--positions must be at least 1"),
                            (["--module", "old.py"], "--module takes LABEL=FILE[,CACHE]"),
                            (["--module", "a=x.py", "a=y.py"], "distinct labels")):
