@@ -838,3 +838,31 @@ def test_ab_trees_alternates_the_trees_pairs_the_ratios_and_resumes(tmp_path, ca
     with pytest.raises(SystemExit):
         ab_trees.main(["--old", str(new), "--new", str(new), "--out", str(out)])
     assert "nothing to compare" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_kernel_registers_reports_every_launch_of_a_model(tmp_path, capsys):
+    """kernel_registers on a named config's shapes, compiled for sm_90 here without a GPU: a row per grouped MoE
+    candidate and block size, the block selection's launches and the cache step's, each with ptxas's registers
+    (1-255) and spills; the rows also as json; a bad block size refused in one line."""
+    import json
+
+    import kernel_registers
+
+    from specmoe.kernels import grouped_moe as gm
+
+    out = tmp_path / "regs.json"
+    kernel_registers.main(["--model", "olmoe-tiny", "--positions", "9", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert capsys.readouterr().out.count("\n| _") == len(rows)
+    grouped = [r for r in rows if r["D"] == 9 and r["kernel"].startswith("_grouped")]
+    assert len(grouped) == len(gm.GATE_UP_CANDIDATES) + len(gm.DOWN_CANDIDATES)
+    assert [r["params"]["block_m"] for r in grouped] == [gm.default_block_m(9)] * len(grouped)
+    assert {r["kernel"] for r in rows if r["D"] == 9} >= {"_own_kernel", "_demand_kernel", "_execute_kernel",
+                                                          "_prefetch_kernel", "_use_kernel", "_refill_kernel"}
+    assert {r["kernel"] for r in rows if r["kernel"].startswith("_cache_step")} == {
+        "_cache_step_kernel (cache_prior, route)", "_cache_step_kernel (psr, route)", "_cache_step_kernel (psr, part 1)"}
+    assert all(1 <= r["registers"] <= 255 and r["spill_stores"] >= 0 and r["stack"] >= 0 for r in rows)
+    with pytest.raises(SystemExit) as exit_:
+        kernel_registers.main(["--positions", "0"])
+    assert exit_.value.code == 2 and "--positions must be at least 1" in capsys.readouterr().err
