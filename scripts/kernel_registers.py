@@ -100,7 +100,8 @@ def cache_step_rows(geometry: Geometry, scoring) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| kernel | D | parameters | registers | spill stores | spill loads | stack |", "|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | D | parameters | registers | spill stores | spill loads | stack |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['kernel']} | {r['D']} | {', '.join(f'{k} {v}' for k, v in r['params'].items())} | "
               + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)

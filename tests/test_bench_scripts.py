@@ -861,7 +861,8 @@ def test_kernel_registers_reports_every_launch_of_a_model(tmp_path, capsys):
     assert {r["kernel"] for r in rows if r["D"] == 9} >= {"_own_kernel", "_demand_kernel", "_execute_kernel",
                                                           "_prefetch_kernel", "_use_kernel", "_refill_kernel"}
     assert {r["kernel"] for r in rows if r["kernel"].startswith("_cache_step")} == {
-        "_cache_step_kernel (cache_prior, route)", "_cache_step_kernel (psr, route)", "_cache_step_kernel (psr, part 1)"}
+        "_cache_step_kernel (cache_prior, route)", "_cache_step_kernel (psr, route)",
+        "_cache_step_kernel (psr, part 1)"}
     assert all(1 <= r["registers"] <= 255 and r["spill_stores"] >= 0 and r["stack"] >= 0 for r in rows)
     with pytest.raises(SystemExit) as exit_:
         kernel_registers.main(["--positions", "0"])
