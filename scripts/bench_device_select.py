@@ -9,7 +9,8 @@ pays per layer). Inputs are `checks.device_select_case`'s (logits on a bfloat16 
 
 `--module LABEL=FILE[,CACHE]` also times other versions of the kernel module (e.g. device_select.py before a
 change) in the same rounds, each under its label; CACHE is the device_cache.py that version imports its helpers
-from (default: the current one).
+from (default: the current one). `--warps 2 8` also times the current module's selection on those numbers of warps
+(labels "w2", "w8"; the default, `default_warps(E)`, is "current", recorded as current_warps).
 
     PYTHONPATH=. python3 scripts/bench_device_select.py --out runs/dselect.json [--module old=old_device_select.py]
 """
@@ -75,11 +76,12 @@ def host_select_us(selector, scoring, pool: ExpertPool, z: np.ndarray, alpha: np
     return float(np.median(times)) * 1e6
 
 
-def device_us(module, selector, scoring, pool: ExpertPool, z: np.ndarray, alpha: np.ndarray, rounds: int) -> dict:
+def device_us(module, selector, scoring, pool: ExpertPool, z: np.ndarray, alpha: np.ndarray, rounds: int,
+              warps: int | None = None) -> dict:
     """µs per layer's selection and per block's refill (medians over `rounds` replays): graphs of one block's
-    selections (every layer) and of the refill."""
+    selections (every layer) and of the refill; the selection on `warps` warps (None: the module's default)."""
     _, num_layers, positions, _ = z.shape
-    dev = module.DevicePool(pool, selector, scoring, positions, "cuda")
+    dev = module.DevicePool(pool, selector, scoring, positions, "cuda", **({} if warps is None else {"warps": warps}))
     z_dev = torch.tensor(z[0], device="cuda")
     a_dev = torch.tensor(alpha[0], device="cuda")
     select = graph_of(lambda: [dev.select(layer, z_dev[layer], a_dev) for layer in range(num_layers)])
@@ -107,6 +109,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--module", nargs="+", default=[], metavar="LABEL=FILE[,CACHE]",
                     help="other versions of device_select.py timed alongside (CACHE: the device_cache.py it imports)")
+    ap.add_argument("--warps", type=int, nargs="*", default=[], choices=(1, 2, 4, 8),
+                    help="also time the current selection on these numbers of warps (labels w1, w2, ...)")
     args = ap.parse_args(argv)
     if min(args.positions) < 1 or args.blocks < 2 or args.rounds < 1:
         ap.error("--positions must be at least 1, --blocks at least 2 and --rounds at least 1")
@@ -118,8 +122,9 @@ def main(argv=None) -> None:
         others[label] = files.split(",", 1) + [None] * (1 - files.count(","))
     if not torch.cuda.is_available():
         raise SystemExit("bench_device_select.py times CUDA graphs: it needs a CUDA device")
-    modules = {"current": load_module(None)}
-    modules.update({label: load_module(path, cache) for label, (path, cache) in others.items()})
+    current = load_module(None)
+    variants = {"current": (current, None)}
+    variants.update({label: (load_module(path, cache), None) for label, (path, cache) in others.items()})
     report = {"command": " ".join(["bench_device_select.py"] + (argv if argv is not None else sys.argv[1:])),
               "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
               "rows": []}
@@ -127,16 +132,18 @@ def main(argv=None) -> None:
         num_layers, num_experts, top_k, pool_size, union, kind = GEOMETRIES[name]
         scoring = scoring_of(kind, num_layers, num_experts)
         warm = np.stack([np.random.default_rng(layer).permutation(num_experts) for layer in range(num_layers)])
+        default = current.default_warps(num_experts)
+        timed = dict(variants, **{f"w{w}": (current, w) for w in args.warps if w != default})
         for selector_name, positions in ((s, d) for s in args.selectors for d in args.positions):
             selector = selector_preset(selector_name)
             z, alpha = device_select_case(args.blocks, num_layers, positions, num_experts, seed=positions)
             slots = union_slots(selector_name, union, positions, top_k, num_experts, pool_size)
-            row = {"geometry": name, "selector": selector_name, "D": positions, "U": slots,
+            row = {"geometry": name, "selector": selector_name, "D": positions, "U": slots, "current_warps": default,
                    "host_us": host_select_us(selector, scoring, ExpertPool(num_layers, num_experts, top_k, pool_size,
                                                                            warm, slots), z, alpha)}
-            for label, module in modules.items():
+            for label, (module, warps) in timed.items():
                 got = device_us(module, selector, scoring, ExpertPool(num_layers, num_experts, top_k, pool_size, warm,
-                                                                      slots), z, alpha, args.rounds)
+                                                                      slots), z, alpha, args.rounds, warps)
                 row.update({f"{label}_{key}": value for key, value in got.items()})
             print(json.dumps(row), flush=True)
             report["rows"].append(row)

@@ -698,10 +698,18 @@ def test_bench_device_select_times_the_host_and_loads_another_kernel_version(tmp
                                                                               slots), z, alpha) > 0
     for extra, message in ((["--positions", "0"], "--positions must be at least 1"),
                            (["--module", "old.py"], "--module takes LABEL=FILE[,CACHE]"),
-                           (["--module", "a=x.py", "a=y.py"], "distinct labels")):
+                           (["--module", "a=x.py", "a=y.py"], "distinct labels"),
+                           (["--warps", "3"], "invalid choice: 3")):
         with pytest.raises(SystemExit) as exit_:
             bench.main(["--out", str(tmp_path / "x.json")] + extra)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+    # the selection on other warps (`--warps`): the pool's launches take them; other numbers are refused
+    pool = ExpertPool(2, experts, top_k, pool_size, warm, union)
+    assert device_select.DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu").warps == \
+        device_cache.default_warps(experts)
+    assert device_select.DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu", warps=2).warps == 2
+    with pytest.raises(ValueError, match="1, 2, 4 or 8 warps, got 3"):
+        device_select.DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu", warps=3)
 
 
 def test_timeline_pass_on_the_cpu():

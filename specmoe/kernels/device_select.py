@@ -460,6 +460,8 @@ class DevicePool:
     move_lists int64 [L, 1 + 2E] (per layer the count, the union slots left, the pool slots taken: a copy list
     from the slots to the slots), as moves [L, 2, E] and n_moves [L].
 
+    warps: the selection launches' warps (default `default_warps(E)`; a benchmark's choice).
+
     prefetch: the block prefetch's budget per layer and block (0: none; `predict`). With a budget, `predict`
     writes prefetches[layer] int64 [1 + 2E] (count, experts ascending, slots P, P+1, ...: a copy list), and
     `select` writes the demand list with the copies only (the missing experts not prefetched, in their physical
@@ -469,9 +471,11 @@ class DevicePool:
     """
 
     def __init__(self, pool: ExpertPool, selector: SelectorConfig, scoring: RouterScoring | bool,
-                 max_positions: int, device, prefetch: int = 0):
+                 max_positions: int, device, prefetch: int = 0, warps: int | None = None):
         if triton is None:
             raise RuntimeError("DevicePool needs Triton")
+        if warps not in (None, 1, 2, 4, 8):
+            raise ValueError(f"the block selection runs on 1, 2, 4 or 8 warps, got {warps}")
         if not isinstance(selector, SelectorConfig):
             raise ValueError(f"expected a SelectorConfig, got {type(selector).__name__}")
         if isinstance(scoring, (bool, np.bool_)):
@@ -536,7 +540,8 @@ class DevicePool:
             RENORMALISE=int(bool(scoring.renormalise)), N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group,
             BLOCK_G=triton.next_power_of_2(scoring.n_group), P=pool.pool_size, U=pool.union_slots,
             PREFETCH=int(self.prefetch > 0), CAP=min(self.prefetch, pool.union_slots))
-        self.warps = default_warps(E)  # a chain of reductions over [E] vectors, as the cache step's
+        # a chain of reductions over [E] vectors, as the cache step's (the refill's launch keeps its own 4)
+        self.warps = default_warps(E) if warps is None else warps
 
     def _layer_views(self, layer: int) -> None:
         e = self.num_experts
