@@ -5,10 +5,10 @@ Each launch runs through Triton's whole compile for sm_90 and the ptxas Triton s
 with full=True; nothing runs): the grouped MoE's two weight kernels for every tuning candidate
 (`grouped_moe.GATE_UP_CANDIDATES`, `DOWN_CANDIDATES`) at each block size D, the block selection's launches
 (`DevicePool`: acceptmoe, with the block prefetch) and the AR cache step (`DeviceCache`: Cache-Prior and PSR) at
-the model's E, K and router scoring. Reported per launch: ptxas's registers per thread, spill stores and loads and
-stack frame (bytes). A kernel that spills, or one at 255 registers, is where a tile is too wide for the registers;
-only a GPU says what that costs (`bench_device_select.py`, `sweep_grouped_moe.py`), and only the machine code says
-that it happens. A named config needs no weights: the shapes come from its transformers config.
+the model's E, K and router scoring. Reported per launch: its warps, ptxas's registers per thread, spill stores
+and loads and stack frame (bytes). A kernel that spills, or one at 255 registers, is where a tile is too wide for
+the registers; only a GPU says what that costs (`bench_device_select.py`, `sweep_grouped_moe.py`), and only the
+machine code says that it happens. A named config needs no weights: the shapes come from its transformers config.
 
     PYTHONPATH=. python3 scripts/kernel_registers.py --model olmoe-1b-7b --positions 9 17 [--out regs.json]
 """
@@ -25,13 +25,13 @@ import torch
 from specmoe.files import write_text_atomic
 from specmoe.geometry import Geometry
 from specmoe.kernels import grouped_moe as gm
-from specmoe.kernels.checks import compile_launches, device_cache_case
+from specmoe.kernels.checks import compile_launches, device_cache_case, launch_block_selection, launch_cache_step
 from specmoe.models import NAMED_CONFIGS, adapter_for
 from specmoe.models.registry import named_config
 from specmoe.routing import LogicalCache, preset
 from specmoe.verifiers import ExpertPool, selector_preset
 
-COLUMNS = ("registers", "spill_stores", "spill_loads", "stack")
+COLUMNS = ("warps", "registers", "spill_stores", "spill_loads", "stack")
 
 
 def model_shapes(name: str):
@@ -65,43 +65,33 @@ def grouped_rows(geometry: Geometry, positions: int) -> list[dict]:
 
 
 def selection_rows(geometry: Geometry, scoring, positions: int) -> list[dict]:
-    """The block selection's launches (acceptmoe, a block prefetch of K experts) and the refill at D = positions."""
-    from specmoe.kernels.device_select import DevicePool
-
+    """The block selection's launches (acceptmoe, a block prefetch of K experts) and the refill at D = positions
+    (`checks.launch_block_selection`: each launch form once)."""
     e, k = geometry.num_experts, geometry.top_k
     pool = ExpertPool(2, e, k, max(k + 1, e // 4), np.tile(np.arange(e), (2, 1)))
     with compile_launches(full=True) as compiled:
-        dev = DevicePool(pool, selector_preset("acceptmoe"), scoring, positions, "cpu", prefetch=k)
-        z, alpha = torch.zeros(positions, e, dtype=torch.float32), torch.ones(positions, dtype=torch.float64)
-        dev.predict(1, z, alpha)
-        dev.select(1, z, alpha)
-        dev.end_block()
-    return [{"kernel": name, "D": positions, "params": {"E": e, "warps": dev.warps}, **usage}
-            for name, _, usage in compiled]
+        launch_block_selection(pool, selector_preset("acceptmoe"), scoring, positions, prefetch=k)
+    return [{"kernel": name, "D": positions, "params": {"E": e}, **usage} for name, _, usage in compiled]
 
 
 def cache_step_rows(geometry: Geometry, scoring) -> list[dict]:
-    """The AR cache step's route and part-1 launches, Cache-Prior and PSR at C = E / 4 (at least K + 1)."""
-    from specmoe.kernels.device_cache import DeviceCache
-
+    """The AR cache step's route and part-1 launches (`checks.launch_cache_step`), Cache-Prior and PSR at C = E / 4
+    (at least K + 1)."""
     e, k = geometry.num_experts, geometry.top_k
     calibration = device_cache_case(2, e, 2, seed=0)[0]
     rows = []
     for base in ("cache_prior", "psr"):
         cache = LogicalCache(preset(base, max(k + 1, e // 4), k), calibration, 2, e, groups=scoring.groups)
         with compile_launches(full=True) as compiled:
-            dev = DeviceCache(cache, scoring, "cpu")
-            token, logits = torch.zeros(1, dtype=torch.int64), torch.zeros(e, dtype=torch.float32)
-            dev.step(token, 0, router_logits=logits)
-            dev.step(token, 1, pregate_logits=logits)
+            launch_cache_step(cache, scoring)
         rows += [{"kernel": f"{name} ({base}, {'route' if c['DO_ROUTE'] else 'part 1'})", "D": 1,
                   "params": {"E": e}, **usage} for name, c, usage in compiled]
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| kernel | D | parameters | registers | spill stores | spill loads | stack |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | D | parameters | warps | registers | spill stores | spill loads | stack |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['kernel']} | {r['D']} | {', '.join(f'{k} {v}' for k, v in r['params'].items())} | "
               + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)

@@ -85,20 +85,15 @@ def test_cache_step_compiles_for_the_gpu_for_every_case():
     """The interpreter above does not apply the compiler's type rules (a loop-carried variable must keep its type);
     each case's two launches (the route alone, part 1 alone: as the engine launches them) compile for an H200 here,
     without one. A kernel that does not compile raises."""
-    import torch
 
-    from specmoe.kernels.checks import compile_launches, device_cache_case
-    from specmoe.kernels.device_cache import DeviceCache
+    from specmoe.kernels.checks import compile_launches, device_cache_case, launch_cache_step
 
     with compile_launches() as compiled:
         for name, base, overrides, E, C, scoring, T, L in CASES + EDGE_CASES:
             policy = preset(base, C, 8, **overrides)
             calibration = device_cache_case(L, E, 2, seed=0)[0]
             cache = LogicalCache(policy, calibration, L, E, groups=scoring_of(scoring, L, E).groups)
-            dev = DeviceCache(cache, scoring_of(scoring, L, E), "cpu")
-            token, logits = torch.zeros(1, dtype=torch.int64), torch.zeros(E, dtype=torch.float32)
-            dev.step(token, 0, router_logits=logits)
-            dev.step(token, 1, pregate_logits=logits)
+            launch_cache_step(cache, scoring_of(scoring, L, E))
     assert {name for name, _ in compiled} == {"_cache_step_kernel"}
     routes = [c for _, c in compiled if c["DO_ROUTE"]]
     assert len(routes) >= len(CASES) and {c["KIND"] for c in routes} == {0, 1, 2, 3}  # every policy kind
@@ -110,10 +105,9 @@ def test_cache_step_fits_its_registers_at_e64_and_e256():
     """The whole compile for an H200 here, without one (`compile_launches(full=True)`: PTX, then ptxas's register
     report), of Cache-Prior's and PSR's launches at E = 64 and 256, and of a PSR window of 32 at E = 256 (its
     pre-gate ranking past `ORDER_PICKS`, by comparison tiles): nothing spills."""
-    import torch
 
-    from specmoe.kernels.checks import compile_launches, device_cache_case
-    from specmoe.kernels.device_cache import ORDER_PICKS, DeviceCache
+    from specmoe.kernels.checks import compile_launches, device_cache_case, launch_cache_step
+    from specmoe.kernels.device_cache import ORDER_PICKS
 
     cases = [(base, E, {}) for base in ("cache_prior", "psr") for E in (64, 256)]
     cases.append(("psr", 256, {"window": ORDER_PICKS + 8, "insert_budget": 4}))
@@ -122,10 +116,7 @@ def test_cache_step_fits_its_registers_at_e64_and_e256():
             calibration = device_cache_case(2, E, 2, seed=0)[0]
             scoring = scoring_of("softmax_renorm", 2, E)
             cache = LogicalCache(preset(base, 32, 8, **overrides), calibration, 2, E, groups=scoring.groups)
-            dev = DeviceCache(cache, scoring, "cpu")
-            token, logits = torch.zeros(1, dtype=torch.int64), torch.zeros(E, dtype=torch.float32)
-            dev.step(token, 0, router_logits=logits)
-            dev.step(token, 1, pregate_logits=logits)
+            launch_cache_step(cache, scoring)
     assert any(c["M"] > ORDER_PICKS for _, c, _ in compiled)
     assert {c["E"] for _, c, _ in compiled} == {64, 256} and len(compiled) >= 6
     for name, constants, usage in compiled:

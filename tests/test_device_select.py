@@ -49,23 +49,14 @@ def run_case(case, device, num_blocks=None, num_layers=2, seed=0, max_positions=
 def test_block_selection_compiles_for_the_gpu_for_every_case():
     """Triton's interpreter skips the compiler's type rules: every case's launches (select, and with a budget
     predict, then end_block) go through Triton's front end for an H200 here, without one (`compile_launches`)."""
-    import torch
 
-    from specmoe.kernels.checks import compile_launches
-    from specmoe.kernels.device_select import DevicePool
+    from specmoe.kernels.checks import compile_launches, launch_block_selection
 
     with compile_launches() as compiled:
         for name, kind, overrides, E, P, scoring, D, _ in CASES + [c[:8] for c in PREFETCH_CASES]:
             budget = next((c[8] for c in PREFETCH_CASES if c[0] == name), 0)
             pool = ExpertPool(2, E, 8, P, np.tile(np.arange(E), (2, 1)))
-            dev = DevicePool(pool, selector_preset(kind, **overrides), scoring_of(scoring, 2, E), D, "cpu",
-                             prefetch=budget)
-            z, alpha = torch.zeros(D, 2 * E, dtype=torch.float32)[:, :E], torch.ones(D, dtype=torch.float64)
-            if budget:
-                dev.predict(1, z, alpha)
-            dev.select(1, z, alpha, torch.zeros(D, 16, dtype=torch.int32))
-            dev.select(0, z, alpha)
-            dev.end_block()
+            launch_block_selection(pool, selector_preset(kind, **overrides), scoring_of(scoring, 2, E), D, budget)
     names = {name for name, _ in compiled}
     assert names >= {"_own_kernel", "_demand_kernel", "_execute_kernel", "_use_kernel", "_prefetch_kernel",
                      "_refill_kernel"}, names
@@ -78,23 +69,15 @@ def test_block_selection_fits_its_registers_at_e64_and_e256():
     comparison tiles fit the registers. `_order` with [256, 64] tiles compiled, then ran 3-6x slower on the
     H200 from 5.9 KB of spill stores (BENCHMARKS.md); `_use_kernel`'s [D, E] tiles spill a little (24-96 bytes
     here), which the bound below keeps from growing unseen."""
-    import torch
-
-    from specmoe.kernels.checks import compile_launches
-    from specmoe.kernels.device_select import DevicePool
+    from specmoe.kernels.checks import compile_launches, launch_block_selection
 
     chosen = [c for c in CASES if c[0] in ("acceptmoe", "acceptmoe_e256", "confidence_e256_groups")]
     chosen += [c[:8] + (c[8],) for c in PREFETCH_CASES if c[0] == "exact_prefetch_e256"]
     with compile_launches(full=True) as compiled:
         for name, kind, overrides, E, P, scoring, _, _, *budget in chosen:
             pool = ExpertPool(2, E, 8, P, np.tile(np.arange(E), (2, 1)))
-            dev = DevicePool(pool, selector_preset(kind, **overrides), scoring_of(scoring, 2, E), 17, "cpu",
-                             prefetch=budget[0] if budget else 0)
-            z, alpha = torch.zeros(17, E, dtype=torch.float32), torch.ones(17, dtype=torch.float64)
-            if budget:
-                dev.predict(1, z, alpha)
-            dev.select(0, z, alpha)
-            dev.end_block()
+            launch_block_selection(pool, selector_preset(kind, **overrides), scoring_of(scoring, 2, E), 17,
+                                   budget[0] if budget else 0)
     assert {(name, c["E"]) for name, c, _ in compiled} >= {
         (k, e) for k in ("_own_kernel", "_demand_kernel", "_execute_kernel", "_use_kernel", "_refill_kernel")
         for e in (64, 256)} | {("_prefetch_kernel", 256)}

@@ -714,8 +714,9 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
     a kernel raises here as its first launch would on the device. args: the launch's non-constexpr arguments in
     parameter order (tensors by dtype, Python ints as 32-bit integers where they fit, as a launch types them);
     constants: its constexprs by name. With `full`, the whole pipeline runs (layouts, PTX, and Triton's bundled
-    ptxas on the PTX) and returns `ptxas_usage` of it: registers and spills, which only the machine code shows
-    (a comparison tile too wide for the registers compiles, then runs several times slower); else None."""
+    ptxas on the PTX) and returns `ptxas_usage` of it and the launch's "warps": registers and spills, which only
+    the machine code shows (a comparison tile too wide for the registers compiles, then runs several times
+    slower); else None."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -729,12 +730,12 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     source = ASTSource(kernel, signature, constexprs)
     target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
     if full:
         import triton
 
-        return ptxas_usage(triton.compile(source, target=target, options=dict(options, num_warps=num_warps)).asm["ptx"],
-                           arch)
+        ptx = triton.compile(source, target=target, options=dict(options, num_warps=num_warps)).asm["ptx"]
+        return dict(ptxas_usage(ptx, arch), warps=num_warps)
+    backend = make_backend(target)
     parsed = backend.parse_options(dict(options, num_warps=num_warps))
     context = ir.context()
     ir.load_dialects(context)
@@ -765,6 +766,39 @@ def ptxas_usage(ptx: str, arch: int = 90) -> dict:
     if found["registers"] is None:
         raise RuntimeError(f"ptxas -v reported no register use: {done.stderr[-2000:]}")
     return {key: int(m.group(1)) if m else 0 for key, m in found.items()}
+
+
+def launch_cache_step(cache, scoring, device="cpu"):
+    """A `DeviceCache` over `cache` making one launch of each kind the engine makes per layer (layer 0's route from
+    router logits, layer 1's part 1 from pre-gate logits; zero logits, token 0): inside `compile_launches`,
+    every cache-step kernel of the policy compiles. Returns the DeviceCache."""
+    from .device_cache import DeviceCache
+
+    dev = DeviceCache(cache, scoring, device)
+    token = torch.zeros(1, dtype=torch.int64, device=device)
+    logits = torch.zeros(cache.num_experts, dtype=torch.float32, device=device)
+    dev.step(token, 0, router_logits=logits)
+    dev.step(token, 1, pregate_logits=logits)
+    return dev
+
+
+def launch_block_selection(pool, selector, scoring, positions: int, prefetch: int = 0, device="cpu"):
+    """A `DevicePool` over `pool` making each launch form once for a block of `positions`: with a prefetch budget
+    layer 1's block prefetch, layer 1's selection from logits rows of stride 2E into route rows (the engine's
+    form), layer 0's plain selection, the refill; zero logits, unit weights. Inside `compile_launches`, every
+    block-selection kernel of the selector compiles. Returns the DevicePool."""
+    from .device_select import DevicePool
+
+    dev = DevicePool(pool, selector, scoring, positions, device, prefetch=prefetch)
+    e = pool.num_experts
+    z = torch.zeros(positions, 2 * e, dtype=torch.float32, device=device)[:, :e]
+    alpha = torch.ones(positions, dtype=torch.float64, device=device)
+    if prefetch:
+        dev.predict(1, z, alpha)
+    dev.select(1, z, alpha, torch.zeros(positions, 2 * pool.top_k, dtype=torch.int32, device=device))
+    dev.select(0, z, alpha)
+    dev.end_block()
+    return dev
 
 
 @contextlib.contextmanager
