@@ -872,6 +872,14 @@ def test_kernel_registers_reports_every_launch_of_a_model(tmp_path, capsys):
         "_cache_step_kernel (cache_prior, route)", "_cache_step_kernel (psr, route)",
         "_cache_step_kernel (psr, part 1)"}
     assert all(1 <= r["registers"] <= 255 and r["spill_stores"] >= 0 and r["stack"] >= 0 for r in rows)
+    # each row's warps are its launch's: the selection's default_warps(E), the refill's own 4, a candidate's own
+    from specmoe.kernels.device_cache import default_warps
+
+    own = next(r for r in rows if r["kernel"] == "_own_kernel")
+    refill = next(r for r in rows if r["kernel"] == "_refill_kernel")
+    assert own["warps"] == default_warps(own["params"]["E"]) and refill["warps"] == 4
+    assert [r["warps"] for r in grouped] == [c["warps"] for c in gm.GATE_UP_CANDIDATES] + \
+        [c["warps2"] for c in gm.DOWN_CANDIDATES]
     with pytest.raises(SystemExit) as exit_:
         kernel_registers.main(["--positions", "0"])
     assert exit_.value.code == 2 and "--positions must be at least 1" in capsys.readouterr().err
