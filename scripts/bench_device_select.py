@@ -10,7 +10,7 @@ pays per layer). Inputs are `checks.device_select_case`'s (logits on a bfloat16 
 `--module LABEL=FILE[,CACHE]` also times other versions of the kernel module (e.g. device_select.py before a
 change) in the same rounds, each under its label; CACHE is the device_cache.py that version imports its helpers
 from (default: the current one). `--warps 2 8` also times the current module's selection on those numbers of warps
-(labels "w2", "w8"; the default, `default_warps(E)`, is "current", recorded as current_warps).
+(labels "w2", "w8"; the default, `select_warps(E)`, is "current", recorded as current_warps).
 
     PYTHONPATH=. python3 scripts/bench_device_select.py --out runs/dselect.json [--module old=old_device_select.py]
 """
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
         num_layers, num_experts, top_k, pool_size, union, kind = GEOMETRIES[name]
         scoring = scoring_of(kind, num_layers, num_experts)
         warm = np.stack([np.random.default_rng(layer).permutation(num_experts) for layer in range(num_layers)])
-        default = current.default_warps(num_experts)
+        default = current.select_warps(num_experts)
         timed = dict(variants, **{f"w{w}": (current, w) for w in args.warps if w != default})
         for selector_name, positions in ((s, d) for s in args.selectors for d in args.positions):
             selector = selector_preset(selector_name)

@@ -706,7 +706,7 @@ def test_bench_device_select_times_the_host_and_loads_another_kernel_version(tmp
     # the selection on other warps (`--warps`): the pool's launches take them; other numbers are refused
     pool = ExpertPool(2, experts, top_k, pool_size, warm, union)
     assert device_select.DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu").warps == \
-        device_cache.default_warps(experts)
+        device_select.select_warps(experts)
     assert device_select.DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu", warps=2).warps == 2
     with pytest.raises(ValueError, match="1, 2, 4 or 8 warps, got 3"):
         device_select.DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu", warps=3)
@@ -872,12 +872,12 @@ def test_kernel_registers_reports_every_launch_of_a_model(tmp_path, capsys):
         "_cache_step_kernel (cache_prior, route)", "_cache_step_kernel (psr, route)",
         "_cache_step_kernel (psr, part 1)"}
     assert all(1 <= r["registers"] <= 255 and r["spill_stores"] >= 0 and r["stack"] >= 0 for r in rows)
-    # each row's warps are its launch's: the selection's default_warps(E), the refill's own 4, a candidate's own
-    from specmoe.kernels.device_cache import default_warps
+    # each row's warps are its launch's: the selection's select_warps(E), the refill's own 4, a candidate's own
+    from specmoe.kernels.device_select import select_warps
 
     own = next(r for r in rows if r["kernel"] == "_own_kernel")
     refill = next(r for r in rows if r["kernel"] == "_refill_kernel")
-    assert own["warps"] == default_warps(own["params"]["E"]) and refill["warps"] == 4
+    assert own["warps"] == select_warps(own["params"]["E"]) and refill["warps"] == 4
     assert [r["warps"] for r in grouped] == [c["warps"] for c in gm.GATE_UP_CANDIDATES] + \
         [c["warps2"] for c in gm.DOWN_CANDIDATES]
     with pytest.raises(SystemExit) as exit_:

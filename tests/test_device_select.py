@@ -86,6 +86,23 @@ def test_block_selection_fits_its_registers_at_e64_and_e256():
         assert usage["spill_stores"] <= bound and usage["registers"] <= 255, (name, constants["E"], usage)
 
 
+def test_block_selection_warps_grow_with_the_expert_row():
+    """One warp per 32 entries of the padded expert row, 1 to 8 (twice the cache step's); a DevicePool takes another
+    count of 1, 2, 4 or 8 and refuses the rest in one line."""
+    from specmoe.kernels.device_select import select_warps
+
+    assert [select_warps(e) for e in (8, 32, 33, 48, 64, 65, 128, 256, 1024)] == [1, 1, 2, 2, 2, 4, 4, 8, 8]
+    if importlib.util.find_spec("triton") is None:
+        return
+    from specmoe.kernels.device_select import DevicePool
+
+    pool = ExpertPool(2, 64, 8, 16, np.tile(np.arange(64), (2, 1)))
+    assert DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu").warps == 2
+    assert DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu", warps=1).warps == 1
+    with pytest.raises(ValueError, match="1, 2, 4 or 8 warps, got 16"):
+        DevicePool(pool, selector_preset("acceptmoe"), False, 9, "cpu", warps=16)
+
+
 # the block prefetch: (name, selector, overrides, E, P, scoring, D, blocks, budget, tight); tight: U set to the most
 # experts one layer of one block misses, so that demand copies must take unused prefetches' slots
 PREFETCH_CASES = [

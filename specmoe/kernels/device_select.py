@@ -50,7 +50,7 @@ from specmoe.verifiers.pool import POSITIONS_PER_BLOCK
 from specmoe.verifiers.selection import ENTROPY_SLACK, TINY
 
 from . import pdl
-from .device_cache import default_warps, triton
+from .device_cache import triton
 
 # float64 parameters (one tensor: a Python float launch argument would be float32)
 F_GAMMA, F_RESCUE, F_PRUNE, F_SCALE, F_EPS, F_TINY, F_SLACK = range(7)
@@ -432,6 +432,16 @@ if triton is not None:
             tl.store(block_ptr, tl.load(block_ptr) + 1)
 
 
+def select_warps(num_experts: int) -> int:
+    """Warps of the block selection's launches: one per 32 entries of the padded expert row (2 at E = 64, 8 at
+    E = 256), twice the cache step's `default_warps`: besides [E] rows the selection holds [D, E] tiles (a block's
+    positions by the experts) and ranks by [E, 8] comparison tiles, and more threads hold fewer of their entries.
+    On an H200 (BENCHMARKS.md, 2026-12-04) 2 warps took 0.72-0.82 of one warp's time at E = 64 (D = 17, 9) and 8
+    warps 0.89-0.91 of four's at E = 256; 8 warps at E = 64 took 4.7-8.5 times as long."""
+    block = 1 << max(num_experts - 1, 0).bit_length()
+    return max(1, min(8, block // 32))
+
+
 class _Scratch:
     """What a selection's launches pass on (`DevicePool._selection`): positions' max logits and normalisers, u, a
     row of terms per position (a normaliser's, the entropy's), an ordered-sum row per position (floats); own ranks
@@ -460,7 +470,7 @@ class DevicePool:
     move_lists int64 [L, 1 + 2E] (per layer the count, the union slots left, the pool slots taken: a copy list
     from the slots to the slots), as moves [L, 2, E] and n_moves [L].
 
-    warps: the selection launches' warps (default `default_warps(E)`; a benchmark's choice).
+    warps: the selection launches' warps (default `select_warps(E)`; a benchmark's choice).
 
     prefetch: the block prefetch's budget per layer and block (0: none; `predict`). With a budget, `predict`
     writes prefetches[layer] int64 [1 + 2E] (count, experts ascending, slots P, P+1, ...: a copy list), and
@@ -540,8 +550,7 @@ class DevicePool:
             RENORMALISE=int(bool(scoring.renormalise)), N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group,
             BLOCK_G=triton.next_power_of_2(scoring.n_group), P=pool.pool_size, U=pool.union_slots,
             PREFETCH=int(self.prefetch > 0), CAP=min(self.prefetch, pool.union_slots))
-        # a chain of reductions over [E] vectors, as the cache step's (the refill's launch keeps its own 4)
-        self.warps = default_warps(E) if warps is None else warps
+        self.warps = select_warps(E) if warps is None else warps  # the refill's launch keeps its own 4
 
     def _layer_views(self, layer: int) -> None:
         e = self.num_experts
