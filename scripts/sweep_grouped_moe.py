@@ -6,10 +6,13 @@ OLMoE-1B-7B's expert shapes (H = 2048, I = 1024, K = 8, bf16), C = 64 slots per 
 --zipf; the mean distinct experts per layer is printed). For each D of --positions, the gate/up kernel and the
 down kernel are each captured in a CUDA graph of one launch per layer (`bench_attention.GraphTimer`, median of 20
 replays / L) for every tile (block rows 16 / 32 / 64, block_k 64-512 with block x block_k <= 16384, warps 2 / 4 /
-8 (not 2 with 64 rows), stages 3 / 4), until --budget-s seconds have passed. Printed per kernel: the 8 fastest
-tiles with µs per layer, GB/s over the distinct experts' bytes and that as a share of the device's bandwidth (a
-device-to-device copy's read + write bytes per second), and the tile the tuner chose before the gate/up and down
-kernels were tuned apart, (16, 128, 2, 4); --out writes every timing as JSON.
+8 (not 2 with 64 rows), stages 3 / 4; and swapped, the weight rows as the product's M, `grouped_moe._tile_dot`:
+64 / 128 rows, block_k 64-256, warps 4 / 8), until --budget-s seconds have passed; `--tiles candidates` times the
+tuner's candidates only (`GATE_UP_CANDIDATES`, `DOWN_CANDIDATES`). Printed per kernel: the 8 fastest tiles with µs
+per layer, GB/s over the distinct experts' bytes and that as a share of the device's bandwidth (a
+device-to-device copy's read + write bytes per second), the fastest tile of each product form (swap 0 / 1), and
+the tile the tuner chose before the gate/up and down kernels were tuned apart, (16, 128, 2, 4, 0); --out writes
+every timing as JSON.
 
     PYTHONPATH=. python3 scripts/sweep_grouped_moe.py --out runs/sweep_grouped.json
 """
@@ -28,13 +31,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import GraphTimer, measure_bandwidth  # noqa: E402
 
 H, I, C, K, L = 2048, 1024, 64, 8, 16
-BEFORE = (16, 128, 2, 4)  # the tuner's choice at D = 17 on the H200 before the two kernels were tuned apart
+BEFORE = (16, 128, 2, 4, 0)  # the tuner's choice at D = 17 on the H200 before the two kernels were tuned apart
 
 
-def tiles() -> list[tuple[int, int, int, int]]:
-    """(block rows, block_k, warps, stages) of the sweep."""
-    return [(bn, bk, w, s) for bn in (16, 32, 64) for bk in (64, 128, 256, 512) for w in (2, 4, 8) for s in (3, 4)
-            if bn * bk <= 16384 and not (bn == 64 and w == 2)]
+def tiles(which: str = "sweep") -> dict[str, list[tuple[int, int, int, int, int]]]:
+    """(block rows, block_k, warps, stages, swap) per kernel: the sweep's, or the tuner's candidates."""
+    if which == "candidates":
+        from specmoe.kernels import grouped_moe as gm
+
+        return {"gate_up": [tuple(c.values()) for c in gm.GATE_UP_CANDIDATES],
+                "down": [tuple(c.values()) for c in gm.DOWN_CANDIDATES]}
+    plain = [(bn, bk, w, s, 0) for bn in (16, 32, 64) for bk in (64, 128, 256, 512) for w in (2, 4, 8) for s in (3, 4)
+             if bn * bk <= 16384 and not (bn == 64 and w == 2)]
+    swapped = [(bn, bk, w, s, 1) for bn in (64, 128) for bk in (64, 128, 256) for w in (4, 8) for s in (3, 4)
+               if bn * bk <= 16384]
+    return {"gate_up": plain + swapped, "down": plain + swapped}
 
 
 def main(argv=None) -> None:
@@ -42,6 +53,8 @@ def main(argv=None) -> None:
     ap.add_argument("--positions", type=int, nargs="+", default=[17])
     ap.add_argument("--zipf", type=float, default=1.2, help="popularity exponent of the routes (3: the tuner's)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop timing tiles after this many seconds")
+    ap.add_argument("--tiles", choices=("sweep", "candidates"), default="sweep",
+                    help="the sweep's tiles, or the tuner's candidates only")
     ap.add_argument("--out", default=None, help="write every timing here as JSON")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -71,21 +84,21 @@ def main(argv=None) -> None:
         bm = gm.default_block_m(d)
         fp8 = fp8_kernel_args(bufs[0], H, I, 16, 16)
 
-        def gate_up(layer, bn, bk, w, s):
+        def gate_up(layer, bn, bk, w, s, swap):
             gm._grouped_gate_up_kernel[(G, triton.cdiv(I, bn), 1)](
                 xs[layer], bufs[layer], routes[layer], ws[layer].groups, ws[layer].act, 0, C, D=d, K=K, H=H, I=I,
-                W=bufs[layer].stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="tf32", num_warps=w,
-                num_stages=s, **fp8)
+                W=bufs[layer].stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="tf32", SWAP=bool(swap),
+                num_warps=w, num_stages=s, **fp8)
 
-        def down(layer, bh, bk, w, s):
+        def down(layer, bh, bk, w, s, swap):
             gm._grouped_down_kernel[(G, triton.cdiv(H, bh), 1)](
                 ws[layer].act, bufs[layer], routes[layer], ws[layer].groups, ws[layer].y, 0, C, D=d, K=K, H=H, I=I,
-                W=bufs[layer].stride(0), BLOCK_M=bm, BLOCK_H=bh, BLOCK_K=bk, PRECISION="tf32", num_warps=w,
-                num_stages=s, **fp8)
+                W=bufs[layer].stride(0), BLOCK_M=bm, BLOCK_H=bh, BLOCK_K=bk, PRECISION="tf32", SWAP=bool(swap),
+                num_warps=w, num_stages=s, **fp8)
 
         for name, fn, nbytes in (("gate_up", gate_up, gu_bytes), ("down", down, dn_bytes)):
             rows = []
-            for c in tiles():
+            for c in tiles(args.tiles)[name]:
                 if time.time() - t_start > args.budget_s:
                     break
                 try:
@@ -99,7 +112,11 @@ def main(argv=None) -> None:
                   f"{nbytes / bw * 1e6:.1f} us; {len(rows)} candidates", flush=True)
             for us, c in rows[:8]:
                 print(f"  {us:6.1f} us  {nbytes / us / 1e3:6.0f} GB/s  {100 * nbytes / bw / (us * 1e-6):4.0f}%  "
-                      f"(block, block_k, warps, stages)={c}", flush=True)
+                      f"(block, block_k, warps, stages, swap)={c}", flush=True)
+            for swap in (0, 1):
+                best = [r for r in rows if r[1][4] == swap][:1]
+                if best:
+                    print(f"  fastest with swap {swap}: {best[0][0]:.1f} us {best[0][1]}", flush=True)
             before = [r for r in rows if r[1] == BEFORE]
             if before:
                 print(f"  the tuner's choice before, {BEFORE}: {before[0][0]:.1f} us", flush=True)

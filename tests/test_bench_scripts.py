@@ -486,8 +486,9 @@ def test_host_block_time_times_the_device_paths_host_work_without_a_gpu():
 
 
 def test_sweep_grouped_moe_covers_the_tuners_candidates_and_needs_cuda(monkeypatch):
-    """scripts/sweep_grouped_moe.py: its grid of tiles holds every candidate the grouped MoE's tuner picks from
-    (gate/up and down, as (rows, block_k, warps, stages)), and it names what it needs on a machine without CUDA."""
+    """scripts/sweep_grouped_moe.py: its grid of tiles (60 plain, 20 swapped per kernel) holds every candidate the
+    grouped MoE's tuner picks from (gate/up and down, as (rows, block_k, warps, stages, swap)), `--tiles candidates`
+    is those candidates alone, and it names what it needs on a machine without CUDA."""
     import pytest
     import sweep_grouped_moe
     import torch
@@ -495,11 +496,13 @@ def test_sweep_grouped_moe_covers_the_tuners_candidates_and_needs_cuda(monkeypat
     from specmoe.kernels import grouped_moe as gm
 
     grid = sweep_grouped_moe.tiles()
-    assert len(grid) == len(set(grid)) == 60
-    for c in gm.GATE_UP_CANDIDATES:
-        assert (c["block_n"], c["block_k"], c["warps"], c["stages"]) in grid, c
-    for c in gm.DOWN_CANDIDATES:
-        assert (c["block_h"], c["block_k2"], c["warps2"], c["stages2"]) in grid, c
+    for name in ("gate_up", "down"):
+        assert len(grid[name]) == len(set(grid[name])) == 80
+        assert sum(t[4] for t in grid[name]) == 20
+    up = [(c["block_n"], c["block_k"], c["warps"], c["stages"], c["swap"]) for c in gm.GATE_UP_CANDIDATES]
+    down = [(c["block_h"], c["block_k2"], c["warps2"], c["stages2"], c["swap2"]) for c in gm.DOWN_CANDIDATES]
+    assert set(up) <= set(grid["gate_up"]) and set(down) <= set(grid["down"])
+    assert sweep_grouped_moe.tiles("candidates") == {"gate_up": up, "down": down}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         sweep_grouped_moe.main([])

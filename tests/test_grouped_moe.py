@@ -192,6 +192,8 @@ def test_input_checks_and_launch_parameters():
         grouped_params(5, dict(block_q=16))
     with pytest.raises(ValueError, match="power of two >= 16"):
         grouped_params(5, dict(block_n=8))
+    with pytest.raises(ValueError, match="swap2 must be 0 or 1, got 2"):
+        grouped_params(5, dict(swap2=2))
 
 
 def test_zipf_routes_share_slots_across_positions():
@@ -265,7 +267,10 @@ CASES = [  # D, slots C, routes, launch parameters (None: the defaults), compare
     (5, 6, "zipf", dict(block_n=64, block_h=16, block_k=16, block_c=32), False),
     # the down kernel's own warps and stages (apart from gate/up's)
     (9, 12, "zipf", dict(block_n=16, block_k=32, warps=2, stages=4, block_h=32, block_k2=16, warps2=8, stages2=2),
-     False)]
+     False),
+    # swapped products (the weight rows as the tile product's M), each kernel alone and both, two chunks
+    (17, 12, "zipf", dict(swap=1, block_n=32, block_k=32), False), (9, 12, "zipf", dict(swap2=1, block_h=64), False),
+    (17, 12, "repeat", dict(swap=1, swap2=1, block_m=16, block_k2=16), False)]
 g = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
     for d, c, kind, params, compare in CASES if dtype == torch.float32 else [c for c in CASES if c[3] is None]:
@@ -288,14 +293,15 @@ for dtype in (torch.float32, torch.bfloat16):
             h = res.clone()
             slot_moe_grouped_triton(x, h, buf, route2, h, H, I, ws, params)
             assert rel(slot_moe_grouped_torch(x, res, buf, route2, torch.empty_like(x), H, I), h) < TOL[dtype]
-for dtype, d in ((torch.bfloat16, 1), (torch.bfloat16, 17), (torch.float32, 5)):
+for dtype, d, params in ((torch.bfloat16, 1, None), (torch.bfloat16, 17, None), (torch.float32, 5, None),
+                         (torch.bfloat16, 17, dict(swap=1, swap2=1)), (torch.float32, 9, dict(swap=1, swap2=1))):
     buf = one_hot_buffer(10, dtype, g)
     x = torch.randint(-3, 4, (d, H), generator=g).to(dtype) * 0.5
     res = torch.randn(d, H, generator=g).to(dtype)
     route = routes("zipf", d, 10, g)
     ws = make_grouped_workspace(d, K, H, I, dtype, "cpu")
-    out = slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws)
-    assert torch.equal(out, per_token(x, res, buf, route)), (dtype, d)
+    out = slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws, params)
+    assert torch.equal(out, per_token(x, res, buf, route)), (dtype, d, params)
 # late slots (the speculative engine's demand copies in flight): the rows from `first` on hold NaN until wait()
 # writes them, as a copy landing; the output is the one pass's, bit for bit, and wait() runs once
 for dtype, d, first in ((torch.bfloat16, 17, 6), (torch.float32, 5, 0), (torch.float32, 9, 12)):
@@ -496,15 +502,9 @@ def test_kernel_matches_the_reference_and_the_per_token_kernel_on_gpu(gpu_buffer
         assert ws.groups.tolist()[: min(d * K, E)] == (used + [-1] * d * K)[: min(d * K, E)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("d", [1, 9, 17])
-def test_exact_sums_equal_the_per_token_kernel_bit_for_bit_on_gpu(d, dtype):
-    """Expert rows with one entry of +-1 per row: every dot product is exact in float32 whatever the summation
-    order, so the grouped kernels (tensor-core tiles) and the per-token kernel must agree bit for bit; what
-    is left to differ is the rounding points and the order of the float32 combine over experts."""
-    from specmoe.kernels.grouped_moe import slot_moe_grouped_triton
-
+def _exact_case(d, dtype):
+    """Expert rows with one entry of +-1 per row (16 slots) and inputs on a half-integer grid: every dot product is
+    exact in float32 whatever the summation order. Returns (buf, x, res, route) on the GPU."""
     g = torch.Generator(device="cuda").manual_seed(1)
     buf = torch.zeros(16, 3 * H * I, device="cuda")
     for part, (rows, cols) in enumerate(((I, H), (I, H), (H, I))):
@@ -512,13 +512,42 @@ def test_exact_sums_equal_the_per_token_kernel_bit_for_bit_on_gpu(d, dtype):
         col = torch.randint(0, cols, (16, rows, 1), device="cuda", generator=g)
         sign = torch.randint(0, 2, (16, rows, 1), device="cuda", generator=g) * 2.0 - 1
         view.scatter_(2, col, sign)
-    buf = buf.to(dtype)
     x = (torch.randint(-3, 4, (d, H), device="cuda", generator=g) * 0.5).to(dtype)
     res = torch.randn(d, H, device="cuda", generator=g).to(dtype)
     route = zipf_routes(1, d, K, 16, 1.2, torch.Generator().manual_seed(d), "cuda")[0]
+    return buf.to(dtype), x, res, route
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swap", [0, 1], ids=["plain", "swapped"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("d", [1, 9, 17])
+def test_exact_sums_equal_the_per_token_kernel_bit_for_bit_on_gpu(d, dtype, swap):
+    """On exact dot products (`_exact_case`) the grouped kernels (tensor-core tiles, the positions or, swapped, the
+    weight rows as the product's M) and the per-token kernel must agree bit for bit; what is left to differ is the
+    rounding points and the order of the float32 combine over experts."""
+    from specmoe.kernels.grouped_moe import slot_moe_grouped_triton
+
+    buf, x, res, route = _exact_case(d, dtype)
     ws = make_grouped_workspace(d, K, H, I, dtype, "cuda")
-    out = slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws)
+    out = slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws, dict(swap=swap, swap2=swap))
     assert torch.equal(out, _per_token(x, res, buf, route))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [9, 17])
+def test_every_tuning_candidate_computes_the_exact_sums_on_gpu(d):
+    """Each of GATE_UP_CANDIDATES and DOWN_CANDIDATES (what the tuner may choose on a device), the other kernel at
+    its defaults: the per-token kernel's bits on exact dot products (bf16), and the reference's values to the
+    tolerance on random experts."""
+    from specmoe.kernels import grouped_moe as gm
+
+    buf, x, res, route = _exact_case(d, torch.bfloat16)
+    expected = _per_token(x, res, buf, route)
+    ws = make_grouped_workspace(d, K, H, I, torch.bfloat16, "cuda")
+    for cand in gm.GATE_UP_CANDIDATES + gm.DOWN_CANDIDATES:
+        out = gm.slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws, cand)
+        assert torch.equal(out, expected), cand
 
 
 @pytest.mark.gpu

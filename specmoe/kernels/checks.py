@@ -714,8 +714,8 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
     a kernel raises here as its first launch would on the device. args: the launch's non-constexpr arguments in
     parameter order (tensors by dtype, Python ints as 32-bit integers where they fit, as a launch types them);
     constants: its constexprs by name. With `full`, the whole pipeline runs (layouts, PTX, and Triton's bundled
-    ptxas on the PTX) and returns `ptxas_usage` of it and the launch's "warps": registers and spills, which only
-    the machine code shows (a comparison tile too wide for the registers compiles, then runs several times
+    ptxas on the PTX) and returns `ptxas_usage` of it, the launch's "warps" and the PTX's `mma_kind`: registers and
+    spills, which only the machine code shows (a comparison tile too wide for the registers compiles, then runs several times
     slower); else None."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -734,7 +734,7 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
         import triton
 
         ptx = triton.compile(source, target=target, options=dict(options, num_warps=num_warps)).asm["ptx"]
-        return dict(ptxas_usage(ptx, arch), warps=num_warps)
+        return dict(ptxas_usage(ptx, arch), warps=num_warps, mma=mma_kind(ptx))
     backend = make_backend(target)
     parsed = backend.parse_options(dict(options, num_warps=num_warps))
     context = ir.context()
@@ -742,6 +742,12 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
     backend.load_dialects(context)
     source.make_ir(target, parsed, backend.get_codegen_implementation(parsed), backend.get_module_map(), context)
     return None
+
+
+def mma_kind(ptx: str) -> str:
+    """The tensor-core product a kernel's PTX uses: "wgmma" (Hopper's warpgroup product, operands from shared
+    memory), "mma.sync" (the per-warp product, operands in registers) or "" (none)."""
+    return "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else ""
 
 
 def ptxas_usage(ptx: str, arch: int = 90) -> dict:

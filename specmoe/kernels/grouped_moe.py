@@ -63,20 +63,25 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 # Launch parameters (block_m is chosen from D unless given: positions per tile, 16 .. 64): the gate/up kernel's
-# (block_n, block_k, warps, stages) and the down kernel's (block_h, block_k2, warps2, stages2) are chosen apart. On
-# CUDA `grouped_launch_params` picks the fastest of GATE_UP_CANDIDATES and of DOWN_CANDIDATES once per device and
-# shape (`tune_grouped_moe`, each kernel timed alone). The defaults (tune=False, or off CUDA) were the fastest one
-# choice for both kernels on the H200 at D = 9 and 17 at OLMoE's size (scripts/bench_grouped_moe.py --tune).
-GROUPED_DEFAULTS = dict(block_n=64, block_k=128, warps=4, stages=3, block_h=64, block_k2=128, warps2=4, stages2=3,
-                        block_c=256)
+# (block_n, block_k, warps, stages, swap) and the down kernel's (block_h, block_k2, warps2, stages2, swap2) are
+# chosen apart (swap: the weight rows as the tile product's M, `_tile_dot`). On CUDA `grouped_launch_params` picks
+# the fastest of GATE_UP_CANDIDATES and of DOWN_CANDIDATES once per device and shape (`tune_grouped_moe`, each
+# kernel timed alone). The defaults (tune=False, or off CUDA) were the fastest one choice for both kernels on the
+# H200 at D = 9 and 17 at OLMoE's size (scripts/bench_grouped_moe.py --tune).
+GROUPED_DEFAULTS = dict(block_n=64, block_k=128, warps=4, stages=3, swap=0, block_h=64, block_k2=128, warps2=4,
+                        stages2=3, swap2=0, block_c=256)
 # the fastest tiles of a sweep of 60 per kernel on the H200 (D = 17, scripts/sweep_grouped_moe.py; BENCHMARKS.md,
-# 2026-12-03) and smaller ones, which give more programs where a block's layer reads few distinct experts
-GATE_UP_CANDIDATES = tuple(dict(block_n=n, block_k=k, warps=w, stages=st) for n, k, w, st in (
-    (64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 2, 3), (32, 128, 4, 3), (32, 64, 4, 4), (16, 128, 2, 4),
-    (16, 128, 2, 3), (16, 256, 4, 3)))
-DOWN_CANDIDATES = tuple(dict(block_h=n, block_k2=k, warps2=w, stages2=st) for n, k, w, st in (
-    (64, 128, 4, 3), (64, 64, 4, 4), (32, 128, 2, 3), (32, 128, 4, 3), (32, 64, 4, 4), (64, 256, 4, 3),
-    (16, 128, 2, 4), (16, 256, 4, 3)))
+# 2026-12-03) and smaller ones, which give more programs where a block's layer reads few distinct experts; then
+# swapped tiles (64 or 128 weight rows on 4 or 8 warps: Hopper's warpgroup product at D = 9 and 17, where the
+# others run on mma.sync), those that compile for sm_90 without spills at D <= 17 (scripts/kernel_registers.py)
+GATE_UP_CANDIDATES = tuple(dict(block_n=n, block_k=k, warps=w, stages=st, swap=sw) for n, k, w, st, sw in (
+    (64, 128, 4, 3, 0), (64, 64, 4, 4, 0), (32, 128, 2, 3, 0), (32, 128, 4, 3, 0), (32, 64, 4, 4, 0),
+    (16, 128, 2, 4, 0), (16, 128, 2, 3, 0), (16, 256, 4, 3, 0),
+    (64, 128, 4, 3, 1), (64, 64, 4, 4, 1), (64, 64, 8, 4, 1), (128, 64, 8, 4, 1)))
+DOWN_CANDIDATES = tuple(dict(block_h=n, block_k2=k, warps2=w, stages2=st, swap2=sw) for n, k, w, st, sw in (
+    (64, 128, 4, 3, 0), (64, 64, 4, 4, 0), (32, 128, 2, 3, 0), (32, 128, 4, 3, 0), (32, 64, 4, 4, 0),
+    (64, 256, 4, 3, 0), (16, 128, 2, 4, 0), (16, 256, 4, 3, 0),
+    (64, 128, 4, 3, 1), (64, 64, 4, 4, 1), (128, 64, 8, 4, 1), (128, 128, 8, 3, 1)))
 # every pairing: what a tuning cache entry may name
 GROUPED_CANDIDATES = tuple({**up, **down} for up in GATE_UP_CANDIDATES for down in DOWN_CANDIDATES)
 # The tuner's routes share experts as a trained model's verification blocks do: a Zipf-like popularity of exponent
@@ -195,6 +200,34 @@ if triton is not None:
             first = tl.where(s == slot, j, first)
         return first
 
+    @triton.jit
+    def _tile_dot(a, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + a @ w for a [BLOCK_M, BLOCK_K] tile of positions and w [BLOCK_K, BLOCK_N] of weight rows; with
+        SWAP the accumulator is [BLOCK_N, BLOCK_M] and the product w^T @ a^T: the weight rows are the product's
+        M, so at any number of positions the tile can fill Hopper's 64-row warpgroup product (wgmma), where
+        BLOCK_M positions as M (16 or 32 at D = 9 or 17) run on the older per-warp mma.sync."""
+        if SWAP:
+            acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
+    def _tile_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+        """`_tile_dot`'s float32 accumulator: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with SWAP."""
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        return acc
+
+    @triton.jit
+    def _tile_result(acc, SWAP: tl.constexpr):
+        """`_tile_dot`'s accumulator as [BLOCK_M, BLOCK_N] (positions, weight rows)."""
+        if SWAP:
+            acc = tl.trans(acc)
+        return acc
+
     # the slot range is a runtime value, not specialised: one compiled kernel for both phases (a graph capture
     # must not meet a new compile)
     @triton.jit(do_not_specialize=["slot_lo", "slot_hi"])
@@ -202,7 +235,8 @@ if triton is not None:
                                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, W: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 PRECISION: tl.constexpr, FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr,
-                                NH: tl.constexpr, B: tl.constexpr, PDL: tl.constexpr = False):
+                                NH: tl.constexpr, B: tl.constexpr, SWAP: tl.constexpr = False,
+                                PDL: tl.constexpr = False):
         """act[i, first j on slot, rows] = silu(gate x_i) * (up x_i) for the positions i of this chunk on this
         program's slot (if in [slot_lo, slot_hi)), rows of this program."""
         enter(PDL)
@@ -219,8 +253,8 @@ if triton is not None:
         rmask = rows < I
         base = buf_ptr + slot.to(tl.int64) * W
         scales = (base + SOFF).to(tl.pointer_type(tl.float32))  # FP8 rows only
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_g = _tile_zeros(BLOCK_M, BLOCK_N, SWAP)
+        acc_u = _tile_zeros(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(0, H, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < H
@@ -232,10 +266,10 @@ if triton is not None:
                 index = ((tl.program_id(1) * BLOCK_N) // B * NH + cols // B)[:, None]
                 wg = fp8_weights(wg, scales, index, cmask[:, None]).to(dt)
                 wu = fp8_weights(wu, scales + NI * NH, index, cmask[:, None]).to(dt)
-            acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
+            acc_g = _tile_dot(xt, wg, acc_g, SWAP, PRECISION)
+            acc_u = _tile_dot(xt, wu, acc_u, SWAP, PRECISION)
+        g = _tile_result(acc_g, SWAP).to(dt).to(tl.float32)
+        u = _tile_result(acc_u, SWAP).to(dt).to(tl.float32)
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u  # as the per-token kernel
         tl.store(act_ptr + (pos[:, None] * K + first[:, None]) * I + rows[None, :], a.to(dt),
                  mask=on_slot[:, None] & rmask[None, :])
@@ -248,7 +282,7 @@ if triton is not None:
                              H: tl.constexpr, I: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                              FP8: tl.constexpr, SOFF: tl.constexpr, NI: tl.constexpr, NH: tl.constexpr,
-                             B: tl.constexpr, PDL: tl.constexpr = False):
+                             B: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
         """y[i, j, rows] = down(act_i) for every pair (i, j) of this chunk on this program's slot (if in
         [slot_lo, slot_hi))."""
         enter(PDL)
@@ -265,7 +299,7 @@ if triton is not None:
         rmask = rows < H
         base = buf_ptr + slot.to(tl.int64) * W + 2 * I * H
         scales = (buf_ptr + slot.to(tl.int64) * W + SOFF).to(tl.pointer_type(tl.float32)) + 2 * NI * NH
-        acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        acc = _tile_zeros(BLOCK_M, BLOCK_H, SWAP)
         for k0 in range(0, I, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < I
@@ -276,8 +310,8 @@ if triton is not None:
             if FP8:
                 wd = fp8_weights(wd, scales, ((tl.program_id(1) * BLOCK_H) // B * NI + cols // B)[:, None],
                                  cmask[:, None]).to(dt)
-            acc = tl.dot(a, wd, acc, input_precision=PRECISION)
-        y = acc.to(dt)
+            acc = _tile_dot(a, wd, acc, SWAP, PRECISION)
+        y = _tile_result(acc, SWAP).to(dt)
         for j in tl.static_range(K):  # every pair of the position on this slot (a repeated slot: each copy)
             s = tl.load(route_ptr + pos * (2 * K) + j, mask=pos < D, other=-1)
             tl.store(y_ptr + (pos[:, None] * K + j) * H + rows[None, :], y,
@@ -312,6 +346,9 @@ def grouped_params(num_positions: int, params: dict | None = None) -> dict:
     for key in ("block_m", "block_n", "block_k", "block_h", "block_k2"):
         if p[key] < 16 or p[key] & (p[key] - 1):
             raise ValueError(f"{key} must be a power of two >= 16, got {p[key]}")
+    for key in ("swap", "swap2"):
+        if p[key] not in (0, 1):
+            raise ValueError(f"{key} must be 0 or 1, got {p[key]!r}")
     return p
 
 
@@ -374,7 +411,7 @@ def _launch_gate_up(x, slot_buf, route, ws: GroupedMoEWorkspace, lo: int, hi: in
     (g, m_chunks), const = _weight_args(x, slot_buf, route, ws, p)
     _grouped_gate_up_kernel[(g, triton.cdiv(ws.inter, p["block_n"]), m_chunks)](
         x, slot_buf, route, ws.groups, ws.act, lo, hi, **const, BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
-        num_warps=p["warps"], num_stages=p["stages"], **pdl.options(x))
+        SWAP=bool(p["swap"]), num_warps=p["warps"], num_stages=p["stages"], **pdl.options(x))
 
 
 def _launch_down(slot_buf, route, ws: GroupedMoEWorkspace, lo: int, hi: int, p: dict) -> None:
@@ -382,7 +419,7 @@ def _launch_down(slot_buf, route, ws: GroupedMoEWorkspace, lo: int, hi: int, p: 
     (g, m_chunks), const = _weight_args(ws.act, slot_buf, route, ws, p)
     _grouped_down_kernel[(g, triton.cdiv(ws.hidden, p["block_h"]), m_chunks)](
         ws.act, slot_buf, route, ws.groups, ws.y, lo, hi, **const, BLOCK_H=p["block_h"], BLOCK_K=p["block_k2"],
-        num_warps=p["warps2"], num_stages=p["stages2"], **pdl.options(ws.act))
+        SWAP=bool(p["swap2"]), num_warps=p["warps2"], num_stages=p["stages2"], **pdl.options(ws.act))
 
 
 def slot_moe_grouped(x, residual, slot_buf, route, out, hidden, inter, workspace, backend: str = "torch",
