@@ -117,8 +117,11 @@ for dtype in (torch.float32, torch.bfloat16):
                                    dict(block_n=32, block_k=64, block_h=32, block_k2=64))
     assert torch.equal(out, same), dtype
     wide = dict(block_n=128, block_k=256, block_h=128, block_k2=256)  # tiles of a whole block, K across blocks
-    assert torch.equal(slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), h, i, ws, wide),
-                       slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), h, i, ws, wide)), dtype
+    swapped = dict(block_n=64, block_k=64, block_h=128, block_k2=64, swap=1, swap2=1)  # weight rows as the M
+    for params in (wide, swapped):
+        assert torch.equal(slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), h, i, ws, params),
+                           slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), h, i, ws, params)), \
+            (dtype, params)
     try:
         slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), h, i, ws, dict(block_n=256))
         raise AssertionError("a tile of 256 rows over FP8 rows was accepted")
@@ -278,8 +281,9 @@ def test_per_token_kernel_on_fp8_rows_equals_the_dequantised_reference_on_gpu(gp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swap", [0, 1], ids=["plain", "swapped"])
 @pytest.mark.parametrize("d", [1, 9, 16])
-def test_grouped_kernel_on_fp8_rows_equals_the_dequantised_reference_on_gpu(gpu_rows, d):
+def test_grouped_kernel_on_fp8_rows_equals_the_dequantised_reference_on_gpu(gpu_rows, d, swap):
     from specmoe.kernels.grouped_moe import make_grouped_workspace, slot_moe_grouped_triton
 
     rows, ref_buf = gpu_rows
@@ -289,8 +293,9 @@ def test_grouped_kernel_on_fp8_rows_equals_the_dequantised_reference_on_gpu(gpu_
     res = torch.randn(d, H, generator=g).to("cuda", torch.bfloat16)
     ws = make_grouped_workspace(d, K, H, I, torch.bfloat16, "cuda")
     ref = slot_moe_grouped_torch(x, res, ref_buf, route, torch.empty_like(x), H, I)
-    out = slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), H, I, ws).clone()
-    bf16 = slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), H, I, ws)
+    params = dict(swap=swap, swap2=swap)  # the tile product's form (`grouped_moe._tile_dot`): the tuner picks either
+    out = slot_moe_grouped_triton(x, res, rows, route, torch.empty_like(x), H, I, ws, params).clone()
+    bf16 = slot_moe_grouped_triton(x, res, ref_buf, route, torch.empty_like(x), H, I, ws, params)
     # not bitwise on the H200 (relative error about 7e-5, compiled tile order of the FP8 path), unlike the
     # per-token kernel and the interpreter
     assert float((out.float() - bf16.float()).norm() / bf16.float().norm()) < 1e-3
