@@ -6,7 +6,7 @@ with full=True; nothing runs): the grouped MoE's two weight kernels for every tu
 (`grouped_moe.GATE_UP_CANDIDATES`, `DOWN_CANDIDATES`) at each block size D, the block selection's launches
 (`DevicePool`: acceptmoe, with the block prefetch) and the AR cache step (`DeviceCache`: Cache-Prior and PSR) at
 the model's E, K and router scoring. Reported per launch: its warps, ptxas's registers per thread, spill stores
-and loads and stack frame (bytes). A kernel that spills, or one at 255 registers, is where a tile is too wide for
+and loads and stack frame (bytes), and the tensor-core product its PTX uses (`mma`: wgmma, mma.sync or none). A kernel that spills, or one at 255 registers, is where a tile is too wide for
 the registers; only a GPU says what that costs (`bench_device_select.py`, `sweep_grouped_moe.py`), and only the
 machine code says that it happens. A named config needs no weights: the shapes come from its transformers config.
 
@@ -31,7 +31,7 @@ from specmoe.models.registry import named_config
 from specmoe.routing import LogicalCache, preset
 from specmoe.verifiers import ExpertPool, selector_preset
 
-COLUMNS = ("warps", "registers", "spill_stores", "spill_loads", "stack")
+COLUMNS = ("warps", "registers", "spill_stores", "spill_loads", "stack", "mma")
 
 
 def model_shapes(name: str):
@@ -90,8 +90,8 @@ def cache_step_rows(geometry: Geometry, scoring) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| kernel | D | parameters | warps | registers | spill stores | spill loads | stack |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | D | parameters | warps | registers | spill stores | spill loads | stack | mma |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['kernel']} | {r['D']} | {', '.join(f'{k} {v}' for k, v in r['params'].items())} | "
               + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)

@@ -875,6 +875,11 @@ def test_kernel_registers_reports_every_launch_of_a_model(tmp_path, capsys):
         "_cache_step_kernel (cache_prior, route)", "_cache_step_kernel (psr, route)",
         "_cache_step_kernel (psr, part 1)"}
     assert all(1 <= r["registers"] <= 255 and r["spill_stores"] >= 0 and r["stack"] >= 0 for r in rows)
+    # the grouped candidates' products: the plain tiles at D = 9 (16 positions as M) on mma.sync, the swapped ones
+    # (the weight rows as M) on Hopper's wgmma; the selection has no tile products
+    assert {r["mma"] for r in grouped if not r["params"].get("swap", r["params"].get("swap2"))} == {"mma.sync"}
+    assert {r["mma"] for r in grouped if r["params"].get("swap", r["params"].get("swap2"))} == {"wgmma"}
+    assert next(r for r in rows if r["kernel"] == "_own_kernel")["mma"] == ""
     # each row's warps are its launch's: the selection's select_warps(E), the refill's own 4, a candidate's own
     from specmoe.kernels.device_select import select_warps
 
