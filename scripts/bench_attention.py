@@ -39,10 +39,10 @@ VARIANTS = {  # launch parameters tried besides the defaults (see specmoe.kernel
         "splits16": dict(num_splits=16), "splits66": dict(num_splits=66), "elementwise": dict(block_m=1),
         "st3": dict(num_stages=3)},
     9: {"splits4": dict(num_splits=4), "splits8": dict(num_splits=8), "splits12": dict(num_splits=12),
-        "splits33": dict(num_splits=33)},
+        "splits17": dict(num_splits=17), "splits33": dict(num_splits=33)},
     17: {"bn32_st3": dict(block_n=32, num_stages=3), "splits4": dict(num_splits=4), "splits8": dict(num_splits=8),
-         "splits12": dict(num_splits=12), "splits33": dict(num_splits=33), "splits66": dict(num_splits=66),
-         "st2": dict(num_stages=2), "w8": dict(num_warps=8)},
+         "splits12": dict(num_splits=12), "splits17": dict(num_splits=17), "splits33": dict(num_splits=33),
+         "splits66": dict(num_splits=66), "st2": dict(num_stages=2), "w8": dict(num_warps=8)},
 }
 
 

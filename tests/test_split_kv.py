@@ -140,10 +140,14 @@ def test_input_checks():
 def test_launch_depends_on_static_shapes_and_fills_the_gpu():
     olmoe = split_kv_config(1, 16, 16, 128, 4096)
     assert olmoe["block_m"] == 16 and olmoe["num_stages"] == 1 and 16 * olmoe["num_splits"] >= 4 * 132
-    block = split_kv_config(17, 16, 16, 128, 4096)
-    assert block["block_m"] == 32 and 16 * block["num_splits"] >= 2 * 132 > 16 * (block["num_splits"] - 1)
-    gqa = split_kv_config(1, 16, 2, 256, 4096)
+    # a verification block: one program per SM (OLMoE: 9 splits of 16 heads), whatever its size
+    for d in (9, 17):
+        block = split_kv_config(d, 16, 16, 128, 4096)
+        assert block["block_m"] == (16 if d == 9 else 32)
+        assert 16 * block["num_splits"] >= 132 > 16 * (block["num_splits"] - 1)
+    gqa = split_kv_config(1, 16, 2, 256, 4096)  # one query's rows of a GQA group: two programs per SM
     assert gqa["block_m"] == 16 and gqa["num_splits"] <= 4096 // gqa["block_n"]
+    assert gqa["num_splits"] == min(4096 // gqa["block_n"], 2 * 132 // 2)  # at most one split per key block
     tiny = split_kv_config(1, 4, 4, 16, 8)
     assert tiny["num_splits"] >= 1
     ws = make_split_kv_workspace(17, 16, 128, 4096, "cpu")

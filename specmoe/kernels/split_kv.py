@@ -81,14 +81,17 @@ def split_kv_config(num_queries: int, num_heads: int, num_kv_heads: int, head_di
                     itemsize: int = 2, num_sms: int = DEFAULT_SMS) -> dict:
     """Launch parameters from static shapes only: `block_params` and num_splits, the number of programs per
     KV head and M block along the positions. NKV * M blocks * splits programs in all: 4 per SM for one row
-    (not pipelined, several fit on an SM at once), 2 per SM for a block of rows (pipelined), so that at long lengths
-    one wave of programs keeps enough loads in flight to stream the cache; at most one split per key block;
-    and at most S / (2 rows), so the float32 partials (8 bytes per row, split and head dim, written and read
-    back, mostly within L2) stay under the K/V bytes of a full cache."""
+    (not pipelined, several fit on an SM at once), 2 per SM for one query's block of rows (pipelined; GQA groups or
+    a latent cache's heads), so that at long lengths one wave of programs keeps enough loads in flight to stream
+    the cache, and 1 per SM for a verification block (D > 1 queries): each program then streams a longer chunk
+    with its stages in flight and the reduction combines fewer partials (on the H200 at OLMoE's shapes, D = 9 and
+    17, 1024-4000 positions: 8 splits took 0.77-1.00 of 17's time; BENCHMARKS.md, 2026-12-04); at most one split
+    per key block; and at most S / (2 rows), so the float32 partials (8 bytes per row, split and head dim, written
+    and read back, mostly within L2) stay under the K/V bytes of a full cache."""
     rows = num_queries * (num_heads // num_kv_heads)
     cfg = block_params(rows, head_dim, itemsize)
     m_blocks = -(-rows // cfg["block_m"])
-    programs = (4 if rows == 1 else 2) * num_sms
+    programs = (4 if rows == 1 else 2 if num_queries == 1 else 1) * num_sms
     max_splits = max(1, min(-(-max_seq_len // cfg["block_n"]), max_seq_len // (2 * rows)))
     cfg["num_splits"] = max(1, min(max_splits, -(-programs // (num_kv_heads * m_blocks))))
     return cfg
