@@ -140,11 +140,13 @@ def test_input_checks():
 def test_launch_depends_on_static_shapes_and_fills_the_gpu():
     olmoe = split_kv_config(1, 16, 16, 128, 4096)
     assert olmoe["block_m"] == 16 and olmoe["num_stages"] == 1 and 16 * olmoe["num_splits"] >= 4 * 132
-    # a verification block: one program per SM (OLMoE: 9 splits of 16 heads), whatever its size
+    # a verification block: one wave of at most one program per SM (OLMoE: 8 splits of 16 heads, 128 programs)
     for d in (9, 17):
         block = split_kv_config(d, 16, 16, 128, 4096)
-        assert block["block_m"] == (16 if d == 9 else 32)
-        assert 16 * block["num_splits"] >= 132 > 16 * (block["num_splits"] - 1)
+        assert block["block_m"] == (16 if d == 9 else 32) and block["num_splits"] == 8
+    qwen = split_kv_config(17, 16, 2, 256, 4096)  # 136 rows per KV head: 5 blocks of 32, 2 KV heads
+    assert qwen["block_m"] == 32 and 2 * 5 * qwen["num_splits"] <= 132 < 2 * 5 * (qwen["num_splits"] + 1)
+    assert split_kv_config(17, 16, 16, 128, 4096, num_sms=8)["num_splits"] == 1  # fewer SMs than programs
     gqa = split_kv_config(1, 16, 2, 256, 4096)  # one query's rows of a GQA group: two programs per SM
     assert gqa["block_m"] == 16 and gqa["num_splits"] <= 4096 // gqa["block_n"]
     assert gqa["num_splits"] == min(4096 // gqa["block_n"], 2 * 132 // 2)  # at most one split per key block

@@ -83,17 +83,21 @@ def split_kv_config(num_queries: int, num_heads: int, num_kv_heads: int, head_di
     KV head and M block along the positions. NKV * M blocks * splits programs in all: 4 per SM for one row
     (not pipelined, several fit on an SM at once), 2 per SM for one query's block of rows (pipelined; GQA groups or
     a latent cache's heads), so that at long lengths one wave of programs keeps enough loads in flight to stream
-    the cache, and 1 per SM for a verification block (D > 1 queries): each program then streams a longer chunk
-    with its stages in flight and the reduction combines fewer partials (on the H200 at OLMoE's shapes, D = 9 and
-    17, 1024-4000 positions: 8 splits took 0.77-1.00 of 17's time; BENCHMARKS.md, 2026-12-04); at most one split
-    per key block; and at most S / (2 rows), so the float32 partials (8 bytes per row, split and head dim, written
-    and read back, mostly within L2) stay under the K/V bytes of a full cache."""
+    the cache; a verification block (D > 1 queries) takes at most one program per SM, one wave in which each
+    program streams a longer chunk with its stages in flight and the reduction combines fewer partials. On the
+    H200 at OLMoE's shapes (16 KV heads, D = 9 and 17, 1024-4000 positions; BENCHMARKS.md, 2026-12-04) 8 splits
+    (128 programs) took 0.77-0.99 of 17's time, and 9 splits (144 programs: a second wave of 12) 1.07-1.17. At
+    most one split per key block; and at most S / (2 rows), so the float32 partials (8 bytes per row, split and
+    head dim, written and read back, mostly within L2) stay under the K/V bytes of a full cache."""
     rows = num_queries * (num_heads // num_kv_heads)
     cfg = block_params(rows, head_dim, itemsize)
     m_blocks = -(-rows // cfg["block_m"])
-    programs = (4 if rows == 1 else 2 if num_queries == 1 else 1) * num_sms
     max_splits = max(1, min(-(-max_seq_len // cfg["block_n"]), max_seq_len // (2 * rows)))
-    cfg["num_splits"] = max(1, min(max_splits, -(-programs // (num_kv_heads * m_blocks))))
+    if num_queries > 1:  # one wave: splits rounded down
+        splits = num_sms // (num_kv_heads * m_blocks)
+    else:  # several programs per SM: rounded up
+        splits = -(-(4 if rows == 1 else 2) * num_sms // (num_kv_heads * m_blocks))
+    cfg["num_splits"] = max(1, min(max_splits, splits))
     return cfg
 
 
