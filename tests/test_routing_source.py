@@ -96,6 +96,26 @@ def test_a_spec_sets_a_point_of_the_map():
             read_trace(bad)
 
 
+def test_a_spec_sets_the_geometry_of_another_model():
+    """"NAME:num_experts=E,top_k=K,num_layers=L" draws the named source's statistics at another model's shapes
+    (Qwen3.6's 256 experts, Moonlight's top-6), checked as a trace of that geometry is; the geometry is part of the
+    source's name and identity; bad values are named."""
+    trace = read_trace("olmoe-like:tokens=64,num_experts=256", num_experts=256, top_k=8)
+    assert trace.router_logits.shape == (64, 16, 256) and trace.top_k == 8
+    assert trace.model == "synthetic routing source olmoe-like:num_experts=256"
+    point = SOURCES["olmoe-like"].replace(top_k=6, num_layers=4)
+    six = read_trace("olmoe-like:tokens=64,top_k=6,num_layers=4", num_experts=64, top_k=6)
+    np.testing.assert_array_equal(six.router_logits, synthetic_trace(point, 64).router_logits)
+    assert six.top_k == 6 and six.num_layers == 4
+    assert input_sha256("olmoe-like:tokens=64,top_k=6") != input_sha256("olmoe-like:tokens=64")
+    with pytest.raises(TraceError, match="num_experts 64"):  # the default geometry checked against a model's
+        read_trace("olmoe-like:tokens=64", num_experts=256, top_k=8)
+    for bad, named in (("olmoe-like:num_experts=2.5", "num_experts=2.5"), ("olmoe-like:top_k=0", "top_k must be"),
+                       ("olmoe-like:num_experts=4", "top_k 8 exceeds num_experts 4")):
+        with pytest.raises(TraceError, match=named):
+            read_trace(bad)
+
+
 def test_specmoe_replay_and_stats_accept_a_source(tmp_path, capsys):
     from specmoe.cli import main
 

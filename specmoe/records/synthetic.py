@@ -29,8 +29,9 @@ held-out draw of the same source through `CalibrationBuilder`, as a real model's
 Named sources (`SOURCES`): "olmoe-like", fitted by `scripts/fit_routing_source.py` so that the CPU replay of exact
 LRU, Cache-Prior and PSR reproduces OLMoE-1B-7B's copy counts (the paper's Section 6.5). `read_trace` and
 `read_calibration` are the one resolver where a trace or calibration file is accepted: a file, or a source spec
-"NAME[:key=value,...]": the draw's tokens and seed, and any float parameter overriding the named source's (a point
-of the crossover map).
+"NAME[:key=value,...]": the draw's tokens and seed, any float parameter overriding the named source's (a point
+of the crossover map), and the geometry (num_experts, top_k, num_layers: the source's statistics at another model's
+shapes).
 """
 
 from __future__ import annotations
@@ -187,16 +188,20 @@ def _spec_calibration(params: SourceParams, name: str) -> Calibration:
     return synthetic_calibration(params, name=name)
 
 
-# what a source spec may set: the draw, and the source's parameters (a point of the crossover map)
+# what a source spec may set: the draw, the source's parameters (a point of the crossover map) and its geometry
+# (another model's expert count and top-K with the named source's statistics)
 _DRAW_OPTIONS = ("tokens", "seed")
 _PARAMETERS = ("persistence", "latent_share", "token_share", "skew", "margin", "pregate_noise", "scale", "token_zipf")
+_GEOMETRY = ("num_experts", "top_k", "num_layers")
 
 
 def parse_source(spec) -> tuple[SourceParams, dict] | None:
     """(parameters, {"tokens", "seed"}) of a source spec "NAME[:key=value,...]", or None if `spec` names no
-    source. The keys are the draw's tokens and seed (integers) and any of the source's float parameters
+    source. The keys are the draw's tokens and seed (integers), any of the source's float parameters
     (`_PARAMETERS`), which override the named source's: "olmoe-like:margin=0,skew=0.3" is a point of the
-    crossover map (docs/crossover.md). A bad key or value is a TraceError naming the spec."""
+    crossover map (docs/crossover.md), and its geometry (`_GEOMETRY`, integers): "olmoe-like:num_experts=256" draws
+    the source's statistics over 256 experts (e.g. for Qwen3.6's shapes; not a fit to that model's routing). A bad
+    key or value is a TraceError naming the spec."""
     name, _, rest = str(spec).partition(":")
     if name not in SOURCES:
         return None
@@ -204,19 +209,20 @@ def parse_source(spec) -> tuple[SourceParams, dict] | None:
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
         try:
-            if not sep or key not in _DRAW_OPTIONS + _PARAMETERS:
+            if not sep or key not in _DRAW_OPTIONS + _PARAMETERS + _GEOMETRY:
                 raise ValueError(key)
-            if key in _DRAW_OPTIONS:
+            if key in _DRAW_OPTIONS + _GEOMETRY:
                 if not value.isdigit():
                     raise ValueError(value)
-                options[key] = int(value)
+                (options if key in _DRAW_OPTIONS else overrides)[key] = int(value)
             else:
                 overrides[key] = float(value)
                 if not np.isfinite(overrides[key]):
                     raise ValueError(value)
         except ValueError:
             raise TraceError(f"bad routing source spec {spec!r} at {item!r}: expected NAME[:key=value,...] with "
-                             f"integer {', '.join(_DRAW_OPTIONS)} and float {', '.join(_PARAMETERS)}") from None
+                             f"integer {', '.join(_DRAW_OPTIONS + _GEOMETRY)} and float {', '.join(_PARAMETERS)}") \
+                from None
     try:
         return SOURCES[name].replace(**overrides), options
     except TraceError as exc:
@@ -232,7 +238,7 @@ def is_source(spec) -> bool:
 def _label(spec: str) -> str:
     """The source's name in a spec, with its parameter overrides (the draw options do not change the source)."""
     name, _, rest = spec.partition(":")
-    params = [item for item in filter(None, rest.split(",")) if item.partition("=")[0] in _PARAMETERS]
+    params = [item for item in filter(None, rest.split(",")) if item.partition("=")[0] in _PARAMETERS + _GEOMETRY]
     return name + (":" + ",".join(params) if params else "")
 
 
