@@ -436,8 +436,9 @@ def select_warps(num_experts: int) -> int:
     """Warps of the block selection's launches: one per 32 entries of the padded expert row (2 at E = 64, 8 at
     E = 256), twice the cache step's `default_warps`: besides [E] rows the selection holds [D, E] tiles (a block's
     positions by the experts) and ranks by [E, 8] comparison tiles, and more threads hold fewer of their entries.
-    On an H200 (BENCHMARKS.md, 2026-12-04) 2 warps took 0.72-0.82 of one warp's time at E = 64 (D = 17, 9) and 8
-    warps 0.89-0.91 of four's at E = 256; 8 warps at E = 64 took 4.7-8.5 times as long."""
+    On an H200 (BENCHMARKS.md, 2026-12-04) 2 warps took 0.70-0.82 of one warp's time at E = 64 (OLMoE's and
+    Moonlight's geometries, D = 9 and 17) and 8 warps 0.89-0.91 of four's at E = 256; at E = 64, 4 and 8 warps
+    took 4.7-19 times as long as 2."""
     block = 1 << max(num_experts - 1, 0).bit_length()
     return max(1, min(8, block // 32))
 
