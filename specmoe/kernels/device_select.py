@@ -438,7 +438,7 @@ def select_warps(num_experts: int) -> int:
     positions by the experts) and ranks by [E, 8] comparison tiles, and more threads hold fewer of their entries.
     On an H200 (BENCHMARKS.md, 2026-12-04) 2 warps took 0.70-0.82 of one warp's time at E = 64 (OLMoE's and
     Moonlight's geometries, D = 9 and 17) and 8 warps 0.89-0.91 of four's at E = 256; at E = 64, 4 and 8 warps
-    took 4.7-19 times as long as 2."""
+    took 5.8-19 times as long as 2."""
     block = 1 << max(num_experts - 1, 0).bit_length()
     return max(1, min(8, block // 32))
 
