@@ -65,10 +65,10 @@ def test_block_selection_compiles_for_the_gpu_for_every_case():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_block_selection_fits_its_registers_at_e64_and_e256():
     """The whole compile for an H200 here, without one (`compile_launches(full=True)`: PTX, then ptxas's register
-    report), of a block selector's and the block prefetch's launches at E = 64 and 256, D = 17: the rankings'
-    comparison tiles fit the registers. `_order` with [256, 64] tiles compiled, then ran 3-6x slower on the
-    H200 from 5.9 KB of spill stores (BENCHMARKS.md); `_use_kernel`'s [D, E] tiles spill a little (24-96 bytes
-    here), which the bound below keeps from growing unseen."""
+    report), of a block selector's and the block prefetch's launches at E = 64 and 256, D = 17, on their default
+    warps (`select_warps`): the rankings' comparison tiles and the [D, E] tiles fit the registers. `_order` with
+    [256, 64] tiles compiled, then ran 3-6x slower on the H200 from 5.9 KB of spill stores (BENCHMARKS.md);
+    `_use_kernel`'s [D, E] tiles spilled 20-96 bytes on the warps before (one at E = 64, four at 256)."""
     from specmoe.kernels.checks import compile_launches, launch_block_selection
 
     chosen = [c for c in CASES if c[0] in ("acceptmoe", "acceptmoe_e256", "confidence_e256_groups")]
@@ -82,8 +82,7 @@ def test_block_selection_fits_its_registers_at_e64_and_e256():
         (k, e) for k in ("_own_kernel", "_demand_kernel", "_execute_kernel", "_use_kernel", "_refill_kernel")
         for e in (64, 256)} | {("_prefetch_kernel", 256)}
     for name, constants, usage in compiled:
-        bound = 128 if name == "_use_kernel" else 0
-        assert usage["spill_stores"] <= bound and usage["registers"] <= 255, (name, constants["E"], usage)
+        assert usage["spill_stores"] == 0 and usage["registers"] <= 255, (name, constants["E"], usage)
 
 
 def test_block_selection_warps_grow_with_the_expert_row():
