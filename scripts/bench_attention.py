@@ -1,7 +1,8 @@
 """Benchmark of the split-KV decode attention kernel (specmoe.kernels.split_kv) on one CUDA GPU.
 
-OLMoE-1B-7B's attention shapes (NH = NKV = 16, HD = 128, bf16), a static cache of S = 4096 positions,
-seq_len 100 .. 4000, D = 1 (a decode step) and D = 17 (a verification block). Each path is captured once per
+A named config's attention shapes (--model; default OLMoE-1B-7B: NH = NKV = 16, HD = 128; qwen3.6-35b-a3b's gated
+attention: NH 16, NKV 2, HD 256), bf16, a static cache of S = 4096 positions, seq_len 100 .. 4000, D = 1 (a decode
+step) and D = 17 (a verification block). Each path is captured once per
 D in a CUDA graph of one call per layer over L layers' caches (L = 128 by default, so that K and V come from
 device memory, not from the 50 MB L2, as in the decoder where each layer's experts stream in between), and
 the graph is replayed at every seq_len after changing the device tensor (split-KV) or the mask (SDPA): the
@@ -137,11 +138,12 @@ def run(args, report) -> None:
     report["env"] = {"gpu": props.name, "sms": props.multi_processor_count,
                      "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__,
                      "triton": sk.triton.__version__, "python": platform.python_version()}
-    num_heads, num_kv, head_dim, max_seq = 16, 16, 128, args.max_seq
+    num_heads, num_kv, head_dim = attention_shape(args.model)
+    max_seq = args.max_seq
     dtype, item = torch.bfloat16, 2
     shape = (num_heads, num_kv, head_dim, max_seq)
-    report["shape"] = {"num_heads": num_heads, "num_kv_heads": num_kv, "head_dim": head_dim, "max_seq_len": max_seq,
-                       "dtype": "bfloat16", "layers": args.layers}
+    report["shape"] = {"model": args.model, "num_heads": num_heads, "num_kv_heads": num_kv, "head_dim": head_dim,
+                       "max_seq_len": max_seq, "dtype": "bfloat16", "layers": args.layers}
     if args.check and not check(report, sk, args, shape):
         report["notes"].append("--check found a mismatch: the times below are of a kernel that disagrees with the "
                                "reference")
@@ -268,10 +270,26 @@ def summarize(report) -> None:
               f"measured-bandwidth floor ({'within' if t['within_2x'] else 'NOT within'} 2x)", flush=True)
 
 
+def attention_shape(name: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a named config's attention, from its config alone. ValueError for
+    multi-head latent attention (DeepSeek-V3 / Moonlight: `split_kv_latent_attention` over a latent cache, which
+    this benchmark does not time)."""
+    from specmoe.models.registry import named_config
+
+    config = named_config(name)
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(f"{name} has multi-head latent attention (kv_lora_rank {config.kv_lora_rank}): this "
+                         "benchmark times split_kv_attention over K and V caches")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the report as JSON here")
     ap.add_argument("--check", action="store_true", help="compare the kernel with the torch reference first")
+    ap.add_argument("--model", default="olmoe-1b-7b", help="the named config whose attention shapes are timed")
     ap.add_argument("--max-seq", type=int, default=4096, help="static cache length S")
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[100, 500, 1000, 2000, 4000])
     ap.add_argument("--queries", type=lambda s: [int(x) for x in s.split(",")], default=[1, 17])
@@ -285,6 +303,11 @@ def main(argv=None) -> int:
     bad = None
     if any(not 1 <= n <= args.max_seq for n in args.lengths) or args.layers < 1:
         bad = f"--lengths must lie in 1 .. --max-seq ({args.max_seq}) and --layers be positive"
+    else:
+        try:
+            attention_shape(args.model)
+        except (KeyError, ValueError) as exc:
+            bad = f"--model: {exc.args[0] if exc.args else exc}"
     return run_reported("bench_attention", run, args, report, bad)
 
 

@@ -417,6 +417,23 @@ def test_bench_expert_copy_grid_and_refusal_without_cuda(tmp_path):
             bench.main(["--out", str(tmp_path / "x.json")])
 
 
+def test_bench_attention_takes_a_named_configs_shapes(tmp_path, capsys):
+    """bench_attention --model: the attention shapes of a named config (OLMoE's heads, Qwen3.6's gated attention with
+    two KV heads of 256), multi-head latent attention refused by name; without CUDA it stops in one line."""
+    import bench_attention as bench
+    import pytest
+
+    assert bench.attention_shape("olmoe-1b-7b") == (16, 16, 128)
+    assert bench.attention_shape("qwen3.6-35b-a3b") == (16, 2, 256)
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        bench.attention_shape("moonlight-16b-a3b")
+    with pytest.raises(ValueError, match="unknown named config 'nope'"):
+        bench.attention_shape("nope")
+    if not bench.torch.cuda.is_available():
+        assert bench.main(["--out", str(tmp_path / "a.json"), "--model", "qwen3.6-35b-a3b"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+
+
 def test_new_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path, capsys):
     """bench_expert_copy and bench_device_cache: a size the run cannot take exits with status 2 and a line naming
     the option, before any device work."""
