@@ -88,8 +88,9 @@ def split_kv_config(num_queries: int, num_heads: int, num_kv_heads: int, head_di
     H200 at OLMoE's shapes (16 KV heads, D = 9 and 17, 1024-4000 positions; BENCHMARKS.md, 2026-12-04) 8 splits
     (128 programs) took 0.77-0.99 of 17's time, and 9 splits (144 programs: a second wave of 12) 1.07-1.17; other
     shapes are not measured yet (Qwen3.6's gated attention goes from 28 splits to 22 at D = 9 and 15 to 13 at 17:
-    `scripts/bench_attention.py --model qwen3.6-35b-a3b` times it). At most one split per key block; and at most S / (2 rows), so the float32 partials (8 bytes per row, split and
-    head dim, written and read back, mostly within L2) stay under the K/V bytes of a full cache."""
+    `scripts/bench_attention.py --model qwen3.6-35b-a3b` times it). At most one split per key block; and at most
+    S / (2 rows), so the float32 partials (8 bytes per row, split and head dim, written and read back, mostly within
+    L2) stay under the K/V bytes of a full cache."""
     rows = num_queries * (num_heads // num_kv_heads)
     cfg = block_params(rows, head_dim, itemsize)
     m_blocks = -(-rows // cfg["block_m"])
