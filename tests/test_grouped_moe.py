@@ -304,12 +304,13 @@ for dtype, d, params in ((torch.bfloat16, 1, None), (torch.bfloat16, 17, None), 
     assert torch.equal(out, per_token(x, res, buf, route)), (dtype, d, params)
 # late slots (the speculative engine's demand copies in flight): the rows from `first` on hold NaN until wait()
 # writes them, as a copy landing; the output is the one pass's, bit for bit, and wait() runs once
-for dtype, d, first in ((torch.bfloat16, 17, 6), (torch.float32, 5, 0), (torch.float32, 9, 12)):
+for dtype, d, first, params in ((torch.bfloat16, 17, 6, None), (torch.float32, 5, 0, None),
+                                (torch.float32, 9, 12, None), (torch.float32, 9, 5, dict(swap=1, swap2=1))):
     buf = (torch.randn(12, 3 * H * I, generator=g) * H ** -0.5).to(dtype)
     x, res = (torch.randn(d, H, generator=g).to(dtype) for _ in range(2))
     route = routes("zipf", d, 12, g)
     ws = make_grouped_workspace(d, K, H, I, dtype, "cpu")
-    whole = slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws)
+    whole = slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws, params)
     landing = buf.clone()
     landing[first:] = float("nan")
     waited = []
@@ -318,8 +319,8 @@ for dtype, d, first in ((torch.bfloat16, 17, 6), (torch.float32, 5, 0), (torch.f
         waited.append(torch.isnan(landing).any().item())
         landing[first:] = buf[first:]
 
-    out = slot_moe_grouped_triton(x, res, landing, route, torch.empty_like(x), H, I, ws, late=(first, wait))
-    assert waited == [first < 12] and torch.equal(out, whole), (dtype, d, first, waited)
+    out = slot_moe_grouped_triton(x, res, landing, route, torch.empty_like(x), H, I, ws, params, late=(first, wait))
+    assert waited == [first < 12] and torch.equal(out, whole), (dtype, d, first, params, waited)
 try:
     slot_moe_grouped_triton(x, res, buf, route, torch.empty_like(x), H, I, ws, late=(13, wait))
     raise AssertionError("late past the slots accepted")
