@@ -274,15 +274,14 @@ def attention_shape(name: str) -> tuple[int, int, int]:
     """(query heads, KV heads, head dim) of a named config's attention, from its config alone. ValueError for
     multi-head latent attention (DeepSeek-V3 / Moonlight: `split_kv_latent_attention` over a latent cache, which
     this benchmark does not time)."""
+    from specmoe.geometry import attention_shape as config_attention_shape
     from specmoe.models.registry import named_config
 
     config = named_config(name)
     if getattr(config, "kv_lora_rank", None):
         raise ValueError(f"{name} has multi-head latent attention (kv_lora_rank {config.kv_lora_rank}): this "
                          "benchmark times split_kv_attention over K and V caches")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim
+    return config_attention_shape(config)
 
 
 def main(argv=None) -> int:

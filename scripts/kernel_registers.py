@@ -6,9 +6,10 @@ with full=True; nothing runs): the grouped MoE's two weight kernels for every tu
 (`grouped_moe.GATE_UP_CANDIDATES`, `DOWN_CANDIDATES`) at each block size D, the block selection's launches
 (`DevicePool`: acceptmoe, with the block prefetch) and the AR cache step (`DeviceCache`: Cache-Prior and PSR) at
 the model's E, K and router scoring. Reported per launch: its warps, ptxas's registers per thread, spill stores
-and loads and stack frame (bytes), and the tensor-core product its PTX uses (`mma`: wgmma, mma.sync or none). A kernel that spills, or one at 255 registers, is where a tile is too wide for
-the registers; only a GPU says what that costs (`bench_device_select.py`, `sweep_grouped_moe.py`), and only the
-machine code says that it happens. A named config needs no weights: the shapes come from its transformers config.
+and loads and stack frame (bytes), and the tensor-core product its PTX uses (`mma`: wgmma, mma.sync or none). A
+kernel that spills, or one at 255 registers, is where a tile is too wide for the registers; only a GPU says what
+that costs (`bench_device_select.py`, `sweep_grouped_moe.py`), and only the machine code says that it happens. A
+named config needs no weights: the shapes come from its transformers config.
 
     PYTHONPATH=. python3 scripts/kernel_registers.py --model olmoe-1b-7b --positions 9 17 [--out regs.json]
 """

@@ -13,6 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a transformers config's attention by the common names
+    (num_attention_heads, num_key_value_heads, head_dim; a missing KV count is the heads', a missing head dim
+    hidden_size / heads)."""
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 @dataclass(frozen=True)
 class Geometry:
     """A model's shapes (see the module docstring).
@@ -53,11 +62,9 @@ class Geometry:
         an architecture with dense layers among its MoE layers reads its layers through `of(adapter)`."""
         num_layers = config.num_hidden_layers
         num_experts = getattr(config, "num_experts", None) or 0
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(num_layers, num_experts, (getattr(config, "num_experts_per_tok", None) or 0) if num_experts else 0,
                    config.vocab_size, config.hidden_size, config.intermediate_size,
-                   None if max_seq_len is None else int(max_seq_len), config.num_attention_heads,
-                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
+                   None if max_seq_len is None else int(max_seq_len), *attention_shape(config),
                    tuple(range(num_layers)) if num_experts else ())
 
     @classmethod

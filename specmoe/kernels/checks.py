@@ -715,8 +715,8 @@ def compile_for_gpu(kernel, args: tuple, constants: dict, num_warps: int, arch: 
     parameter order (tensors by dtype, Python ints as 32-bit integers where they fit, as a launch types them);
     constants: its constexprs by name. With `full`, the whole pipeline runs (layouts, PTX, and Triton's bundled
     ptxas on the PTX) and returns `ptxas_usage` of it, the launch's "warps" and the PTX's `mma_kind`: registers and
-    spills, which only the machine code shows (a comparison tile too wide for the registers compiles, then runs several times
-    slower); else None."""
+    spills, which only the machine code shows (a comparison tile too wide for the registers compiles, then runs
+    several times slower); else None."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -55,13 +55,20 @@ ORDER_TILE = 8  # the width of `_order`'s [E, ORDER_TILE] tiles past PAIRWISE_MA
 PRIOR_CHUNK = 16  # token-prior entries read per step of a priority snapshot ([BLOCK_E, 16] comparisons each)
 
 
+def row_warps(num_experts: int, entries_per_warp: int) -> int:
+    """One warp per `entries_per_warp` entries of the padded expert row (BLOCK_E, E rounded up to a power of two),
+    1 to 8: the warps of a launch whose work is reductions over [E] vectors (`default_warps`,
+    `device_select.select_warps`)."""
+    block = 1 << max(num_experts - 1, 0).bit_length()
+    return max(1, min(8, block // entries_per_warp))
+
+
 def default_warps(num_experts: int) -> int:
     """Warps of the cache step's one program: one per 64 experts, so that a thread holds two entries of each [E]
     vector at every E. The step is a chain of reductions over such vectors: one warp reduces with shuffles alone,
     but at E = 256 each of its threads walks 8 float64 entries per reduction (one warp: 45 µs per layer on the
     H200 at E = 256 against 12 at E = 64; BENCHMARKS.md has the warps compared)."""
-    block = 1 << max(num_experts - 1, 0).bit_length()  # BLOCK_E, the vectors' length (a power of two)
-    return max(1, min(8, block // 64))
+    return row_warps(num_experts, 64)
 
 
 if triton is not None:

@@ -50,7 +50,7 @@ from specmoe.verifiers.pool import POSITIONS_PER_BLOCK
 from specmoe.verifiers.selection import ENTROPY_SLACK, TINY
 
 from . import pdl
-from .device_cache import triton
+from .device_cache import row_warps, triton
 
 # float64 parameters (one tensor: a Python float launch argument would be float32)
 F_GAMMA, F_RESCUE, F_PRUNE, F_SCALE, F_EPS, F_TINY, F_SLACK = range(7)
@@ -439,8 +439,7 @@ def select_warps(num_experts: int) -> int:
     On an H200 (BENCHMARKS.md, 2026-12-04) 2 warps took 0.70-0.82 of one warp's time at E = 64 (OLMoE's and
     Moonlight's geometries, D = 9 and 17) and 8 warps 0.89-0.91 of four's at E = 256; at E = 64, 4 and 8 warps
     took 5.8-19 times as long as 2."""
-    block = 1 << max(num_experts - 1, 0).bit_length()
-    return max(1, min(8, block // 32))
+    return row_warps(num_experts, 32)
 
 
 class _Scratch:
