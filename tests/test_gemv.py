@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from _interpreter import run_in_interpreter
 
 from specmoe.kernels.checks import check_gemv
-from specmoe.kernels.gemv import CUBLAS, GEMV_CANDIDATES, Linears, linear
+from specmoe.kernels.gemv import CUBLAS, GEMV_CANDIDATES, Linears, linear, padded_rows
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
@@ -292,3 +292,14 @@ def test_a_launch_that_fails_its_check_falls_back_to_cublas(monkeypatch):
     assert launch["gemv 7x40"]["source"] == "defaults" and launch["gemv 12x40"]["source"] == "tuned"
     assert any("GEMV kernel for [7, 40] unusable (RuntimeError: GEMV kernel [7, 40] differs" in n and "cuBLAS used" in n
                for n in notes), notes
+
+
+def test_padded_rows_appends_zero_rows_to_the_multiple():
+    w = torch.randn(1025, 16)
+    padded = padded_rows(w, 8)
+    assert padded.shape == (1032, 16) and torch.equal(padded[:1025], w) and not padded[1025:].any()
+    assert padded_rows(padded, 8) is padded and padded_rows(w, 1) is w
+    x = torch.randn(3, 16)
+    out = F.linear(x, padded)  # the padding's outputs are zeros; the rows' own agree (a library may tile them otherwise)
+    assert not out[:, 1025:].any()
+    torch.testing.assert_close(out[:, :1025], F.linear(x, w), rtol=1e-6, atol=1e-6)

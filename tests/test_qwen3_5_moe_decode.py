@@ -58,6 +58,11 @@ def test_layout_geometry_and_kernels(tiny):
     assert decoder.recurrent_state.shape == (3, 4, 16, 16) and decoder.recurrent_state.dtype == torch.float32
     assert decoder.conv_state.shape == (3, 2 * 2 * 16 + 4 * 16, 3)
     assert decoder.k_cache.shape == (1, 2, SEQ, 16)
+    # the shared expert's [gate; up; gate row] (2 * 32 + 1 rows) padded with zero rows to a multiple of 8
+    shared_in = decoder.layers[0]["shared_in"]
+    assert shared_in.shape == (72, model.config.hidden_size) and not shared_in[65:].any()
+    mlp = model.model.layers[0].mlp
+    assert torch.equal(shared_in[64], mlp.shared_expert_gate.weight[0].to(shared_in.dtype))
     assert (decoder.scoring.kind, decoder.scoring.renormalise) == ("softmax", True)
     assert decoder.use_kernels("auto", "auto", "slot", rows[0]) == {
         "backend": "torch", "attention": "sdpa", "moe": "slot", "launch": {}, "gdn": "torch"}

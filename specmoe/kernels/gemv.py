@@ -68,6 +68,16 @@ GEMV_CANDIDATES = (  # rows per program x columns per step; few rows per program
 GEMV_DEFAULTS = CUBLAS  # tune=False and off CUDA: F.linear's outputs, bit for bit
 
 
+def padded_rows(weight: torch.Tensor, multiple: int) -> torch.Tensor:
+    """`weight` [N, K] with zero rows appended up to a multiple of `multiple` rows (itself when N is one): a fused
+    weight whose row count is odd keeps the products' output rows aligned, which cuBLAS's fast kernels need; the
+    extra outputs are zeros for the caller to leave unread."""
+    extra = -weight.shape[0] % multiple
+    if not extra:
+        return weight
+    return torch.cat([weight, weight.new_zeros(extra, weight.shape[1])], dim=0)
+
+
 if triton is not None:
 
     @triton.jit

@@ -66,7 +66,7 @@ from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
                              make_grouped_workspace, make_split_kv_workspace, norm_rope, split_kv_attention,
                              triton_available)
-from specmoe.kernels.gemv import Linears
+from specmoe.kernels.gemv import Linears, padded_rows
 from specmoe.kernels.gdn import (fla_missing, gated_rmsnorm, gated_rmsnorm_triton, gdn_prologue_torch,
                                  gdn_prologue_triton, gdn_recurrence, load_fla)
 
@@ -81,6 +81,10 @@ GDN_KERNEL_CHOICES = ("auto", "fla", "triton", "torch")  # "auto": fla where ins
 # copies the committed one; "recompute": the step keeps the state at its start and its inputs, and rollback
 # reruns the committed positions' recurrence from it (only when a draft was rejected).
 # scripts/bench_gdn_rollback.py measures both.
+# The shared expert's fused input weight [2 I + 1, H] gets zero rows up to a multiple of this: with 2 I + 1 rows
+# (1025 at Qwen3.6) a block's output rows are not 16-byte aligned and cuBLAS fell back to an sm_75 kernel at D = 17
+# on the H200 (9.9 µs per layer for 4 MB of weights; BENCHMARKS.md, 2026-12-04). The padding's outputs are unused.
+SHARED_IN_ROWS = 8
 GDN_ROLLBACKS = ("history", "recompute")
 DEFAULT_GDN_ROLLBACK = "history"
 
@@ -148,11 +152,12 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
         for j in range(num_layers):
             p = f"{prefix}layers.{j}."
             mlp = p + "mlp."
-            # the shared expert's input projections in one product: [gate; up; its sigmoid gate's row]
+            # the shared expert's input projections in one product: [gate; up; its sigmoid gate's row; zero rows to
+            # a multiple of 8 (`SHARED_IN_ROWS`)]
+            gate_up_rows = [w(mlp + "shared_expert.gate_proj.weight"), w(mlp + "shared_expert.up_proj.weight"),
+                            w(mlp + "shared_expert_gate.weight")]
             layer = {"input_ln": w(p + "input_layernorm.weight"), "post_ln": w(p + "post_attention_layernorm.weight"),
-                     "shared_in": torch.cat([w(mlp + "shared_expert.gate_proj.weight"),
-                                             w(mlp + "shared_expert.up_proj.weight"),
-                                             w(mlp + "shared_expert_gate.weight")], dim=0),
+                     "shared_in": padded_rows(torch.cat(gate_up_rows, dim=0), SHARED_IN_ROWS),
                      "down": w(mlp + "shared_expert.down_proj.weight")}
             if self.mixers[j] == "linear_attention":
                 a = p + "linear_attn."
@@ -439,9 +444,10 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
             step.copy_out_logits(layer)
         # the shared expert, resident and gated, here rather than in `moe` (which may run several times per layer)
         inter = lw["down"].shape[1]
-        gate_up = self.linears(m, lw["shared_in"])  # [D, 2 I + 1]: gate, up, the logit of its sigmoid gate
+        gate_up = self.linears(m, lw["shared_in"])  # [D, 2 I + 1 + padding]: gate, up, the logit of its sigmoid gate
         act = self._gate_mul(gate_up[:, :inter], gate_up[:, inter:2 * inter], w["shared_act"], "silu")
-        self._gate_mul(gate_up[:, 2 * inter:], self.linears(act, lw["down"]), w["h"], "sigmoid", residual=w["h"])
+        self._gate_mul(gate_up[:, 2 * inter:2 * inter + 1], self.linears(act, lw["down"]), w["h"], "sigmoid",
+                       residual=w["h"])
 
     def moe(self, step: DecodeStep, layer: int, slot_buf: torch.Tensor, copy_in: bool = True,
             late: tuple | None = None) -> None:
