@@ -208,3 +208,82 @@ def test_gpu_device_cache_equals_host_cache(case, num_experts, capacity):
     calibration, z, g, tokens = device_cache_case(num_layers, num_experts, 160, seed=capacity + num_experts)
     check_device_cache(preset(base, capacity, 8, **overrides), scoring_of(scoring, num_layers, num_experts),
                        calibration, z, g, tokens, "cuda", sequences=2)
+
+
+_ORDER_PROBE = '''
+import triton
+import triton.language as tl
+
+from specmoe.kernels.device_cache import _order
+
+
+@triton.jit
+def order_kernel(score_ptr, raw_ptr, avail_ptr, out_ptr, limit, BLOCK_E: tl.constexpr, TIES: tl.constexpr):
+    idx = tl.arange(0, BLOCK_E)
+    score, raw = tl.load(score_ptr + idx), tl.load(raw_ptr + idx)
+    tl.store(out_ptr + idx, _order(score, raw, tl.load(avail_ptr + idx) != 0, idx, limit, BLOCK_E, TIES))
+'''
+
+_ORDER_CHECK = r"""
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, PROBE_DIR)
+from order_probe import order_kernel
+from specmoe.kernels.device_cache import TIES_F32, TIES_RAW, TIES_SCORE
+
+E = 256
+rng = np.random.default_rng(0)
+
+def reference(score, raw, avail, limit):
+    order = sorted(np.flatnonzero(avail), key=lambda e: (-score[e], -raw[e], e))[:limit]
+    rank = np.full(E, -1)
+    rank[order] = np.arange(len(order))
+    return rank
+
+def logits(kind):
+    z = torch.from_numpy(rng.normal(0.0, 1.5, E)).to(torch.bfloat16).float().numpy().astype(np.float64)
+    if kind == "tied_top":  # the largest value five times over, the next one twice
+        top = np.argsort(-z)[:7]
+        z[top[:5]], z[top[5:]] = z[top[0]], z[top[5]]
+    elif kind == "zeros_top":  # +0 and -0 the largest, in mixed order
+        z = -np.abs(z) - 0.5
+        z[[9, 40, 41, 200, 255]] = [0.0, -0.0, 0.0, -0.0, -0.0]
+    elif kind == "infinities":  # fewer finite experts than the limit: -inf ones follow by index
+        z[:] = -np.inf
+        z[[3, 100, 17]] = [1.0, 1.0, -2.0]
+    return z
+
+checked = 0
+for kind in ("random", "tied_top", "zeros_top", "infinities"):
+    z = logits(kind)
+    avail = rng.uniform(size=E) < 0.8
+    avail[[9, 40, 41, 200, 255, 3, 17, 100]] = True
+    for limit in (1, 8, 24):
+        want = reference(z, z, avail, limit)
+        for ties in (TIES_RAW, TIES_SCORE, TIES_F32):
+            out = torch.empty(E, dtype=torch.int32)
+            order_kernel[(1,)](torch.tensor(z), torch.tensor(z), torch.tensor(avail.astype(np.int32)), out, limit,
+                               BLOCK_E=E, TIES=ties)
+            assert np.array_equal(out.numpy(), want), (kind, limit, ties, np.flatnonzero(out.numpy() >= 0))
+            checked += 1
+    raw = z + rng.normal(0.0, 1.0, E)  # the raw tie-break of TIES_RAW
+    want = reference(np.where(z > 0.5, 1.0, z), raw, avail, 8)
+    out = torch.empty(E, dtype=torch.int32)
+    order_kernel[(1,)](torch.tensor(np.where(z > 0.5, 1.0, z)), torch.tensor(raw), torch.tensor(avail.astype(np.int32)),
+                       out, 8, BLOCK_E=E, TIES=TIES_RAW)
+    assert np.array_equal(out.numpy(), want), kind
+print("order ok", checked)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_order_picks_rank_alike_for_every_tie_rule_in_the_interpreter(tmp_path):
+    """`_order`'s picks past 64 experts (E = 256, limits 1, 8 and 24) under each TIES rule against a sort by
+    (score, raw, lower index): random bfloat16-grid logits, the largest tied five times, +0 and -0 the largest
+    (equal, so the lower index goes first: the float32 key must read -0 as +0), -inf experts past the finite ones,
+    and experts left out of `avail`; TIES_RAW also with a raw tie-break that differs from the score."""
+    (tmp_path / "order_probe.py").write_text(_ORDER_PROBE)
+    done = run_in_interpreter(f"PROBE_DIR = {str(tmp_path)!r}\n" + _ORDER_CHECK)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "order ok 36" in done.stdout, done.stdout

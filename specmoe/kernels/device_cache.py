@@ -52,6 +52,9 @@ N_FPARAMS = 7
 PAIRWISE_MAX = 64  # experts up to which `_order` compares every pair in one [E, E] tile (at E = 64 on one warp)
 ORDER_PICKS = 24  # past PAIRWISE_MAX, the largest limit `_order` ranks by picks; above it, by tiles
 ORDER_TILE = 8  # the width of `_order`'s [E, ORDER_TILE] tiles past PAIRWISE_MAX (a thread holds whole rows)
+# what `_order`'s picks compare (the constexpr TIES; the order is the same): (score, raw, lower index); raw is the
+# score: (score, lower index); and raw is the score and every score a float32 value (softmax logits): one int64 key
+TIES_RAW, TIES_SCORE, TIES_F32 = 0, 1, 2
 PRIOR_CHUNK = 16  # token-prior entries read per step of a priority snapshot ([BLOCK_E, 16] comparisons each)
 
 
@@ -61,6 +64,13 @@ def row_warps(num_experts: int, entries_per_warp: int) -> int:
     `device_select.select_warps`)."""
     block = 1 << max(num_experts - 1, 0).bit_length()
     return max(1, min(8, block // entries_per_warp))
+
+
+def score_ties(scoring: RouterScoring) -> int:
+    """What `_order` may assume when it ranks a router's own selection scores (raw = score): TIES_F32 for a
+    softmax router (the scores are its float32 logits), TIES_SCORE for a sigmoid one (sigmoid plus bias, in
+    float64)."""
+    return TIES_SCORE if scoring.kind == "sigmoid" else TIES_F32
 
 
 def default_warps(num_experts: int) -> int:
@@ -107,6 +117,10 @@ if triton is not None:
     _PAIRWISE_MAX = tl.constexpr(PAIRWISE_MAX)
     _ORDER_TILE = tl.constexpr(ORDER_TILE)
     _ORDER_PICKS = tl.constexpr(ORDER_PICKS)
+    _TIES_RAW = tl.constexpr(TIES_RAW)
+    _TIES_SCORE = tl.constexpr(TIES_SCORE)
+    _TIES_F32 = tl.constexpr(TIES_F32)
+    _NO_KEY = tl.constexpr(-2 ** 63)  # below every `_f32_key`
 
     @triton.jit
     def _pick_int(vec, idx, i):
@@ -132,14 +146,27 @@ if triton is not None:
         return tl.min(tl.where(tie & (raw == best_raw), idx, BLOCK_E), axis=0)
 
     @triton.jit
-    def _order(score, raw, avail, idx, limit, BLOCK_E: tl.constexpr):
+    def _f32_key(score, idx, BLOCK_E: tl.constexpr):
+        """One int64 per expert, larger = earlier in the order (score, then lower index), for scores that are
+        float32 values held as float64: the float32 bits made monotone in the high word (-0.0 read as +0.0, as the
+        comparisons see it), BLOCK_E - 1 - index in the low word. Distinct experts have distinct keys."""
+        bits = score.to(tl.float32).to(tl.int32, bitcast=True)
+        bits = tl.where(score == 0.0, 0, bits)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        return (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - idx).to(tl.int64)
+
+    @triton.jit
+    def _order(score, raw, avail, idx, limit, BLOCK_E: tl.constexpr, TIES: tl.constexpr):
         """rank[e] = the position (0 .. limit-1) of expert e of `avail` in `_best`'s order (score, then raw, then
         lower index), -1 for the others and past `limit`. The order is total, so an expert's position is the number
         of available experts ahead of it: up to PAIRWISE_MAX experts every rank is counted at once in one [E, E]
-        comparison. Past that, `limit` dependent `_best` picks of three reductions each (each crossing the warps),
-        or, for a limit above ORDER_PICKS (a block's extra candidates), the counts in [E, ORDER_TILE] tiles, the
-        other experts' values gathered a tile's width at a time: a fixed cost, more than a top-K's picks and less
-        than the extra candidates' (docs/device-cache.md, "Block selection on the device", has the two measured)."""
+        comparison. Past that, `limit` dependent picks, or, for a limit above ORDER_PICKS (a block's extra
+        candidates), the counts in [E, ORDER_TILE] tiles, the other experts' values gathered a tile's width at a
+        time: a fixed cost, more than a top-K's picks and less than the extra candidates' (docs/device-cache.md,
+        "Block selection on the device", has the two measured). A pick is a chain of reductions crossing the
+        warps: three (`_best`) for TIES_RAW, two where raw is the score (TIES_SCORE: its best, then the lowest
+        index at it) and one where the scores are also float32 values (TIES_F32: the largest `_f32_key`). The
+        ranks are the same whatever TIES says, as long as it holds."""
         if BLOCK_E <= _PAIRWISE_MAX:
             count = _ahead_count(score, raw, avail, idx, score, raw, avail, idx)
             rank = tl.where(avail & (count < limit), count, -1)
@@ -151,6 +178,20 @@ if triton is not None:
                 count += _ahead_count(score, raw, avail, idx, tl.gather(score, f, 0), tl.gather(raw, f, 0),
                                       tl.gather(avail_int, f, 0) != 0, f)
             rank = tl.where(avail & (count < limit), count, -1)
+        elif TIES == _TIES_F32:
+            rank = tl.full([BLOCK_E], -1, tl.int32)
+            key = _f32_key(score, idx, BLOCK_E)
+            for j in range(limit):
+                open = avail & (rank < 0)
+                best = tl.max(tl.where(open, key, _NO_KEY), axis=0)
+                rank = tl.where(open & (key == best), j, rank)
+        elif TIES == _TIES_SCORE:
+            rank = tl.full([BLOCK_E], -1, tl.int32)
+            for j in range(limit):
+                open = avail & (rank < 0)
+                best = tl.max(tl.where(open, score, float("-inf")), axis=0)
+                pick = tl.min(tl.where(open & (score == best), idx, BLOCK_E), axis=0)
+                rank = tl.where(idx == pick, j, rank)
         else:
             rank = tl.full([BLOCK_E], -1, tl.int32)
             for j in range(limit):
@@ -185,12 +226,16 @@ if triton is not None:
 
     @triton.jit
     def _rank(score, raw, valid, idx, COUNT: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
-              N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+              N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TIES: tl.constexpr):
         """`kernels._rank_groups`: rank[e] = the position (0 .. COUNT-1) of expert e among the COUNT best by
-        (score, raw, -index) inside the kept groups, then the others by (raw, -index); -1 past COUNT."""
+        (score, raw, -index) inside the kept groups, then the others by (raw, -index); -1 past COUNT. TIES: what
+        `_order` may assume of score and raw as given (the kept groups' mask makes score differ from raw)."""
         if N_GROUP > 1 and TOPK_GROUP < N_GROUP:
             score = tl.where(_kept(score, valid, idx, E, N_GROUP, TOPK_GROUP, BLOCK_G), score, float("-inf"))
-        return _order(score, raw, valid, idx, COUNT, BLOCK_E)
+            rank = _order(score, raw, valid, idx, COUNT, BLOCK_E, _TIES_RAW)
+        else:
+            rank = _order(score, raw, valid, idx, COUNT, BLOCK_E, TIES)
+        return rank
 
     @triton.jit
     def _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB,
@@ -279,7 +324,7 @@ if triton is not None:
                E: tl.constexpr, BLOCK_E: tl.constexpr, M: tl.constexpr, R: tl.constexpr, N_INS: tl.constexpr,
                BUDGET: tl.constexpr, LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr,
                SIGMOID: tl.constexpr,
-               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TIES: tl.constexpr):
         """`kernels.part1` of `layer` (BUDGET > 0)."""
         irow = ist_ptr + layer * _N_IROWS * E + idx
         frow = fst_ptr + layer * _N_FROWS * E + idx
@@ -290,7 +335,7 @@ if triton is not None:
         prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU,
                          MAXP, CHUNK)
         g, _ = _scores(g_ptr, bias_ptr, layer, valid, idx, E, SIGMOID)
-        rank = _rank(g, g, valid, idx, M, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
+        rank = _rank(g, g, valid, idx, M, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G, TIES)
         # the ranking row holds the experts by position; entries past M keep their values
         tl.store(ist_ptr + layer * _N_IROWS * E + _PREDICTED * E + rank, idx.to(tl.int64), mask=rank >= 0)
         # The host visits the window's R experts in rank order: a resident one is protected, a missing one inserted
@@ -336,7 +381,7 @@ if triton is not None:
                E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, LRU: tl.constexpr,
                MAXP: tl.constexpr, CHUNK: tl.constexpr,
                PROTECT: tl.constexpr, RUNNING: tl.constexpr, SIGMOID: tl.constexpr, RENORMALISE: tl.constexpr,
-               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TIES: tl.constexpr):
         """`kernels.route` of `layer`: part 2, the slots and the execution weights."""
         irow = ist_ptr + layer * _N_IROWS * E + idx
         frow = fst_ptr + layer * _N_FROWS * E + idx
@@ -355,7 +400,7 @@ if triton is not None:
         tl.store(fsc + _RANGE_SUM, range_sum)
         tl.store(fsc + _RANGE_COUNT, range_count)
 
-        own = _rank(zs, zs, valid, idx, TOP_K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
+        own = _rank(zs, zs, valid, idx, TOP_K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G, TIES)
         if KIND == 0:  # exact
             sel = own
         elif KIND == 3:  # spec_exec: the pre-gate's top-K where part 1 ran for this token
@@ -371,7 +416,7 @@ if triton is not None:
                 scale = tl.load(fpar_ptr + _F_BONUS) * tl.load(delta_ptr + layer)
             boosted = (es >= 0) | ((own >= 0) & (own < PROTECT))
             biased = tl.where(boosted, zs + scale, zs)
-            sel = _rank(biased, zs, valid, idx, TOP_K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
+            sel = _rank(biased, zs, valid, idx, TOP_K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G, _TIES_RAW)
         chosen = sel >= 0
         sel_tok = tl.where(chosen, t, sel_tok)
 
@@ -459,8 +504,8 @@ if triton is not None:
                            LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr, PROTECT: tl.constexpr,
                            RUNNING: tl.constexpr, SIGMOID: tl.constexpr,
                            RENORMALISE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                           BLOCK_G: tl.constexpr, DO_ROUTE: tl.constexpr, DO_PART1: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           BLOCK_G: tl.constexpr, TIES: tl.constexpr, DO_ROUTE: tl.constexpr,
+                           DO_PART1: tl.constexpr, PDL: tl.constexpr = False):
         enter(PDL)
         idx = tl.arange(0, BLOCK_E)
         valid = idx < E
@@ -469,13 +514,11 @@ if triton is not None:
             _route(ist_ptr, isc_ptr, fst_ptr, fsc_ptr, cnt_ptr, disp_ptr, fpar_ptr, delta_ptr, pind_ptr, pexp_ptr,
                    pval_ptr, bias_ptr, VOCAB, token, layer, z_ptr, experts_ptr, route_ptr, demand_ptr, idx, valid,
                    E, BLOCK_E, TOP_K, KIND, LRU, MAXP, CHUNK, PROTECT, RUNNING, SIGMOID, RENORMALISE, N_GROUP,
-                   TOPK_GROUP,
-                   BLOCK_G)
+                   TOPK_GROUP, BLOCK_G, TIES)
         if DO_PART1:
             _part1(ist_ptr, isc_ptr, fst_ptr, cnt_ptr, fpar_ptr, pind_ptr, pexp_ptr, pval_ptr, bias_ptr, VOCAB,
-                   token, layer + DO_ROUTE, g_ptr, prefetch_ptr, idx, valid, E, BLOCK_E, M, R, N_INS, BUDGET, LRU, MAXP,
-                   CHUNK,
-                   SIGMOID, N_GROUP, TOPK_GROUP, BLOCK_G)
+                   token, layer + DO_ROUTE, g_ptr, prefetch_ptr, idx, valid, E, BLOCK_E, M, R, N_INS, BUDGET, LRU,
+                   MAXP, CHUNK, SIGMOID, N_GROUP, TOPK_GROUP, BLOCK_G, TIES)
 
 
 class DeviceCache:
@@ -535,7 +578,8 @@ class DeviceCache:
             LRU=int(policy.priority == "lru"), MAXP=prior_block, CHUNK=min(prior_block, PRIOR_CHUNK),
             PROTECT=policy.protect_top, RUNNING=int(policy.delta == "running"),
             SIGMOID=int(scoring.kind == "sigmoid"), RENORMALISE=int(bool(scoring.renormalise)),
-            N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group, BLOCK_G=triton.next_power_of_2(scoring.n_group))
+            N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group, BLOCK_G=triton.next_power_of_2(scoring.n_group),
+            TIES=score_ties(scoring))
 
     def step(self, token: torch.Tensor, layer: int, router_logits: torch.Tensor | None = None,
              pregate_logits: torch.Tensor | None = None, experts_out: torch.Tensor | None = None,

@@ -50,7 +50,7 @@ from specmoe.verifiers.pool import POSITIONS_PER_BLOCK
 from specmoe.verifiers.selection import ENTROPY_SLACK, TINY
 
 from . import pdl
-from .device_cache import row_warps, triton
+from .device_cache import TIES_SCORE, row_warps, score_ties, triton
 
 # float64 parameters (one tensor: a Python float launch argument would be float32)
 F_GAMMA, F_RESCUE, F_PRUNE, F_SCALE, F_EPS, F_TINY, F_SLACK = range(7)
@@ -63,6 +63,8 @@ if triton is not None:
     import triton.language as tl
 
     from .device_cache import _order, _pick_int, _rank
+
+    _TIES_SCORE = tl.constexpr(TIES_SCORE)
     from .pdl import enter
 
     _F_GAMMA = tl.constexpr(F_GAMMA)
@@ -121,7 +123,7 @@ if triton is not None:
     def _own_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, fs_ptr, own_ptr,
                     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
                     SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                    DEMAND: tl.constexpr, PDL: tl.constexpr = False):
+                    TIES: tl.constexpr, DEMAND: tl.constexpr, PDL: tl.constexpr = False):
         """Position program_id(0) of the block: its max logit and normaliser (summed over experts in index order)
         into the float scratch (fs_ptr: top [BLOCK_D], norm [BLOCK_D]), its own top-K ranks into own_ptr's row;
         with DEMAND (a block selector) its terms of the demand, alpha_d p / n_d on its own top-K (0 elsewhere),
@@ -149,7 +151,7 @@ if triton is not None:
         tl.store(fs_ptr + BLOCK_D + d, norm)
         tl.debug_barrier()
         z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, fs_ptr, fs_ptr + BLOCK_D, idx, valid, SIGMOID)
-        rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G)
+        rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G, TIES)
         tl.store(own_ptr + d * BLOCK_E + idx, rank)
         if DEMAND:  # the row's normaliser terms were read before the barrier above
             tl.store(terms_ptr + idx, tl.where((rank >= 0) & valid, tl.load(alpha_ptr + d) * p / nd, 0.0))
@@ -195,7 +197,7 @@ if triton is not None:
         saturated = size >= m.to(tl.float64)  # may exceed any integer (gamma 1e300)
         extra = tl.where(saturated, m, tl.ceil(tl.where(saturated, 0.0, size)).to(tl.int32))
         extra = tl.where(m > 0, extra, 0)
-        ranked = _order(u, u, valid, idx, extra, BLOCK_E)  # position among the extra candidates, decreasing u
+        ranked = _order(u, u, valid, idx, extra, BLOCK_E, _TIES_SCORE)  # among the extra candidates, decreasing u
         eligible = in_root | (ranked >= 0)
         lost = tl.sum(tl.where(eligible | (valid == 0), 0, v), axis=0)
         limit = tl.load(fpar_ptr + _F_PRUNE) * lost.to(tl.float64)
@@ -224,7 +226,7 @@ if triton is not None:
                         selected_ptr, weights_ptr, displaced_ptr, route_ptr, RS, WEIGHTS_IN_ROUTE: tl.constexpr,
                         E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, SIGMOID: tl.constexpr,
-                        RENORMALISE: tl.constexpr, PDL: tl.constexpr = False):
+                        RENORMALISE: tl.constexpr, TIES: tl.constexpr, PDL: tl.constexpr = False):
         """Position program_id(0): what it executes (its own top-K, or the selector's choice among the eligible
         with the top-1 rescue), its execution weights and displaced mass; its executed ranks into exec_ptr's row."""
         enter(PDL)
@@ -244,7 +246,7 @@ if triton is not None:
                 (_pick_int(eligible.to(tl.int32), idx, top1) == 0)
             # a rescued top-1 executes first, then the best eligible experts (top1 is not eligible then)
             start = rescued.to(tl.int32)
-            sel = _order(s, s, eligible & valid, idx, K - start, BLOCK_E)
+            sel = _order(s, s, eligible & valid, idx, K - start, BLOCK_E, TIES)
             sel = tl.where(sel >= 0, sel + start, sel)
             sel = tl.where(rescued & (idx == top1), 0, sel)
             sel = tl.where(d == 0, mine, sel)
@@ -374,7 +376,7 @@ if triton is not None:
             for d in range(D):
                 runs = tl.load(exec_ptr + d * BLOCK_E + idx) >= 0
                 want = tl.where(runs, want + tl.load(alpha_ptr + d), want)
-            missing = _order(want, want, missing, idx, CAP, BLOCK_E) >= 0
+            missing = _order(want, want, missing, idx, CAP, BLOCK_E, _TIES_SCORE) >= 0
         order = tl.cumsum(missing.to(tl.int32), axis=0) - 1
         tl.store(rank_ptr + idx, tl.where(missing, order, -1))
         tl.store(list_ptr + 1 + order, idx.to(tl.int64), mask=missing)
@@ -549,7 +551,7 @@ class DevicePool:
             BLOCK=int(params[0] != 0.0), SIGMOID=int(scoring.kind == "sigmoid"),
             RENORMALISE=int(bool(scoring.renormalise)), N_GROUP=scoring.n_group, TOPK_GROUP=scoring.topk_group,
             BLOCK_G=triton.next_power_of_2(scoring.n_group), P=pool.pool_size, U=pool.union_slots,
-            PREFETCH=int(self.prefetch > 0), CAP=min(self.prefetch, pool.union_slots))
+            PREFETCH=int(self.prefetch > 0), CAP=min(self.prefetch, pool.union_slots), TIES=score_ties(scoring))
         self.warps = select_warps(E) if warps is None else warps  # the refill's launch keeps its own 4
 
     def _layer_views(self, layer: int) -> None:
@@ -612,16 +614,16 @@ class DevicePool:
         shape = dict(E=c["E"], BLOCK_E=c["BLOCK_E"], BLOCK_D=c["BLOCK_D"])
         _own_kernel[(d,)](z, z.stride(0), alpha, layer_bias, self.fparams, fs, own, **shape, K=c["K"],
                           SIGMOID=c["SIGMOID"], N_GROUP=c["N_GROUP"], TOPK_GROUP=c["TOPK_GROUP"],
-                          BLOCK_G=c["BLOCK_G"], DEMAND=c["BLOCK"], num_warps=self.warps, enable_fp_fusion=False,
-                          **pdl.options(z))
+                          BLOCK_G=c["BLOCK_G"], TIES=c["TIES"], DEMAND=c["BLOCK"], num_warps=self.warps,
+                          enable_fp_fusion=False, **pdl.options(z))
         if c["BLOCK"]:
             _demand_kernel[(1,)](self.fparams, self.pool_mask[layer], d, fs, own, elig, **shape, num_warps=self.warps,
                                  enable_fp_fusion=False, **pdl.options(self.fparams))
         _execute_kernel[(d,)](z, z.stride(0), alpha, layer_bias, self.fparams, fs, own, elig, ex, selected,
                               weights, displaced, route, route.stride(0), WEIGHTS_IN_ROUTE=int(weights_in_route),
                               **shape, K=c["K"], BLOCK_K=c["BLOCK_K"], BLOCK=c["BLOCK"], SIGMOID=c["SIGMOID"],
-                              RENORMALISE=c["RENORMALISE"], num_warps=self.warps, enable_fp_fusion=False,
-                              **pdl.options(z))
+                              RENORMALISE=c["RENORMALISE"], TIES=c["TIES"], num_warps=self.warps,
+                              enable_fp_fusion=False, **pdl.options(z))
 
     def predict(self, layer: int, pregate_logits: torch.Tensor, alpha: torch.Tensor) -> None:
         """The block prefetch of `layer` (>= 1; `predict_prefetch`): the block's selector on the D positions'
