@@ -1,8 +1,10 @@
 """The Gated DeltaNet's prologue and gated RMSNorm kernels (`specmoe.kernels.gdn`) against their torch versions:
 in Triton's interpreter on the CPU at small shapes with Qwen3.5's structure (NK < NV, convolution width 4) for
-D = 1, 2 (fewer positions than the convolution state's columns) and 16, in float32 and bfloat16; the decoder's
-whole Gated DeltaNet mixer (`_linear_attention`) with and without the kernels on the tiny model; and the same on
-a CUDA device (full Qwen3.6 head shapes, the decoder's choice and a CUDA-graph replay).
+D = 1, 2 (fewer positions than the convolution state's columns), 9, 16, 17 and 40 (more positions than the prologue
+kernel's tile of 32), in float32 and bfloat16, the prologue also in tiles of one position (the order of the
+kernel's former loop over positions) and of four, which must give the same bits; the decoder's whole Gated
+DeltaNet mixer (`_linear_attention`) with and without the kernels on the tiny model; and the same on a CUDA device
+(full Qwen3.6 head shapes, the decoder's choice and a CUDA-graph replay).
 
 Tolerances: the copies (convolution input and state) are bitwise. The kernel rounds where the torch code rounds
 (the convolution's float32 sum and silu to the model dtype, beta to the model dtype, the gated norm's two
@@ -27,20 +29,25 @@ from specmoe.kernels.gdn import (gated_rmsnorm, gated_rmsnorm_triton, gdn_prolog
                                  prologue_outputs, random_prologue_inputs)
 names = ("state", "conv_in", "q", "k", "v", "decay", "beta")
 exact = {torch.float32: ("state", "conv_in"), torch.bfloat16: ("state", "conv_in", "v", "beta")}
+cases = ((1, (2, 4, 16, 16)), (2, (2, 4, 32, 16)), (9, (2, 4, 16, 16)), (16, (2, 4, 16, 32)), (17, (2, 4, 32, 16)),
+         (40, (1, 2, 16, 16)))  # D = 40: a tile of 32 positions and one of 8
 for dtype in (torch.float32, torch.bfloat16):
-    for d, heads in ((1, (2, 4, 16, 16)), (2, (2, 4, 32, 16)), (16, (2, 4, 16, 32))):
+    for d, heads in cases:
         inputs = random_prologue_inputs(d, heads, 4, dtype, "cpu", seed=d)
         results = []
-        for prologue in (gdn_prologue_torch, gdn_prologue_triton):
+        for prologue in (gdn_prologue_torch, gdn_prologue_triton, lambda *a: gdn_prologue_triton(*a, block_t=1),
+                         lambda *a: gdn_prologue_triton(*a, block_t=4)):
             proj, weight, A, dt_bias, state = (t.clone() for t in inputs)
             outs = prologue_outputs(d, heads, 4, dtype, "cpu")
             prologue(proj, weight, A, dt_bias, state, *outs)
             results.append((state,) + outs)
-        for name, ref, out in zip(names, *results):
+        for name, ref, out, *tiled in zip(names, *results):
             if name in exact[dtype]:
                 assert torch.equal(ref, out), (dtype, d, name)
             else:
                 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6, msg=f"{dtype} {d} {name}")
+            # one position per tile (the per-position order) and tiles of 4: the same bits as one tile of D
+            assert all(torch.equal(out, other) for other in tiled), (dtype, d, name)
         nv, dv = heads[1], heads[3]
         x = torch.randn(d, nv, dv, generator=torch.Generator().manual_seed(d))
         gate = torch.randn(d, 2 * nv * dv + 3, generator=torch.Generator().manual_seed(d + 1)).to(dtype)
@@ -116,7 +123,7 @@ def test_decoder_mixer_with_the_kernels_in_the_interpreter_matches_torch():
 
 # -- on a CUDA device --------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [1, 16])
+@pytest.mark.parametrize("d", [1, 9, 16, 17, 40])
 def test_gpu_prologue_and_gated_norm_match_torch_at_full_shapes(d):
     """bfloat16 at Qwen3.6's heads: the copies bitwise; the rest within float32 noise and the device's exp / rsqrt
     (relative L2 error below 1e-3; a convolution sum one float32 ulp apart can round to the neighbouring bfloat16,

@@ -6,7 +6,9 @@ One interface, three implementations (`gdn_recurrence(..., kernel=)`):
 - "triton": our recurrent kernel, one launch for the D positions, grid (NV, dv / BV): each program keeps its
   [dk, BV] block of the state in registers, updates it position by position and writes it back in place; with
   `history` it also stores the block after every position (the state a verification block's rollback resumes
-  from), in the same launch;
+  from), in the same launch. Each iteration first loads the next position's q, k, v, decay and beta, then does
+  this position's math, so those loads are in flight while the math runs rather than after it (the arithmetic is
+  the per-position loop's, bit for bit);
 - "fla": flash-linear-attention's Triton kernels (optional dependency `fla`, version 0.6.0):
   `fused_recurrent_gated_delta_rule` from the live state for up to FLA_CHUNK_FROM - 1 positions,
   `chunk_gated_delta_rule` for longer prompt chunks; each returns a fresh final state, copied into the live one.
@@ -25,14 +27,20 @@ reference) and as one Triton launch:
   causal depthwise convolution (width K, float32 sums rounded to the model dtype), silu (rounded), q and k
   L2-normed in float32 (q times dk^-1/2), v; decay = A softplus(a + dt_bias) and beta = sigmoid(b) (rounded to
   the model dtype, then float32). The kernel's grid is one program per head of q, k and v (2 NK + NV), each
-  looping over the D positions of its channels: a channel's convolution state is read and then rewritten in the
-  same launch, so one program owns it (a barrier orders its reads before its writes);
+  taking the D positions of its channels as 2-D tiles [positions, channels] (up to PROLOGUE_BLOCK_T positions a
+  tile), so that a tile's loads do not wait for one another position by position: a channel's convolution state
+  is read and then rewritten in the same launch, so one program owns it (a barrier orders its reads before its
+  writes);
 - `gated_rmsnorm*`: the output norm, per (position, value head): w * rmsnorm(x) (rounded to the model dtype)
   times silu(z) in float32, rounded. The kernel rounds the recurrence's float32 output to the model dtype first,
   as the torch path does before calling it.
 The kernels follow the torch code's rounding points; float32 sums in another order (the convolution, the norms)
 and the device's exp / rsqrt make them agree to about 1e-6 relative in float32, bitwise in bfloat16 but for a
-rare element one bfloat16 step away (`checks.check_gdn_prologue`, tests/test_gdn_prologue.py).
+rare element one bfloat16 step away (`checks.check_gdn_prologue`, tests/test_gdn_prologue.py). Each element's
+operations are those of the kernels' former loop over positions, in the same order, but for the sum of squares of
+the q / k L2 norm: it is now a row reduction of a [positions, channels] tile, whose association on the GPU
+follows the tile's layout, so for D > 1 q and k can differ from the former kernel's in the last bit or two of
+float32 (in the interpreter, and at D = 1 on the GPU, they are the same bits).
 
 Graph capture: every launch has static shapes and reads no host value, so a step captures into a CUDA graph.
 """
@@ -56,6 +64,7 @@ GDN_KERNELS = ("torch", "triton", "fla")
 L2NORM_EPS = 1e-6  # the reference's l2norm of q and k in the gated delta rule
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus: x itself above it
 FLA_CHUNK_FROM = 64  # fla's chunked kernel from this many positions (one chunk), its fused recurrent one below
+PROLOGUE_BLOCK_T = 32  # the prologue kernel's positions per tile: a verification block's D <= 32 in one tile
 FLA_NOTE = ("flash-linear-attention (`fla`, the optional extra specmoe[fla]) cannot be imported: the Gated "
             "DeltaNet runs on our Triton kernel (or torch)")
 
@@ -102,7 +111,9 @@ if triton is not None:
     def _gdn_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, state_ptr, hist_ptr, out_ptr, T,
                     NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, STORE_HISTORY: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (value head h, value block j): the state block S[h, :, j*BV:(j+1)*BV] through T positions."""
+        """Program (value head h, value block j): the state block S[h, :, j*BV:(j+1)*BV] through T positions. The
+        loads of position t + 1's inputs come before position t's math, which they do not depend on, so they are
+        in flight while it runs (a software prefetch by hand; the math is unchanged)."""
         enter(PDL)
         h = tl.program_id(0)
         j = tl.program_id(1)
@@ -113,18 +124,27 @@ if triton is not None:
         mask = mk[:, None] & mv[None, :]
         s_off = h * DK * DV + o_k[:, None] * DV + o_v[None, :]
         s = tl.load(state_ptr + s_off, mask=mask, other=0.0)
+        some = T > 0  # position 0's inputs; then each iteration loads position t + 1's before position t's math
+        b_q = tl.load(q_ptr + kh * DK + o_k, mask=mk & some, other=0.0)
+        b_k = tl.load(k_ptr + kh * DK + o_k, mask=mk & some, other=0.0)
+        b_v = tl.load(v_ptr + h * DV + o_v, mask=mv & some, other=0.0)
+        b_g = tl.load(decay_ptr + h, mask=some, other=0.0)
+        b_b = tl.load(beta_ptr + h, mask=some, other=0.0)
         for t in range(T):
-            b_q = tl.load(q_ptr + (t * NK + kh) * DK + o_k, mask=mk, other=0.0)
-            b_k = tl.load(k_ptr + (t * NK + kh) * DK + o_k, mask=mk, other=0.0)
-            b_v = tl.load(v_ptr + (t * NV + h) * DV + o_v, mask=mv, other=0.0)
-            b_g = tl.load(decay_ptr + t * NV + h)
-            b_b = tl.load(beta_ptr + t * NV + h)
+            u = t + 1
+            more = u < T
+            n_q = tl.load(q_ptr + (u * NK + kh) * DK + o_k, mask=mk & more, other=0.0)
+            n_k = tl.load(k_ptr + (u * NK + kh) * DK + o_k, mask=mk & more, other=0.0)
+            n_v = tl.load(v_ptr + (u * NV + h) * DV + o_v, mask=mv & more, other=0.0)
+            n_g = tl.load(decay_ptr + u * NV + h, mask=more, other=0.0)
+            n_b = tl.load(beta_ptr + u * NV + h, mask=more, other=0.0)
             s = s * tl.exp(b_g)
             delta = (b_v - tl.sum(s * b_k[:, None], axis=0)) * b_b
             s = s + b_k[:, None] * delta[None, :]
             tl.store(out_ptr + (t * NV + h) * DV + o_v, tl.sum(s * b_q[:, None], axis=0), mask=mv)
             if STORE_HISTORY:
                 tl.store(hist_ptr + t * NV * DK * DV + s_off, s, mask=mask)
+            b_q, b_k, b_v, b_g, b_b = n_q, n_k, n_v, n_g, n_b
         tl.store(state_ptr + s_off, s, mask=mask)
 
 
@@ -229,53 +249,71 @@ if triton is not None:
     def _prologue_kernel(proj_ptr, conv_w_ptr, a_ptr, dt_bias_ptr, state_ptr, conv_in_ptr, q_ptr, k_ptr, v_ptr,
                          decay_ptr, beta_ptr, T, row_stride, b_col, q_scale, eps, threshold,
                          NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         WIDTH: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+                         WIDTH: tl.constexpr, BD: tl.constexpr, BLOCK_T: tl.constexpr, BW: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """Program p: q head p (p < NK), k head p - NK (p < 2 NK) or v head p - 2 NK, i.e. its channels of the
-        convolution, through T positions; a v head's program also writes that head's decay and beta."""
+        convolution, through T positions in tiles [BLOCK_T positions, BD channels] (every load of a tile
+        independent of the tile's math, so a tile's loads are in flight together); a v head's program also writes
+        that head's decay and beta, a vector per tile. BW: the convolution state's columns (WIDTH - 1) rounded up
+        to a power of two."""
         enter(PDL)
         p = tl.program_id(0)
         W: tl.constexpr = WIDTH - 1
         dt = conv_in_ptr.dtype.element_ty
         c0 = tl.where(p < 2 * NK, p * DK, 2 * NK * DK + (p - 2 * NK) * DV)  # its first channel, its channels
         n = tl.where(p < 2 * NK, DK, DV)
+        h = p - 2 * NK  # its value head (v programs)
         o = tl.arange(0, BD)
         m = o < n
         c = c0 + o
         cols = W + T  # the convolution input's row length
-        for t in range(T):
-            acc = tl.zeros([BD], dtype=tl.float32)
-            for j in tl.static_range(WIDTH):  # input column t + j: the old state's, else position t + j - W
-                old = tl.load(state_ptr + c * W + t + j, mask=m & (t + j < W), other=0.0)
-                new = tl.load(proj_ptr + (t + j - W) * row_stride + c, mask=m & (t + j >= W), other=0.0)
-                x = tl.where(t + j < W, old, new).to(tl.float32)
-                acc += tl.load(conv_w_ptr + c * WIDTH + j, mask=m, other=0.0).to(tl.float32) * x
-            tl.store(conv_in_ptr + c * cols + W + t, tl.load(proj_ptr + t * row_stride + c, mask=m), mask=m)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            mt = t < T
+            mask = mt[:, None] & m[None, :]
+            acc = tl.zeros([BLOCK_T, BD], dtype=tl.float32)
+            for j in tl.static_range(WIDTH):  # input column t + j: position t + j - W, else the old state's
+                col = t + j
+                x = tl.load(proj_ptr + tl.maximum(col - W, 0)[:, None] * row_stride + c[None, :],
+                            mask=mask & (col >= W)[:, None], other=0.0)
+                for i in tl.static_range(W - j):  # position i < W - j: the old state's column i + j
+                    old = tl.load(state_ptr + c * W + i + j, mask=m & (t0 <= i) & (i < t0 + BLOCK_T), other=0.0)
+                    x = tl.where((t == i)[:, None], old[None, :], x)
+                acc += tl.load(conv_w_ptr + c * WIDTH + j, mask=m, other=0.0).to(tl.float32)[None, :] * x.to(tl.float32)
+            tl.store(conv_in_ptr + c[None, :] * cols + W + t[:, None], x, mask=mask)  # j = W: position t itself
             y = acc.to(dt).to(tl.float32)
             y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)  # silu, rounded
             if p < 2 * NK:
-                normed = y * tl.rsqrt(tl.sum(y * y, axis=0) + eps)
+                normed = y * tl.rsqrt(tl.sum(y * y, axis=1) + eps)[:, None]  # each position's L2 norm
                 if p < NK:
-                    tl.store(q_ptr + (t * NK + p) * DK + o, normed * q_scale, mask=m)
+                    tl.store(q_ptr + (t[:, None] * NK + p) * DK + o[None, :], normed * q_scale, mask=mask)
                 else:
-                    tl.store(k_ptr + (t * NK + p - NK) * DK + o, normed, mask=m)
+                    tl.store(k_ptr + (t[:, None] * NK + p - NK) * DK + o[None, :], normed, mask=mask)
             else:
-                tl.store(v_ptr + (t * NV + p - 2 * NK) * DV + o, y, mask=m)
-        if p >= 2 * NK:  # decay = A softplus(a + dt_bias), beta = sigmoid(b) rounded
-            h = p - 2 * NK
-            for s in range(T):
-                arg = tl.load(proj_ptr + s * row_stride + b_col + NV + h).to(tl.float32)
+                tl.store(v_ptr + (t[:, None] * NV + h) * DV + o[None, :], y, mask=mask)
+                # decay = A softplus(a + dt_bias), beta = sigmoid(b) rounded
+                arg = tl.load(proj_ptr + t * row_stride + b_col + NV + h, mask=mt, other=0.0).to(tl.float32)
                 arg = arg + tl.load(dt_bias_ptr + h).to(tl.float32)
                 u = tl.exp(tl.minimum(arg, threshold))
                 one_u = 1.0 + u
                 log1p = tl.where(one_u == 1.0, u, tl.log(one_u) * (u / (one_u - 1.0)))  # log1p(u) to a few ulp
-                tl.store(decay_ptr + s * NV + h, tl.load(a_ptr + h) * tl.where(arg > threshold, arg, log1p))
-                b_in = tl.load(proj_ptr + s * row_stride + b_col + h).to(tl.float32)
-                tl.store(beta_ptr + s * NV + h, (1.0 / (1.0 + tl.exp(-b_in))).to(dt).to(tl.float32))
-        for j in tl.static_range(W):  # the old state into the convolution input ...
-            tl.store(conv_in_ptr + c * cols + j, tl.load(state_ptr + c * W + j, mask=m), mask=m)
-        tl.debug_barrier()  # ... every read of the old state and write of conv_in done: the new state
-        for j in tl.static_range(W):
-            tl.store(state_ptr + c * W + j, tl.load(conv_in_ptr + c * cols + T + j, mask=m), mask=m)
+                tl.store(decay_ptr + t * NV + h, tl.load(a_ptr + h) * tl.where(arg > threshold, arg, log1p), mask=mt)
+                b_in = tl.load(proj_ptr + t * row_stride + b_col + h, mask=mt, other=0.0).to(tl.float32)
+                tl.store(beta_ptr + t * NV + h, (1.0 / (1.0 + tl.exp(-b_in))).to(dt).to(tl.float32), mask=mt)
+        # the old state into the convolution input's first W columns; the new state is the input's last W columns
+        # (column T + j: the old state's where T + j < W, else position T + j - W), read here, written after the
+        # barrier: every read of the old state (above and here) is done before any of its columns is rewritten
+        jw = tl.arange(0, BW)
+        mw = (jw < W)[:, None] & m[None, :]
+        w_off = c[None, :] * W + jw[:, None]
+        tl.store(conv_in_ptr + c[None, :] * cols + jw[:, None], tl.load(state_ptr + w_off, mask=mw), mask=mw)
+        col = T + jw
+        keep = (col < W)[:, None]
+        old = tl.load(state_ptr + c[None, :] * W + tl.minimum(col, W - 1)[:, None], mask=mw & keep)
+        new = tl.load(proj_ptr + tl.maximum(col - W, 0)[:, None] * row_stride + c[None, :],
+                      mask=mw & (col >= W)[:, None])
+        tl.debug_barrier()
+        tl.store(state_ptr + w_off, tl.where(keep, old, new), mask=mw)
 
     @triton.jit
     def _gated_rmsnorm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, gate_row, gate_head, eps, NV: tl.constexpr,
@@ -295,18 +333,21 @@ if triton is not None:
 
 
 def gdn_prologue_triton(proj, conv_weight, A, dt_bias, conv_state, conv_in, q, k, v, decay, beta,
-                        num_warps: int = 4) -> None:
+                        num_warps: int | None = None, block_t: int = PROLOGUE_BLOCK_T) -> None:
     """The prologue in one launch; the same contract as `gdn_prologue_torch`. proj's rows must have unit column
-    stride, every other tensor must be contiguous."""
+    stride, every other tensor must be contiguous. The kernel takes the D positions in tiles of block_t (D itself
+    rounded up to a power of two where smaller), on 8 warps for tiles of 32 positions or more, else 4."""
     d, (nk, dk), (nv, dv) = proj.shape[0], q.shape[1:], v.shape[1:]
     width = conv_weight.shape[-1]
     if proj.stride(1) != 1:
         raise ValueError("the prologue kernel needs in_proj's output with unit column stride")
     b_col = proj.shape[1] - 2 * nv
+    block = min(triton.next_power_of_2(max(d, 1)), block_t)
     _prologue_kernel[(2 * nk + nv,)](proj, conv_weight, A, dt_bias, conv_state, conv_in, q, k, v, decay, beta, d,
                                      proj.stride(0), b_col, dk ** -0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD, NK=nk, NV=nv,
                                      DK=dk, DV=dv, WIDTH=width, BD=triton.next_power_of_2(max(dk, dv)),
-                                     num_warps=num_warps, **pdl.options(proj))
+                                     BLOCK_T=block, BW=triton.next_power_of_2(max(width - 1, 1)),
+                                     num_warps=num_warps or (8 if block >= 32 else 4), **pdl.options(proj))
 
 
 def gated_rmsnorm_triton(x, gate, weight, eps: float, out=None) -> torch.Tensor:
