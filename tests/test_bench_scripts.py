@@ -908,3 +908,45 @@ def test_kernel_registers_reports_every_launch_of_a_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         kernel_registers.main(["--positions", "0"])
     assert exit_.value.code == 2 and "--positions must be at least 1" in capsys.readouterr().err
+
+
+def test_bench_gdn_kernels_takes_a_named_configs_shapes_and_refuses_without_cuda(tmp_path, capsys):
+    """bench_gdn_kernels: a named config's Gated DeltaNet shapes (Qwen3.6's 30 layers of 16 key and 32 value heads
+    of 128, convolution width 4) and each layer's own inputs, another version of gdn.py loaded from a file beside
+    the current one, bad arguments and a config without Gated DeltaNet layers refused in one line (exit 2); without
+    CUDA it stops in one line (exit 1, no traceback)."""
+    import subprocess
+
+    import bench_gdn_kernels as bench
+    import torch
+
+    from specmoe.kernels import gdn
+
+    shapes = bench.gdn_shapes("qwen3.6-35b-a3b")
+    assert shapes == {"heads": (16, 32, 128, 128), "width": 4, "layers": 30}
+    with pytest.raises(ValueError, match="no Gated DeltaNet layers"):
+        bench.gdn_shapes("olmoe-1b-7b")
+    (layer,) = bench.layer_inputs(bench.gdn_shapes("qwen3.5-moe-tiny"), 3, 1, torch.bfloat16, "cpu")
+    proj, state, conv_in = layer["prologue"][0], layer["prologue"][4], layer["prologue"][5]
+    assert proj.shape[0] == 3 and conv_in.shape == (state.shape[0], state.shape[1] + 3)
+    assert layer["history"].shape == (3,) + layer["recurrence"][5].shape
+    other = bench.load_module(gdn.__file__)
+    assert other is not gdn and other.gdn_prologue_triton is not gdn.gdn_prologue_triton
+    out = ["--out", str(tmp_path / "x.json")]
+    for extra, message in ((["--positions", "0"], "--positions, --layers, --repeats and --rounds must be at least 1"),
+                           (["--module", "old.py"], "--module takes LABEL=FILE"),
+                           (["--module", "a=" + gdn.__file__, "a=" + gdn.__file__], "distinct labels"),
+                           (["--module", "a=" + str(tmp_path / "nope.py")], "nope.py: no such file"),
+                           (["--model", "olmoe-1b-7b"], "olmoe-1b-7b has no Gated DeltaNet layers"),
+                           (["--model", "nope"], "unknown named config 'nope'"),
+                           (["--kernels", "prolog"], "invalid choice: 'prolog'")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(out + extra)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        script = Path(__file__).resolve().parents[1] / "scripts" / "bench_gdn_kernels.py"
+        env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
+        done = subprocess.run([sys.executable, str(script)] + out, capture_output=True, text=True, env=env)
+        assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+            "bench_gdn_kernels.py times CUDA graphs of Triton kernels: it needs a CUDA device and Triton"], done.stderr
+    assert not (tmp_path / "x.json").exists()
