@@ -86,9 +86,11 @@ def split_kv_config(num_queries: int, num_heads: int, num_kv_heads: int, head_di
     the cache; a verification block (D > 1 queries) takes at most one program per SM, one wave in which each
     program streams a longer chunk with its stages in flight and the reduction combines fewer partials. On the
     H200 at OLMoE's shapes (16 KV heads, D = 9 and 17, 1024-4000 positions; BENCHMARKS.md, 2026-12-04) 8 splits
-    (128 programs) took 0.77-0.99 of 17's time, and 9 splits (144 programs: a second wave of 12) 1.07-1.17; other
-    shapes are not measured yet (Qwen3.6's gated attention goes from 28 splits to 22 at D = 9 and 15 to 13 at 17:
-    `scripts/bench_attention.py --model qwen3.6-35b-a3b` times it). At most one split per key block; and at most
+    (128 programs) took 0.77-0.99 of 17's time, and 9 splits (144 programs: a second wave of 12) 1.07-1.17. At
+    Qwen3.6's grouped queries (2 KV heads; 22 splits at D = 9, 13 at 17) the rule is not the fastest count: 33
+    splits at D = 9 and 8 at D = 17 took 0.74-0.95 of its time (`scripts/bench_attention.py --model
+    qwen3.6-35b-a3b`), at most about 0.04 ms of a block over its 10 attention layers; a rule for grouped queries
+    is not measured yet. At most one split per key block; and at most
     S / (2 rows), so the float32 partials (8 bytes per row, split and head dim, written and read back, mostly within
     L2) stay under the K/V bytes of a full cache."""
     rows = num_queries * (num_heads // num_kv_heads)
