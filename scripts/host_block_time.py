@@ -50,7 +50,8 @@ def main(argv=None) -> list[float]:
     from specmoe.verifiers import selector_preset
 
     model, adapter = load_model(args.model, seed=0)
-    source = SOURCES["olmoe-like"].replace(num_layers=adapter.num_moe_layers)
+    source = SOURCES["olmoe-like"].replace(num_layers=adapter.num_moe_layers, num_experts=adapter.num_experts,
+                                           top_k=adapter.top_k)  # the model's geometry
     trace = synthetic_trace(source, tokens=max(4096, 2 * (args.k + 1) * args.blocks), seed=1)
     blocks = synthetic_blocks(trace, args.k, AcceptanceProfile.for_tau(args.tau, args.k), seed=2,
                               max_blocks=args.blocks, blocks_per_request=max(1, args.blocks // 4))

@@ -487,18 +487,24 @@ def test_graph_launch_check_refuses_a_machine_without_cuda():
 def test_host_block_time_times_the_device_paths_host_work_without_a_gpu():
     """scripts/host_block_time.py (a subprocess: it sets TRITON_INTERPRET before Triton is imported) follows
     synthetic blocks on the device path with the launch stubbed out and prints the host's µs per block per pass,
-    then the functions under cProfile; bad arguments are refused by name."""
+    then the functions under cProfile; bad arguments are refused by name. Also at Qwen3.5-MoE's tiny geometry
+    (16 experts, top-4: the synthetic blocks take the model's geometry; they had OLMoE's and were refused)."""
+    import os
     import subprocess
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "host_block_time.py"
-    done = subprocess.run([sys.executable, str(script), "--k", "3", "--tau", "2.5", "--blocks", "8", "--passes", "2",
-                           "--profile", "5"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    passes = [line for line in done.stdout.splitlines() if line.startswith("pass ")]
-    assert [p.split(":")[0] for p in passes] == ["pass 0", "pass 1"]
-    assert all(float(p.split()[2]) > 0 and "(host only, 8 blocks)" in p for p in passes), passes
-    assert "Ordered by: internal time" in done.stdout and "function calls" in done.stdout
-    done = subprocess.run([sys.executable, str(script), "--tau", "9", "--k", "3"], capture_output=True, text=True)
+    root = Path(__file__).resolve().parents[1]
+    script = root / "scripts" / "host_block_time.py"
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for extra in ([], ["--model", "qwen3.5-moe-tiny", "--pool", "8"]):
+        done = subprocess.run([sys.executable, str(script), "--k", "3", "--tau", "2.5", "--blocks", "8", "--passes",
+                               "2", "--profile", "5", *extra], capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        passes = [line for line in done.stdout.splitlines() if line.startswith("pass ")]
+        assert [p.split(":")[0] for p in passes] == ["pass 0", "pass 1"]
+        assert all(float(p.split()[2]) > 0 and "(host only, 8 blocks)" in p for p in passes), passes
+        assert "Ordered by: internal time" in done.stdout and "function calls" in done.stdout
+    done = subprocess.run([sys.executable, str(script), "--tau", "9", "--k", "3"], capture_output=True, text=True,
+                          env=env)
     assert done.returncode == 2 and "--tau in [1, k + 1)" in done.stderr
 
 
