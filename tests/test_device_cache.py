@@ -107,7 +107,7 @@ def test_cache_step_fits_its_registers_at_e64_and_e256():
     pre-gate ranking past `ORDER_PICKS`, by comparison tiles): nothing spills."""
 
     from specmoe.kernels.checks import compile_launches, device_cache_case, launch_cache_step
-    from specmoe.kernels.device_cache import ORDER_PICKS
+    from specmoe.kernels.ranking import ORDER_PICKS
 
     cases = [(base, E, {}) for base in ("cache_prior", "psr") for E in (64, 256)]
     cases.append(("psr", 256, {"window": ORDER_PICKS + 8, "insert_budget": 4}))
@@ -214,7 +214,7 @@ _ORDER_PROBE = '''
 import triton
 import triton.language as tl
 
-from specmoe.kernels.device_cache import _order
+from specmoe.kernels.ranking import _order
 
 
 @triton.jit
@@ -230,7 +230,7 @@ import numpy as np
 import torch
 sys.path.insert(0, PROBE_DIR)
 from order_probe import order_kernel
-from specmoe.kernels.device_cache import TIES_F32, TIES_RAW, TIES_SCORE
+from specmoe.kernels.ranking import TIES_F32, TIES_RAW, TIES_SCORE
 
 E = 256
 rng = np.random.default_rng(0)
