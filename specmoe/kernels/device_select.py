@@ -51,7 +51,7 @@ from specmoe.verifiers.selection import ENTROPY_SLACK, TINY
 
 from . import pdl
 from .device_cache import row_warps, triton
-from .ranking import TIES_SCORE, score_ties
+from .ranking import score_ties
 
 # float64 parameters (one tensor: a Python float launch argument would be float32)
 F_GAMMA, F_RESCUE, F_PRUNE, F_SCALE, F_EPS, F_TINY, F_SLACK = range(7)
@@ -63,10 +63,8 @@ SUM_CHUNK = 16  # entries of a sequential sum's row read per unrolled step (`_se
 if triton is not None:
     import triton.language as tl
 
-    from .ranking import _order, _pick_int, _rank
-
-    _TIES_SCORE = tl.constexpr(TIES_SCORE)
     from .pdl import enter
+    from .ranking import _TIES_SCORE, _order, _pick_int, _rank
 
     _F_GAMMA = tl.constexpr(F_GAMMA)
     _F_RESCUE = tl.constexpr(F_RESCUE)

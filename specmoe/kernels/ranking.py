@@ -101,26 +101,26 @@ if triton is not None:
                 count += _ahead_count(score, raw, avail, idx, tl.gather(score, f, 0), tl.gather(raw, f, 0),
                                       tl.gather(avail_int, f, 0) != 0, f)
             rank = tl.where(avail & (count < limit), count, -1)
-        elif TIES == _TIES_F32:
-            rank = tl.full([BLOCK_E], -1, tl.int32)
-            key = _f32_key(score, idx, BLOCK_E)
-            for j in range(limit):
-                open = avail & (rank < 0)
-                best = tl.max(tl.where(open, key, _NO_KEY), axis=0)
-                rank = tl.where(open & (key == best), j, rank)
-        elif TIES == _TIES_SCORE:
-            rank = tl.full([BLOCK_E], -1, tl.int32)
-            for j in range(limit):
-                open = avail & (rank < 0)
-                best = tl.max(tl.where(open, score, float("-inf")), axis=0)
-                pick = tl.min(tl.where(open & (score == best), idx, BLOCK_E), axis=0)
-                rank = tl.where(idx == pick, j, rank)
         else:
             rank = tl.full([BLOCK_E], -1, tl.int32)
+            key = _f32_key(score, idx, BLOCK_E)  # read by TIES_F32's picks only (the compiler drops it otherwise)
             for j in range(limit):
-                pick = _best(score, raw, avail & (rank < 0), idx, BLOCK_E)
-                rank = tl.where(idx == pick, j, rank)
+                rank = tl.where(_next(score, raw, key, avail & (rank < 0), idx, BLOCK_E, TIES), j, rank)
         return rank
+
+    @triton.jit
+    def _next(score, raw, key, open, idx, BLOCK_E: tl.constexpr, TIES: tl.constexpr):
+        """The mask of `_order`'s next pick among `open` (no expert when `open` is empty), in as few reductions as
+        TIES allows: the largest `_f32_key` (TIES_F32), the lowest index at the best score (TIES_SCORE), or
+        `_best` (TIES_RAW)."""
+        if TIES == _TIES_F32:
+            picked = open & (key == tl.max(tl.where(open, key, _NO_KEY), axis=0))
+        elif TIES == _TIES_SCORE:
+            best = tl.max(tl.where(open, score, float("-inf")), axis=0)
+            picked = idx == tl.min(tl.where(open & (score == best), idx, BLOCK_E), axis=0)
+        else:
+            picked = idx == _best(score, raw, open, idx, BLOCK_E)
+        return picked
 
     @triton.jit
     def _kept(score, valid, idx, E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,

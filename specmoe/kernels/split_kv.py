@@ -90,9 +90,9 @@ def split_kv_config(num_queries: int, num_heads: int, num_kv_heads: int, head_di
     Qwen3.6's grouped queries (2 KV heads; 22 splits at D = 9, 13 at 17) the rule is not the fastest count: 33
     splits at D = 9 and 8 at D = 17 took 0.74-0.95 of its time (`scripts/bench_attention.py --model
     qwen3.6-35b-a3b`), at most about 0.04 ms of a block over its 10 attention layers; a rule for grouped queries
-    is not measured yet. At most one split per key block; and at most
-    S / (2 rows), so the float32 partials (8 bytes per row, split and head dim, written and read back, mostly within
-    L2) stay under the K/V bytes of a full cache."""
+    is not measured yet. At most one split per key block; and at most S / (2 rows), so the float32 partials (8
+    bytes per row, split and head dim, written and read back, mostly within L2) stay under the K/V bytes of a full
+    cache."""
     rows = num_queries * (num_heads // num_kv_heads)
     cfg = block_params(rows, head_dim, itemsize)
     m_blocks = -(-rows // cfg["block_m"])
