@@ -247,3 +247,73 @@ def test_gpu_device_select_prefetch_equals_host(case):
     """40 blocks of 4 layers per case, the block prefetch of layers 1-3."""
     counts = run_prefetch_case(case, "cuda", num_blocks=40, num_layers=4, seed=7)
     assert counts["prefetch_hit"] > 0 and counts["prefetch_unused"] > 0 and (counts["spilled"] > 0) == case[-1]
+
+
+_PROBE_CHECK = r"""
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, "tests")
+from _select_probe import order_kernel, sum_kernel
+from specmoe.verifiers.selection import _halving_sum, tree_size
+
+DEVICE = DEVICE_NAME
+rng = np.random.default_rng(0)
+
+# sums: the host's halving order, bit for bit, over magnitudes 1e-20..1e20 (where a one-after-another sum, or
+# another tree, rounds differently), E below its padded row, and the entropy's negative terms
+differs = 0
+for E, block in ((256, 256), (200, 256), (64, 64), (37, 64)):
+    for trial in range(20):
+        x = np.zeros(block)
+        x[:E] = rng.uniform(0.5, 1.0, E) * 10.0 ** rng.integers(-20, 21, E)
+        if trial % 2:
+            x[:E] *= -rng.uniform(0.0, 1e-3, E)
+        out = torch.zeros(1, dtype=torch.float64, device=DEVICE)
+        sum_kernel[(1,)](torch.tensor(x, device=DEVICE), out, BLOCK_E=block)
+        want = _halving_sum(x, E, np.empty(tree_size(E)))
+        assert out.item() == want, (E, trial, out.item(), want)
+        differs += sum(x[:E].tolist()) != want
+assert differs > 20, differs  # the order matters for these values
+
+# the extra candidates: decreasing u, ties to the lower index, a limit; m <= 64 packed, m > 64 by picks or tiles,
+# m = 0, and E = 64 (one comparison over the row)
+checked = 0
+for E, m, tied in ((256, 27, True), (256, 64, True), (256, 65, False), (256, 200, True), (256, 0, False),
+                   (64, 40, True), (200, 50, True)):
+    block = 1 << (E - 1).bit_length()
+    u = np.zeros(E)
+    experts = rng.choice(E, m, replace=False)
+    u[experts] = rng.uniform(0.0, 1.0, m) * 10.0 ** rng.integers(-3, 1, m)
+    if tied:  # five experts at the largest u, three at another value
+        u[experts[:5]], u[experts[5:8]] = u[experts].max(), u[experts[8]]
+    for limit in (0, 1, 8, 24, 33, m):
+        order = sorted(np.flatnonzero(u > 0), key=lambda e: (-u[e], e))[:limit]
+        want = np.full(block, -1)
+        want[order] = np.arange(len(order))
+        out = torch.empty(block, dtype=torch.int32, device=DEVICE)
+        scratch_f = torch.zeros(block, dtype=torch.float64, device=DEVICE)
+        scratch_r = torch.zeros(block, dtype=torch.int32, device=DEVICE)
+        order_kernel[(1,)](torch.tensor(u, device=DEVICE), out, scratch_f, scratch_r, limit, E=E, BLOCK_E=block,
+                           num_warps=8 if block == 256 else 2)
+        assert np.array_equal(out.cpu().numpy(), want), (E, m, limit, np.flatnonzero(out.cpu().numpy() >= 0))
+        checked += 1
+print("probes ok", checked, differs)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_sum_and_candidate_order_probes_in_the_interpreter():
+    """`_halving_sum` against the host's, bit for bit, on values whose sum depends on the order (1e-20 to 1e20, negative
+    terms, E below its padded row); `_order_positive` against a sort by (-u, index): ties at the top, m <= 64
+    packed into one comparison, m = 65 and 200 through `_order`'s picks and tiles, m = 0, E = 64 and 200."""
+    done = run_in_interpreter('DEVICE_NAME = "cpu"\n' + _PROBE_CHECK)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "probes ok 42" in done.stdout, done.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_sum_and_candidate_order_probes():
+    """The probes compiled for the GPU: the halving sum's reductions of pairs as the hardware lays them out."""
+    namespace = {}
+    exec('DEVICE_NAME = "cuda"\n' + _PROBE_CHECK, namespace)

@@ -9,7 +9,7 @@ what joins the positions in one program: `_own_kernel` (per position: normaliser
 demand), `_demand_kernel` (a block selector's eligible set: the demand u, the positions' terms added in position
 order, its entropy, the extra candidates, pruning),
 `_execute_kernel` (per position: what it executes, its weights and displaced mass) and `_use_kernel` (the pool's
-use of the executions). They pass their results through scratch tensors of the pool, in stream order: one program
+use of the executions; it, the prefetch's cap and the refill are in `device_pool`). They pass their results through scratch tensors of the pool, in stream order: one program
 for all D positions, running them one after another, took 2.4-3.0x the time at OLMoE's size (BENCHMARKS.md). In order:
 
 - every position's router distribution (softmax, or the normalised sigmoid), its selection scores (a sigmoid
@@ -32,9 +32,9 @@ never executed ones in the warm ranking's order), entering experts taking the fr
 order, and writes the moves (union slot -> pool slot) the slot buffer must make.
 
 Arithmetic follows the host's (`specmoe.verifiers.selection._select`): float64 from the float32 logits, sums in
-the host's order (the normalisers over E, the demand and entropy over ascending experts, the weights' sums over
-the selection's order: sequential loops, not tree sums), float constants from a float64 tensor, launched
-without FMA contraction, ties broken as the host breaks them. docs/device-cache.md ("Block selection on the
+the host's order (the normalisers over E, the demand and the entropy as the host's `_halving_sum`: log2(E) steps
+of pairs; the weights' sums over the selection's order, one after another), float constants from a float64
+tensor, launched without FMA contraction, ties broken as the host breaks them. docs/device-cache.md ("Block selection on the
 device") says what is bitwise and what is not supported.
 """
 
@@ -46,7 +46,6 @@ import torch
 from specmoe.routing import RouterScoring
 from specmoe.routing.scoring import check_groups
 from specmoe.verifiers import ExpertPool, SelectorConfig
-from specmoe.verifiers.pool import POSITIONS_PER_BLOCK
 from specmoe.verifiers.selection import ENTROPY_SLACK, TINY
 
 from . import pdl
@@ -58,13 +57,13 @@ F_GAMMA, F_RESCUE, F_PRUNE, F_SCALE, F_EPS, F_TINY, F_SLACK = range(7)
 N_FPARAMS = 7
 C_ELIGIBLE, C_UNION, C_MISSING, C_OK = range(4)  # the counts row: n_eligible, n_union, n_missing, 1 (0: over U)
 MAX_EXPERTS = 1024  # the refill's recency key holds the expert index in 10 bits
-SUM_CHUNK = 16  # entries of a sequential sum's row read per unrolled step (`_sequential_sum`; BLOCK_E is a multiple)
 
 if triton is not None:
     import triton.language as tl
 
+    from .device_pool import _prefetch_kernel, _refill_kernel, _use_kernel
     from .pdl import enter
-    from .ranking import _TIES_SCORE, _order, _pick_int, _rank
+    from .ranking import _PAIRWISE_MAX, _TIES_SCORE, _order, _pick_int, _rank
 
     _F_GAMMA = tl.constexpr(F_GAMMA)
     _F_RESCUE = tl.constexpr(F_RESCUE)
@@ -73,8 +72,6 @@ if triton is not None:
     _F_EPS = tl.constexpr(F_EPS)
     _F_TINY = tl.constexpr(F_TINY)
     _F_SLACK = tl.constexpr(F_SLACK)
-    _POSITIONS_PER_BLOCK = tl.constexpr(POSITIONS_PER_BLOCK)
-    _SUM_CHUNK = tl.constexpr(SUM_CHUNK)
 
     @triton.jit
     def _position(z_ptr, ZS, bias_ptr, d, top_ptr, norm_ptr, idx, valid, SIGMOID: tl.constexpr):
@@ -106,24 +103,51 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _sequential_sum(row_ptr, BLOCK_E: tl.constexpr):
-        """row[0] + row[1] + ... + row[BLOCK_E - 1], added one after another from 0.0 (the host's order over the
-        experts; entries past E must be 0.0, which leaves the bits unchanged for a sum of terms >= 0). The row is
-        read SUM_CHUNK entries at a time, each chunk unrolled: its loads are independent of the running sum, so they
-        are in flight together rather than one load's latency per entry (a runtime loop of scalar loads waited for
-        each)."""
-        total = tl.zeros([], tl.float64)
-        for c in range(0, BLOCK_E, _SUM_CHUNK):
-            for j in tl.static_range(_SUM_CHUNK):
-                total += tl.load(row_ptr + c + j)
-        return total
+    def _halving_sum(x, BLOCK_E: tl.constexpr):
+        """The sum of x [BLOCK_E] (float64; entries past E 0.0) in the host's order (`selection._halving_sum`): the
+        second half added to the first, elementwise, until one entry is left, log2(BLOCK_E) steps. Each step is a
+        reduction over pairs, one addition per pair, so its bits do not depend on how the reduction is laid out."""
+        for _ in tl.static_range(10):  # MAX_EXPERTS = 2 ** 10
+            if x.shape[0] > 1:
+                x = tl.sum(tl.reshape(x, [2, x.shape[0] // 2]), axis=0)
+        return tl.sum(x, axis=0)
+
+    @triton.jit
+    def _order_positive(u, positive, idx, limit, m, f_ptr, r_ptr, BLOCK_E: tl.constexpr):
+        """`_order(u, u, positive, idx, limit, BLOCK_E, TIES_SCORE)` for the m positive u (the extra candidates,
+        decreasing u, ties to the lower index). Where m <= PAIRWISE_MAX < BLOCK_E (a block's candidates at
+        E = 256: 27 at the median on the olmoe-like source) they are packed, in ascending expert order, into
+        PAIRWISE_MAX entries and ranked there by `_order`'s one [64, 64] comparison, instead of up to ORDER_PICKS
+        picks of two reductions across the warps or the [E, 8] tiles. Scratch: the float64 row f_ptr [BLOCK_E]
+        (the packed u, then their indices) and the int32 row r_ptr [BLOCK_E] (the ranks by expert)."""
+        if BLOCK_E <= _PAIRWISE_MAX:
+            rank = _order(u, u, positive, idx, limit, BLOCK_E, _TIES_SCORE)
+        elif m <= _PAIRWISE_MAX:
+            at = tl.cumsum(positive.to(tl.int32), axis=0) - 1
+            tl.debug_barrier()  # the rows' earlier readers are done
+            tl.store(f_ptr + at, u, mask=positive)
+            tl.store(f_ptr + _PAIRWISE_MAX + at, idx.to(tl.float64), mask=positive)
+            tl.store(r_ptr + idx, tl.full([BLOCK_E], -1, tl.int32))
+            tl.debug_barrier()
+            c = tl.arange(0, _PAIRWISE_MAX)
+            live = c < m
+            packed = tl.load(f_ptr + c, mask=live, other=0.0)
+            expert = tl.load(f_ptr + _PAIRWISE_MAX + c, mask=live, other=0.0).to(tl.int32)
+            tl.store(r_ptr + expert, _order(packed, packed, live, expert, limit, _PAIRWISE_MAX, _TIES_SCORE),
+                     mask=live)
+            tl.debug_barrier()
+            rank = tl.load(r_ptr + idx)
+            tl.debug_barrier()  # every thread has read the row before it is written again
+        else:
+            rank = _order(u, u, positive, idx, limit, BLOCK_E, _TIES_SCORE)
+        return rank
 
     @triton.jit
     def _own_kernel(z_ptr, ZS, alpha_ptr, bias_ptr, fpar_ptr, fs_ptr, own_ptr,
                     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
                     SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                     TIES: tl.constexpr, DEMAND: tl.constexpr, PDL: tl.constexpr = False):
-        """Position program_id(0) of the block: its max logit and normaliser (summed over experts in index order)
+        """Position program_id(0) of the block: its max logit and normaliser (`_halving_sum` over the experts)
         into the float scratch (fs_ptr: top [BLOCK_D], norm [BLOCK_D]), its own top-K ranks into own_ptr's row;
         with DEMAND (a block selector) its terms of the demand, alpha_d p / n_d on its own top-K (0 elsewhere),
         into its row of terms, which `_demand_kernel` adds in position order."""
@@ -138,10 +162,7 @@ if triton is not None:
             term = 1.0 / (1.0 + tl.exp(-z))
         else:
             term = tl.exp(z - top)
-        terms_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E + d * BLOCK_E  # this position's row of terms
-        tl.store(terms_ptr + idx, tl.where(valid, term, 0.0))
-        tl.debug_barrier()
-        total = _sequential_sum(terms_ptr, BLOCK_E)
+        total = _halving_sum(tl.where(valid, term, 0.0), BLOCK_E)
         if SIGMOID:
             norm = tl.where(tiny > total, tiny, total)
         else:
@@ -152,8 +173,9 @@ if triton is not None:
         z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, fs_ptr, fs_ptr + BLOCK_D, idx, valid, SIGMOID)
         rank = _rank(s, s, valid, idx, K, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G, TIES)
         tl.store(own_ptr + d * BLOCK_E + idx, rank)
-        if DEMAND:  # the row's normaliser terms were read before the barrier above
-            tl.store(terms_ptr + idx, tl.where((rank >= 0) & valid, tl.load(alpha_ptr + d) * p / nd, 0.0))
+        if DEMAND:  # this position's row of terms
+            tl.store(fs_ptr + 2 * BLOCK_D + d * BLOCK_E + idx,
+                     tl.where((rank >= 0) & valid, tl.load(alpha_ptr + d) * p / nd, 0.0))
 
     @triton.jit
     def _demand_kernel(fpar_ptr, pool_ptr, D, fs_ptr, own_ptr, elig_ptr,
@@ -165,7 +187,6 @@ if triton is not None:
         idx = tl.arange(0, BLOCK_E)
         vrow = rows < D
         valid = idx < E
-        u_ptr = fs_ptr + 2 * BLOCK_D
         own = tl.load(own_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
         v = tl.sum((own >= 0).to(tl.int32), axis=0)
         in_root = tl.load(own_ptr + idx) >= 0
@@ -173,7 +194,7 @@ if triton is not None:
         # u: the positions' terms (`_own_kernel`'s rows, 0 off each position's own top-K) added in position order
         # outside the root's top-K; the rows' loads do not depend on the running sum, so the unrolled loop has
         # them in flight together (adding a 0 term, or a row past D read as 0, leaves u's bits unchanged)
-        terms_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E
+        terms_ptr = fs_ptr + 2 * BLOCK_D
         outside_root = (in_root == 0) & valid
         u = tl.zeros([BLOCK_E], tl.float64)
         for d in tl.static_range(BLOCK_D):
@@ -181,22 +202,16 @@ if triton is not None:
             u = tl.where(outside_root, u + term, u)
         positive = (u > 0.0) & valid
         m = tl.sum(positive.to(tl.int32), axis=0)
-        # the demand and its entropy over the positive u in ascending expert order, as the host adds (each sum's
-        # terms read back in order from a scratch row; a zero term leaves either sum's bits unchanged, and
-        # 0 - t_0 - t_1 - ... is 0 - (t_0 + t_1 + ...) bit for bit: rounding to nearest is symmetric in sign)
-        tl.store(u_ptr + idx, tl.where(positive, u, 0.0))
-        tl.debug_barrier()
-        demand = _sequential_sum(u_ptr, BLOCK_E)
+        # the demand and its entropy over the positive u, summed as the host sums them (u >= 0: its zeros leave
+        # the sum's bits unchanged)
+        demand = _halving_sum(tl.where(positive, u, 0.0), BLOCK_E)
         q = u / demand
-        # position 0's row of terms, read before the barrier above
-        tl.store(terms_ptr + idx, tl.where(positive, q * tl.log(tl.where(positive, q, 1.0)), 0.0))
-        tl.debug_barrier()
-        entropy = 0.0 - _sequential_sum(terms_ptr, BLOCK_E)
+        entropy = -_halving_sum(tl.where(positive, q * tl.log(tl.where(positive, q, 1.0)), 0.0), BLOCK_E)
         size = tl.load(fpar_ptr + _F_GAMMA) * tl.exp(entropy) - tl.load(fpar_ptr + _F_SLACK)
         saturated = size >= m.to(tl.float64)  # may exceed any integer (gamma 1e300)
         extra = tl.where(saturated, m, tl.ceil(tl.where(saturated, 0.0, size)).to(tl.int32))
         extra = tl.where(m > 0, extra, 0)
-        ranked = _order(u, u, valid, idx, extra, BLOCK_E, _TIES_SCORE)  # among the extra candidates, decreasing u
+        ranked = _order_positive(u, positive, idx, extra, m, terms_ptr, elig_ptr, BLOCK_E)  # decreasing u
         eligible = in_root | (ranked >= 0)
         lost = tl.sum(tl.where(eligible | (valid == 0), 0, v), axis=0)
         limit = tl.load(fpar_ptr + _F_PRUNE) * lost.to(tl.float64)
@@ -234,7 +249,7 @@ if triton is not None:
         valid = idx < E
         tiny = tl.load(fpar_ptr + _F_TINY)
         scale = tl.load(fpar_ptr + _F_SCALE)
-        sum_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_E + BLOCK_D * BLOCK_E + d * BLOCK_K  # this position's ordered-sum row
+        sum_ptr = fs_ptr + 2 * BLOCK_D + BLOCK_D * BLOCK_E + d * BLOCK_K  # this position's ordered-sum row
         z, p, s, nd = _position(z_ptr, ZS, bias_ptr, d, fs_ptr, fs_ptr + BLOCK_D, idx, valid, SIGMOID)
         mine = tl.load(own_ptr + d * BLOCK_E + idx)
         if BLOCK:
@@ -274,163 +289,6 @@ if triton is not None:
         tl.store(displaced_ptr + d, _ordered_sum(p, gone, sum_ptr, K, BLOCK_K) / nd)
         tl.store(exec_ptr + d * BLOCK_E + idx, sel)
 
-    @triton.jit
-    def _use_kernel(pool_ptr, slot_ptr, rec_ptr, block_ptr, D, elig_ptr, exec_ptr, eligible_ptr, union_ptr,
-                    list_ptr, route_ptr, RS, counts_ptr, pf_rank_ptr, pf_list_ptr, phys_ptr, layer_ptr, free_ptr,
-                    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                    P: tl.constexpr, U: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
-        """`ExpertPool.use` of the block's executions: the missing experts (ascending) take union slots P, P+1,
-        ...; the recency of executed experts; the route rows; the union, eligible and demand lists; the counts,
-        and the layer's row layer_ptr [4]: missing experts (counted also past U, where the pool is left unchanged
-        and the route rows point at slot 0, so that nothing reads outside the slots), prefetched, prefetch hits,
-        union slots written. PREFETCH: the layer's prefetched experts (pf_rank_ptr: each expert's rank in the
-        prefetch list, or -1; pf_list_ptr: the list, its count first) sit in slots P, P+1, ...: the missing experts
-        are placed as `place_union` places them (a hit stays where it is; a demand copy takes the lowest free union
-        slot, then the lowest slot of an unused prefetch, through the scratch row free_ptr), the route rows and the
-        demand list (only the copies) get the physical slots, and phys_ptr [U] the physical slot of each logical
-        union slot."""
-        enter(PDL)
-        rows = tl.arange(0, BLOCK_D)
-        idx = tl.arange(0, BLOCK_E)
-        vrow = rows < D
-        valid = idx < E
-        executed = tl.load(exec_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
-        last = tl.max(tl.where(executed >= 0, rows[:, None], -1), axis=0).to(tl.int64)  # the last position running e
-        resident = tl.load(pool_ptr + idx, mask=valid, other=0).to(tl.int32)
-        ran = (last >= 0) & valid
-        missing = ran & (resident == 0)
-        n_missing = tl.sum(missing.to(tl.int32), axis=0)
-        ok = n_missing <= U
-        order = tl.cumsum(missing.to(tl.int32), axis=0) - 1
-        slot = tl.load(slot_ptr + idx, mask=valid, other=-1)
-        slot = tl.where(missing & ok, P + order, slot)
-        tl.store(slot_ptr + idx, slot, mask=valid)
-        if PREFETCH:
-            n_pf = tl.load(pf_list_ptr).to(tl.int32)
-            rank = tl.load(pf_rank_ptr + idx, mask=valid, other=-1)
-            hit = missing & (rank >= 0)
-            copy = missing & (rank < 0)
-            unused = (rank >= 0) & (missing == 0)
-            # the free union slots in order: P + n_pf, ..., P + U - 1, then the unused prefetches' (ascending)
-            tl.store(free_ptr + tl.cumsum(unused.to(tl.int32), axis=0) - 1, P + rank, mask=unused)
-            tl.debug_barrier()
-            at = tl.cumsum(copy.to(tl.int32), axis=0) - 1
-            spill = at - (U - n_pf)
-            taken = tl.load(free_ptr + tl.where(copy & (spill >= 0), spill, 0), mask=copy & (spill >= 0), other=0)
-            placed = tl.where(hit, P + rank, tl.where(spill >= 0, taken, P + n_pf + at))
-            n_copy = tl.sum(copy.to(tl.int32), axis=0)
-            tl.store(list_ptr + 1 + at, idx.to(tl.int64), mask=copy & ok)
-            tl.store(list_ptr + 1 + E + at, placed.to(tl.int64), mask=copy & ok)
-            tl.store(list_ptr, tl.where(ok, n_copy, 0).to(tl.int64))
-            tl.store(phys_ptr + order, placed.to(tl.int64), mask=missing & ok)
-            tl.store(layer_ptr + 1, n_pf.to(tl.int64))
-            tl.store(layer_ptr + 2, tl.sum(hit.to(tl.int64), axis=0))
-            tl.store(layer_ptr + 3, (n_pf + tl.minimum(n_copy, U - n_pf)).to(tl.int64))
-            tl.debug_barrier()  # every thread has read the free row before the next layer writes it
-            route_slot = tl.where(missing & ok, placed, slot)
-        else:
-            tl.store(list_ptr + 1 + order, idx.to(tl.int64), mask=missing)
-            tl.store(list_ptr + 1 + E + order, (P + order).to(tl.int64), mask=missing)
-            tl.store(list_ptr, tl.where(ok, n_missing, 0).to(tl.int64))
-            tl.store(layer_ptr + 3, tl.minimum(n_missing, U).to(tl.int64))
-            route_slot = slot
-        tl.store(layer_ptr, n_missing.to(tl.int64))
-        route_slot = tl.where(route_slot >= 0, route_slot, 0)  # past U: missing experts have no slot
-        recency = tl.load(rec_ptr + idx, mask=valid, other=0)
-        base = tl.load(block_ptr) * _POSITIONS_PER_BLOCK
-        tl.store(rec_ptr + idx, tl.where(ran & ok, base + last + 1, recency), mask=valid)
-        tl.store(route_ptr + rows[:, None] * RS + executed, route_slot[None, :].to(tl.int32),
-                 mask=(executed >= 0) & vrow[:, None])
-        n_union = tl.sum(ran.to(tl.int32), axis=0)
-        tl.store(union_ptr + tl.cumsum(ran.to(tl.int32), axis=0) - 1, idx.to(tl.int64), mask=ran)
-        if BLOCK:
-            chosen = (tl.load(elig_ptr + idx) != 0) & valid
-        else:
-            chosen = ran
-        tl.store(eligible_ptr + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, idx.to(tl.int64), mask=chosen)
-        tl.store(counts_ptr + 0, tl.sum(chosen.to(tl.int64), axis=0))
-        tl.store(counts_ptr + 1, n_union.to(tl.int64))
-        tl.store(counts_ptr + 2, n_missing.to(tl.int64))
-        tl.store(counts_ptr + 3, ok.to(tl.int64))
-
-    @triton.jit
-    def _prefetch_kernel(exec_ptr, alpha_ptr, pool_ptr, D, rank_ptr, list_ptr,
-                         E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr,
-                         CAP: tl.constexpr, PDL: tl.constexpr = False):
-        """`predict_prefetch` from the predicted executions (exec_ptr, as `_execute_kernel` wrote them for the
-        pre-gate logits): the missing experts, at most CAP, the most wanted (the largest sum of alpha over the
-        positions executing them, added in position order as the host adds) first, ties to the lower index; their
-        ranks (ascending expert order, else -1) into rank_ptr [BLOCK_E], and the copy list (count, experts, slots
-        P, P+1, ...) into list_ptr [1 + 2E]."""
-        enter(PDL)
-        rows = tl.arange(0, BLOCK_D)
-        idx = tl.arange(0, BLOCK_E)
-        vrow = rows < D
-        valid = idx < E
-        executed = tl.load(exec_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
-        ran = (tl.max(executed, axis=0) >= 0) & valid
-        missing = ran & (tl.load(pool_ptr + idx, mask=valid, other=1) == 0)
-        if tl.sum(missing.to(tl.int32), axis=0) > CAP:
-            want = tl.zeros([BLOCK_E], tl.float64)
-            for d in range(D):
-                runs = tl.load(exec_ptr + d * BLOCK_E + idx) >= 0
-                want = tl.where(runs, want + tl.load(alpha_ptr + d), want)
-            missing = _order(want, want, missing, idx, CAP, BLOCK_E, _TIES_SCORE) >= 0
-        order = tl.cumsum(missing.to(tl.int32), axis=0) - 1
-        tl.store(rank_ptr + idx, tl.where(missing, order, -1))
-        tl.store(list_ptr + 1 + order, idx.to(tl.int64), mask=missing)
-        tl.store(list_ptr + 1 + E + order, (P + order).to(tl.int64), mask=missing)
-        tl.store(list_ptr, tl.sum(missing.to(tl.int64), axis=0))
-
-    @triton.jit
-    def _refill_kernel(pool_ptr, slot_ptr, rec_ptr, warm_rank_ptr, block_ptr, moves_ptr, phys_ptr,
-                       E: tl.constexpr, BLOCK_E: tl.constexpr, P: tl.constexpr, U: tl.constexpr,
-                       PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
-        """`ExpertPool.end_block` of layer program_id(0): keep the P most recent experts, entering experts (in
-        ascending index) take the freed pool slots (ascending); moves [L, 1 + 2E]: per layer their count, their
-        union slots (PREFETCH: the physical ones, phys_ptr [L, U]), their pool slots (a copy list of `expert_copy`
-        from the slots to the slots)."""
-        enter(PDL)
-        layer = tl.program_id(0)
-        idx = tl.arange(0, BLOCK_E)
-        valid = idx < E
-        row = layer * E + idx
-        pool = tl.load(pool_ptr + row, mask=valid, other=0).to(tl.int32)
-        slot = tl.load(slot_ptr + row, mask=valid, other=-1)
-        recency = tl.load(rec_ptr + row, mask=valid, other=0)
-        warm = tl.load(warm_rank_ptr + row, mask=valid, other=0)
-        # one key, larger = more recent: executed by (recency, lower index), then the warm ranking's order
-        key = tl.where(recency > 0, recency * 1024 + (1023 - idx), 1023 - warm)
-        key = tl.where(valid, key, -1)
-        lo = tl.zeros([], tl.int64)
-        hi = tl.max(key, axis=0)
-        for _ in range(64):  # the P-th largest key (keys are distinct): the largest t with P keys >= t
-            mid = lo + (hi - lo + 1) // 2
-            enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= P
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
-        keep = (key >= lo) & valid
-        entering = keep & (pool == 0)
-        leaving = (pool != 0) & (keep == 0) & valid
-        n = tl.sum(entering.to(tl.int32), axis=0)
-        new = tl.where(keep, slot, -1)
-        for i in range(n):
-            e = tl.min(tl.where(entering, idx, BLOCK_E), axis=0)
-            free = tl.min(tl.where(leaving, slot, BLOCK_E), axis=0)
-            f = tl.min(tl.where(leaving & (slot == free), idx, BLOCK_E), axis=0)
-            source = _pick_int(slot, idx, e)
-            if PREFETCH:  # entering experts are this block's missing ones: in union slots
-                source = tl.load(phys_ptr + layer * U + source - P)
-            tl.store(moves_ptr + layer * (1 + 2 * E) + 1 + i, source)
-            tl.store(moves_ptr + layer * (1 + 2 * E) + 1 + E + i, free)
-            new = tl.where(idx == e, free, new)
-            entering = entering & (idx != e)
-            leaving = leaving & (idx != f)
-        tl.store(slot_ptr + row, new, mask=valid)
-        tl.store(pool_ptr + row, keep.to(tl.int8), mask=valid)
-        tl.store(moves_ptr + layer * (1 + 2 * E), n.to(tl.int64))
-        if layer == 0:
-            tl.store(block_ptr, tl.load(block_ptr) + 1)
 
 
 def select_warps(num_experts: int) -> int:
@@ -444,12 +302,12 @@ def select_warps(num_experts: int) -> int:
 
 
 class _Scratch:
-    """What a selection's launches pass on (`DevicePool._selection`): positions' max logits and normalisers, u, a
-    row of terms per position (a normaliser's, the entropy's), an ordered-sum row per position (floats); own ranks
-    and executed ranks per position; the eligible set."""
+    """What a selection's launches pass on (`DevicePool._selection`): positions' max logits and normalisers, a row
+    of demand terms per position, an ordered-sum row per position (floats); own ranks and executed ranks per
+    position; the eligible set."""
 
     def __init__(self, block_d: int, block_e: int, block_k: int, device):
-        self.floats = torch.zeros(2 * block_d + block_e + block_d * block_e + block_d * block_k, dtype=torch.float64,
+        self.floats = torch.zeros(2 * block_d + block_d * block_e + block_d * block_k, dtype=torch.float64,
                                   device=device)
         self.own = torch.full((block_d, block_e), -1, dtype=torch.int32, device=device)
         self.executed = torch.full((block_d, block_e), -1, dtype=torch.int32, device=device)
@@ -521,7 +379,7 @@ class DevicePool:
         self._layer_views(0)
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
         block_d, block_k = (triton.next_power_of_2(n) for n in (max_positions, k))
-        block_e = max(triton.next_power_of_2(E), SUM_CHUNK)  # a whole number of `_sequential_sum`'s chunks
+        block_e = triton.next_power_of_2(E)
         self.scratch = _Scratch(block_d, block_e, block_k, self.device)
         # the block prefetch (`predict`): its own selection scratch and outputs (it runs beside the layer's
         # selection), each layer's prefetch rank row and copy list, the physical slot of each logical union slot,

@@ -43,7 +43,9 @@ under the model's router rule (`specmoe.routing.RouterScoring`):
 - union: the experts any position executes; missing: union members not resident (the block's copies).
 - displaced[d]: the r_d mass of position d's own top-K that d does not execute.
 
-Everything is computed in float64 from float32 or float64 logits.
+Everything is computed in float64 from float32 or float64 logits. The sums over the experts (the normalisers of
+r_d, the demand and the entropy) are `_halving_sum`s: a fixed pairwise order, which the device selection
+(`specmoe.kernels.device_select`) reduces in log2(E) steps to the same bits.
 """
 
 from __future__ import annotations
@@ -105,6 +107,32 @@ def _top_k(score, members, count, k, out, start, scratch):
             kth = score[out[k - 1]]
 
 
+def tree_size(n: int) -> int:
+    """The length `_halving_sum` pads n values to: the smallest power of two >= n."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@njit(cache=True)
+def _halving_sum(values, n, tree):
+    """The sum of values[:n] in a fixed order that a GPU reduces in log2 steps and the host repeats bit for bit:
+    the values padded with 0.0 to `tree_size(n)`, then the second half added to the first, elementwise, until
+    one is left (each addition rounds once, the pairs are fixed, so the bits follow from the values alone).
+    Adding a 0.0 pad leaves a nonzero value's bits unchanged, so any larger power of two gives the same sum (the
+    device pads to its row width). tree: float64 scratch, at least tree_size(n) long."""
+    size = 1
+    while size < n:
+        size *= 2
+    for i in range(n):
+        tree[i] = values[i]
+    for i in range(n, size):
+        tree[i] = 0.0
+    while size > 1:
+        size //= 2
+        for i in range(size):
+            tree[i] += tree[i + size]
+    return tree[0]
+
+
 @njit(cache=True)
 def _own_top_k(s, everyone, num_experts, k, out, n_group, topk_group, members, kept, group_score, scratch):
     """The router's own top-K of one position, best first, on its selection scores s [E] (ties to the lower
@@ -127,8 +155,8 @@ def _own_top_k(s, everyone, num_experts, k, out, n_group, topk_group, members, k
 
 
 @njit(cache=True)
-def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work, iwork, sets, selected, weights,
-            displaced):
+def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work, iwork, tree, sets, selected,
+            weights, displaced):
     """The selection of the module docstring for one layer and block of D = z.shape[0] positions, top-K with
     K = own.shape[1]. params: `SelectorConfig.kernel_params`; rule: the router's rule, float64 [kind (0
     softmax, 1 sigmoid), renormalise, scale, n_group, topk_group, scores given]; z [D, E]: router logits;
@@ -136,7 +164,8 @@ def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work
     unless rule[5]); bias [E]: the layer's selection bias; everyone: int64 [E], 0..E-1.
     Scratch: own [D, K] (each position's own top-K), prob [D, E] (exp(z_d - max z_d), or sigmoid(z_d)),
     work float64 [2E + D] (u, the normalisers of r_d, group scores), iwork int64 [6E] (v, marks, ranked
-    candidates, last executing position, the rankings' scratch, kept groups).
+    candidates, last executing position, the rankings' scratch, kept groups), tree float64 [tree_size(E)] (the
+    sums' scratch: the normalisers, the demand and the entropy are `_halving_sum`s).
     Outputs: sets [3, E] (eligible, union, missing), selected and weights [D, K], displaced [D].
     Returns (n_eligible, n_union, n_missing), or (-1, d, e) for a non-finite logit z[d, e] and (-2, d, 0)
     for a negative or non-finite alpha[d]."""
@@ -159,27 +188,24 @@ def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work
         stamp[e] = -1
     for d in range(num_positions):
         if sigmoid:
-            total = 0.0
             for e in range(num_experts):
                 if not np.isfinite(z[d, e]):
                     return -1, d, e
                 p = 1.0 / (1.0 + np.exp(-np.float64(z[d, e])))
                 prob[d, e] = p
-                total += p
                 if not given:
                     s[d, e] = p + bias[e]
-            norm[d] = max(total, TINY)  # every sigmoid underflowed: r_d = 0, no demand
+            norm[d] = max(_halving_sum(prob[d], num_experts, tree), TINY)  # all underflowed: r_d = 0, no demand
         else:
             top = -np.inf
             for e in range(num_experts):
                 top = max(top, np.float64(z[d, e]))
-            total = 0.0
             for e in range(num_experts):
                 p = np.exp(np.float64(z[d, e]) - top)
                 if p == 0.0 and not z[d, e] > -np.inf:
                     return -1, d, e
                 prob[d, e] = p
-                total += p
+            total = _halving_sum(prob[d], num_experts, tree)
             norm[d] = total
             if not total < np.inf:  # NaN or +inf somewhere: the exps are NaN
                 for e in range(num_experts):
@@ -201,18 +227,18 @@ def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work
                 if not mark[e] & IN_ROOT:
                     u[e] += alpha[d] * prob[d, e] / norm[d]
         m = 0
-        demand = 0.0
         for e in range(num_experts):
-            if u[e] > 0.0:
-                m += 1
-                demand += u[e]
+            m += u[e] > 0.0
+        demand = _halving_sum(u, num_experts, tree)  # u >= 0: its zeros leave the sum's bits unchanged
         extra = 0
         if m > 0:
-            entropy = 0.0
+            # H = -(the sum of q ln q over the positive u), the terms in `group_score`'s scratch (free here; at
+            # least E long)
+            terms = group_score[:num_experts]
             for e in range(num_experts):
-                if u[e] > 0.0:
-                    q = u[e] / demand
-                    entropy -= q * np.log(q)
+                q = u[e] / demand
+                terms[e] = q * np.log(q) if u[e] > 0.0 else 0.0
+            entropy = -_halving_sum(terms, num_experts, tree)
             size = gamma * np.exp(entropy) - ENTROPY_SLACK  # may exceed any integer (gamma 1e300): saturate
             extra = m if size >= m else int(np.ceil(size))
         if extra > 0:  # the extra experts by decreasing u, ties to the lower index (all have u > 0: extra <= m)
@@ -348,6 +374,7 @@ class SelectionBuffers:
         self._zero_bias = np.zeros(num_experts)
         self._work = np.empty(2 * num_experts + max_positions)
         self._iwork = np.empty(6 * num_experts, dtype=np.int64)
+        self._tree = np.empty(tree_size(num_experts))
         self._rule_of: tuple = (None, None, None)  # the last scoring's key, its kernel rule, the scoring
 
     def rule(self, scoring, given: bool) -> np.ndarray:
@@ -440,7 +467,7 @@ def select_block_into(config: SelectorConfig, router_logits: np.ndarray, residen
                 raise ValueError(f"selection scores must be finite and shaped like the router logits {z.shape}, "
                                  f"got shape {s.shape}")
     first, second, third = _select(config.kernel_params, rule, z, s, bias, resident, alpha, b._everyone, b._own,
-                                   b._prob, b._work, b._iwork, b.sets, b.selected, b.weights, b.displaced)
+                                   b._prob, b._work, b._iwork, b._tree, b.sets, b.selected, b.weights, b.displaced)
     if first == -1:
         raise ValueError(f"router logit [{second}, {third}] is not finite ({z[second, third]})")
     if first == -2:
