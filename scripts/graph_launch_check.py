@@ -47,7 +47,7 @@ engine = block_engine(model, unit, calibration, EngineConfig(max_seq_len=4096),
                       SpeculativeConfig(selector_preset("acceptmoe"), k=16, pool_size=32), "device")
 engine.follow(blocks, first_position=2048)
 dev = next(iter(engine._device_blocks.values()))
-dec, step, pool, e = dev.decoder, dev.step, dev.pool, dev.num_experts
+dec, step, pool = dev.decoder, dev.step, dev.pool
 
 
 def att():
@@ -57,7 +57,7 @@ def att():
 
 def sel():
     for layer in range(L):
-        pool.select(layer, dev.feed_dev[layer][:, :e], dev.alpha_dev, step.route_dev[layer])
+        pool.select(layer, dev.feed_dev[0, :, layer], dev.alpha_dev, step.route_dev[layer])
 
 
 def moe():

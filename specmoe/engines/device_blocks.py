@@ -32,8 +32,10 @@ prefetch copies only, not for the next layer's prediction and copies queued behi
 places the missing experts as the host's `place_union` (hits stay in their prefetch slots), the route rows and
 the refill moves read the physical slots.
 Counts: demand = the copies left, prefetch hits in time (joined before the layer), unused = prefetched - hits.
-With a feed the staged rows hold the recorded pre-gate logits beside the router logits, as the step's logits rows
-do ([L, D, 2E]: z_l, then g_{l+1}).
+With a feed (trace-following) the block's recorded router and pre-gate logits are staged as the records hold them,
+[2, D, L, E] (z, then g): one contiguous copy each from the records' rows, not a transpose into the step's [L, D, 2E]
+layout (at Qwen3.6's 40 layers and 256 experts that transpose was a quarter of a millisecond of host time per
+block); the selection and the prediction read layer l's [D, E] rows with a stride.
 
 Union slots sized by measurement (U below a block's worst case min(E - P, D K)): a block whose layer misses more
 than U experts raises the host path's ValueError after its graph (the kernel leaves that layer's pool unchanged and
@@ -95,8 +97,8 @@ class DeviceBlocks:
         self.prefetch = router.config.prefetch
         self.pool = DevicePool(router.pool, router.config.selector, router.scoring, d, device, self.prefetch)
         self.alpha_host, self.alpha_dev = staged((d,), torch.float64, device, pin)
-        # a feed laid out as the step's logits [L, D, 2E]: row l holds z_l, then g_{l+1} (module docstring)
-        self.feed_host, self.feed_dev = staged((g.num_layers, d, 2 * g.num_experts), torch.float32, device, pin)
+        # a feed as the records hold it: [2, D, L, E], the router logits, then the pre-gate logits (module docstring)
+        self.feed_host, self.feed_dev = staged((2, d, g.num_layers, g.num_experts), torch.float32, device, pin)
         # per layer: demand copies, moves, missing experts, prefetched, prefetch hits, union slots written
         self.counts_dev = torch.zeros(6, g.num_layers, dtype=torch.int64, device=device)
         self.counts_host = torch.zeros(self.counts_dev.shape, dtype=torch.int64, pin_memory=pin)
@@ -133,16 +135,19 @@ class DeviceBlocks:
         branch = self.branches if self.cuda and self.prefetch > 0 else None
         for layer in range(self.num_layers):
             dec.attention_router(step, layer, copy_out=False)
-            logits = self.feed_dev[layer] if fed else step.logits_dev[layer]
+            if fed:  # z_l and g_{l+1}, [D, E] rows of stride L E
+                router, pregate = self.feed_dev[0, :, layer], self.feed_dev[1, :, min(layer + 1, last)]
+            else:  # the step's logits rows [D, 2E]: z_l, then g_{l+1}
+                router, pregate = step.logits_dev[layer, :, :e], step.logits_dev[layer, :, e:]
             if self.prefetch and layer < last:  # the next layer's prefetch, beside this layer's selection and MoE
                 with branch.deciding(self.stream) if branch else contextlib.nullcontext():
-                    pool.predict(layer + 1, logits[:, e:], self.alpha_dev)
+                    pool.predict(layer + 1, pregate, self.alpha_dev)
                 with branch.copying(layer + 1) if branch else contextlib.nullcontext():
                     if not skip:
                         self._copy(layer + 1, pool.prefetches[layer + 1], delays, 3 * layer + 2)
             if branch and layer > 0:  # this layer's prefetch copies land before its demand copies and MoE
                 branch.join(self.stream, layer)
-            pool.select(layer, logits[:, :e], self.alpha_dev, step.route_dev[layer])
+            pool.select(layer, router, self.alpha_dev, step.route_dev[layer])
             late = None
             if not skip and self.cuda:  # the demand copies beside the MoE of the pool's experts
                 self.copier.wait_stream(self.stream)
@@ -209,17 +214,17 @@ class DeviceBlocks:
         fed=True) or the model's router; with a feed, the block prefetch reads `pregate` [D, L, E] (recorded
         pre-gate logits, layer 0 unused; required with a prefetch budget). Returns (the greedy tokens, displaced
         mass per position summed over layers as the host sums it, selections [D, L, K])."""
-        step, e = self.step, self.num_experts
+        step = self.step
         if (feed is not None) != self.fed:
             raise ValueError("a run's blocks are all fed or none (DeviceBlocks.start's fed)")
         if feed is not None and self.prefetch and pregate is None:
             raise ValueError("a fed block with a prefetch budget needs its recorded pre-gate logits")
         step.set_input(ids, root, self.decoder.geometry.max_seq_len)
         self.alpha_np[:] = alpha  # the previous block has ended: its graph no longer reads these
-        if feed is not None:
-            self.feed_np[:, :, :e] = np.asarray(feed, dtype=np.float32).transpose(1, 0, 2)
-            if pregate is not None:  # g_{l+1} beside z_l, as the step's logits rows hold them
-                self.feed_np[:-1, :, e:] = np.asarray(pregate, dtype=np.float32)[:, 1:].transpose(1, 0, 2)
+        if feed is not None:  # contiguous copies (module docstring); layer 0's pre-gate row is never read
+            np.copyto(self.feed_np[0], feed, casting="same_kind")
+            if pregate is not None:
+                np.copyto(self.feed_np[1], pregate, casting="same_kind")
         launch(self)
         missing = self.counts_np[2]
         if missing.max() > self.router.union_slots:  # the host path's error (`ExpertPool.use`); outputs not valid
