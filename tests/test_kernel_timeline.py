@@ -85,9 +85,9 @@ def test_timeline_refuses_empty_input():
 def test_kernel_classes_name_the_kernels_the_device_path_launches():
     """Every name the timeline classes is a kernel of the device path's modules (a renamed kernel would silently
     count as compute)."""
-    from specmoe.kernels import device_select, expert_copy
+    from specmoe.kernels import device_pool, device_select, expert_copy
 
-    source = inspect.getsource(device_select) + inspect.getsource(expert_copy)
+    source = "".join(inspect.getsource(m) for m in (device_select, device_pool, expert_copy))
     for names in kernel_timeline.KERNEL_PARTS.values():
         for name in names:
             assert f"def {name}(" in source, name

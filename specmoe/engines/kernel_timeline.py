@@ -21,7 +21,7 @@ out a little short. Then each instant of the block counts once, for the part of 
 among those running (`_owned`).
 
 The parts are `DecodeResult.timeline`'s, so both paths print as one table; they add up to the step:
-- "selection": the instants the block selection's kernels (`kernels.device_select`: the positions' own sets,
+- "selection": the instants the block selection's kernels (`kernels.device_select`, `device_pool`: the own sets,
   demand, execution, the pool's use, the refill) run;
 - "compute": the instants every other kernel but the copies runs (attention, router, grouped MoE, head);
 - "copy_wait": the exposed copies: the time a copy kernel runs while no other kernel does (the refill's moves, in
