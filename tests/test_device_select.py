@@ -255,7 +255,7 @@ import numpy as np
 import torch
 sys.path.insert(0, "tests")
 from _select_probe import order_kernel, sum_kernel
-from specmoe.verifiers.selection import _halving_sum, tree_size
+from specmoe.verifiers.selection import _halving_sum
 
 DEVICE = DEVICE_NAME
 rng = np.random.default_rng(0)
@@ -271,7 +271,7 @@ for E, block in ((256, 256), (200, 256), (64, 64), (37, 64)):
             x[:E] *= -rng.uniform(0.0, 1e-3, E)
         out = torch.zeros(1, dtype=torch.float64, device=DEVICE)
         sum_kernel[(1,)](torch.tensor(x, device=DEVICE), out, BLOCK_E=block)
-        want = _halving_sum(x, E, np.empty(tree_size(E)))
+        want = _halving_sum(x[:E], np.empty(2 * E))
         assert out.item() == want, (E, trial, out.item(), want)
         differs += sum(x[:E].tolist()) != want
 assert differs > 20, differs  # the order matters for these values

@@ -135,11 +135,10 @@ class DeviceBlocks:
         branch = self.branches if self.cuda and self.prefetch > 0 else None
         for layer in range(self.num_layers):
             dec.attention_router(step, layer, copy_out=False)
-            if fed:  # z_l and g_{l+1}, [D, E] rows of stride L E
-                router, pregate = self.feed_dev[0, :, layer], self.feed_dev[1, :, min(layer + 1, last)]
-            else:  # the step's logits rows [D, 2E]: z_l, then g_{l+1}
-                router, pregate = step.logits_dev[layer, :, :e], step.logits_dev[layer, :, e:]
+            # z_l, and g_{l+1} for the prefetch: the feed's [D, E] rows of stride L E, or the step's logits rows
+            router = self.feed_dev[0, :, layer] if fed else step.logits_dev[layer, :, :e]
             if self.prefetch and layer < last:  # the next layer's prefetch, beside this layer's selection and MoE
+                pregate = self.feed_dev[1, :, layer + 1] if fed else step.logits_dev[layer, :, e:]
                 with branch.deciding(self.stream) if branch else contextlib.nullcontext():
                     pool.predict(layer + 1, pregate, self.alpha_dev)
                 with branch.copying(layer + 1) if branch else contextlib.nullcontext():

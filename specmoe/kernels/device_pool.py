@@ -19,6 +19,17 @@ if triton is not None:
     _POSITIONS_PER_BLOCK = tl.constexpr(POSITIONS_PER_BLOCK)
 
     @triton.jit
+    def _block_rows(ptr, D, E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+        """A block's int32 rows [BLOCK_D, BLOCK_E] of per-expert ranks at ptr (the selection scratch's own or
+        executed ranks; rows past D read as -1), with the row and expert indices and their masks: (rows, idx,
+        rows < D, idx < E, the rows)."""
+        rows = tl.arange(0, BLOCK_D)
+        idx = tl.arange(0, BLOCK_E)
+        vrow = rows < D
+        tile = tl.load(ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
+        return rows, idx, vrow, idx < E, tile
+
+    @triton.jit
     def _use_kernel(pool_ptr, slot_ptr, rec_ptr, block_ptr, D, elig_ptr, exec_ptr, eligible_ptr, union_ptr,
                     list_ptr, route_ptr, RS, counts_ptr, pf_rank_ptr, pf_list_ptr, phys_ptr, layer_ptr, free_ptr,
                     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -34,11 +45,7 @@ if triton is not None:
         demand list (only the copies) get the physical slots, and phys_ptr [U] the physical slot of each logical
         union slot."""
         enter(PDL)
-        rows = tl.arange(0, BLOCK_D)
-        idx = tl.arange(0, BLOCK_E)
-        vrow = rows < D
-        valid = idx < E
-        executed = tl.load(exec_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
+        rows, idx, vrow, valid, executed = _block_rows(exec_ptr, D, E, BLOCK_D, BLOCK_E)
         last = tl.max(tl.where(executed >= 0, rows[:, None], -1), axis=0).to(tl.int64)  # the last position running e
         resident = tl.load(pool_ptr + idx, mask=valid, other=0).to(tl.int32)
         ran = (last >= 0) & valid
@@ -107,11 +114,7 @@ if triton is not None:
         ranks (ascending expert order, else -1) into rank_ptr [BLOCK_E], and the copy list (count, experts, slots
         P, P+1, ...) into list_ptr [1 + 2E]."""
         enter(PDL)
-        rows = tl.arange(0, BLOCK_D)
-        idx = tl.arange(0, BLOCK_E)
-        vrow = rows < D
-        valid = idx < E
-        executed = tl.load(exec_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
+        _, idx, _, valid, executed = _block_rows(exec_ptr, D, E, BLOCK_D, BLOCK_E)
         ran = (tl.max(executed, axis=0) >= 0) & valid
         missing = ran & (tl.load(pool_ptr + idx, mask=valid, other=1) == 0)
         if tl.sum(missing.to(tl.int32), axis=0) > CAP:

@@ -61,7 +61,7 @@ MAX_EXPERTS = 1024  # the refill's recency key holds the expert index in 10 bits
 if triton is not None:
     import triton.language as tl
 
-    from .device_pool import _prefetch_kernel, _refill_kernel, _use_kernel
+    from .device_pool import _block_rows, _prefetch_kernel, _refill_kernel, _use_kernel
     from .pdl import enter
     from .ranking import _PAIRWISE_MAX, _TIES_SCORE, _order, _pick_int, _rank
 
@@ -183,11 +183,7 @@ if triton is not None:
         """A block selector's eligible set (the root's top-K, the extra candidates, pruning against the pool):
         into elig_ptr [BLOCK_E] (1 / 0)."""
         enter(PDL)
-        rows = tl.arange(0, BLOCK_D)
-        idx = tl.arange(0, BLOCK_E)
-        vrow = rows < D
-        valid = idx < E
-        own = tl.load(own_ptr + rows[:, None] * BLOCK_E + idx[None, :], mask=vrow[:, None], other=-1)
+        _, idx, _, valid, own = _block_rows(own_ptr, D, E, BLOCK_D, BLOCK_E)
         v = tl.sum((own >= 0).to(tl.int32), axis=0)
         in_root = tl.load(own_ptr + idx) >= 0
         resident = tl.load(pool_ptr + idx, mask=valid, other=0).to(tl.int32)

@@ -107,18 +107,15 @@ def _top_k(score, members, count, k, out, start, scratch):
             kth = score[out[k - 1]]
 
 
-def tree_size(n: int) -> int:
-    """The length `_halving_sum` pads n values to: the smallest power of two >= n."""
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 @njit(cache=True)
-def _halving_sum(values, n, tree):
-    """The sum of values[:n] in a fixed order that a GPU reduces in log2 steps and the host repeats bit for bit:
-    the values padded with 0.0 to `tree_size(n)`, then the second half added to the first, elementwise, until
+def _halving_sum(values, tree):
+    """The sum of `values` in a fixed order that a GPU reduces in log2 steps and the host repeats bit for bit:
+    the values padded with 0.0 to a power of two, then the second half added to the first, elementwise, until
     one is left (each addition rounds once, the pairs are fixed, so the bits follow from the values alone).
     Adding a 0.0 pad leaves a nonzero value's bits unchanged, so any larger power of two gives the same sum (the
-    device pads to its row width). tree: float64 scratch, at least tree_size(n) long."""
+    device pads to its row width). tree: float64 scratch of at least 2 len(values) entries (the padded length
+    is below twice the count)."""
+    n = values.shape[0]
     size = 1
     while size < n:
         size *= 2
@@ -164,7 +161,7 @@ def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work
     unless rule[5]); bias [E]: the layer's selection bias; everyone: int64 [E], 0..E-1.
     Scratch: own [D, K] (each position's own top-K), prob [D, E] (exp(z_d - max z_d), or sigmoid(z_d)),
     work float64 [2E + D] (u, the normalisers of r_d, group scores), iwork int64 [6E] (v, marks, ranked
-    candidates, last executing position, the rankings' scratch, kept groups), tree float64 [tree_size(E)] (the
+    candidates, last executing position, the rankings' scratch, kept groups), tree float64 [2E] (the
     sums' scratch: the normalisers, the demand and the entropy are `_halving_sum`s).
     Outputs: sets [3, E] (eligible, union, missing), selected and weights [D, K], displaced [D].
     Returns (n_eligible, n_union, n_missing), or (-1, d, e) for a non-finite logit z[d, e] and (-2, d, 0)
@@ -195,7 +192,7 @@ def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work
                 prob[d, e] = p
                 if not given:
                     s[d, e] = p + bias[e]
-            norm[d] = max(_halving_sum(prob[d], num_experts, tree), TINY)  # all underflowed: r_d = 0, no demand
+            norm[d] = max(_halving_sum(prob[d], tree), TINY)  # all underflowed: r_d = 0, no demand
         else:
             top = -np.inf
             for e in range(num_experts):
@@ -205,7 +202,7 @@ def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work
                 if p == 0.0 and not z[d, e] > -np.inf:
                     return -1, d, e
                 prob[d, e] = p
-            total = _halving_sum(prob[d], num_experts, tree)
+            total = _halving_sum(prob[d], tree)
             norm[d] = total
             if not total < np.inf:  # NaN or +inf somewhere: the exps are NaN
                 for e in range(num_experts):
@@ -229,7 +226,7 @@ def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work
         m = 0
         for e in range(num_experts):
             m += u[e] > 0.0
-        demand = _halving_sum(u, num_experts, tree)  # u >= 0: its zeros leave the sum's bits unchanged
+        demand = _halving_sum(u, tree)  # u >= 0: its zeros leave the sum's bits unchanged
         extra = 0
         if m > 0:
             # H = -(the sum of q ln q over the positive u), the terms in `group_score`'s scratch (free here; at
@@ -238,7 +235,7 @@ def _select(params, rule, z, s, bias, resident, alpha, everyone, own, prob, work
             for e in range(num_experts):
                 q = u[e] / demand
                 terms[e] = q * np.log(q) if u[e] > 0.0 else 0.0
-            entropy = -_halving_sum(terms, num_experts, tree)
+            entropy = -_halving_sum(terms, tree)
             size = gamma * np.exp(entropy) - ENTROPY_SLACK  # may exceed any integer (gamma 1e300): saturate
             extra = m if size >= m else int(np.ceil(size))
         if extra > 0:  # the extra experts by decreasing u, ties to the lower index (all have u > 0: extra <= m)
@@ -374,7 +371,7 @@ class SelectionBuffers:
         self._zero_bias = np.zeros(num_experts)
         self._work = np.empty(2 * num_experts + max_positions)
         self._iwork = np.empty(6 * num_experts, dtype=np.int64)
-        self._tree = np.empty(tree_size(num_experts))
+        self._tree = np.empty(2 * num_experts)
         self._rule_of: tuple = (None, None, None)  # the last scoring's key, its kernel rule, the scoring
 
     def rule(self, scoring, given: bool) -> np.ndarray:
