@@ -108,6 +108,19 @@ def gdn_recurrence_torch(q, k, v, decay, beta, state, history=None, out=None) ->
 if triton is not None:
 
     @triton.jit
+    def _position_inputs(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, t, T, kh, h, o_k, o_v, mk, mv,
+                         NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+        """Position t's q and k (key head kh), v, decay and beta (value head h) of `_gdn_kernel`'s program; zeros
+        past the T positions."""
+        live = t < T
+        b_q = tl.load(q_ptr + (t * NK + kh) * DK + o_k, mask=mk & live, other=0.0)
+        b_k = tl.load(k_ptr + (t * NK + kh) * DK + o_k, mask=mk & live, other=0.0)
+        b_v = tl.load(v_ptr + (t * NV + h) * DV + o_v, mask=mv & live, other=0.0)
+        b_g = tl.load(decay_ptr + t * NV + h, mask=live, other=0.0)
+        b_b = tl.load(beta_ptr + t * NV + h, mask=live, other=0.0)
+        return b_q, b_k, b_v, b_g, b_b
+
+    @triton.jit
     def _gdn_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, state_ptr, hist_ptr, out_ptr, T,
                     NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, STORE_HISTORY: tl.constexpr, PDL: tl.constexpr = False):
@@ -124,20 +137,12 @@ if triton is not None:
         mask = mk[:, None] & mv[None, :]
         s_off = h * DK * DV + o_k[:, None] * DV + o_v[None, :]
         s = tl.load(state_ptr + s_off, mask=mask, other=0.0)
-        some = T > 0  # position 0's inputs; then each iteration loads position t + 1's before position t's math
-        b_q = tl.load(q_ptr + kh * DK + o_k, mask=mk & some, other=0.0)
-        b_k = tl.load(k_ptr + kh * DK + o_k, mask=mk & some, other=0.0)
-        b_v = tl.load(v_ptr + h * DV + o_v, mask=mv & some, other=0.0)
-        b_g = tl.load(decay_ptr + h, mask=some, other=0.0)
-        b_b = tl.load(beta_ptr + h, mask=some, other=0.0)
+        # position 0's inputs; then each iteration loads position t + 1's before position t's math
+        b_q, b_k, b_v, b_g, b_b = _position_inputs(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, 0, T, kh, h, o_k, o_v,
+                                                   mk, mv, NK, NV, DK, DV)
         for t in range(T):
-            u = t + 1
-            more = u < T
-            n_q = tl.load(q_ptr + (u * NK + kh) * DK + o_k, mask=mk & more, other=0.0)
-            n_k = tl.load(k_ptr + (u * NK + kh) * DK + o_k, mask=mk & more, other=0.0)
-            n_v = tl.load(v_ptr + (u * NV + h) * DV + o_v, mask=mv & more, other=0.0)
-            n_g = tl.load(decay_ptr + u * NV + h, mask=more, other=0.0)
-            n_b = tl.load(beta_ptr + u * NV + h, mask=more, other=0.0)
+            n_q, n_k, n_v, n_g, n_b = _position_inputs(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, t + 1, T, kh, h,
+                                                       o_k, o_v, mk, mv, NK, NV, DK, DV)
             s = s * tl.exp(b_g)
             delta = (b_v - tl.sum(s * b_k[:, None], axis=0)) * b_b
             s = s + b_k[:, None] * delta[None, :]
