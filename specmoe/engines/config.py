@@ -34,12 +34,12 @@ class EngineConfig:
     ("auto": on CUDA; "on": on any device, the CPU included; "off": always the host's `LogicalCache.route`).
     policy_device: with C < E (or a policy that is not the router's own top-K), run the policy's logical cache
     and its copies on the device, a token as one CUDA graph, also when routing follows a logit feed
-    (`specmoe.engines.device_policy`; "auto", the default: on CUDA for policies without prefetch insertions up
-    to 64 experts per layer, the host policy otherwise; "on": wherever it applies, also on the CPU under Triton's
-    interpreter, for tests; "off": the host's `LogicalCache` between per-layer launches). On an H200 at full-size
-    OLMoE following the olmoe-like source the device policy is 6% faster than the host policy for Cache-Prior at
-    C = 32 (its compute 1.45 ms per token against the all-resident token's 1.31), and PSR's prefetch copies, on
-    the device path's copy kernel, make it 11-17% slower than the host policy's copy engine (BENCHMARKS.md);
+    (`specmoe.engines.device_policy`; "auto", the default: on CUDA for policies without prefetch insertions, at
+    any number of experts per layer, the host policy otherwise; "on": wherever it applies, also on the CPU under
+    Triton's interpreter, for tests; "off": the host's `LogicalCache` between per-layer launches). On an H200
+    following the olmoe-like source the device policy is faster than the host policy for Cache-Prior (host /
+    device 1.06 at full-size OLMoE, C = 32; 1.31 at Qwen3.6's size, C = 64), and PSR's prefetch copies, on the
+    device path's copy kernel, make it slower than on the host policy's copy engine (0.89 and 0.66; BENCHMARKS.md);
     `result.info["routing"]` says which ran and `host_policy_why` why the host did.
     block_device: the speculative engine's verification blocks with their selection, expert pool, demand copies
     and refill on the device, a block as one CUDA graph, also following recorded blocks

@@ -51,11 +51,11 @@ from specmoe.routing import LogicalCache
 from specmoe.routing import kernels as K
 
 POLICY_DEVICE = ("auto", "on", "off")
-# "auto" runs the device policy where the H200 measured it faster than the host policy (BENCHMARKS.md, 2026-12-03):
-# policies without prefetch insertions, up to this many experts per layer. A prefetching policy's copies move at
-# the copy kernel's rate on the device path and at the copy engine's on the host path, which made PSR 11-17%
-# slower on the device; at E = 256 the device step's rankings still pick one expert at a time.
-AUTO_MAX_EXPERTS = 64
+# "auto" runs the device policy where the H200 measured it faster than the host policy (BENCHMARKS.md): policies
+# without prefetch insertions, at every E (Cache-Prior at C = 32 of OLMoE's 64 experts: host / device 1.06-1.08;
+# at C = 64 of Qwen3.6's 256, 40 layers: 1.31). A prefetching policy's copies move at the copy kernel's rate on the
+# device path and at the copy engine's on the host path, which made PSR slower on the device: host / device 0.89
+# at OLMoE's size, 0.66 at Qwen3.6's.
 SEPARATE_COPIER_ENV = "SPECMOE_PREFETCH_COPIER"  # "1": prefetch copies on a stream of their own (`PrefetchBranch`)
 _STATE = ("istate", "iscalar", "fstate", "fscalar", "counters", "displaced_mass")
 
@@ -83,9 +83,9 @@ def device_policy_reason(choice: str, cuda: bool, router, settings, feed, num_sl
     from `feed` (a `LogitFeed`, or None: the model's own logits), runs the device policy, else why the host policy
     runs. choice: `EngineConfig.policy_device`; "auto" leaves a run that device routing takes (every expert
     resident, a policy that then reduces to the router's own top-K, no feed) to `EngineConfig.device_routing`,
-    and keeps the host policy for prefetching policies, past AUTO_MAX_EXPERTS experts (measured slower) and for a
-    run with a prompt that the host path prefills in chunks (`chunked_prompt`: this path steps a prompt one
-    position at a time, which costs more than its faster decoding saves unless the generation is long)."""
+    and keeps the host policy for prefetching policies and for a run with a prompt that the host path prefills in
+    chunks (`chunked_prompt`: this path steps a prompt one position at a time, which costs more than its faster
+    decoding saves unless the generation is long)."""
     if router is None:
         return "no autoregressive policy"
     if choice == "auto" and feed is None and router.device_reason(num_slots) is None:
@@ -100,9 +100,6 @@ def device_policy_reason(choice: str, cuda: bool, router, settings, feed, num_sl
         if chunked_prompt:
             return ("policy_device='auto' and a prompt that the host path prefills in chunks (the device policy "
                     "steps it one position at a time; policy_device='on' runs it there)")
-        if router.num_experts > AUTO_MAX_EXPERTS:
-            return (f"policy_device='auto' and {router.num_experts} experts per layer: the device step is measured "
-                    f"faster up to {AUTO_MAX_EXPERTS} (policy_device='on' runs it there)")
     if settings.cache_mode == "physical":
         return "physical-cache mode reads copy timing on the host"
     if settings.instrument:
