@@ -38,6 +38,7 @@ from specmoe.routing import kernels as K
 
 from . import pdl
 from .ranking import score_ties
+from .tuning import next_pow2
 
 try:
     import triton
@@ -57,8 +58,7 @@ def row_warps(num_experts: int, entries_per_warp: int) -> int:
     """One warp per `entries_per_warp` entries of the padded expert row (BLOCK_E, E rounded up to a power of two),
     1 to 8: the warps of a launch whose work is reductions over [E] vectors (`default_warps`,
     `device_select.select_warps`)."""
-    block = 1 << max(num_experts - 1, 0).bit_length()
-    return max(1, min(8, block // entries_per_warp))
+    return max(1, min(8, next_pow2(num_experts) // entries_per_warp))
 
 
 def default_warps(num_experts: int) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import pdl
+from .tuning import next_pow2
 
 try:
     import triton
@@ -47,7 +48,7 @@ def launch_shape(device: torch.device, row_words: int) -> tuple[int, int]:
     words moved in a few calls per expert rather than a few per 8 KiB chunk and program. The shape changes neither
     what is copied nor where."""
     if torch.device(device).type != "cuda":
-        return 1, min(1 << max(row_words - 1, 0).bit_length(), INTERPRETER_CHUNK)  # a power of two
+        return 1, min(next_pow2(row_words), INTERPRETER_CHUNK)
     return COPY_BLOCKS, COPY_BLOCK
 
 if triton is not None:

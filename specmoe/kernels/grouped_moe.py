@@ -51,7 +51,7 @@ import torch
 from . import pdl
 from .fp8 import is_fp8_rows
 from .moe import compute_dtype, fp8_kernel_args, slot_moe_torch
-from .tuning import LaunchChoice, device_identity, dtype_name, fastest, launch_params
+from .tuning import LaunchChoice, device_identity, dtype_name, fastest, launch_params, next_pow2
 
 try:  # Triton is optional: CPU machines run the torch reference
     import triton
@@ -93,13 +93,9 @@ TUNE_ROUTES = 4  # routes the tuner's graph cycles through (each its own ranking
 _OPTIONS = frozenset(GROUPED_DEFAULTS) | {"block_m"}
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def default_block_m(num_positions: int) -> int:
     """Positions per tile: D rounded up to a power of two, at least 16 (tl.dot's minimum), at most 64."""
-    return min(64, max(16, _next_pow2(num_positions)))
+    return min(64, max(16, next_pow2(num_positions)))
 
 
 @dataclass
@@ -389,9 +385,9 @@ def slot_moe_grouped_triton(x: torch.Tensor, residual: torch.Tensor, slot_buf: t
 def _launch_grouping(route: torch.Tensor, ws: GroupedMoEWorkspace, num_slots: int) -> None:
     """Launch 1 (module doc): the distinct slots of `route` into ws.groups."""
     pairs = route.shape[0] * (route.shape[1] // 2)
-    g, c_pad = min(pairs, num_slots), _next_pow2(num_slots)
+    g, c_pad = min(pairs, num_slots), next_pow2(num_slots)
     _group_slots_kernel[(1,)](route, ws.groups, P=pairs, K=route.shape[1] // 2, C=num_slots, C_PAD=c_pad, G=g,
-                              G_PAD=_next_pow2(g), BLOCK_P=min(_next_pow2(pairs), max(16, 8192 // c_pad)),
+                              G_PAD=next_pow2(g), BLOCK_P=min(next_pow2(pairs), max(16, 8192 // c_pad)),
                               num_warps=4, **pdl.options(route))
 
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import pdl
+from .tuning import next_pow2
 
 try:  # Triton is optional: CPU machines run the torch reference
     import triton
@@ -49,10 +50,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 LOG2E = 1.4426950408889634
 DEFAULT_SMS = 132  # H200; used when the workspace is not on a CUDA device
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def block_params(rows: int, head_dim: int, itemsize: int) -> dict:
@@ -70,7 +67,7 @@ def block_params(rows: int, head_dim: int, itemsize: int) -> dict:
     above 256 (MLA's latent, R = 512) take at most 32 rows per block and 8 warps (the accumulator [32, 512] in
     float32 over 256 threads); those were not measured.
     """
-    block_m = min(max(16, _next_pow2(rows)), 64 if head_dim <= 128 else 32)
+    block_m = min(max(16, next_pow2(rows)), 64 if head_dim <= 128 else 32)
     block_n = min(128, max(16, (16384 if block_m < 64 else 8192) // (head_dim * itemsize)))
     wide = itemsize >= 4
     return dict(block_m=block_m, block_n=block_n, num_stages=1 if wide or rows == 1 else 3,
@@ -397,7 +394,7 @@ def _launch(q, k_cache, v_cache, seq_len, scale, out, ws: SplitKVWorkspace, num_
         D=num_q, NH=num_heads, G=group, HD=head_dim, SPLITS=ws.num_splits, BLOCK_M=p["block_m"],
         BLOCK_N=p["block_n"], STAGES=p["num_stages"], PRECISION=precision, PE=rope_dim, V_FROM_K=rope_dim > 0,
         num_warps=p["num_warps"], num_stages=p["num_stages"], **pdl.options(q))
-    splits_p2 = _next_pow2(ws.num_splits)
+    splits_p2 = next_pow2(ws.num_splits)
     block_d = min(head_dim, max(16, 4096 // splits_p2))
     _split_kv_reduce_kernel[(num_q * num_heads, head_dim // block_d)](
         ws.partial_out, ws.partial_lse, seq_len, out, max_seq, HD=head_dim, SPLITS=ws.num_splits,

@@ -39,6 +39,12 @@ FORMAT = "specmoe kernel tuning"
 VERSION = 2  # 2: every entry timed in a CUDA graph past the L2 (`fastest`); version 1 files are tuned again
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two at least n (1 for n <= 1): the padded sizes of launch shapes, on hosts with or
+    without Triton (whose `next_power_of_2` gives 0 for 0)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @dataclass(frozen=True)
 class LaunchChoice:
     """The launch parameters a kernel runs with and where they came from: "cache", "tuned" (measured now)
