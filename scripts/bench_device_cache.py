@@ -8,8 +8,8 @@ alone, and for a graph of as many launches of an empty kernel (the launch floor 
 is `LogicalCache.route` + `insert_predicted` per layer (numba, one thread, wall time): the host policy's own
 compute, without the device-to-host round trip the host path also pays per layer.
 
-Inputs are `checks.device_cache_case`'s (logits on a bfloat16 grid that recur over positions, a sparse token prior
-with `--prior-density` of its entries set). `--module FILE` also times another version of the kernel module (e.g.
+Inputs are `policy_checks.device_cache_case`'s (logits on a bfloat16 grid that recur over positions, a sparse
+token prior with `--prior-density` of its entries set). `--module FILE` also times another version of the kernel module (e.g.
 the file before a change), in the same rounds, so that the two compare on one machine; `--warps 1 4` times the
 current kernel launched on each number of warps (default: `default_warps` of the geometry's E), also in the same
 rounds (labels "current" for the default, "w1", "w4", ... for the others).
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from specmoe.files import write_text_atomic
-from specmoe.kernels.checks import device_cache_case
+from specmoe.kernels.policy_checks import device_cache_case
 from specmoe.routing import PRESETS, EngineScoring, LogicalCache, RouterScoring, preset
 
 # name: (layers, experts, top-K, capacity, scoring): the paper's three architectures at full size

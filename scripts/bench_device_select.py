@@ -5,7 +5,7 @@ For each geometry, selector and block size D, one CUDA graph holds one block's s
 device blocks path launches them); the graph is replayed `--rounds` times (the pool's state carries on) and timed
 with CUDA events. Reported in µs: the median over rounds per layer's selection, the refill per block, and the
 host's selection + pool use per layer (numba, one thread, wall time; without the round trip the host path also
-pays per layer). Inputs are `checks.device_select_case`'s (logits on a bfloat16 grid with ties).
+pays per layer). Inputs are `policy_checks.device_select_case`'s (logits on a bfloat16 grid with ties).
 
 `--module LABEL=FILE[,CACHE]` also times other versions of the kernel module (e.g. device_select.py before a
 change) in the same rounds, each under its label; CACHE is the device_cache.py that version imports its helpers
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_device_cache import graph_of, load_file, scoring_of, time_graph  # noqa: E402
 
 from specmoe.files import write_text_atomic  # noqa: E402
-from specmoe.kernels.checks import device_select_case  # noqa: E402
+from specmoe.kernels.policy_checks import device_select_case  # noqa: E402
 from specmoe.verifiers import ExpertPool, SelectionBuffers, select_block_into, selector_preset  # noqa: E402
 
 # name: (layers, experts, top-K, pool P, union U, scoring): the paper's three architectures at full size

@@ -1,7 +1,7 @@
 """Registers and spills of the verification block's Triton kernels at a model's shapes, compiled for an H200 (sm_90)
 on any machine, a GPU or not.
 
-Each launch runs through Triton's whole compile for sm_90 and the ptxas Triton ships (`checks.compile_launches`
+Each launch runs through Triton's whole compile for sm_90 and the ptxas Triton ships (`compiled.compile_launches`
 with full=True; nothing runs): the grouped MoE's two weight kernels for every tuning candidate
 (`grouped_moe.GATE_UP_CANDIDATES`, `DOWN_CANDIDATES`) at each block size D, the block selection's launches
 (`DevicePool`: acceptmoe, with the block prefetch) and the AR cache step (`DeviceCache`: Cache-Prior and PSR) at
@@ -26,7 +26,8 @@ import torch
 from specmoe.files import write_text_atomic
 from specmoe.geometry import Geometry
 from specmoe.kernels import grouped_moe as gm
-from specmoe.kernels.checks import compile_launches, device_cache_case, launch_block_selection, launch_cache_step
+from specmoe.kernels.compiled import compile_launches, launch_block_selection, launch_cache_step
+from specmoe.kernels.policy_checks import device_cache_case
 from specmoe.models import NAMED_CONFIGS, adapter_for
 from specmoe.models.registry import named_config
 from specmoe.routing import LogicalCache, preset
@@ -67,7 +68,7 @@ def grouped_rows(geometry: Geometry, positions: int) -> list[dict]:
 
 def selection_rows(geometry: Geometry, scoring, positions: int) -> list[dict]:
     """The block selection's launches (acceptmoe, a block prefetch of K experts) and the refill at D = positions
-    (`checks.launch_block_selection`: each launch form once)."""
+    (`compiled.launch_block_selection`: each launch form once)."""
     e, k = geometry.num_experts, geometry.top_k
     pool = ExpertPool(2, e, k, max(k + 1, e // 4), np.tile(np.arange(e), (2, 1)))
     with compile_launches(full=True) as compiled:
@@ -76,7 +77,7 @@ def selection_rows(geometry: Geometry, scoring, positions: int) -> list[dict]:
 
 
 def cache_step_rows(geometry: Geometry, scoring) -> list[dict]:
-    """The AR cache step's route and part-1 launches (`checks.launch_cache_step`), Cache-Prior and PSR at C = E / 4
+    """The AR cache step's route and part-1 launches (`compiled.launch_cache_step`), Cache-Prior and PSR at C = E / 4
     (at least K + 1)."""
     e, k = geometry.num_experts, geometry.top_k
     calibration = device_cache_case(2, e, 2, seed=0)[0]

@@ -1,6 +1,6 @@
 """The logical cache on the device (`specmoe.kernels.device_cache`) against the host `LogicalCache`, step by step
-(`checks.check_device_cache`: selections, slots, execution weights, demand and prefetch lists and the whole state,
-bit for bit): every policy kind in Triton's interpreter on the CPU (short sequences: the interpreter takes about
+(`policy_checks.check_device_cache`: selections, slots, execution weights, demand and prefetch lists and the whole
+state, bit for bit): every policy kind in Triton's interpreter on the CPU (short sequences: the interpreter takes about
 0.1-0.3 s per layer step), and long sequences on a CUDA device (marked gpu)."""
 
 import ast
@@ -52,7 +52,7 @@ _CHECK = FAST_CALLS + r"""
 import sys
 sys.path.insert(0, "tests")
 from test_device_cache import CASES, EDGE_CASES, scoring_of
-from specmoe.kernels.checks import check_device_cache, device_cache_case
+from specmoe.kernels.policy_checks import check_device_cache, device_cache_case
 from specmoe.routing import preset
 for i, (name, base, overrides, E, C, scoring, T, L) in enumerate(CASES + EDGE_CASES):
     calibration, z, g, tokens = device_cache_case(L, E, T, seed=i + 9 * (i >= len(CASES)))
@@ -86,7 +86,8 @@ def test_cache_step_compiles_for_the_gpu_for_every_case():
     each case's two launches (the route alone, part 1 alone: as the engine launches them) compile for an H200 here,
     without one. A kernel that does not compile raises."""
 
-    from specmoe.kernels.checks import compile_launches, device_cache_case, launch_cache_step
+    from specmoe.kernels.compiled import compile_launches, launch_cache_step
+    from specmoe.kernels.policy_checks import device_cache_case
 
     with compile_launches() as compiled:
         for name, base, overrides, E, C, scoring, T, L in CASES + EDGE_CASES:
@@ -106,7 +107,8 @@ def test_cache_step_fits_its_registers_at_e64_and_e256():
     report), of Cache-Prior's and PSR's launches at E = 64 and 256, and of a PSR window of 32 at E = 256 (its
     pre-gate ranking past `ORDER_PICKS`, by comparison tiles): nothing spills."""
 
-    from specmoe.kernels.checks import compile_launches, device_cache_case, launch_cache_step
+    from specmoe.kernels.compiled import compile_launches, launch_cache_step
+    from specmoe.kernels.policy_checks import device_cache_case
     from specmoe.kernels.ranking import ORDER_PICKS
 
     cases = [(base, E, {}) for base in ("cache_prior", "psr") for E in (64, 256)]
@@ -134,7 +136,7 @@ def test_device_cache_refuses_other_groups_than_the_cache():
 
 _PREFETCH_OUT = r"""
 import numpy as np, torch
-from specmoe.kernels.checks import device_cache_case
+from specmoe.kernels.policy_checks import device_cache_case
 from specmoe.kernels.device_cache import DeviceCache
 from specmoe.routing import LogicalCache, RouterScoring, preset
 calibration, z, g, tokens = device_cache_case(3, 64, 1, seed=4)
@@ -201,7 +203,7 @@ def test_gpu_device_cache_equals_host_cache(case, num_experts, capacity):
     """Long sequences (160 positions, 4 layers, a reset half-way) of every case, the cases spread over E = 64
     and 256 and C = 16, 32, 64, and the edge cases at their own E and C and at E = 256 (each step is a launch and a
     host comparison: the whole product took 25 s a case)."""
-    from specmoe.kernels.checks import check_device_cache, device_cache_case
+    from specmoe.kernels.policy_checks import check_device_cache, device_cache_case
 
     name, base, overrides, _, _, scoring, _, _ = case
     num_layers = 4

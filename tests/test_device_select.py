@@ -1,6 +1,6 @@
 """Block selection and the expert pool on the device (`specmoe.kernels.device_select`) against the host
 (`select_block_into`, `ExpertPool.use` / `end_block`), block by block and layer by layer
-(`checks.check_device_select`: counts, sets, selections, route rows, the weights' and displaced mass's bits, the
+(`policy_checks.check_device_select`: counts, sets, selections, route rows, the weights' and displaced mass's bits, the
 pool's state and refill moves): every selector in Triton's interpreter on the CPU (a few blocks), and more blocks
 on a CUDA device (marked gpu)."""
 
@@ -34,7 +34,7 @@ def scoring_of(name: str, num_layers: int, num_experts: int, seed: int = 0):
 
 
 def run_case(case, device, num_blocks=None, num_layers=2, seed=0, max_positions=None):
-    from specmoe.kernels.checks import check_device_select, device_select_case
+    from specmoe.kernels.policy_checks import check_device_select, device_select_case
 
     name, kind, overrides, E, P, scoring, D, blocks = case
     blocks = num_blocks or blocks
@@ -50,7 +50,7 @@ def test_block_selection_compiles_for_the_gpu_for_every_case():
     """Triton's interpreter skips the compiler's type rules: every case's launches (select, and with a budget
     predict, then end_block) go through Triton's front end for an H200 here, without one (`compile_launches`)."""
 
-    from specmoe.kernels.checks import compile_launches, launch_block_selection
+    from specmoe.kernels.compiled import compile_launches, launch_block_selection
 
     with compile_launches() as compiled:
         for name, kind, overrides, E, P, scoring, D, _ in CASES + [c[:8] for c in PREFETCH_CASES]:
@@ -69,7 +69,7 @@ def test_block_selection_fits_its_registers_at_e64_and_e256():
     warps (`select_warps`): the rankings' comparison tiles and the [D, E] tiles fit the registers. `_order` with
     [256, 64] tiles compiled, then ran 3-6x slower on the H200 from 5.9 KB of spill stores (BENCHMARKS.md);
     `_use_kernel`'s [D, E] tiles spilled 20-96 bytes on the warps before (one at E = 64, four at 256)."""
-    from specmoe.kernels.checks import compile_launches, launch_block_selection
+    from specmoe.kernels.compiled import compile_launches, launch_block_selection
 
     chosen = [c for c in CASES if c[0] in ("acceptmoe", "acceptmoe_e256", "confidence_e256_groups")]
     chosen += [c[:8] + (c[8],) for c in PREFETCH_CASES if c[0] == "exact_prefetch_e256"]
@@ -116,7 +116,7 @@ def run_prefetch_case(case, device, num_blocks=None, num_layers=3, seed=0):
     blocks mixed with another draw, on the bfloat16 grid."""
     import torch
 
-    from specmoe.kernels.checks import check_device_select, device_select_case
+    from specmoe.kernels.policy_checks import check_device_select, device_select_case
     from specmoe.verifiers import SelectionBuffers, select_block_into
 
     name, kind, overrides, E, P, scoring, D, blocks, budget, tight = case
@@ -169,7 +169,7 @@ def check_over_union(device):
     unchanged, and every route entry points inside the slots (the engine raises the host's error after the block)."""
     import torch
 
-    from specmoe.kernels.checks import device_select_case
+    from specmoe.kernels.policy_checks import device_select_case
     from specmoe.kernels.device_select import DevicePool
 
     z, alpha = device_select_case(1, 1, 9, 64, seed=3)

@@ -100,7 +100,7 @@ def test_the_tuner_runs_every_candidate_on_its_inputs():
 @needs_triton
 def test_every_candidate_compiles_for_the_gpu():
     """Each launch candidate, bf16 with and without the float32 copy, through Triton's front end for an H200."""
-    from specmoe.kernels.checks import compile_launches
+    from specmoe.kernels.compiled import compile_launches
     from specmoe.kernels.gemv import gemv_triton
 
     w, x = torch.zeros(128, 2048, dtype=torch.bfloat16), torch.zeros(1, 2048, dtype=torch.bfloat16)

@@ -67,7 +67,7 @@ def test_cpu_call_without_the_interpreter_computes_the_reference(monkeypatch):
 def test_kernels_compile_for_the_gpu_with_and_without_late_slots():
     """Triton's interpreter skips the compiler's type rules: the grouped MoE's launches (bf16 and float32, with and
     without late slots) go through Triton's front end for an H200 here (`compile_launches`: nothing is computed)."""
-    from specmoe.kernels.checks import compile_launches
+    from specmoe.kernels.compiled import compile_launches
     from specmoe.kernels.grouped_moe import slot_moe_grouped_triton
 
     h, inter, k, slots = 64, 32, 2, 8
@@ -92,7 +92,7 @@ def test_every_tuning_candidate_compiles_for_the_gpu():
     Triton's front end for an H200 at D = 17 in bf16 (a candidate that did not would only be skipped by the tuner,
     silently); each launch carries its kernel's own warps and stages."""
     from specmoe.kernels import grouped_moe as gm
-    from specmoe.kernels.checks import compile_launches
+    from specmoe.kernels.compiled import compile_launches
 
     h, inter, k, slots, d = 256, 128, 2, 8, 17
     x = torch.zeros(d, h, dtype=torch.bfloat16)

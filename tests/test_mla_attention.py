@@ -184,7 +184,7 @@ def test_prologue_kernel_matches_the_torch_version_in_the_interpreter():
 def test_prologue_kernel_compiles_for_the_gpu():
     """Triton's interpreter skips the compiler's type rules (the kernel's branch assigns pointers of two tensors):
     its launches at Moonlight's shapes, bf16 and float32, both layouts, go through the front end for an H200."""
-    from specmoe.kernels.checks import compile_launches
+    from specmoe.kernels.compiled import compile_launches
     from specmoe.kernels.mla import mla_prologue_triton
     from specmoe.kernels.norm_rope import rope_tables
 

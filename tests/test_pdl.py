@@ -37,7 +37,7 @@ def test_every_pdl_kernel_compiles_for_hopper_with_it(monkeypatch):
     from types import SimpleNamespace
 
     from specmoe.kernels import greedy, moe, norm_rope, resident_routing, split_kv
-    from specmoe.kernels.checks import compile_launches
+    from specmoe.kernels.compiled import compile_launches
     from specmoe.kernels.gemv import GEMV_CANDIDATES, gemv_triton
 
     monkeypatch.setattr(pdl, "options", lambda t: dict(ON))
