@@ -15,12 +15,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from .tables import ConfigError, Table, is_number
 
 if TYPE_CHECKING:
     from specmoe.drafters import DrafterConfig
@@ -31,11 +32,6 @@ WORKLOADS = ("family_eval", "selfgen", "text", "jsonl", "humaneval")
 REPLAY_METHODS = ("rollback", "ar", "block")
 DTYPES = ("float32", "bfloat16", "float16")
 SYNTHETIC_KEYS = ("acceptance", "commit_probs", "seed", "cost_s")
-
-
-class ConfigError(ValueError):
-    """A config file that cannot be run: bad syntax, an unknown key, a value of the wrong type or range, an
-    unknown policy, drafter or selector, or a grid that does not fit the model (C > E)."""
 
 
 # -- the sections -----------------------------------------------------------------------------------------------
@@ -183,121 +179,7 @@ class ExperimentConfig:
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
-def _describe(value) -> str:
-    return f"{value!r}" if not isinstance(value, dict) else "a table"
-
-
-class _Table:
-    """One TOML table being read: takes keys with type checks; `done()` refuses the keys nobody took."""
-
-    def __init__(self, file: str, data, prefix: str = ""):
-        self.file, self.prefix = file, prefix
-        if not isinstance(data, dict):
-            self.fail("", "expected a table", data)
-        self.data = dict(data)
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}{name}"
-
-    def fail(self, name: str, expected: str, value=None):
-        got = "" if value is None else f", got {_describe(value)}"
-        where = self.key(name) if name else self.prefix.rstrip(".") or "(top level)"
-        raise ConfigError(f"{self.file}: {where}: {expected}{got}")
-
-    def has(self, name: str) -> bool:
-        return name in self.data
-
-    def table(self, name: str) -> "_Table":
-        return _Table(self.file, self.data.pop(name, {}), f"{self.key(name)}.")
-
-    def string(self, name: str, default=None, choices=None, optional: bool = False):
-        if name not in self.data:
-            return default
-        value = self.data.pop(name)
-        if optional and value == "":
-            return None
-        if not isinstance(value, str) or (choices and value not in choices):
-            self.fail(name, f"expected one of {', '.join(map(repr, choices))}" if choices else "expected a string",
-                      value)
-        return value
-
-    def integer(self, name: str, default=None, minimum: int | None = None, maximum: int | None = None):
-        if name not in self.data:
-            return default
-        value = self.data.pop(name)
-        if not _is_int(value, minimum, maximum):
-            self.fail(name, f"expected an integer{_bounds(minimum, maximum)}", value)
-        return value
-
-    def number(self, name: str, default=None, minimum: float = 0.0):
-        if name not in self.data:
-            return default
-        value = self.data.pop(name)
-        if not _is_number(value, minimum):
-            self.fail(name, f"expected a number >= {minimum:g}", value)
-        return float(value)
-
-    def boolean(self, name: str, default=None):
-        if name not in self.data:
-            return default
-        value = self.data.pop(name)
-        if not isinstance(value, bool):
-            self.fail(name, "expected true or false", value)
-        return value
-
-    def ints(self, name: str, default=(), minimum: int = 1, maximum: int | None = None) -> tuple[int, ...]:
-        """An integer or a list of integers (a grid axis)."""
-        if name not in self.data:
-            return tuple(default)
-        value = self.data.pop(name)
-        items = value if isinstance(value, list) else [value]
-        if not items or not all(_is_int(v, minimum, maximum) for v in items):
-            self.fail(name, f"expected an integer{_bounds(minimum, maximum)} or a non-empty list of them", value)
-        return tuple(items)
-
-    def numbers(self, name: str, default=(), minimum: float = 0.0) -> tuple[float, ...]:
-        if name not in self.data:
-            return tuple(default)
-        value = self.data.pop(name)
-        items = value if isinstance(value, list) else [value]
-        if not items or not all(_is_number(v, minimum) for v in items):
-            self.fail(name, f"expected a number >= {minimum:g} or a non-empty list of them", value)
-        return tuple(float(v) for v in items)
-
-    def strings(self, name: str, default=(), choices=None) -> tuple[str, ...]:
-        if name not in self.data:
-            return tuple(default)
-        value = self.data.pop(name)
-        items = value if isinstance(value, list) else [value]
-        if not items or not all(isinstance(v, str) for v in items):
-            self.fail(name, "expected a string or a non-empty list of strings", value)
-        for v in items:
-            if choices and v not in choices:
-                self.fail(name, f"expected some of {', '.join(map(repr, choices))}", v)
-        return tuple(items)
-
-    def done(self) -> None:
-        if self.data:
-            name = sorted(self.data)[0]
-            self.fail(name, "unknown key (see docs/configs.md for the keys)")
-
-
-def _is_int(value, minimum, maximum=None) -> bool:
-    return (isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
-            and (maximum is None or value <= maximum))
-
-
-def _bounds(minimum, maximum) -> str:
-    return ("" if minimum is None and maximum is None else f" <= {maximum}" if minimum is None
-            else f" >= {minimum}" if maximum is None else f" in [{minimum}, {maximum}]")
-
-
-def _is_number(value, minimum) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value >= minimum)
-
-
-def _grid_entries(t: _Table, name: str, known: dict, fields: dict, what: str) -> tuple[GridEntry, ...]:
+def _grid_entries(t: Table, name: str, known: dict, fields: dict, what: str) -> tuple[GridEntry, ...]:
     """A list of preset names or tables {preset = NAME, FIELD = value or [values], ...}."""
     if not t.has(name):
         return ()
@@ -343,7 +225,7 @@ RUN_SETTINGS = ("max_in_flight", "cache_mode", "skip_copies", "copy_delay", "del
 ENGINE_CONFIG = ("cuda_graphs", "backend", "attention", "moe", "tune", "prefill_chunk")
 
 
-def _run_settings(t: _Table) -> tuple[tuple[str, tuple], ...]:
+def _run_settings(t: Table) -> tuple[tuple[str, tuple], ...]:
     """[run_settings]: RunSettings fields; each a value or a list of values (a grid axis)."""
     axes = []
     if t.has("max_in_flight"):
@@ -367,7 +249,7 @@ def _run_settings(t: _Table) -> tuple[tuple[str, tuple], ...]:
         for v in items:
             if v == "none":
                 delays.append(None)
-            elif (isinstance(v, list) and len(v) == 2 and all(_is_number(x, 0.0) for x in v) and v[0] <= v[1]):
+            elif (isinstance(v, list) and len(v) == 2 and all(is_number(x, 0.0) for x in v) and v[0] <= v[1]):
                 delays.append((float(v[0]), float(v[1])))
             else:
                 t.fail("copy_delay", 'expected [lo, hi] seconds with 0 <= lo <= hi, "none", or a list of those', v)
@@ -376,7 +258,7 @@ def _run_settings(t: _Table) -> tuple[tuple[str, tuple], ...]:
     return tuple(axes)
 
 
-def _engine_config(t: _Table) -> tuple[tuple[str, object], ...]:
+def _engine_config(t: Table) -> tuple[tuple[str, object], ...]:
     out = []
     if t.has("cuda_graphs"):
         out.append(("cuda_graphs", t.boolean("cuda_graphs")))
@@ -396,7 +278,7 @@ def _engine_config(t: _Table) -> tuple[tuple[str, object], ...]:
     return tuple(out)
 
 
-def _drafters(t: _Table) -> tuple[DrafterConfig, ...]:
+def _drafters(t: Table) -> tuple[DrafterConfig, ...]:
     from specmoe.drafters import DRAFTERS, DrafterConfig
 
     specs = []
@@ -430,7 +312,7 @@ def parse_config(data: dict, path: str = "<config>", text: str = "") -> Experime
     from specmoe.limits import MAX_COUNT, MAX_DRAFTS, MAX_ROUNDS, MAX_THREADS, MAX_TOKENS
     from specmoe.verifiers import SELECTORS
 
-    top = _Table(path, data)
+    top = Table(path, data)
     name = top.string("name", Path(path).stem if path != "<config>" else "experiment")
     if not name or any(c in name for c in "/\\") or name.startswith("."):
         top.fail("name", "expected a plain name (it names the run directory runs/NAME)", name)
@@ -489,7 +371,7 @@ def parse_config(data: dict, path: str = "<config>", text: str = "") -> Experime
     return config
 
 
-def _check_combination(config: ExperimentConfig, top: _Table) -> None:
+def _check_combination(config: ExperimentConfig, top: Table) -> None:
     """What the sections say must fit together (mode, engine and grids)."""
     sd, replay = config.sd, config.mode == "replay"
     sd_grid = bool(sd.drafters or sd.selectors or sd.pool)
@@ -539,7 +421,7 @@ def policy_overrides(overrides: dict, capacity: int, num_experts: int) -> dict:
     return {**overrides, "bonus": psr_bonus(capacity, num_experts)}
 
 
-def _check_entries(config: ExperimentConfig, top: _Table) -> None:
+def _check_entries(config: ExperimentConfig, top: Table) -> None:
     """Every policy and selector of the grids can be made (known fields, values in range); C against E comes
     with the model's geometry (`specmoe.experiments.run.expand`)."""
     from specmoe.routing import PolicyError, preset
