@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import measure_bandwidth, ratio_ci  # noqa: E402
+from bench_common import measure_bandwidth, ratio_ci  # noqa: E402
 
 from specmoe.drafters import DFlashDrafter, HFAutoregressiveDrafter, StaticARDrafter, StaticDFlashDrafter  # noqa: E402
 from specmoe.drafters.dflash_model import DFlashDraftModel, build_target_layer_ids, dflash_config  # noqa: E402

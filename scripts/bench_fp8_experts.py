@@ -48,8 +48,8 @@ def host_rows(seed: int = 0):
 
 
 def copy_times(rows: torch.Tensor, reps: int) -> dict:
-    """Copies of one format: torch copy_ (bench_engine.measure_copy_ms) and the engine's CopyStream batches."""
-    from bench_engine import measure_copy_ms
+    """Copies of one format: torch copy_ (bench_common.measure_copy_ms) and the engine's CopyStream batches."""
+    from bench_common import measure_copy_ms
 
     from specmoe.geometry import Geometry
     from specmoe.offload import ExpertResidency, ExpertStore

@@ -80,7 +80,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import (measure_bandwidth, measure_copy_ms, policies, ratio_ci, read_tiled,  # noqa: E402
+from bench_common import (measure_bandwidth, measure_copy_ms, policies, ratio_ci, read_tiled,  # noqa: E402
                           trace_label, trace_prefixes)
 
 from specmoe.engines import Engine, EngineConfig, LogitFeed, build_engine  # noqa: E402
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
                     "(make_bench_trace.py) and/or synthetic routing sources (olmoe-like, docs/routing-source.md); a "
                     "shallower trace with the target's E and K is tiled over its layers (`Trace.tiled`). Several: "
                     "every trace's sources in the same rounds, each source name prefixed with its trace's label "
-                    "(bench_engine's `trace_label`, e.g. olmoe_like_margin_0_synthetic_tau5_k8); one: names unprefixed")
+                    "(bench_common's `trace_label`, e.g. olmoe_like_margin_0_synthetic_tau5_k8); one: names unprefixed")
     ap.add_argument("--trace-calibration", required=True, nargs="+", help="one per --trace, in order: calibration "
                     "of the traced model (a synthetic source: its spec)")
     ap.add_argument("--records", nargs="*", help="block record files of the family (specmoe sd --records); with "
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
                     help="AR capacities beyond C = P and C = P + U_max (e.g. the paper's 64 128 148 for Qwen3.6)")
     ap.add_argument("--ar-policies", nargs="+", default=["psr"],
                     choices=["exact_lru", "exact_prefetch", "cache_prior", "psr"],
-                    help="AR policies at each capacity (bench_engine's `policies`: PSR at the paper's lambda for C of "
+                    help="AR policies at each capacity (bench_common's `policies`: PSR at the paper's lambda for C of "
                     "E, n = 1; exact_prefetch is PSR with lambda 0)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeline", action="store_true",

@@ -30,7 +30,7 @@ except ModelSourceError as exc:
     ap.error(str(exc))
 if not torch.cuda.is_available():
     raise SystemExit("graph_launch_check.py times CUDA graph launches: it needs a CUDA device")
-from bench_engine import read_tiled  # noqa: E402
+from bench_common import read_tiled  # noqa: E402
 from profile_blocks import block_engine, tau_blocks  # noqa: E402
 
 from specmoe.engines import EngineConfig  # noqa: E402

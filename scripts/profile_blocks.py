@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import measure_bandwidth, read_tiled  # noqa: E402
+from bench_common import measure_bandwidth, read_tiled  # noqa: E402
 from bench_spec_engine import in_vocabulary  # noqa: E402
 from profile_engine import Transcript  # noqa: E402
 

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine, beside this script
 from bench_device_cache import load_file  # noqa: E402
-from bench_engine import load_trace_windows, policies, randomize_caches, ratio_ci  # noqa: E402
+from bench_common import load_trace_windows, policies, randomize_caches, ratio_ci  # noqa: E402
 
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.device_policy import DevicePolicy  # noqa: E402

@@ -96,7 +96,7 @@ def main() -> None:
 def profile_drafter(args, say: Transcript, k: int = 16, blocks: int = 8) -> None:
     """--drafter (module docstring)."""
     from bench_drafters import OLMO_1B_0724, DrafterRun, ar_step_bytes
-    from bench_engine import measure_bandwidth
+    from bench_common import measure_bandwidth
     from torch.profiler import ProfilerActivity, profile
     from transformers import OlmoConfig, OlmoForCausalLM
 
