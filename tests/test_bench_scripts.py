@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from bench_spec_engine import markdown, request_ratio, saved_details, summary_table  # noqa: E402
+from spec_report import markdown, request_ratio, saved_details, summary_table  # noqa: E402
 
 from specmoe.stats import unit_ratio  # noqa: E402
 
