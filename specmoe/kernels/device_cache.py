@@ -172,9 +172,17 @@ if triton is not None:
         return s, z
 
     @triton.jit
-    def _state_rows(irow, frow, valid, E: tl.constexpr):
-        """A layer's per-expert state rows that part 1 and part 2 both read: expert -> slot, slot -> expert, last
-        use, protection, selection and prefetch tokens, the fast and slow scores and the stored priority."""
+    def _layer_state(ist_ptr, isc_ptr, fst_ptr, pind_ptr, pexp_ptr, pval_ptr, VOCAB, token, layer, idx, valid,
+                     E: tl.constexpr, LRU: tl.constexpr, MAXP: tl.constexpr, CHUNK: tl.constexpr):
+        """What part 1 and part 2 of `layer` both start from: its integer and float rows (per expert) and its
+        scalars (pointers), its step t, and its per-expert state: expert -> slot, slot -> expert, last use,
+        protection, selection and prefetch tokens, the fast and slow scores, and the priority snapshot of step t
+        (`_priority`)."""
+        irow = ist_ptr + layer * _N_IROWS * E + idx
+        frow = fst_ptr + layer * _N_FROWS * E + idx
+        isc = isc_ptr + layer * _N_ISCALARS
+        t = tl.load(isc + _POS)
+        snap = tl.load(isc + _SNAP_TOKEN)
         es = tl.load(irow + _EXPERT_SLOT * E, mask=valid, other=-1)
         se = tl.load(irow + _SLOT_EXPERT * E, mask=valid, other=-1)
         last = tl.load(irow + _LAST_USE * E, mask=valid, other=-1)
@@ -184,7 +192,9 @@ if triton is not None:
         sf = tl.load(frow + _S_FAST * E, mask=valid, other=0.0)
         ss = tl.load(frow + _S_SLOW * E, mask=valid, other=0.0)
         prio = tl.load(frow + _PRIORITY * E, mask=valid, other=0.0)
-        return es, se, last, prot, sel_tok, pref, sf, ss, prio
+        prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU,
+                         MAXP, CHUNK)
+        return irow, frow, isc, t, es, se, last, prot, sel_tok, pref, sf, ss, prio
 
     @triton.jit
     def _part1(ist_ptr, isc_ptr, fst_ptr, cnt_ptr, fpar_ptr, pind_ptr, pexp_ptr, pval_ptr, bias_ptr, VOCAB,
@@ -194,14 +204,9 @@ if triton is not None:
                SIGMOID: tl.constexpr,
                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TIES: tl.constexpr):
         """`kernels.part1` of `layer` (BUDGET > 0)."""
-        irow = ist_ptr + layer * _N_IROWS * E + idx
-        frow = fst_ptr + layer * _N_FROWS * E + idx
-        isc = isc_ptr + layer * _N_ISCALARS
-        t = tl.load(isc + _POS)
-        snap = tl.load(isc + _SNAP_TOKEN)
-        es, se, last, prot, sel_tok, pref, sf, ss, prio = _state_rows(irow, frow, valid, E)
-        prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU,
-                         MAXP, CHUNK)
+        irow, frow, isc, t, es, se, last, prot, sel_tok, pref, sf, ss, prio = _layer_state(
+            ist_ptr, isc_ptr, fst_ptr, pind_ptr, pexp_ptr, pval_ptr, VOCAB, token, layer, idx, valid, E, LRU, MAXP,
+            CHUNK)
         g, _ = _scores(g_ptr, bias_ptr, layer, valid, idx, E, SIGMOID)
         rank = _rank(g, g, valid, idx, M, E, BLOCK_E, N_GROUP, TOPK_GROUP, BLOCK_G, TIES)
         # the ranking row holds the experts by position; entries past M keep their values
@@ -251,15 +256,10 @@ if triton is not None:
                PROTECT: tl.constexpr, RUNNING: tl.constexpr, SIGMOID: tl.constexpr, RENORMALISE: tl.constexpr,
                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TIES: tl.constexpr):
         """`kernels.route` of `layer`: part 2, the slots and the execution weights."""
-        irow = ist_ptr + layer * _N_IROWS * E + idx
-        frow = fst_ptr + layer * _N_FROWS * E + idx
-        isc = isc_ptr + layer * _N_ISCALARS
+        irow, frow, isc, t, es, se, last, prot, sel_tok, pref, sf, ss, prio = _layer_state(
+            ist_ptr, isc_ptr, fst_ptr, pind_ptr, pexp_ptr, pval_ptr, VOCAB, token, layer, idx, valid, E, LRU, MAXP,
+            CHUNK)
         fsc = fsc_ptr + layer * _N_FSCALARS
-        t = tl.load(isc + _POS)
-        snap = tl.load(isc + _SNAP_TOKEN)
-        es, se, last, prot, sel_tok, pref, sf, ss, prio = _state_rows(irow, frow, valid, E)
-        prio = _priority(prio, snap, t, sf, ss, last, idx, token, pind_ptr, pexp_ptr, pval_ptr, layer, VOCAB, LRU,
-                         MAXP, CHUNK)
         zs, z = _scores(z_ptr, bias_ptr, layer, valid, idx, E, SIGMOID)
         zmax = tl.max(tl.where(valid, zs, float("-inf")), axis=0)
         zmin = tl.min(tl.where(valid, zs, float("inf")), axis=0)
