@@ -54,9 +54,7 @@ import contextlib
 import numpy as np
 import torch
 
-from specmoe.kernels.expert_copy import launch_shape
-
-from .device_policy import (PrefetchBranch, captured, copy_delays, copy_views, delayed_copy, kernels_reason, launch,
+from .device_policy import (PrefetchBranch, captured, copy_delays, delayed_copy, kernels_reason, launch, path_state,
                             staged)
 
 
@@ -90,9 +88,7 @@ class DeviceBlocks:
         from specmoe.kernels.device_select import DevicePool
 
         g = decoder.geometry
-        self.decoder, self.step, self.residency, self.router = decoder, step, residency, router
-        self.stream, self.cuda = stream, stream is not None
-        self.num_layers, self.num_experts, self.top_k = g.num_layers, g.num_experts, g.top_k
+        path_state(self, decoder, step, residency, router, stream, cuda_graphs, copy_in_graph, blocks, block)
         d, device, pin = step.num_positions, residency.device, stream is not None
         self.prefetch = router.config.prefetch
         self.pool = DevicePool(router.pool, router.config.selector, router.scoring, d, device, self.prefetch)
@@ -108,13 +104,6 @@ class DeviceBlocks:
         self.alpha_np, self.feed_np = self.alpha_host.numpy(), self.feed_host.numpy()
         self.counts_np, self.displaced_np = self.counts_host.numpy(), self.displaced_host.numpy()
         self.selections_np = self.selections_host.numpy().transpose(1, 0, 2)  # [D, L, K]
-        self.src, self.dst = copy_views(residency, g.num_layers)
-        shape = launch_shape(device, self.src[0].shape[1])  # the copy launches' (`kernels.expert_copy`)
-        self.blocks, self.block = blocks or shape[0], block or shape[1]
-        self.copy_in_graph = copy_in_graph
-        self.graphs: dict = {}
-        self.use_graphs = self.cuda and cuda_graphs
-        self.skip, self.delays, self.fed = False, None, False
         self.first_union_slot = router.config.pool_size  # the union slots, which the demand copies write
         if self.cuda:
             self.branches = PrefetchBranch(device, g.num_layers)  # the block prefetch's prediction and copies

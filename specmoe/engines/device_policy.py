@@ -193,6 +193,25 @@ def staged(shape, dtype, device, pin: bool) -> tuple[torch.Tensor, torch.Tensor]
     return torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, device=device)
 
 
+def path_state(path, decoder, step, residency, router, stream, cuda_graphs: bool, copy_in_graph: bool,
+               blocks: int | None, block: int | None) -> None:
+    """The state a device path (`DevicePolicy`, `DeviceBlocks`) keeps whatever it decides: its model and unit, its
+    stream (None off CUDA), the copy launches' word views and shape (`blocks` x `block` words, default the
+    device's `launch_shape`), and what `captured` and `launch` read: its graphs by copy setting and input, whether
+    it uses them, and the run's settings (copies skipped, delays, a feed), which `start` sets."""
+    g = decoder.geometry
+    path.decoder, path.step, path.residency, path.router = decoder, step, residency, router
+    path.stream, path.cuda = stream, stream is not None
+    path.num_layers, path.num_experts, path.top_k = g.num_layers, g.num_experts, g.top_k
+    path.src, path.dst = copy_views(residency, g.num_layers)
+    shape = launch_shape(residency.device, path.src[0].shape[1])  # the copy launches' (`kernels.expert_copy`)
+    path.blocks, path.block = blocks or shape[0], block or shape[1]
+    path.copy_in_graph = copy_in_graph
+    path.graphs = {}
+    path.use_graphs = path.cuda and cuda_graphs
+    path.skip, path.delays, path.fed = False, None, False
+
+
 def captured(path):
     """The CUDA graph of a device path (`DevicePolicy`, `DeviceBlocks`) for its run's copy settings and input
     (skip, delays, fed): its `_body`, captured on its stream at their first use and kept in its `graphs`."""
@@ -234,9 +253,7 @@ class DevicePolicy:
         from specmoe.kernels.device_cache import DeviceCache
 
         g = decoder.geometry
-        self.decoder, self.step, self.residency, self.router = decoder, step, residency, router
-        self.stream, self.cuda = stream, stream is not None
-        self.num_layers, self.num_experts, self.top_k = g.num_layers, g.num_experts, g.top_k
+        path_state(self, decoder, step, residency, router, stream, cuda_graphs, copy_in_graph, blocks, block)
         self.capacity = router.policy.capacity
         self.scoring = decoder.scoring if scoring is None else scoring
         host = LogicalCache(router.policy, router.calibration, g.num_layers, g.num_experts,
@@ -256,13 +273,6 @@ class DevicePolicy:
         n = g.num_layers * K.N_COUNTERS
         self.records_dev = torch.zeros(n + 1, dtype=torch.int64, device=device)  # counters, then prefetches pending
         self.records_host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=pin)
-        self.src, self.dst = copy_views(residency, g.num_layers)
-        shape = launch_shape(device, self.src[0].shape[1])  # the copy launches' (`kernels.expert_copy`)
-        self.blocks, self.block = blocks or shape[0], block or shape[1]
-        self.copy_in_graph = copy_in_graph
-        self.graphs: dict = {}
-        self.use_graphs = self.cuda and cuda_graphs
-        self.skip, self.delays, self.fed = False, None, False
         self._last = np.zeros(K.N_COUNTERS + 1, np.int64)
         if self.cuda:
             self.branches = PrefetchBranch(device, g.num_layers)
