@@ -223,7 +223,7 @@ def _spec_points(report: dict, path) -> list[dict]:
     C = P (Cache-Prior, PSR, exact with prefetch, those the run has) and SD with pool P, its time with the run's
     drafting (--draft-ms); Cache-Prior / PSR and SD / the fastest of those ARs with 95% intervals over the
     requests (bench_spec_engine's `request_ratio`)."""
-    from bench_spec_engine import request_ratio
+    from spec_report import request_ratio
 
     pool, draft_ms = report["args"]["pool"], report["args"].get("draft_ms") or 0.0
     rows = []
