@@ -9,8 +9,8 @@ is `LogicalCache.route` + `insert_predicted` per layer (numba, one thread, wall 
 compute, without the device-to-host round trip the host path also pays per layer.
 
 Inputs are `policy_checks.device_cache_case`'s (logits on a bfloat16 grid that recur over positions, a sparse
-token prior with `--prior-density` of its entries set). `--module FILE` also times another version of the kernel module (e.g.
-the file before a change), in the same rounds, so that the two compare on one machine; `--warps 1 4` times the
+token prior with `--prior-density` of its entries set). `--module FILE` also times another version of the kernel
+module (e.g. the file before a change), in the same rounds, so that the two compare on one machine; `--warps 1 4` times the
 current kernel launched on each number of warps (default: `default_warps` of the geometry's E), also in the same
 rounds (labels "current" for the default, "w1", "w4", ... for the others).
 

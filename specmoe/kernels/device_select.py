@@ -7,10 +7,10 @@ device tensors. `DevicePool.select(layer, router_logits, alpha)` runs, for a blo
 float32 [D, E], position weights alpha float64 [D]), what depends on one position in a program per position and
 what joins the positions in one program: `_own_kernel` (per position: normaliser, own top-K, its terms of the
 demand), `_demand_kernel` (a block selector's eligible set: the demand u, the positions' terms added in position
-order, its entropy, the extra candidates, pruning),
-`_execute_kernel` (per position: what it executes, its weights and displaced mass) and `_use_kernel` (the pool's
-use of the executions; it, the prefetch's cap and the refill are in `device_pool`). They pass their results through scratch tensors of the pool, in stream order: one program
-for all D positions, running them one after another, took 2.4-3.0x the time at OLMoE's size (BENCHMARKS.md). In order:
+order, its entropy, the extra candidates, pruning), `_execute_kernel` (per position: what it executes, its weights
+and displaced mass) and `_use_kernel` (the pool's use of the executions; it, the prefetch's cap and the refill are
+in `device_pool`). They pass their results through scratch tensors of the pool, in stream order: one program for
+all D positions, running them one after another, took 2.4-3.0x the time at OLMoE's size (BENCHMARKS.md). In order:
 
 - every position's router distribution (softmax, or the normalised sigmoid), its selection scores (a sigmoid
   router's sigmoid + the layer's bias) and own top-K (group-limited where the scoring is);
@@ -34,8 +34,8 @@ order, and writes the moves (union slot -> pool slot) the slot buffer must make.
 Arithmetic follows the host's (`specmoe.verifiers.selection._select`): float64 from the float32 logits, sums in
 the host's order (the normalisers over E, the demand and the entropy as the host's `_halving_sum`: log2(E) steps
 of pairs; the weights' sums over the selection's order, one after another), float constants from a float64
-tensor, launched without FMA contraction, ties broken as the host breaks them. docs/device-cache.md ("Block selection on the
-device") says what is bitwise and what is not supported.
+tensor, launched without FMA contraction, ties broken as the host breaks them. docs/device-cache.md ("Block
+selection on the device") says what is bitwise and what is not supported.
 """
 
 from __future__ import annotations
