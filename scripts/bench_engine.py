@@ -19,8 +19,10 @@ Configurations run in one process, rounds interleaved (A B C ... A B C ...):
   and tokens (realistic copy patterns on the full-size random weights): rows `trace_C32_psr` and
   `trace_C32_psr_host_policy` (with several traces `LABEL_C32_psr`, `LABEL_C32_psr_host_policy`).
 Reported per configuration: mean and p99 ms/token, copies per token by class, engine efficiency =
-max(all-resident ms, transferred copies x measured copy ms) / ms, ratios with 95% intervals (paired t-test on
-log latency over rounds), and from separate passes (not in the rounds) the host gap per layer with
+max(all-resident ms, transferred copies x measured copy ms) / ms, the schedule floor (`specmoe.engines.schedule`:
+the all-resident compute plus the waits that copies leave at best when each is issued as the policy decides it,
+demand copies at their layer, prefetches one layer ahead; from the round-1 routing replayed per layer) and the
+row's ms over it, ratios with 95% intervals (paired t-test on log latency over rounds), and from separate passes (not in the rounds) the host gap per layer with
 instrumentation and the compute-only time with copies skipped (trace-following the round-1 routing); the
 instrumented pass runs the host policy (instrumentation is a host-path feature), also for device-policy rows; the
 copies-skipped pass runs the row's own path.
@@ -63,6 +65,7 @@ from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.helpers import (calibration_from_engine, random_model_on_device,  # noqa: E402
                                      weight_bytes_per_token)
 from specmoe.engines.results import LogitFeed  # noqa: E402
+from specmoe.engines.schedule import policy_copies, schedule_floor  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, named_config  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
@@ -175,6 +178,17 @@ def run_windows(engine, windows, trace=None, prompt: int = 0, first_position: in
         if key in summaries[0]:
             out[key] = float(np.mean([s[key] for s in summaries]))
     return out
+
+
+def layer_copies(engine, results, feeds, name: str, errors: list) -> list | None:
+    """Each window's demand copies and prefetches per timed token and layer (`policy_copies`, the run's routing
+    replayed through its policy and checked against its counts), for the schedule floor; None (and an error
+    line) where the replay disagrees with the run."""
+    try:
+        return [policy_copies(engine, x, None if feeds is None else feeds[i]) for i, x in enumerate(results)]
+    except ValueError as exc:
+        errors.append(f"{name} schedule floor: {exc}")
+        return None
 
 
 def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int, report: dict) -> dict:
@@ -388,6 +402,8 @@ def main(argv=None) -> int:
                 d.setdefault("host_parts_rounds", []).append(res["host_us_per_layer_parts"])
                 if r == 0:
                     d["trace"] = [LogitFeed.of(x) for x in res["results"]]
+                    if c != E:
+                        d["layer_copies"] = layer_copies(engine, res["results"], tr, name, report["errors"])
             except Exception as exc:
                 report["errors"].append(f"{name} round {r}: {exc!r}\n{traceback.format_exc()[-1500:]}")
         for impl in hf_impls:
@@ -467,10 +483,14 @@ def summarize(report: dict, rounds: dict, details: dict, configs, resident_engin
                "copies_per_token": copies, "logical_copies_identical_across_rounds": same,
                "copies_per_token_rounds": d["copies_per_token_rounds"],
                "link_floor_ms": link, "efficiency": max(resident_ms, link) / ms,
+               "schedule_floor_ms": None if d.get("layer_copies") is None else float(np.concatenate([
+                   schedule_floor(*x, resident_ms / resident_engine.num_layers, copy_ms) for x in d["layer_copies"]
+               ]).mean()),
                "host_us_per_layer": float(np.mean(d["host_us_per_layer_rounds"])),
                "host_us_per_layer_parts": {k: float(np.mean([x[k] for x in d["host_parts_rounds"]]))
                                            for k in d["host_parts_rounds"][0]},
                "instrumented": d.get("instrumented"), "copies_skipped_ms": d.get("copies_skipped_ms")}
+        row["over_schedule_floor"] = None if row["schedule_floor_ms"] is None else ms / row["schedule_floor_ms"]
         table[name] = row
     ratios = {}
 
@@ -533,8 +553,9 @@ def markdown(report: dict) -> str:
              "Rows trace_* (or LABEL_*) follow the router and pre-gate logits (and tokens) of a trace"
              + ("".join(f"; {p[:-1]}: {t['model']}" for p, t in report.get("traces", {}).items())) + ".", "",
              "| config | policy | mean ms | p50 | p99 | copies/token (demand / pf in time / late / unused / "
-             "transferred) | link floor ms | efficiency | host µs/layer (routing / copy issue / copy checks) | GPU gap µs/layer, of it copy wait "
-             "(instr.) | compute-only ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "transferred) | link floor ms | efficiency | schedule floor ms (ms / floor) | host µs/layer (routing / copy "
+             "issue / copy checks) | GPU gap µs/layer, of it copy wait (instr.) | compute-only ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in report["table"].items():
         cp = row["copies_per_token"]
         inst = row.get("instrumented") or {}
@@ -542,11 +563,13 @@ def markdown(report: dict) -> str:
         if gap is not None:
             gap = f"{gap:.1f}, {gap - inst['gap_without_wait_us_per_layer']:.1f}"
         skip = row.get("copies_skipped_ms")
+        floor = row.get("schedule_floor_ms")
+        floor = "-" if floor is None else f"{floor:.2f} ({row['over_schedule_floor']:.2f})"
         lines.append(
             f"| {name} | {row['policy']} ({row.get('routing', '-')}) | {row['ms_mean']:.2f} | {row['ms_p50']:.2f} | {row['ms_p99']:.2f} | "
             f"{cp['demand']:.1f} / {cp['prefetch_in_time']:.1f} / {cp['prefetch_late']:.1f} / "
             f"{cp['prefetch_unused']:.1f} / {cp['issued']:.1f} | {row['link_floor_ms']:.2f} | "
-            f"{row['efficiency']:.2f} | {row['host_us_per_layer']:.1f} ("
+            f"{row['efficiency']:.2f} | {floor} | {row['host_us_per_layer']:.1f} ("
             + " / ".join(f"{v:.1f}" for v in row["host_us_per_layer_parts"].values()) + ") | "
             f"{'-' if gap is None else gap} | {'-' if skip is None else f'{skip:.2f}'} |")
     lines += ["", "| ratio | point | 95% interval | over | over rounds (paired t) |", "|---|---|---|---|---|"]
