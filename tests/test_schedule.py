@@ -55,20 +55,27 @@ def test_prefetches_beyond_the_link_wait_at_every_layer():
     assert schedule_floor(np.zeros_like(one), one, 1.0, 1.0)[0] == pytest.approx(4.0)
 
 
+def random_cases(seed: int, count: int, tokens: int, layers: int, whole: bool):
+    """`count` random (demand, prefetch, layer time, copy time) of up to `tokens` x `layers`; whole: integer
+    times (for `tick_by_tick`)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        shape = (int(rng.integers(1, tokens)), int(rng.integers(1, layers)))
+        demand, prefetch = rng.poisson(rng.uniform(0, 1.2), shape), rng.poisson(rng.uniform(0, 2.0), shape)
+        if whole:
+            yield demand, prefetch, int(rng.integers(1, 6)), int(rng.integers(1, 9))
+        else:
+            yield demand, prefetch, rng.uniform(0.01, 0.2), rng.uniform(0.05, 0.5)
+
+
 def test_random_counts_stay_between_the_link_and_the_serial_sum():
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        shape = (int(rng.integers(1, 30)), int(rng.integers(1, 20)))
-        demand = rng.poisson(rng.uniform(0, 1.5), shape)
-        prefetch = rng.poisson(rng.uniform(0, 1.5), shape)
-        prefetch[:, 0] = 0
-        layer_ms, copy_ms = rng.uniform(0.01, 0.2), rng.uniform(0.05, 0.5)
+    for demand, prefetch, layer_ms, copy_ms in random_cases(0, 20, 30, 20, whole=False):
         floor = schedule_floor(demand, prefetch, layer_ms, copy_ms)
-        compute = shape[1] * layer_ms
+        compute = demand.shape[1] * layer_ms
         assert (floor >= compute - 1e-9).all()
         assert floor.sum() >= (demand.sum() + prefetch.sum()) * copy_ms - 1e-9  # the link moves one at a time
         assert (floor <= compute + (demand + prefetch).sum(axis=1) * copy_ms + 1e-9).all()  # nothing overlapped
-        assert floor.sum() >= compute * shape[0] + demand.sum() * copy_ms - 1e-9  # demand copies never overlap
+        assert floor.sum() >= compute * demand.shape[0] + demand.sum() * copy_ms - 1e-9  # demand copies never overlap
         more = schedule_floor(demand + 1, prefetch, layer_ms, copy_ms)
         assert (more >= floor - 1e-9).all()
 
@@ -107,12 +114,7 @@ def step_link(work: dict) -> None:
 
 
 def test_the_floor_is_the_tick_by_tick_schedule():
-    rng = np.random.default_rng(3)
-    for _ in range(40):
-        shape = (int(rng.integers(1, 6)), int(rng.integers(1, 7)))
-        demand = rng.poisson(rng.uniform(0, 1.2), shape)
-        prefetch = rng.poisson(rng.uniform(0, 2.0), shape)
-        layer_ticks, copy_ticks = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    for demand, prefetch, layer_ticks, copy_ticks in random_cases(3, 40, 6, 7, whole=True):
         np.testing.assert_allclose(schedule_floor(demand, prefetch, layer_ticks, copy_ticks),
                                    tick_by_tick(demand, prefetch, layer_ticks, copy_ticks))
 
