@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the policies they compare (`policies`, PSR at the paper's operating point),
-the paired ratio over rounds (`ratio_ci`), the device's bandwidth, an expert copy's time and the host's time to
+the paired ratio over rounds (`ratio_ci`), AR runs' schedule floors (`layer_copies`, `mean_schedule_floor`), the device's bandwidth, an expert copy's time and the host's time to
 issue copies (`measure_bandwidth`, `measure_copy_ms`, `measure_issue_us`), routing traces and sources tiled over a
 target's layers and cut into logit feeds (`read_tiled`, `load_trace_windows`), the row-name prefixes of several
 traces (`trace_label`, `trace_prefixes`) and the random context below timed windows (`randomize_caches`)."""
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from specmoe.engines.results import LogitFeed
+from specmoe.engines.schedule import policy_copies, schedule_floor
 from specmoe.offload import ExpertStore
 from specmoe.records.synthetic import is_source
 from specmoe.routing import preset, psr_bonus
@@ -70,6 +71,25 @@ class _Timer:
         else:
             self.seconds = time.perf_counter() - self.t
         return False
+
+
+def layer_copies(engine, results, feeds, name: str, errors: list) -> list | None:
+    """Each AR run's demand copies and prefetches per timed token and layer (`policy_copies`: the run's routing
+    replayed through its policy and checked against its counts; feeds: the `LogitFeed` each run followed, or None),
+    for `mean_schedule_floor`; None (and an error line naming `name`) where a replay disagrees with its run."""
+    try:
+        return [policy_copies(engine, x, None if feeds is None else feeds[i]) for i, x in enumerate(results)]
+    except ValueError as exc:
+        errors.append(f"{name} schedule floor: {exc}")
+        return None
+
+
+def mean_schedule_floor(copies: list | None, all_resident_ms: float, num_layers: int, copy_ms: float) -> float | None:
+    """The schedule floor (`specmoe.engines.schedule`) in ms per token over the runs' timed tokens: `layer_copies`'
+    output priced at the all-resident token's ms per layer and the measured ms per copy."""
+    if not copies or not all_resident_ms > 0:
+        return None
+    return float(np.concatenate([schedule_floor(*x, all_resident_ms / num_layers, copy_ms) for x in copies]).mean())
 
 
 def measure_bandwidth(device: str, nbytes: int = 2 * 1024**3, reps: int = 10) -> float:

@@ -58,14 +58,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (load_trace_windows, measure_bandwidth, measure_copy_ms, measure_issue_us,  # noqa: E402
-                          policies, psr, randomize_caches, ratio_ci, trace_prefixes)
+from bench_common import (layer_copies, load_trace_windows, measure_bandwidth, measure_copy_ms,  # noqa: E402
+                          mean_schedule_floor, measure_issue_us, policies, psr, randomize_caches, ratio_ci,
+                          trace_prefixes)
 
 from specmoe.engines import EngineConfig, build_engine  # noqa: E402
 from specmoe.engines.helpers import (calibration_from_engine, random_model_on_device,  # noqa: E402
                                      weight_bytes_per_token)
 from specmoe.engines.results import LogitFeed  # noqa: E402
-from specmoe.engines.schedule import policy_copies, schedule_floor  # noqa: E402
 from specmoe.files import write_text_atomic  # noqa: E402
 from specmoe.models import adapter_for, named_config  # noqa: E402
 from specmoe.offload import ExpertResidency, ExpertStore  # noqa: E402
@@ -178,17 +178,6 @@ def run_windows(engine, windows, trace=None, prompt: int = 0, first_position: in
         if key in summaries[0]:
             out[key] = float(np.mean([s[key] for s in summaries]))
     return out
-
-
-def layer_copies(engine, results, feeds, name: str, errors: list) -> list | None:
-    """Each window's demand copies and prefetches per timed token and layer (`policy_copies`, the run's routing
-    replayed through its policy and checked against its counts), for the schedule floor; None (and an error
-    line) where the replay disagrees with the run."""
-    try:
-        return [policy_copies(engine, x, None if feeds is None else feeds[i]) for i, x in enumerate(results)]
-    except ValueError as exc:
-        errors.append(f"{name} schedule floor: {exc}")
-        return None
 
 
 def position_sweep(engines: dict, calibration, args, top_k: int, vocab_size: int, report: dict) -> dict:
@@ -483,9 +472,8 @@ def summarize(report: dict, rounds: dict, details: dict, configs, resident_engin
                "copies_per_token": copies, "logical_copies_identical_across_rounds": same,
                "copies_per_token_rounds": d["copies_per_token_rounds"],
                "link_floor_ms": link, "efficiency": max(resident_ms, link) / ms,
-               "schedule_floor_ms": None if d.get("layer_copies") is None else float(np.concatenate([
-                   schedule_floor(*x, resident_ms / resident_engine.num_layers, copy_ms) for x in d["layer_copies"]
-               ]).mean()),
+               "schedule_floor_ms": mean_schedule_floor(d.get("layer_copies"), resident_ms,
+                                                        resident_engine.num_layers, copy_ms),
                "host_us_per_layer": float(np.mean(d["host_us_per_layer_rounds"])),
                "host_us_per_layer_parts": {k: float(np.mean([x[k] for x in d["host_parts_rounds"]]))
                                            for k in d["host_parts_rounds"][0]},

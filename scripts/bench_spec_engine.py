@@ -20,7 +20,9 @@ For each source and selector (--selectors) the engine runs with pool P = --pool 
 selections). AR (--ar-policies, default PSR at the paper's lambda for C of E, n = 1) on the same unit follows the
 committed sequence of the same blocks (`LogitFeed`), at C = P, at C = P + U_max (the largest C within the
 speculative engine's peak slot memory; U_max: the most union slots any block's layer used in the warm-up round)
-and at --ar-capacities, with and without copies. Every configuration runs once per round, rounds interleaved, so
+and at --ar-capacities, with and without copies; each AR row's schedule floor (`specmoe.engines.schedule`: what its
+own copies leave at best when each is issued as its policy decides it, priced at the run's target step and copy
+time; from its first timed round's routing) goes beside it. Every configuration runs once per round, rounds interleaved, so
 that ratios pair measurements taken at the same time. Each speculative row runs its blocks on the device
 (`EngineConfig.block_device="auto"`, row "source/selector") and on the host ("source/selector+host_blocks"), in the
 same rounds, with the ratio host / device (--block-paths, for every --prefetch budget; a row's `verify` says
@@ -79,8 +81,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (measure_bandwidth, measure_copy_ms, policies, read_tiled,  # noqa: E402
-                          trace_label, trace_prefixes)
+from bench_common import (layer_copies, mean_schedule_floor, measure_bandwidth, measure_copy_ms,  # noqa: E402
+                          policies, read_tiled, trace_label, trace_prefixes)
 
 from spec_report import TIMELINE_PARTS, markdown, saved_details, sd_keys, summary_table  # noqa: E402
 
@@ -234,10 +236,13 @@ def target_pass(engine, tokens: np.ndarray, first_position: int) -> dict:
     return {"ms_per_token": float(r.ms[r.timed].mean()), "routing": r.info["routing"]}
 
 
-def ar_pass(engine, feeds, first_position: int) -> dict:
-    ms, copies, tokens, request_ms, request_tokens = [], 0.0, 0, [], []
+def ar_pass(engine, feeds, first_position: int, floor_of: str | None = None, errors: list | None = None) -> dict:
+    """An AR engine over the committed tokens' feeds: ms and copies per token, per request; with `floor_of` (the
+    row's name) also each run's copies per token and layer for its schedule floor (`layer_copies`)."""
+    ms, copies, tokens, request_ms, request_tokens, results = [], 0.0, 0, [], [], []
     for feed in feeds:
         r = engine.teacher_forced(feed.tokens, feed=feed, first_position=first_position)
+        results.append(r)
         ms.append(r.ms[r.timed])
         request_ms.append(float(ms[-1].sum()))
         request_tokens.append(int(r.timed.sum()))
@@ -246,7 +251,8 @@ def ar_pass(engine, feeds, first_position: int) -> dict:
     ms = np.concatenate(ms)
     return {"ms_per_token": float(ms.mean()), "copies_per_token": copies / tokens, "p99": float(np.percentile(ms, 99)),
             "request_ms": request_ms, "request_tokens": request_tokens, "routing": r.info["routing"],
-            "host_policy_why": r.info["host_policy_why"]}
+            "host_policy_why": r.info["host_policy_why"],
+            **({"layer_copies": layer_copies(engine, results, feeds, floor_of, errors)} if floor_of else {})}
 
 
 def main(argv=None) -> int:
@@ -423,7 +429,8 @@ def main(argv=None) -> int:
                 try:
                     for skip in (False, True):
                         engine.configure(skip_copies=skip)
-                        res = ar_pass(engine, feeds[source], args.first_position)
+                        res = ar_pass(engine, feeds[source], args.first_position,
+                                      key if r == 1 and not skip else None, report["errors"])
                         rounds.setdefault(key + ("/skip" if skip else ""), []).append(res["ms_per_token"])
                         dd = details.setdefault(key + ("/skip" if skip else ""), {"request_ms": []})
                         dd.update({x: v for x, v in res.items() if x != "request_ms"})
@@ -456,6 +463,10 @@ def main(argv=None) -> int:
             ar_keys = list(dict.fromkeys((policy, c) for _, policy, c in ar_engines))  # of every trace
             report["ar_configs"] = [f"{policy}_C{c}" for policy, c in ar_keys]
             equal_c = {source: min(E, args.pool + union_max.get(trace_of[source], 0)) for source in sources}
+            for key, dd in details.items():  # AR rows: the schedule floor at this run's target step and copy
+                if "layer_copies" in dd:
+                    dd["schedule_floor_ms"] = mean_schedule_floor(dd["layer_copies"], np.mean(
+                        rounds.get("target_step") or [np.nan]), L, report["copy"]["stream_ms"])
             report["table"] = summary_table(sources, rounds, details, ar_keys, args, equal_c)
             report["details"] = saved_details(details)
             report["rounds_done"] = r

@@ -111,6 +111,7 @@ def summary_table(sources: dict, rounds: dict, details: dict, ar_keys, args, equ
                                                                                   [math.nan])))
                 row[f"ar_{label}_copies_per_token"] = details[f"{source}/ar_{label}"]["copies_per_token"]
                 row[f"ar_{label}_routing"] = details[f"{source}/ar_{label}"].get("routing", "?")
+                row[f"ar_{label}_schedule_floor_ms"] = details[f"{source}/ar_{label}"].get("schedule_floor_ms")
                 for tag, draft_ms in drafting.items():  # SD at zero drafting cost, and with --draft-ms
                     both = sd_over_ar(rounds[key], d, ar, details[f"{source}/ar_{label}"], draft_ms)
                     row[f"ratio_{tag}_over_ar_{label}"] = both["rounds"]
@@ -196,15 +197,17 @@ def markdown(report: dict) -> str:
                 ar.setdefault((row["source"], label), (row[f"ar_{label}_ms_per_token"],
                                                        row[f"ar_{label}_compute_ms_per_token"],
                                                        row[f"ar_{label}_copies_per_token"],
-                                                       row.get(f"ar_{label}_routing", "?")))
+                                                       row.get(f"ar_{label}_routing", "?"),
+                                                       row.get(f"ar_{label}_schedule_floor_ms")))
     if ar:
         lines += ["", "AR rows as the engine builds them by default; path: where their policy ran (device_policy: the "
                   "logical cache on the device, one graph per token; host: a round trip per layer; "
                   "EngineConfig.policy_device):", "",
-                  "| source | AR config | path | ms/token | compute-only ms/token | copies/token |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {source} | {label} | {path} | {ms:.3f} | {skip:.3f} | {copies:.2f} |"
-                  for (source, label), (ms, skip, copies, path) in ar.items()]
+                  "| source | AR config | path | ms/token | compute-only ms/token | copies/token | schedule floor ms "
+                  "(ms / floor) |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {source} | {label} | {path} | {ms:.3f} | {skip:.3f} | {copies:.2f} | "
+                  + ("-" if floor is None else f"{floor:.3f} ({ms / floor:.2f})") + " |"
+                  for (source, label), (ms, skip, copies, path, floor) in ar.items()]
     paths = [row for row in report["table"] if "ratio_host_blocks_over_device" in row]
     if paths:
         lines += ["", "Verification blocks on the host / on the device (ms per committed token, same rounds):", "",

@@ -88,8 +88,11 @@ def test_markdown_has_the_drafting_columns_only_with_draft_ms():
         row = next(x for x in lines if x.startswith("| src |"))
         assert ("SD with drafting / fastest AR" in header) == bool(draft_ms)
         assert header.count("|") == row.count("|") == lines[lines.index(header) + 1].count("|")
-        ar_header = lines.index("| source | AR config | path | ms/token | compute-only ms/token | copies/token |")
+        ar_header = lines.index("| source | AR config | path | ms/token | compute-only ms/token | copies/token | "
+                                "schedule floor ms (ms / floor) |")
         assert lines[ar_header + 2].startswith("| src | psr_C8 | device_policy | ")  # where the AR policy ran
+        assert lines[ar_header + 2].endswith(" | - |")  # no floor without the row's per-layer copies
+        assert lines[ar_header].count("|") == lines[ar_header + 2].count("|")
         if draft_ms:
             assert f"{rows[0]['ms_per_token_with_drafting']:.3f}" in row.split("|")[-3]
             assert "3 requests" in row.split("|")[-2]
@@ -228,10 +231,13 @@ def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkey
                 "prefetch_per_token": 0.0, "prefetch_unused_per_token": 0.0, "tau": 3.0, "blocks": 2, "committed": 6,
                 "union_used": union_used[owner(engine)], "verify": "host", "host_blocks_why": "test"}
 
-    def ar_pass(engine, feeds, first_position):
+    def ar_pass(engine, feeds, first_position, floor_of=None, errors=None):
         calls.append(("ar", owner(engine), np.concatenate([f.router_logits for f in feeds])))
+        # with floor_of, one demand copy per token and layer: never hidden, so each token's floor is the target
+        # step plus 16 copies (olmoe-tiny's layers)
+        copies = {"layer_copies": [(np.ones((3, 16), int), np.zeros((3, 16), int))]} if floor_of else {}
         return {"ms_per_token": 0.5, "copies_per_token": 2.0, "p99": 1.0, "request_ms": [0.5, 0.5],
-                "request_tokens": [3, 3]}
+                "request_tokens": [3, 3], **copies}
 
     monkeypatch.setattr(bench_spec_engine, "spec_pass", spec_pass)
     monkeypatch.setattr(bench_spec_engine, "ar_pass", ar_pass)
@@ -293,6 +299,9 @@ def test_spec_engine_follows_several_traces_each_with_its_own_calibration(monkey
     assert "in target steps" in md and "| synthetic_tau3_k4/exact | 4 | 1.000 | 4.00 (" in md
     assert "Per-block timeline" in md and "| synthetic_tau3_k4/exact | host | 0.500 |" in md
     assert "| 0.500 | - | 0.250 |" in md  # no prefetch branch on the host path; step per committed token
+    # each AR row's schedule floor at the run's target step (0.25 ms) and copy time (0.1 ms): 0.25 + 16 x 0.1
+    assert report["table"][0]["ar_exact_lru_C8_schedule_floor_ms"] == pytest.approx(1.85)
+    assert "| synthetic_tau3_k4 | exact_lru_C8 | ? | 0.500 | 0.500 | 2.00 | 1.850 (0.27) |" in md
 
     with pytest.raises(SystemExit, match="one per --trace"):  # before any model is built
         bench_spec_engine.main(base + ["--out", str(tmp_path / "bad"), "--trace", files["family_trace"][0],
@@ -361,6 +370,10 @@ def test_bench_engine_times_windows_at_the_first_position(monkeypatch, tmp_path)
     bench_engine.main(base + ["--first-position", "40"])
     report = json.loads((tmp_path / "out" / "bench_engine.json").read_text())
     assert report["rounds_done"] == 1 and not report["errors"], report["errors"]
+    # the row's schedule floor from its routing replayed per layer (which matched the run's copy counts: no error)
+    row = report["table"]["C16_cache_prior_host_policy"]
+    assert row["schedule_floor_ms"] >= report["table"]["all_resident"]["ms_mean"] - 1e-9
+    assert row["over_schedule_floor"] == pytest.approx(row["ms_mean"] / row["schedule_floor_ms"])
     # only the engines the selected configuration needs (and all resident): no sweep, no other capacity or path
     assert set(report["engine_notes"]) == {str(max(skipped_c for skipped_c, _, _ in feeds)), "16_host_policy"}
     assert positions and set(positions) == {40}  # rounds, the instrumented and the copies-skipped passes
