@@ -19,6 +19,11 @@ the all-resident time; SD ms per committed token = (verification compute per blo
 + copies x the measured exposed ms per copy. The per-copy costs carry each policy's overlap (PSR's prefetches
 hide part of a copy); they were measured on random routing (AR, at short context) and at three cells of this
 map (SD, its own configuration at 2k context, pooled), and are assumed to hold over the whole grid.
+Beside it, each AR policy's schedule floor (`<policy>_floor_ms`; `specmoe.routing.schedule`): what its copies
+leave at best per token when each is issued as the policy decides it (demand copies at their layer, prefetches one
+layer ahead) over one link, at the all-resident compute and copy time the H200 measured at 2k context (`FLOOR`);
+`win_floor`, the AR policy with the lowest floor, and Cache-Prior / PSR in floors. It prices the decisions, not
+an engine: no fitted per-copy cost.
 
     python3 scripts/crossover_map.py [--out runs/crossover] [--tokens 2048] [--capacities 32,16]
         [--measured runs/map/bench_engine.json ...] [--table runs/crossover/crossover.csv]
@@ -78,6 +83,11 @@ H200 = {
            "draft_ms_per_block": 1.684},
 }
 
+# The schedule floor's prices (`specmoe.routing.schedule`; BENCHMARKS.md, "Issue 21's targets following the family's
+# routing", call 2, 2026-12-04): full-size OLMoE-1B-7B's all-resident token at 2k context and an expert copy in a
+# stream, measured in the same run.
+FLOOR = {"all_resident_ms": 1.043, "copy_ms": 0.234}
+
 # The shipped family, quoted from docs/routing-stats.md (`specmoe stats`, 516 tokens, in-sample calibration): its
 # means over layers and its replayed copies per token at C = 32, used only to place the family on the grid, by its
 # statistics (each scaled by its range over the grid, load skew on a log scale) and by its copies (log scale).
@@ -106,9 +116,12 @@ def point(params, capacities=(32, 16), tokens: int = 2048, calibration_tokens: i
     rows = []
     for capacity in capacities:
         row = {**base, "C": int(capacity)}
-        for name, summary in replay_policies(trace, calibration, (capacity,), AR_POLICIES)[capacity].items():
+        floor = (FLOOR["all_resident_ms"] / trace.router_logits.shape[1], FLOOR["copy_ms"])
+        for name, summary in replay_policies(trace, calibration, (capacity,), AR_POLICIES,
+                                             floor)[capacity].items():
             row[name] = summary["copies"]
             row[f"{name}_demand"] = summary["demand"]
+            row[f"{name}_floor_ms"] = summary["floor_ms"]
         for selector, column in (("acceptmoe", "sd_block"), ("exact", "sd_exact")):
             result = replay_block_selection(selector_preset(selector), blocks, calibration, capacity)
             row[column] = result.copies_per_token
@@ -133,6 +146,10 @@ def latency_proxy(table: pd.DataFrame) -> pd.DataFrame:
     table["win_ms"] = table[[f"{m}_ms" for m in METHODS]].idxmin(axis=1).str.removesuffix("_ms")
     table["cache_prior_over_psr_copies"] = table.cache_prior / table.psr
     table["cache_prior_over_psr_ms"] = table.cache_prior_ms / table.psr_ms
+    floors = [f"{name}_floor_ms" for name in AR_POLICIES]
+    if set(floors) <= set(table.columns):  # csvs written before the floor have none
+        table["win_floor"] = table[floors].idxmin(axis=1).str.removesuffix("_floor_ms")
+        table["cache_prior_over_psr_floor"] = table.cache_prior_floor_ms / table.psr_floor_ms
     return table
 
 

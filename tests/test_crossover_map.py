@@ -4,6 +4,7 @@ source's parameters say they should."""
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -47,6 +48,24 @@ def test_latency_proxy_prices_copies_with_the_quoted_h200_figures(table):
     row = table.iloc[0]
     assert row.exact_lru_ms == pytest.approx(H200["all_resident_ms"] + row.exact_lru * per_copy_ms("exact_lru", 32))
     assert per_copy_ms("exact_lru", 32) == pytest.approx((12.69 - 1.76) / 44.9)
+
+
+def test_schedule_floors_price_each_policys_copies(table):
+    """Each AR policy's floor: the all-resident token plus at least its demand copies (never hidden) and at most all
+    of its copies; Cache-Prior's copies are all demand copies, so its floor is exactly that; the floor's winner
+    and ratio are read off those columns."""
+    from crossover_map import AR_POLICIES, FLOOR
+
+    for name in AR_POLICIES:
+        floor, copies, demand = table[f"{name}_floor_ms"], table[name], table[f"{name}_demand"]
+        assert (floor >= FLOOR["all_resident_ms"] + demand * FLOOR["copy_ms"] - 1e-9).all(), name
+        assert (floor <= FLOOR["all_resident_ms"] + copies * FLOOR["copy_ms"] + 1e-9).all(), name
+    np.testing.assert_allclose(table.cache_prior_floor_ms, FLOOR["all_resident_ms"] + table.cache_prior_demand
+                               * FLOOR["copy_ms"])
+    assert (table.psr_floor_ms < FLOOR["all_resident_ms"] + table.psr * FLOOR["copy_ms"] - 1e-6).all()  # hidden
+    floors = table[[f"{name}_floor_ms" for name in AR_POLICIES]]
+    assert (table.win_floor == floors.idxmin(axis=1).str.removesuffix("_floor_ms")).all()
+    np.testing.assert_allclose(table.cache_prior_over_psr_floor, table.cache_prior_floor_ms / table.psr_floor_ms)
 
 
 def test_measured_ratios_are_placed_on_their_points(table, tmp_path):

@@ -35,6 +35,7 @@ import numpy as np
 from .calibration import Calibration, CalibrationBuilder, _top_k
 from .policy import preset, psr_bonus
 from .replay import replay
+from .schedule import schedule_floor
 from .scoring import RouterScoring
 
 WINDOWS = (9, 17)  # verification blocks of k = 8 and 16 drafts
@@ -94,10 +95,13 @@ def paper_policy(name: str, capacity: int, num_experts: int, top_k: int):
     return preset(name, capacity, top_k, **({"bonus": psr_bonus(capacity, num_experts)} if name == "psr" else {}))
 
 
-def replay_policies(trace, calibration: Calibration, capacities, names=POLICIES) -> dict:
+def replay_policies(trace, calibration: Calibration, capacities, names=POLICIES,
+                    floor: tuple[float, float] | None = None) -> dict:
     """The replay summaries (`ReplayResult.summary`, with "policy": its name) of the paper's settings of `names`
     (`paper_policy`) over `trace` at each capacity in [K, E]: {C: {name: summary}}. The one loop that `routing_stats`,
-    the synthetic source's fit and the crossover map replay the paper's policies through."""
+    the synthetic source's fit and the crossover map replay the paper's policies through. floor: (all-resident ms
+    per layer, ms per copy): each summary also gets "floor_ms", the mean schedule floor per token of its copies
+    (`specmoe.routing.schedule`; the trace's tokens decoded one after another)."""
     num_experts, k = trace.router_logits.shape[-1], trace.top_k
     out = {}
     for capacity in capacities:
@@ -106,9 +110,12 @@ def replay_policies(trace, calibration: Calibration, capacities, names=POLICIES)
         row = out[int(capacity)] = {}
         for name in names:
             policy = paper_policy(name, capacity, num_experts, k)
-            row[name] = {"policy": policy.name, **replay(
-                policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
-                sequence_starts=trace.sequence_starts, scoring=trace.scoring).summary()}
+            result = replay(policy, trace.router_logits, trace.pregate_logits, trace.token_ids, calibration,
+                            sequence_starts=trace.sequence_starts, scoring=trace.scoring)
+            row[name] = {"policy": policy.name, **result.summary()}
+            if floor is not None:
+                row[name]["floor_ms"] = float(schedule_floor(result.demand_copies, result.prefetch_copies,
+                                                             *floor).mean())
     return out
 
 
