@@ -109,6 +109,21 @@ def test_stats_command_on_a_trace_file(trace, calibration, tmp_path, capsys):
     written = json.loads(out.read_text())
     assert written["lru_miss_rate"] == {"2": [0.375, 0.75], "4": [0.0, 0.0]}
     assert written["per_layer"]["reuse_consecutive"] == [0.5, 0.25] and written["calibration"] == "given"
+    assert "floor_ms" not in written["policies"]["exact_lru@C=2"]
+
+    # --floor: each policy's schedule floor; a policy without prefetches waits for every demand copy
+    assert main(["stats", "--trace", str(tmp_path / "t.safetensors"), "--calibration", str(tmp_path / "c.safetensors"),
+                 "--capacities", "2", "--policy-capacities", "2", "--windows", "2", "--floor", "1.0,0.5",
+                 "--out", str(out)]) == 0
+    assert "floor_ms: the schedule floor at 1 ms all resident, 0.5 ms per copy" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    lru, psr = written["policies"]["exact_lru@C=2"], written["policies"]["psr@C=2"]
+    assert lru["floor_ms"] == pytest.approx(1.0 + 0.5 * lru["demand"])
+    assert 1.0 + 0.5 * psr["demand"] - 1e-9 <= psr["floor_ms"] <= 1.0 + 0.5 * psr["copies"] + 1e-9
+    assert written["floor"] == {"all_resident_ms": 1.0, "copy_ms": 0.5}
+    for bad in ("1.0", "1,-2", "a,b"):
+        assert main(["stats", "--trace", str(tmp_path / "t.safetensors"), "--floor", bad]) == 2
+        assert "ALL_RESIDENT_MS,COPY_MS" in capsys.readouterr().err
 
 
 def test_stats_command_records_a_trace_of_a_model(tmp_path):

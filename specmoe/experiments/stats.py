@@ -5,7 +5,8 @@ From a trace file (`--trace`, written by `specmoe trace`), or from a model (`--m
 a trace is recorded first, as `specmoe trace` records one, over `--text`, `--tokens` or, for the family without
 either, its evaluation slice (metrics.json). `--calibration` (a `specmoe calibrate` file of the same model, from
 held-out text) gives Delta_l, the warm sets and the token prior; without it they come from the trace itself, and
-the output says so.
+the output says so. `--floor ALL_RESIDENT_MS,COPY_MS` adds each replayed policy's schedule floor at a GPU's
+measured all-resident token and expert copy (docs/measurement.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _floor(text: str) -> tuple[float, float]:
+    """--floor ALL_RESIDENT_MS,COPY_MS: two positive numbers."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2 or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected ALL_RESIDENT_MS,COPY_MS, two positive numbers, got {text!r}")
     return values
 
 
@@ -51,6 +63,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="C at which exact LRU, Cache-Prior, PSR and speculative execution are replayed (default 32,16)")
     p.add_argument("--windows", type=_int_list, default=(9, 17),
                    help="window lengths for distinct experts per window (default 9,17: blocks of k = 8, 16)")
+    p.add_argument("--floor", type=_floor, metavar="ALL_RESIDENT_MS,COPY_MS",
+                   help="also each replayed policy's schedule floor (floor_ms): the ms per token its copies leave at "
+                   "best on a GPU whose all-resident token takes ALL_RESIDENT_MS and one expert copy COPY_MS "
+                   "(docs/measurement.md), e.g. 1.043,0.234 for full-size OLMoE on an H200")
     p.add_argument("--out", default="routing_stats.json", help="JSON file to write (default routing_stats.json)")
     p.set_defaults(func=main)
     return p
@@ -117,8 +133,11 @@ def main(args) -> int:
     if args.calibration:
         calibration = read_calibration(args.calibration)
         calibration.check(trace.num_layers, trace.num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
+    floor = None if args.floor is None else (args.floor[0] / trace.num_layers, args.floor[1])
     stats = routing_stats(trace, calibration, capacities=args.capacities, windows=args.windows,
-                          policy_capacities=args.policy_capacities)
+                          policy_capacities=args.policy_capacities, floor=floor)
+    if args.floor is not None:
+        stats["floor"] = {"all_resident_ms": args.floor[0], "copy_ms": args.floor[1]}
     stats["source"] = what
     layers, miss, policies = stats_tables(stats)
     with pd.option_context("display.width", 200, "display.max_columns", 50, "display.precision", 3):
@@ -128,7 +147,8 @@ def main(args) -> int:
         print("\nLRU miss rate (demand copies / (T K)) by capacity C")
         print(miss.to_string(float_format=lambda v: f"{v:.3f}"))
         if len(policies):
-            print("\ncopies per token of the replayed policies")
+            print("\ncopies per token of the replayed policies" + ("" if args.floor is None else
+                  f"; floor_ms: the schedule floor at {args.floor[0]:g} ms all resident, {args.floor[1]:g} ms per copy"))
             print(policies.to_string(float_format=lambda v: f"{v:.3f}"))
         table = comparison(stats)
         if table is not None:

@@ -124,13 +124,14 @@ def _per_layer(values) -> list:
 
 
 def routing_stats(trace, calibration: Calibration | None = None, capacities=(8, 16, 32, 48),
-                  windows=WINDOWS, bonuses=BONUSES, policy_capacities=(32, 16)) -> dict:
+                  windows=WINDOWS, bonuses=BONUSES, policy_capacities=(32, 16),
+                  floor: tuple[float, float] | None = None) -> dict:
     """The statistics of the module docstring for `trace` (router and pre-gate logits of exact routing).
 
     calibration: the model's (held-out text; Delta_l, warm sets, token prior for the replays); None builds one
     from the trace itself, which the result says (in-sample). capacities: C of the LRU miss-rate curve;
     policy_capacities: C at which the presets of POLICIES are replayed (capacities outside [K, E] are
-    skipped). Returns {"tokens", "sequences", "geometry", "model", "calibration", "per_layer": {name: [L]},
+    skipped); floor: (all-resident ms per layer, ms per copy) adds each replay's "floor_ms" (`replay_policies`). Returns {"tokens", "sequences", "geometry", "model", "calibration", "per_layer": {name: [L]},
     "mean": {name: mean over layers}, "random_routing": {name: the value under uniform random routing},
     "lru_miss_rate": {C: [L]}, "lru_copies_per_token": {C: float}, "policies": {"name@C=c": replay summary}}."""
     scoring = _scoring(trace)
@@ -187,7 +188,7 @@ def routing_stats(trace, calibration: Calibration | None = None, capacities=(8, 
                             calibration, **run)
             miss[int(capacity)] = _per_layer(result.demand_copies.sum(0) / (num_tokens * k))
             lru_copies[int(capacity)] = float(result.demand_copies.sum() / num_tokens)
-    for capacity, row in replay_policies(trace, calibration, policy_capacities).items():
+    for capacity, row in replay_policies(trace, calibration, policy_capacities, floor=floor).items():
         policies.update({f"{name}@C={capacity}": summary for name, summary in row.items()})
 
     chance = k / num_experts
