@@ -22,8 +22,9 @@ Reported per configuration: mean and p99 ms/token, copies per token by class, en
 max(all-resident ms, transferred copies x measured copy ms) / ms, the schedule floor (`specmoe.engines.schedule`:
 the all-resident compute plus the waits that copies leave at best when each is issued as the policy decides it,
 demand copies at their layer, prefetches one layer ahead; from the round-1 routing replayed per layer) and the
-row's ms over it, ratios with 95% intervals (paired t-test on log latency over rounds), and from separate passes (not in the rounds) the host gap per layer with
-instrumentation and the compute-only time with copies skipped (trace-following the round-1 routing); the
+row's ms over it, ratios with 95% intervals (paired t-test on log latency over rounds), and from separate passes
+(not in the rounds) the host gap per layer with instrumentation and the compute-only time with copies skipped
+(trace-following the round-1 routing); the
 instrumented pass runs the host policy (instrumentation is a host-path feature), also for device-policy rows; the
 copies-skipped pass runs the row's own path.
 The policy cell says which path the timed rounds ran (device, device_policy or host).
