@@ -166,6 +166,28 @@ def use_dense_kernels(decoder, on: bool, tune) -> None:
         (torch.randn(2, vocab, device=decoder.device, generator=g) * 4).to(decoder.dtype)))
 
 
+def finish_head(decoder, step: "DecodeStep", layer: int, x: torch.Tensor, copy_out: bool = True) -> None:
+    """The end of a step from the final norm's output x [D, H]: x as the features of decoder layer `layer` (the
+    last), the LM head and greedy token (`greedy_head`), and (copy_out) the next token's copy to the host."""
+    decoder._write_features(step, layer, x)
+    greedy_head(decoder, step, x)
+    if copy_out:
+        step.copy_out_next()
+
+
+def add_grouped_workspace(decoder, step: "DecodeStep", num_positions: int) -> None:
+    """A step of D = num_positions > 1: the grouped MoE kernel's scratch (distinct slots, activations, expert
+    outputs per pair) into step.work["grouped"], and its launch parameters at this D where the kernel is used."""
+    from specmoe.kernels import make_grouped_workspace
+
+    if num_positions > 1:
+        c = decoder.geometry
+        step.work["grouped"] = make_grouped_workspace(num_positions, c.top_k, c.hidden, c.inter, decoder.dtype,
+                                                      decoder.device)
+        if decoder.grouped_moe:
+            choose_grouped_params(decoder, num_positions)
+
+
 def greedy_head(decoder, step: "DecodeStep", x: torch.Tensor) -> None:
     """The LM head of x [D, H] (decoder.lm_head, on `decoder.linears`) into step.out_logits (float32 values of the
     model-dtype logits) and each row's greedy token (the first index of its largest logit) into step.next_dev: in

@@ -65,15 +65,15 @@ from __future__ import annotations
 import torch
 
 from specmoe.geometry import Geometry
-from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, make_grouped_workspace,
-                             make_split_kv_workspace, norm_rope, triton_available)
+from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, make_split_kv_workspace,
+                             norm_rope, triton_available)
 from specmoe.kernels.gemv import Linears
 from specmoe.kernels.mla import mla_decode_attention, mla_prologue_torch, mla_prologue_triton
 from specmoe.kernels.split_kv import split_kv_latent_attention
 from specmoe.routing import RouterScoring
 
 from .adapter import ModelSourceError
-from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params, greedy_head, residual_work,
+from .decoder import (DecodeStep, FeatureCapture, Sourced, add_grouped_workspace, finish_head, residual_work,
                       routed_moe, use_dense_kernels, use_slot_moe, verified)
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it
@@ -251,10 +251,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
                 step.work["split_kv"] = self._latent_workspace(d, dev)
             except ValueError:
                 step.work["split_kv"] = None
-            if d > 1:  # the grouped MoE kernel's scratch
-                step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
-                if self.grouped_moe:
-                    choose_grouped_params(self, d)
+            add_grouped_workspace(self, step, d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
@@ -348,10 +345,7 @@ class DeepseekV3Decoder(Sourced, FeatureCapture):
         for j in self.dense_after:
             self._dense_layer(step, j)
         x = self._rmsnorm(w["h"], self.final_norm, w["xn"])
-        self._write_features(step, last, x)
-        greedy_head(self, step, x)
-        if copy_out:
-            step.copy_out_next()
+        finish_head(self, step, last, x, copy_out)
 
     # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_token(self, position: int) -> int:

@@ -20,12 +20,12 @@ import torch
 
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
-                             decode_attention_flash, load_flash_attn, load_fused_experts, make_grouped_workspace,
-                             make_split_kv_workspace, norm_rope, split_kv_attention, triton_available)
+                             decode_attention_flash, load_flash_attn, load_fused_experts, make_split_kv_workspace,
+                             norm_rope, split_kv_attention, triton_available)
 
 from specmoe.kernels.gemv import Linears
 
-from .decoder import (DecodeStep, FeatureCapture, Sourced, choose_grouped_params, greedy_head, residual_work,
+from .decoder import (DecodeStep, FeatureCapture, Sourced, add_grouped_workspace, finish_head, residual_work,
                       routed_moe, split_kv_check, tune_slot_moe, use_dense_kernels, use_grouped_moe, verified)
 from .olmoe import OlmoeAdapter
 
@@ -153,10 +153,7 @@ class OlmoeDecoder(Sourced, FeatureCapture):
                              seqlens=torch.zeros(1, dtype=torch.int32, device=dev))
             step.work["split_kv"] = make_split_kv_workspace(d, c.num_heads, c.head_dim, c.max_seq_len, dev,
                                                             num_kv_heads=c.num_kv_heads)
-            if d > 1:  # the grouped MoE kernel's scratch (distinct slots, activations, expert outputs per pair)
-                step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
-                if self.grouped_moe:
-                    choose_grouped_params(self, d)
+            add_grouped_workspace(self, step, d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
@@ -216,10 +213,7 @@ class OlmoeDecoder(Sourced, FeatureCapture):
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = self._rmsnorm(step.work["h"], self.final_norm, step.work["xn"])
-        self._write_features(step, self.geometry.num_layers - 1, x)
-        greedy_head(self, step, x)
-        if copy_out:
-            step.copy_out_next()
+        finish_head(self, step, self.geometry.num_layers - 1, x, copy_out)
 
     # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_token(self, position: int) -> int:

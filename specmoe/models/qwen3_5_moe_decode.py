@@ -64,14 +64,13 @@ import torch
 
 from specmoe.geometry import Geometry
 from specmoe.kernels import (causal_step_mask, check_kernel_choice, check_tune, checks, decode_attention,
-                             make_grouped_workspace, make_split_kv_workspace, norm_rope, split_kv_attention,
-                             triton_available)
+                             make_split_kv_workspace, norm_rope, split_kv_attention, triton_available)
 from specmoe.kernels.gemv import Linears, padded_rows
 from specmoe.kernels.gdn import (fla_missing, gated_rmsnorm, gated_rmsnorm_triton, gdn_prologue_torch,
                                  gdn_prologue_triton, gdn_recurrence, load_fla)
 
 from .adapter import ModelSourceError
-from .decoder import (DecodeStep, FeatureCapture, Sourced, checkpoint_source, choose_grouped_params, greedy_head,
+from .decoder import (DecodeStep, FeatureCapture, Sourced, add_grouped_workspace, checkpoint_source, finish_head,
                       residual_work, routed_moe, split_kv_check, use_dense_kernels, use_slot_moe, verified)
 from .qwen3_5_moe import Qwen35MoeAdapter
 
@@ -326,10 +325,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
             if self.attention_layers:
                 step.work["split_kv"] = make_split_kv_workspace(d, c.num_heads, c.head_dim, c.max_seq_len, dev,
                                                                 num_kv_heads=c.num_kv_heads)
-            if d > 1:  # the grouped MoE kernel's scratch
-                step.work["grouped"] = make_grouped_workspace(d, c.top_k, c.hidden, c.inter, dt, dev)
-                if self.grouped_moe:
-                    choose_grouped_params(self, d)
+            add_grouped_workspace(self, step, d)
             self._steps[num_positions] = step
         return self._steps[num_positions]
 
@@ -455,10 +451,7 @@ class Qwen35MoeDecoder(Sourced, FeatureCapture):
 
     def head(self, step: DecodeStep, copy_out: bool = True) -> None:
         x = self._norm(step.work["h"], self.final_norm, step.work["xn"])
-        self._write_features(step, self.geometry.num_layers - 1, x)
-        greedy_head(self, step, x)
-        if copy_out:
-            step.copy_out_next()
+        finish_head(self, step, self.geometry.num_layers - 1, x, copy_out)
 
     # -- accounting ------------------------------------------------------------------------------------
     def bytes_per_token(self, position: int) -> int:
