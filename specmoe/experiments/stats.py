@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from specmoe.arguments import int_at_least
 from specmoe.files import check_output_file
@@ -34,7 +35,7 @@ def _floor(text: str) -> tuple[float, float]:
         values = tuple(float(v) for v in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != 2 or not all(0 < v < float("inf") for v in values):
+    if len(values) != 2 or not all(v > 0 and math.isfinite(v) for v in values):
         raise argparse.ArgumentTypeError(f"expected ALL_RESIDENT_MS,COPY_MS, two positive numbers, got {text!r}")
     return values
 

@@ -49,16 +49,17 @@ def schedule_floor(demand: np.ndarray, prefetch: np.ndarray, layer_ms: float, co
 def _floor(demand, prefetch, layer_ms, copy_ms, floor):
     """`schedule_floor`'s schedule, token by token, into floor [T] (numba: a map replays thousands of tokens)."""
     num_tokens, num_layers = demand.shape
-    # The link's state: the time up to which it has worked, and the work (ms) released for the next layer, the
-    # only later layer with work at any time (prefetches are released one layer ahead).
-    link_at, ahead = 0.0, 0.0
+    # The link's state: the time up to which it has worked (link_at), and the work in ms released for the layer
+    # compute reaches next (ahead), the only later layer with work at any time (prefetches go one layer ahead).
+    link_at = 0.0
     now = 0.0  # compute's clock
     for t in range(num_tokens):
         start = now
+        ahead = prefetch[t, 0] * copy_ms  # layer 0's prefetches: released at its gate (no layer before it)
         for layer in range(num_layers):
             arrive = now if layer == 0 else now + layer_ms
             # until compute arrives, the link works on this layer's prefetches, released one layer ago
-            pending = ahead + (prefetch[t, 0] * copy_ms if layer == 0 else 0.0)
+            pending = ahead
             link_at = max(link_at, now)
             pending -= min(pending, arrive - link_at)
             # at the gate: this layer's demand copies join the rest of its prefetches and go first (the link
