@@ -116,9 +116,8 @@ def point(params, capacities=(32, 16), tokens: int = 2048, calibration_tokens: i
     rows = []
     for capacity in capacities:
         row = {**base, "C": int(capacity)}
-        floor = (FLOOR["all_resident_ms"] / trace.router_logits.shape[1], FLOOR["copy_ms"])
-        for name, summary in replay_policies(trace, calibration, (capacity,), AR_POLICIES,
-                                             floor)[capacity].items():
+        floor = (FLOOR["all_resident_ms"], FLOOR["copy_ms"])
+        for name, summary in replay_policies(trace, calibration, (capacity,), AR_POLICIES, floor)[capacity].items():
             row[name] = summary["copies"]
             row[f"{name}_demand"] = summary["demand"]
             row[f"{name}_floor_ms"] = summary["floor_ms"]

@@ -134,9 +134,8 @@ def main(args) -> int:
     if args.calibration:
         calibration = read_calibration(args.calibration)
         calibration.check(trace.num_layers, trace.num_experts, trace.vocab_size, fingerprint=trace.fingerprint or None)
-    floor = None if args.floor is None else (args.floor[0] / trace.num_layers, args.floor[1])
     stats = routing_stats(trace, calibration, capacities=args.capacities, windows=args.windows,
-                          policy_capacities=args.policy_capacities, floor=floor)
+                          policy_capacities=args.policy_capacities, floor=args.floor)
     if args.floor is not None:
         stats["floor"] = {"all_resident_ms": args.floor[0], "copy_ms": args.floor[1]}
     stats["source"] = what

@@ -100,7 +100,7 @@ def replay_policies(trace, calibration: Calibration, capacities, names=POLICIES,
     """The replay summaries (`ReplayResult.summary`, with "policy": its name) of the paper's settings of `names`
     (`paper_policy`) over `trace` at each capacity in [K, E]: {C: {name: summary}}. The one loop that `routing_stats`,
     the synthetic source's fit and the crossover map replay the paper's policies through. floor: (all-resident ms
-    per layer, ms per copy): each summary also gets "floor_ms", the mean schedule floor per token of its copies
+    per token, ms per copy): each summary also gets "floor_ms", the mean schedule floor per token of its copies
     (`specmoe.routing.schedule`; the trace's tokens decoded one after another)."""
     num_experts, k = trace.router_logits.shape[-1], trace.top_k
     out = {}
@@ -114,8 +114,9 @@ def replay_policies(trace, calibration: Calibration, capacities, names=POLICIES,
                             sequence_starts=trace.sequence_starts, scoring=trace.scoring)
             row[name] = {"policy": policy.name, **result.summary()}
             if floor is not None:
+                all_resident_ms, copy_ms = floor
                 row[name]["floor_ms"] = float(schedule_floor(result.demand_copies, result.prefetch_copies,
-                                                             *floor).mean())
+                                                             all_resident_ms / trace.router_logits.shape[1], copy_ms).mean())
     return out
 
 
@@ -131,7 +132,7 @@ def routing_stats(trace, calibration: Calibration | None = None, capacities=(8, 
     calibration: the model's (held-out text; Delta_l, warm sets, token prior for the replays); None builds one
     from the trace itself, which the result says (in-sample). capacities: C of the LRU miss-rate curve;
     policy_capacities: C at which the presets of POLICIES are replayed (capacities outside [K, E] are
-    skipped); floor: (all-resident ms per layer, ms per copy) adds each replay's "floor_ms" (`replay_policies`). Returns {"tokens", "sequences", "geometry", "model", "calibration", "per_layer": {name: [L]},
+    skipped); floor: (all-resident ms per token, ms per copy) adds each replay's "floor_ms" (`replay_policies`). Returns {"tokens", "sequences", "geometry", "model", "calibration", "per_layer": {name: [L]},
     "mean": {name: mean over layers}, "random_routing": {name: the value under uniform random routing},
     "lru_miss_rate": {C: [L]}, "lru_copies_per_token": {C: float}, "policies": {"name@C=c": replay summary}}."""
     scoring = _scoring(trace)
